@@ -1,0 +1,1 @@
+"""Weight conversion scripts (Hugging Face safetensors <-> orbax)."""

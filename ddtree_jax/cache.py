@@ -1,0 +1,58 @@
+"""Static-capacity KV cache with per-row lengths.
+
+A forward pass writes the K/V of its `t` new tokens into slots `[length, length + t)` of every row
+("pending" rows) and leaves `lengths` alone; the caller then decides how many of them to keep
+(`advance`). Slots at or beyond a row's length are free and hold garbage that later writes overwrite,
+so a rejected draft needs no clean-up. Capacity must cover `length + t` for every call: the engine sizes
+it as prompt + new tokens + the widest call, rounded up to a bucket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """K/V for every attention layer of one model.
+
+    Fields:
+      k, v:    per layer, device [b, s, n, d] in the model's dtype; slot j holds position j.
+      lengths: device [b] int32, committed tokens per row.
+    """
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+    lengths: jax.Array
+
+    @classmethod
+    def create(cls, num_layers: int, batch: int, capacity: int, num_kv_heads: int, head_dim: int, dtype) -> "KVCache":
+        shape = (batch, capacity, num_kv_heads, head_dim)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+        return cls(k=zeros, v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+                   lengths=jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def batch(self) -> int:
+        return self.lengths.shape[0]
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[1]
+
+
+def write_pending(layer_cache: jax.Array, rows: jax.Array, lengths: jax.Array) -> jax.Array:
+    """Write rows [b, t, n, d] into layer_cache [b, s, n, d] at slots [lengths[r], lengths[r] + t) per row."""
+    def one_row(cache_row, new_row, start):
+        return jax.lax.dynamic_update_slice(cache_row, new_row.astype(cache_row.dtype), (start, 0, 0))
+
+    return jax.vmap(one_row)(layer_cache, rows, lengths)
+
+
+def advance(cache: KVCache, counts: jax.Array) -> KVCache:
+    """Commit the first `counts[r]` pending rows of each row r (counts [b] int)."""
+    return dataclasses.replace(cache, lengths=cache.lengths + counts.astype(jnp.int32))

@@ -1,0 +1,376 @@
+"""Checkpoints: Hugging Face safetensors folders (single or sharded) and orbax folders, both ways.
+
+Loading is strict: a missing, unexpected, mis-shaped or non-float tensor, a wrong `model_type`, or a
+truncated or corrupt file raises `CheckpointError` (or `ConfigError`) with one line that names the file
+and the tensor. Names map one to one: the NNX state path of a parameter is its HF name.
+
+An orbax checkpoint folder holds `config.json` (the HF config, verbatim), `ddtree_checkpoint.json`
+(format marker), `params/` (the orbax pytree, keyed by the HF name's dotted parts) and any tokenizer or
+generation-config files. Every save writes into a temporary sibling folder and renames it at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+from ddtree_jax.config import ConfigError, load_target_config, read_config_json
+from ddtree_jax.models import qwen3
+from ddtree_jax.models.params import ModelParams
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+ORBAX_MARKER = "ddtree_checkpoint.json"
+# Copied along by conversions; everything a tokenizer or generation needs.
+SIDE_FILES = (
+    "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json",
+)
+FLOAT_DTYPES = {"F16": np.float16, "BF16": ml_dtypes.bfloat16, "F32": np.float32, "F64": np.float64}
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder or file cannot be loaded as asked."""
+
+
+def parse_dtype(name: str | None):
+    """'bfloat16' | 'float32' | 'float16' | None ('as stored') -> a jnp dtype or None."""
+    table = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "fp32": jnp.float32,
+             "float16": jnp.float16, "fp16": jnp.float16}
+    if name is None:
+        return None
+    if name not in table:
+        raise CheckpointError(f"dtype {name!r} is not supported (expected one of bfloat16, float32, float16)")
+    return table[name]
+
+
+def checkpoint_format(path: str | Path) -> str:
+    """'hf' or 'orbax', from what the folder holds."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a folder (expected a Hugging Face or orbax checkpoint folder)")
+    if (path / ORBAX_MARKER).exists():
+        return "orbax"
+    if (path / INDEX_FILE).exists() or (path / SINGLE_FILE).exists():
+        return "hf"
+    raise CheckpointError(
+        f"{path}: no {SINGLE_FILE}, {INDEX_FILE} or {ORBAX_MARKER} (expected a Hugging Face or orbax checkpoint)"
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Hugging Face safetensors
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """Tensor name -> file, from the index (sharded) or the single file's header."""
+    from safetensors import safe_open
+
+    index = path / INDEX_FILE
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            assert isinstance(weight_map, dict)
+        except (OSError, ValueError, KeyError, TypeError, AssertionError) as e:
+            raise CheckpointError(f"{index}: not a valid safetensors index (expected a 'weight_map' object; {e})") from None
+        files = {name: path / str(file) for name, file in weight_map.items()}
+        for name, file in files.items():
+            if not file.exists():
+                raise CheckpointError(f"{index}: tensor '{name}' maps to {file.name}, which does not exist")
+        # The index must agree with the shards' own headers.
+        for file in sorted(set(files.values())):
+            with _open(file) as f:
+                keys = set(f.keys())
+            for name, mapped in files.items():
+                if mapped == file and name not in keys:
+                    raise CheckpointError(f"{file}: tensor '{name}' is listed in {INDEX_FILE} but not in this file")
+            for name in keys:
+                if files.get(name) != file:
+                    raise CheckpointError(f"{file}: tensor '{name}' is in this file but {INDEX_FILE} does not map it here")
+        return files
+    single = path / SINGLE_FILE
+    with _open(single) as f:
+        return {name: single for name in f.keys()}
+
+
+class _open:
+    """`safe_open` whose failures name the file."""
+
+    def __init__(self, file: Path):
+        self.file = file
+
+    def __enter__(self):
+        from safetensors import safe_open
+
+        try:
+            self.handle = safe_open(str(self.file), framework="numpy")
+            return self.handle.__enter__()
+        except Exception as e:  # safetensors raises its own error types for bad headers and truncation
+            raise CheckpointError(f"{self.file}: not a readable safetensors file ({_one_line(e)})") from None
+
+    def __exit__(self, *exc):
+        return self.handle.__exit__(*exc)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _expected_shapes(params: ModelParams) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(a.shape) for name, a in params.flat().items()}
+
+
+def read_hf_arrays(path: str | Path, expected: dict[str, tuple[int, ...]], tied_pairs: dict[str, str] | None = None,
+                   progress: Callable[[int], Iterator] | None = None) -> dict[str, np.ndarray]:
+    """Read and check every tensor of an HF folder against `expected` {name: shape}; host numpy arrays,
+    stored dtype. `tied_pairs` {extra name: name it must equal} lists tensors allowed as exact copies
+    (an lm_head saved next to tied embeddings)."""
+    path = Path(path)
+    files = _tensor_files(path)
+    tied_pairs = tied_pairs or {}
+    where = path / (INDEX_FILE if (path / INDEX_FILE).exists() else SINGLE_FILE)
+    for name in expected:
+        if name not in files:
+            raise CheckpointError(f"{where}: tensor '{name}' is missing (expected shape {expected[name]})")
+    for name, file in files.items():
+        if name not in expected and name not in tied_pairs:
+            raise CheckpointError(f"{file}: unexpected tensor '{name}' (not part of this model's config)")
+
+    arrays: dict[str, np.ndarray] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name, file in files.items():
+        by_file.setdefault(file, []).append(name)
+    bar = progress(len(files)) if progress else None
+    for file, names in sorted(by_file.items()):
+        with _open(file) as f:
+            for name in names:
+                meta = f.get_slice(name)
+                dtype, shape = meta.get_dtype(), tuple(meta.get_shape())
+                if dtype not in FLOAT_DTYPES:
+                    raise CheckpointError(f"{file}: tensor '{name}' has dtype {dtype}, expected a floating-point dtype "
+                                          f"({', '.join(FLOAT_DTYPES)})")
+                want = expected.get(name, expected.get(tied_pairs.get(name, ""), None))
+                if shape != want:
+                    raise CheckpointError(f"{file}: tensor '{name}' has shape {shape}, expected {want} from config.json")
+                try:
+                    arrays[name] = f.get_tensor(name)
+                except Exception as e:
+                    raise CheckpointError(f"{file}: tensor '{name}' cannot be read ({_one_line(e)})") from None
+                if bar is not None:
+                    next(bar, None)
+    for extra, original in tied_pairs.items():
+        if extra in arrays:
+            if not np.array_equal(np.asarray(arrays[extra], np.float32), np.asarray(arrays[original], np.float32)):
+                raise CheckpointError(f"{files[extra]}: tensor '{extra}' differs from '{original}' but "
+                                      "config.json says tie_word_embeddings=true")
+            del arrays[extra]
+    return arrays
+
+
+def tied_extras(config) -> dict[str, str]:
+    return {"lm_head.weight": "model.embed_tokens.weight"} if getattr(config, "tie_word_embeddings", False) else {}
+
+
+def _to_device(arrays: dict[str, np.ndarray], dtype) -> dict[str, jax.Array]:
+    return {name: jnp.asarray(a if dtype is None else a.astype(dtype)) for name, a in arrays.items()}
+
+
+def write_hf_files(folder: Path, arrays: dict[str, np.ndarray | jax.Array], config_raw: dict, *,
+                   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
+    """Write config.json and model.safetensors (or shards + index) into an existing folder."""
+    from safetensors.numpy import save_file
+
+    (folder / "config.json").write_text(json.dumps(config_raw, indent=2) + "\n")
+    host = {name: np.asarray(a) for name, a in arrays.items()}
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(host):
+        if shards[-1] and size + host[name].nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = host[name]
+        size += host[name].nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / SINGLE_FILE), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+    total = sum(a.nbytes for a in host.values())
+    (folder / INDEX_FILE).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+
+
+def save_hf(arrays: dict[str, np.ndarray | jax.Array], config_raw: dict, out: str | Path, *,
+            side_files_from: str | Path | None = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+            force: bool = False) -> Path:
+    """Write an HF checkpoint folder (config, weights, side files) atomically."""
+
+    def write(tmp: Path):
+        write_hf_files(tmp, arrays, config_raw, max_shard_bytes=max_shard_bytes)
+        copy_side_files(side_files_from, tmp)
+
+    return atomic_folder(out, write, force=force)
+
+
+# ----------------------------------------------------------------------------------------------------
+# orbax
+
+
+def _nest(flat: dict[str, object]) -> dict:
+    tree: dict = {}
+    for name, value in flat.items():
+        node = tree
+        *parents, leaf = name.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return tree
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        out.update(_flatten(value, name + ".") if isinstance(value, dict) else {name: value})
+    return out
+
+
+def _orbax():
+    from orbax.checkpoint import v1 as ocp
+
+    return ocp
+
+
+def save_orbax(arrays: dict[str, np.ndarray | jax.Array], config_raw: dict, out: str | Path, *,
+               side_files_from: str | Path | None = None, force: bool = False) -> Path:
+    """Write an orbax checkpoint folder (see the module docstring). Atomic."""
+    ocp = _orbax()
+
+    def write(tmp: Path):
+        (tmp / "config.json").write_text(json.dumps(config_raw, indent=2) + "\n")
+        (tmp / ORBAX_MARKER).write_text(json.dumps({"format": "orbax", "params": "params",
+                                                     "model_type": config_raw.get("model_type")}) + "\n")
+        ocp.save_pytree(tmp / "params", _nest({n: jnp.asarray(a) for n, a in arrays.items()}))
+        copy_side_files(side_files_from, tmp)
+
+    return atomic_folder(out, write, force=force)
+
+
+def read_orbax_arrays(path: str | Path, expected: dict[str, tuple[int, ...]], dtype=None) -> dict[str, jax.Array]:
+    """Restore an orbax folder's params, checked against `expected` {name: shape}; stored dtype unless given."""
+    ocp = _orbax()
+    path = Path(path)
+    params_dir = path / "params"
+    try:
+        meta = ocp.pytree_metadata(params_dir).metadata
+    except Exception as e:
+        raise CheckpointError(f"{params_dir}: not a readable orbax checkpoint ({_one_line(e)})") from None
+    stored = _flatten(meta)
+    for name in expected:
+        if name not in stored:
+            raise CheckpointError(f"{params_dir}: tensor '{name}' is missing (expected shape {expected[name]})")
+    for name, m in stored.items():
+        if name not in expected:
+            raise CheckpointError(f"{params_dir}: unexpected tensor '{name}' (not part of this model's config)")
+        if tuple(m.shape) != expected[name]:
+            raise CheckpointError(f"{params_dir}: tensor '{name}' has shape {tuple(m.shape)}, expected {expected[name]}")
+        if not jnp.issubdtype(m.dtype, jnp.floating):
+            raise CheckpointError(f"{params_dir}: tensor '{name}' has dtype {m.dtype}, expected a floating-point dtype")
+    target = _nest({n: jax.ShapeDtypeStruct(m.shape, dtype or m.dtype) for n, m in stored.items()})
+    try:
+        restored = ocp.load_pytree(params_dir, target)
+    except Exception as e:
+        raise CheckpointError(f"{params_dir}: cannot be restored ({_one_line(e)})") from None
+    return _flatten(restored)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def load_target(path: str | Path, dtype=jnp.bfloat16, progress: bool = False) -> ModelParams:
+    """Load a target checkpoint (HF or orbax folder) as `ModelParams` in `dtype` (None: as stored)."""
+    path = Path(path)
+    fmt = checkpoint_format(path)
+    config = load_target_config(path)
+    params = qwen3.abstract(config, dtype or jnp.float32)
+    expected = _expected_shapes(params)
+    if fmt == "hf":
+        bar = _progress_bar(f"loading {path.name}") if progress else None
+        arrays = _to_device(read_hf_arrays(path, expected, tied_extras(config), bar), dtype)
+    else:
+        arrays = read_orbax_arrays(path, expected, dtype)
+    return params.replace_flat(arrays)
+
+
+def read_arrays(path: str | Path) -> tuple[dict[str, np.ndarray | jax.Array], dict]:
+    """All parameters of a target checkpoint in their stored dtypes, plus the raw config dict."""
+    path = Path(path)
+    fmt = checkpoint_format(path)
+    config = load_target_config(path)
+    expected = _expected_shapes(qwen3.abstract(config, jnp.float32))
+    if fmt == "hf":
+        return read_hf_arrays(path, expected, tied_extras(config)), read_config_json(path)
+    return read_orbax_arrays(path, expected), read_config_json(path)
+
+
+def _progress_bar(desc: str):
+    from tqdm import tqdm
+
+    def make(total: int):
+        bar = tqdm(total=total, desc=desc, unit="tensor", leave=False)
+
+        def ticks():
+            for _ in range(total):
+                bar.update(1)
+                yield
+            bar.close()
+
+        return ticks()
+
+    return make
+
+
+def copy_side_files(src: str | Path | None, dst: Path) -> None:
+    if src is None:
+        return
+    for name in SIDE_FILES:
+        if (Path(src) / name).exists():
+            shutil.copy2(Path(src) / name, dst / name)
+
+
+def atomic_folder(out: str | Path, write: Callable[[Path], None], *, force: bool = False) -> Path:
+    """Run `write(tmp)` on a fresh temporary sibling of `out`, then rename it to `out`.
+
+    An existing `out` is an error unless `force`; then it is replaced only after the write succeeded.
+    """
+    out = Path(out)
+    if out.exists() and not force:
+        raise CheckpointError(f"{out}: already exists (pass --force to overwrite)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        write(tmp)
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.replace(out, old / out.name)
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out

@@ -1,0 +1,242 @@
+"""Model configurations parsed from Hugging Face `config.json` files.
+
+Each config is a frozen, hashable dataclass so it can be a static argument of jitted functions. Every
+check lives here and fails with a `ConfigError` whose message names the file, the field, the value found
+and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config file is missing, unreadable, or holds a value this project cannot run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding, as HF `rope_parameters` (or legacy `rope_theta` + `rope_scaling`)."""
+
+    theta: float
+    rope_type: str = "default"  # "default" | "linear"
+    factor: float = 1.0  # linear: positions are divided by `factor`
+
+    def inv_freq(self, rotary_dim: int):
+        """[rotary_dim // 2] float64 numpy inverse frequencies, HF's formula."""
+        import numpy as np
+
+        inv = 1.0 / (self.theta ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / rotary_dim))
+        if self.rope_type == "linear":
+            inv = inv / self.factor
+        return inv.astype(np.float32)
+
+
+SUPPORTED_ROPE_TYPES = ("default", "linear")
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    """Facts about a Qwen3 dense target (HF `model_type: qwen3`)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    # Per layer: the sliding window in tokens, or None for full attention (HF: only when
+    # `use_sliding_window` is true and `layer_types[i] == "sliding_attention"`).
+    sliding_windows: tuple[int | None, ...]
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    model_type = "qwen3"
+
+    @property
+    def num_groups(self) -> int:
+        """Query heads per KV head (GQA group size)."""
+        return self.num_heads // self.num_kv_heads
+
+    def num_params(self) -> int:
+        e, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = e * q + 2 * e * kv + q * e + 3 * e * f + 2 * e + 2 * self.head_dim
+        return v * e * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + e
+
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """Read `config.json` from a checkpoint folder (or the file itself)."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.exists():
+        raise ConfigError(f"{file}: not found (a checkpoint folder needs a config.json)")
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{file}: expected a JSON object, found {type(raw).__name__}")
+    return raw
+
+
+class _Fields:
+    """Typed access to a config dict; every failure names the file and the field."""
+
+    def __init__(self, raw: dict[str, Any], where: str):
+        self.raw, self.where = raw, where
+
+    def fail(self, field: str, msg: str) -> ConfigError:
+        return ConfigError(f"{self.where}: field '{field}': {msg}")
+
+    def int(self, field: str, default: Any = dataclasses.MISSING, minimum: int = 1) -> int:
+        value = self.raw.get(field, default)
+        if value is dataclasses.MISSING:
+            raise self.fail(field, "missing (expected an integer)")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(field, f"expected an integer, found {value!r}")
+        if value < minimum:
+            raise self.fail(field, f"expected an integer >= {minimum}, found {value}")
+        return value
+
+    def float(self, field: str, default: Any = dataclasses.MISSING, positive: bool = True) -> float:
+        value = self.raw.get(field, default)
+        if value is dataclasses.MISSING:
+            raise self.fail(field, "missing (expected a number)")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self.fail(field, f"expected a finite number, found {value!r}")
+        if positive and value <= 0:
+            raise self.fail(field, f"expected a positive number, found {value}")
+        return float(value)
+
+    def bool(self, field: str, default: bool) -> bool:
+        value = self.raw.get(field, default)
+        if not isinstance(value, bool):
+            raise self.fail(field, f"expected true or false, found {value!r}")
+        return value
+
+    def token_ids(self, field: str) -> tuple[int, ...]:
+        value = self.raw.get(field)
+        if value is None:
+            return ()
+        values = value if isinstance(value, list) else [value]
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+            raise self.fail(field, f"expected a token id or a list of token ids, found {value!r}")
+        return tuple(values)
+
+
+def parse_rope(f: _Fields) -> RopeConfig:
+    """RoPE from `rope_parameters` (transformers >= 5) or `rope_theta` + `rope_scaling` (older files)."""
+    params = f.raw.get("rope_parameters")
+    field = "rope_parameters"
+    if params is None:
+        params = dict(f.raw.get("rope_scaling") or {})
+        field = "rope_scaling"
+        params.setdefault("rope_theta", f.raw.get("rope_theta", 10000.0))
+    if not isinstance(params, dict):
+        raise f.fail(field, f"expected an object, found {params!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise f.fail(
+            field,
+            f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})",
+        )
+    sub = _Fields(params, f"{f.where}: {field}")
+    theta = sub.float("rope_theta", 10000.0)
+    factor = sub.float("factor") if rope_type == "linear" else 1.0
+    return RopeConfig(theta=theta, rope_type=rope_type, factor=factor)
+
+
+def parse_qwen3(raw: dict[str, Any], where: str = "config.json") -> Qwen3Config:
+    """Build a `Qwen3Config` from a parsed HF `config.json` dict; `where` names the file in errors."""
+    f = _Fields(raw, where)
+    model_type = raw.get("model_type")
+    if model_type != "qwen3":
+        raise f.fail("model_type", f"expected 'qwen3', found {model_type!r}")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise f.fail("hidden_act", f"expected 'silu', found {raw.get('hidden_act')!r}")
+    if raw.get("attention_bias", False):
+        raise f.fail("attention_bias", "biased q/k/v/o projections are not supported (expected false)")
+
+    hidden = f.int("hidden_size")
+    heads = f.int("num_attention_heads")
+    kv_heads = f.int("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise f.fail("num_key_value_heads", f"{kv_heads} does not divide num_attention_heads={heads}")
+    head_dim = f.int("head_dim", hidden // heads)
+    if head_dim % 2:
+        raise f.fail("head_dim", f"expected an even number (RoPE rotates pairs), found {head_dim}")
+    num_layers = f.int("num_hidden_layers")
+
+    layer_types = raw.get("layer_types")
+    window = f.int("sliding_window", 4096) if f.bool("use_sliding_window", False) else None
+    if layer_types is None:
+        max_window_layers = f.int("max_window_layers", num_layers, minimum=0)
+        layer_types = [
+            "sliding_attention" if window is not None and i >= max_window_layers else "full_attention"
+            for i in range(num_layers)
+        ]
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        raise f.fail("layer_types", f"expected a list of {num_layers} entries, found {layer_types!r}")
+    for i, kind in enumerate(layer_types):
+        if kind not in ("full_attention", "sliding_attention"):
+            raise f.fail("layer_types", f"entry {i} is {kind!r}; expected 'full_attention' or 'sliding_attention'")
+    windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+    return Qwen3Config(
+        vocab_size=f.int("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=f.int("intermediate_size"),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=f.float("rms_norm_eps", 1e-6),
+        rope=parse_rope(f),
+        tie_word_embeddings=f.bool("tie_word_embeddings", False),
+        sliding_windows=windows,
+        max_position_embeddings=f.int("max_position_embeddings", 32768),
+        eos_token_ids=f.token_ids("eos_token_id"),
+        bos_token_id=(f.token_ids("bos_token_id") or (None,))[0],
+        pad_token_id=(f.token_ids("pad_token_id") or (None,))[0],
+    )
+
+
+TARGET_PARSERS = {"qwen3": parse_qwen3}
+
+
+def load_target_config(path: str | Path) -> Qwen3Config:
+    """Parse the target config in a checkpoint folder; the model_type picks the parser."""
+    path = Path(path)
+    raw = read_config_json(path)
+    where = str(path / "config.json" if path.is_dir() else path)
+    model_type = raw.get("model_type")
+    parser = TARGET_PARSERS.get(model_type)
+    if parser is None:
+        raise ConfigError(
+            f"{where}: field 'model_type': {model_type!r} is not a supported target "
+            f"(supported: {', '.join(sorted(TARGET_PARSERS))})"
+        )
+    return parser(raw, where)
+
+
+def generation_eos_ids(path: str | Path) -> tuple[int, ...]:
+    """EOS ids from `generation_config.json`, if the folder has one (HF merges these with the config's)."""
+    file = Path(path) / "generation_config.json"
+    if not file.exists():
+        return ()
+    try:
+        raw = json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    return _Fields(raw if isinstance(raw, dict) else {}, str(file)).token_ids("eos_token_id")

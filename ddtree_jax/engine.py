@@ -1,0 +1,288 @@
+"""Decoding rounds and the on-device decode loop.
+
+A round is one jitted function of `(params, DecodeState)`; the loop is a `lax.while_loop` over rounds
+that runs until every row is done or a step limit is reached (the limit lets a terminal stream a few
+rounds per call). The state is donated, so caches update in place. The host-facing `generate` pads the
+prompts, sizes the cache, compiles once per shape (kept in a small cache) and times prefill and decode
+separately, compilation excluded.
+
+Modes so far: AR (one target token per round). DFlash and DDTree rounds plug into the same loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ddtree_jax.cache import KVCache, advance
+from ddtree_jax.models import qwen3
+from ddtree_jax.models.params import ModelParams
+from ddtree_jax.sampling import SamplingConfig, decode_tokens
+
+CAPACITY_BUCKET = 128
+PROMPT_BUCKET = 32
+
+
+class Mode(str, enum.Enum):
+    AR = "ar"
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """Static choices of one generation call (hashable: part of the compilation key)."""
+
+    mode: Mode = Mode.AR
+    max_new_tokens: int = 64
+    sampling: SamplingConfig = SamplingConfig()
+    eos_ids: tuple[int, ...] = ()  # empty: never stop on a token
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def max_rounds(self) -> int:
+        return self.max_new_tokens
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Everything the loop carries, all on device.
+
+    Fields:
+      cache:          target KV cache; `lengths` counts the tokens fed to the target.
+      last_token:     [b] int32, newest emitted token (not yet fed to the target).
+      output:         [b, max_new] int32, emitted tokens (prompt excluded); valid up to num_generated.
+      num_generated:  [b] int32.
+      done:           [b] bool, row emitted EOS or reached max_new.
+      round_lengths:  [b, max_rounds] int32, tokens committed per round (bonus included); 0 = no round.
+      num_rounds:     [b] int32, rounds in which the row was still running.
+      rng:            PRNG key (sampling).
+      step:           [] int32, rounds run (all rows).
+    """
+
+    cache: KVCache
+    last_token: jax.Array
+    output: jax.Array
+    num_generated: jax.Array
+    done: jax.Array
+    round_lengths: jax.Array
+    num_rounds: jax.Array
+    rng: jax.Array
+    step: jax.Array
+
+
+def causal_mask(valid: jax.Array, t: int) -> jax.Array:
+    """[b, t, t] bool: token i sees tokens j <= i of its row; a padding token (i >= valid[r]) sees only itself.
+
+    Example, t = 3, valid = [2]:  [[1,0,0], [1,1,0], [0,0,1]].
+    """
+    i = jnp.arange(t)[:, None]
+    j = jnp.arange(t)[None, :]
+    is_valid = i[None] < valid[:, None, None]
+    return (j <= i)[None] & (is_valid | (i == j)[None])
+
+
+def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    if not eos_ids:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
+
+
+def _emit(state: DecodeState, tokens: jax.Array, counts: jax.Array, options: DecodeOptions) -> DecodeState:
+    """Append up to `tokens.shape[1]` tokens per row (the first `counts[r]`), stopping rows at EOS or max_new.
+
+    tokens [b, w] int32, counts [b] int32 (0 for rows already done). A row that meets EOS keeps the EOS and
+    drops what follows it in the same round.
+    """
+    b, w = tokens.shape
+    max_new = options.max_new_tokens
+    offsets = jnp.arange(w)[None, :]
+    eos_at = _is_eos(tokens, options.eos_ids) & (offsets < counts[:, None])
+    first_eos = jnp.where(eos_at.any(-1), jnp.argmax(eos_at, axis=-1) + 1, w)
+    kept = jnp.minimum(jnp.minimum(counts, first_eos), max_new - state.num_generated)
+    kept = jnp.where(state.done, 0, kept)
+    slots = state.num_generated[:, None] + offsets
+    write = offsets < kept[:, None]
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, w))
+    output = state.output.at[rows, jnp.where(write, slots, max_new)].set(tokens, mode="drop")
+    num_generated = state.num_generated + kept
+    hit_eos = (eos_at & write).any(-1)
+    done = state.done | hit_eos | (num_generated >= max_new)
+    last = jnp.take_along_axis(tokens, jnp.maximum(kept - 1, 0)[:, None], axis=1)[:, 0]
+    return dataclasses.replace(state, output=output, num_generated=num_generated, done=done,
+                               last_token=jnp.where(kept > 0, last, state.last_token))
+
+
+def prefill(params: ModelParams, tokens: jax.Array, prompt_lengths: jax.Array, rng: jax.Array, *,
+            capacity: int, options: DecodeOptions) -> DecodeState:
+    """Run the prompt (right-padded tokens [b, p], lengths [b]) and emit each row's first token."""
+    b, p = tokens.shape
+    config = params.config
+    dtype = params.flat()["model.embed_tokens.weight"].dtype
+    cache = qwen3.create_cache(config, b, capacity, dtype)
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    out = qwen3.forward(params, tokens, positions, cache, causal_mask(prompt_lengths, p))
+    cache = advance(out.cache, prompt_lengths)
+    last_hidden = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
+    rng, key = jax.random.split(rng)
+    first = decode_tokens(qwen3.logits(params, last_hidden), key, options.sampling)
+    state = DecodeState(
+        cache=cache,
+        last_token=first,
+        output=jnp.zeros((b, options.max_new_tokens), jnp.int32),
+        num_generated=jnp.zeros((b,), jnp.int32),
+        done=jnp.zeros((b,), bool),
+        round_lengths=jnp.zeros((b, options.max_rounds), jnp.int32),
+        num_rounds=jnp.zeros((b,), jnp.int32),
+        rng=rng,
+        step=jnp.zeros((), jnp.int32),
+    )
+    return _emit(state, first[:, None], jnp.ones((b,), jnp.int32), options)
+
+
+def ar_round(params: ModelParams, state: DecodeState, options: DecodeOptions) -> DecodeState:
+    """Feed each row's last token to the target and emit the next one."""
+    b = state.last_token.shape[0]
+    running = ~state.done
+    out = qwen3.forward(params, state.last_token[:, None], state.cache.lengths[:, None], state.cache,
+                        jnp.ones((b, 1, 1), bool))
+    cache = advance(out.cache, running.astype(jnp.int32))
+    rng, key = jax.random.split(state.rng)
+    token = decode_tokens(qwen3.logits(params, out.hidden[:, 0]), key, options.sampling)
+    counts = running.astype(jnp.int32)
+    state = dataclasses.replace(state, cache=cache, rng=rng)
+    return _record_round(_emit(state, token[:, None], counts, options), counts, running)
+
+
+def _record_round(state: DecodeState, counts: jax.Array, running: jax.Array) -> DecodeState:
+    b = counts.shape[0]
+    idx = jnp.where(running, state.num_rounds, state.round_lengths.shape[1])
+    round_lengths = state.round_lengths.at[jnp.arange(b), idx].set(counts, mode="drop")
+    return dataclasses.replace(state, round_lengths=round_lengths, num_rounds=state.num_rounds + running,
+                               step=state.step + 1)
+
+
+ROUNDS = {Mode.AR: ar_round}
+
+
+def decode_loop(params: ModelParams, state: DecodeState, max_steps: jax.Array, options: DecodeOptions) -> DecodeState:
+    """Run rounds until every row is done or `max_steps` more rounds have run (all on device)."""
+    round_fn = ROUNDS[options.mode]
+    stop_at = state.step + max_steps
+
+    def cond(s: DecodeState):
+        return (~s.done).any() & (s.step < stop_at)
+
+    return jax.lax.while_loop(cond, lambda s: round_fn(params, s, options), state)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Host-facing API
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """Per row: output_ids (prompt excluded, EOS kept), acceptance_lengths (tokens per round). Seconds are
+    device-synchronised wall time; compilation is excluded from prefill and decode."""
+
+    output_ids: list[list[int]]
+    acceptance_lengths: list[list[int]]
+    prefill_seconds: float
+    decode_seconds: float
+    compile_seconds: float
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(o) for o in self.output_ids)
+
+    @property
+    def tau(self) -> float:
+        rounds = [n for row in self.acceptance_lengths for n in row]
+        return float(np.mean(rounds)) if rounds else 0.0
+
+
+def _round_up(n: int, bucket: int) -> int:
+    return -(-n // bucket) * bucket
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(name: str, fn: Callable, args: tuple, static: dict, donate: tuple[int, ...] = ()):
+    """AOT-compile `fn` for these argument shapes once per process; returns (compiled, seconds spent)."""
+    shapes = jax.tree.map(lambda a: (a.shape, a.dtype) if hasattr(a, "shape") else a, args)
+    key = (name, jax.tree.structure(args), str(jax.tree.leaves(shapes)), tuple(sorted(static.items())))
+    if key in _COMPILED:
+        return _COMPILED[key], 0.0
+    start = time.perf_counter()
+    compiled = jax.jit(fn, static_argnames=tuple(static), donate_argnums=donate).lower(*args, **static).compile()
+    _COMPILED[key] = compiled
+    return compiled, time.perf_counter() - start
+
+
+def generate(params: ModelParams, prompts: Sequence[Sequence[int]], options: DecodeOptions, *, seed: int = 0,
+             steps_per_call: int | None = None,
+             on_tokens: Callable[[list[list[int]]], None] | None = None) -> GenerationResult:
+    """Generate for a batch of token-id prompts (unequal lengths allowed).
+
+    steps_per_call: rounds per device call (None: the whole loop in one call); `on_tokens` receives every
+    row's tokens so far after each call, for streaming.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    vocab = params.config.vocab_size
+    for r, prompt in enumerate(prompts):
+        bad = [t for t in prompt if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"prompt {r}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    b = len(prompts)
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    width = _round_up(int(lengths.max()), PROMPT_BUCKET)
+    capacity = _round_up(width + options.max_new_tokens + 1, CAPACITY_BUCKET)
+    if capacity > params.config.max_position_embeddings:
+        capacity = max(width + options.max_new_tokens + 1, params.config.max_position_embeddings)
+    tokens = np.zeros((b, width), np.int32)
+    for r, prompt in enumerate(prompts):
+        tokens[r, :len(prompt)] = prompt
+    rng = jax.random.key(seed)
+    tokens, lengths_dev = jnp.asarray(tokens), jnp.asarray(lengths)
+
+    static = dict(capacity=capacity, options=options)
+    prefill_fn, compile_s = _compiled("prefill", prefill, (params, tokens, lengths_dev, rng), static)
+    start = time.perf_counter()
+    state = jax.block_until_ready(prefill_fn(params, tokens, lengths_dev, rng))
+    prefill_s = time.perf_counter() - start
+
+    steps = jnp.asarray(steps_per_call or options.max_rounds, jnp.int32)
+    loop_fn, loop_compile_s = _compiled("decode_loop", decode_loop, (params, state, steps), dict(options=options),
+                                        donate=(1,))
+    decode_s = 0.0
+    while True:
+        if on_tokens is not None:
+            on_tokens(_rows(state))
+        if bool(state.done.all()):
+            break
+        start = time.perf_counter()
+        state = jax.block_until_ready(loop_fn(params, state, steps))
+        decode_s += time.perf_counter() - start
+    round_lengths, num_rounds = np.asarray(state.round_lengths), np.asarray(state.num_rounds)
+    return GenerationResult(
+        output_ids=_rows(state),
+        acceptance_lengths=[round_lengths[r, :num_rounds[r]].tolist() for r in range(b)],
+        prefill_seconds=prefill_s,
+        decode_seconds=decode_s,
+        compile_seconds=compile_s + loop_compile_s,
+    )
+
+
+def _rows(state: DecodeState) -> list[list[int]]:
+    output, counts = np.asarray(state.output), np.asarray(state.num_generated)
+    return [output[r, :counts[r]].tolist() for r in range(output.shape[0])]

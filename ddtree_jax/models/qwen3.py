@@ -1,0 +1,148 @@
+"""Qwen3 dense target (HF `model_type: qwen3`) as Flax NNX modules and a pure forward function.
+
+The module tree mirrors HF's `Qwen3ForCausalLM`, so the NNX state path of every parameter is its HF
+safetensors name ('model.layers.3.self_attn.k_norm.weight', ...). The modules hold parameters and do
+the arithmetic of one call; the decode loop, sampling and cache commits live in the engine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ddtree_jax.cache import KVCache, write_pending
+from ddtree_jax.config import Qwen3Config
+from ddtree_jax.models.layers import Embedding, Linear, RMSNorm, SwiGLU, apply_rope, cached_attention, rope_cos_sin
+from ddtree_jax.models.params import ModelParams, abstract_params, random_params
+
+
+class Attention(nnx.Module):
+    """GQA self-attention with per-head q_norm/k_norm before RoPE."""
+
+    def __init__(self, config: Qwen3Config, *, dtype, rngs):
+        e, d = config.hidden_size, config.head_dim
+        self.q_proj = Linear(e, config.num_heads * d, ("q_heads", "embed"), dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(e, config.num_kv_heads * d, ("kv_heads", "embed"), dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(e, config.num_kv_heads * d, ("kv_heads", "embed"), dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(config.num_heads * d, e, ("embed", "q_heads"), dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps, "head_dim", dtype=dtype)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps, "head_dim", dtype=dtype)
+        self.head_dim = d
+
+    def __call__(self, x, cos, sin, k_cache, v_cache, cache_lengths, new_mask, positions, sliding_window):
+        """x [b, t, e] -> (out [b, t, e], k_new [b, t, n, d], v_new [b, t, n, d])."""
+        b, t, _ = x.shape
+        d = self.head_dim
+        q = self.q_norm(self.q_proj(x).reshape(b, t, -1, d))
+        k = self.k_norm(self.k_proj(x).reshape(b, t, -1, d))
+        v = self.v_proj(x).reshape(b, t, -1, d)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = cached_attention(q, k_cache, v_cache, cache_lengths, k, v, new_mask, positions,
+                               scale=d ** -0.5, sliding_window=sliding_window)
+        return self.o_proj(out.reshape(b, t, -1)), k, v
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: Qwen3Config, *, dtype, rngs):
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(config, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs)
+
+
+class Qwen3Model(nnx.Module):
+    def __init__(self, config: Qwen3Config, *, dtype, rngs):
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+
+class Qwen3ForCausalLM(nnx.Module):
+    def __init__(self, config: Qwen3Config, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
+        self.model = Qwen3Model(config, dtype=dtype, rngs=rngs)
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, ("vocab", "embed"), dtype=dtype, rngs=rngs)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ForwardOut:
+    """hidden: [b, t, e] after the final norm; taps: [b, t, len(tap_layers) * e] (outputs of the tapped
+    decoder layers, concatenated in the order asked; HF `hidden_states[l + 1]`), or None; cache: the input
+    cache with the new tokens' K/V written as pending rows (lengths unchanged)."""
+
+    hidden: jax.Array
+    taps: jax.Array | None
+    cache: KVCache
+
+
+def build(config: Qwen3Config, dtype=jnp.bfloat16):
+    return lambda rngs: Qwen3ForCausalLM(config, dtype=dtype, rngs=rngs)
+
+
+def abstract(config: Qwen3Config, dtype=jnp.bfloat16) -> ModelParams:
+    return abstract_params(build(config, dtype), config)
+
+
+def init_random(config: Qwen3Config, dtype=jnp.bfloat16, seed: int = 0) -> ModelParams:
+    return random_params(build(config, dtype), config, seed)
+
+
+def create_cache(config: Qwen3Config, batch: int, capacity: int, dtype) -> KVCache:
+    return KVCache.create(config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim, dtype)
+
+
+def forward(
+    params: ModelParams,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache,
+    new_mask: jax.Array,
+    tap_layers: tuple[int, ...] = (),
+) -> ForwardOut:
+    """Run the target on new tokens.
+
+    Args:
+      tokens:    [b, t] int token ids.
+      positions: [b, t] int positions (RoPE and sliding window); `length + i` for a prompt or a chain,
+                 `start + depth` for tree nodes.
+      cache:     committed K/V; every new token sees all committed slots of its row.
+      new_mask:  [b, t, t] bool, which new tokens each new token sees (see `cached_attention`).
+      tap_layers: decoder layer ids whose outputs to return (static).
+    """
+    config: Qwen3Config = params.config
+    model = params.module()
+    for layer_id in tap_layers:
+        if not 0 <= layer_id < config.num_layers:
+            raise ValueError(f"tap layer {layer_id} is outside 0..{config.num_layers - 1}")
+    x = model.model.embed_tokens(tokens)
+    cos, sin = rope_cos_sin(positions, jnp.asarray(config.rope.inv_freq(config.head_dim)))
+    new_k, new_v, taps = [], [], {}
+    for i, layer in enumerate(model.model.layers):
+        with jax.named_scope(f"layer_{i}"):
+            attn_out, k, v = layer.self_attn(
+                layer.input_layernorm(x), cos, sin, cache.k[i], cache.v[i], cache.lengths, new_mask, positions,
+                config.sliding_windows[i],
+            )
+            x = x + attn_out
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        new_k.append(write_pending(cache.k[i], k, cache.lengths))
+        new_v.append(write_pending(cache.v[i], v, cache.lengths))
+        if i in tap_layers:
+            taps[i] = x
+    hidden = model.model.norm(x)
+    tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1) if tap_layers else None
+    return ForwardOut(hidden=hidden, taps=tapped, cache=dataclasses.replace(cache, k=tuple(new_k), v=tuple(new_v)))
+
+
+def logits(params: ModelParams, hidden: jax.Array) -> jax.Array:
+    """hidden [..., e] -> float32 logits [..., v] through lm_head (or the tied embedding)."""
+    model = params.module()
+    if params.config.tie_word_embeddings:
+        weight = model.model.embed_tokens.weight[...]
+    else:
+        weight = model.lm_head.weight[...]
+    return jnp.einsum("...e,ve->...v", hidden, weight.astype(hidden.dtype), preferred_element_type=jnp.float32)

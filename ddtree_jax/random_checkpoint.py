@@ -1,0 +1,105 @@
+"""Small randomly initialised checkpoints in the Hugging Face layout.
+
+Used by the tests (as fixtures) and, until the embedded demo pair ships, by the commands when no
+`--target` is given. The weights are random, so the text they produce is gibberish; the code paths
+(config parsing, safetensors loading, tokenizer, generation) are the real ones.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ddtree_jax.checkpoint import atomic_folder, write_hf_files
+
+EOS_TOKEN = "<|endoftext|>"
+MASK_TOKEN = "<|mask|>"
+
+
+def tiny_qwen3_config(**overrides) -> dict:
+    """An HF `config.json` dict for a small Qwen3 (GQA 4/2, untied, 2 layers, vocab 320)."""
+    config = {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "bos_token_id": 256,
+        "eos_token_id": 256,
+        "torch_dtype": "float32",
+    }
+    config.update(overrides)
+    return config
+
+
+def random_qwen3_arrays(config: dict, seed: int = 0, dtype=np.float32, std: float = 0.05) -> dict[str, np.ndarray]:
+    """Random weights under HF names for a qwen3 config dict; norms are 1 + noise so they matter."""
+    from ddtree_jax.config import parse_qwen3
+    from ddtree_jax.models import qwen3
+
+    parsed = parse_qwen3(config)
+    rng = np.random.default_rng(seed)
+    arrays = {}
+    for name, shape in {n: a.shape for n, a in qwen3.abstract(parsed).flat().items()}.items():
+        if "norm" in name:
+            value = 1.0 + 0.1 * rng.standard_normal(shape)
+        else:
+            value = std * rng.standard_normal(shape)
+        arrays[name] = value.astype(dtype)
+    return arrays
+
+
+def byte_tokenizer(folder: Path, vocab_size: int) -> None:
+    """Save a byte-level tokenizer (256 byte tokens, then EOS and mask; no merges) that AutoTokenizer loads."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {ch: i for i, ch in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([EOS_TOKEN, MASK_TOKEN])
+    if tok.get_vocab_size() > vocab_size:
+        raise ValueError(f"vocab_size {vocab_size} is too small for a byte tokenizer ({tok.get_vocab_size()})")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN,
+                                   pad_token=EOS_TOKEN, mask_token=MASK_TOKEN)
+    fast.save_pretrained(str(folder))
+
+
+def write_random_qwen3(out: str | Path, seed: int = 0, dtype=np.float32, with_tokenizer: bool = True,
+                       force: bool = False, **overrides) -> Path:
+    """Write a small random Qwen3 checkpoint folder (config.json, model.safetensors, tokenizer), atomically."""
+    config = tiny_qwen3_config(**overrides)
+    arrays = random_qwen3_arrays(config, seed=seed, dtype=dtype)
+
+    def write(tmp: Path):
+        write_hf_files(tmp, arrays, config)
+        if with_tokenizer:
+            byte_tokenizer(tmp, config["vocab_size"])
+
+    return atomic_folder(out, write, force=force)
+
+
+DEFAULT_RANDOM_TARGET = dict(num_hidden_layers=4, hidden_size=128, intermediate_size=256, head_dim=32)
+
+
+def default_random_target(cache_root: str | Path | None = None) -> Path:
+    """The random checkpoint the commands use when no `--target` is given; built once, then reused."""
+    import os
+
+    root = Path(cache_root or os.environ.get("DDTREE_JAX_CACHE", Path.home() / ".cache" / "ddtree_jax"))
+    folder = root / "random-qwen3-tiny-v1"
+    if not (folder / "config.json").exists():
+        write_random_qwen3(folder, seed=0, force=True, **DEFAULT_RANDOM_TARGET)
+    return folder

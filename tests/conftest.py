@@ -1,0 +1,104 @@
+"""Shared fixtures: small random checkpoints in the Hugging Face layout, built on the fly."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+# Tests compare float32 results to 1e-4; keep XLA on CPU from using lower-precision matmuls.
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _has_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+HAS_TORCH = _has_torch()
+requires_torch = pytest.mark.skipif(not HAS_TORCH, reason="PyTorch is not importable (the transformers parity oracle)")
+
+
+def _has_gpu() -> bool:
+    try:
+        return any(d.platform == "gpu" for d in jax.devices())
+    except RuntimeError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    has_gpu = None
+    for item in items:
+        if "gpu" in item.keywords:
+            has_gpu = _has_gpu() if has_gpu is None else has_gpu
+            if not has_gpu:
+                item.add_marker(skip_gpu)
+
+
+# Configurations the parity tests run on: GQA untied, tied, MHA, sliding-window layers, linear RoPE scaling.
+HF_VARIANTS = {
+    "gqa_untied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "gqa8_tied": dict(num_attention_heads=8, num_key_value_heads=1, tie_word_embeddings=True, head_dim=8),
+    "mha": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
+    "sliding": dict(use_sliding_window=True, sliding_window=5, max_window_layers=1, num_hidden_layers=3),
+    "rope_linear": dict(rope_parameters={"rope_type": "linear", "rope_theta": 5000.0, "factor": 2.0}),
+}
+
+
+def build_hf_qwen3(folder: Path, seed: int = 0, **overrides) -> Path:
+    """Save a random transformers Qwen3ForCausalLM (float32) with randomised norms, as HF does."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from ddtree_jax.random_checkpoint import byte_tokenizer, tiny_qwen3_config
+
+    raw = tiny_qwen3_config(**overrides)
+    raw.pop("architectures")
+    raw.pop("torch_dtype")
+    torch.manual_seed(seed)
+    config = Qwen3Config(**raw)
+    model = Qwen3ForCausalLM(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.05 * torch.randn_like(p))
+    model.save_pretrained(str(folder))
+    byte_tokenizer(folder, raw["vocab_size"])
+    return folder
+
+
+@pytest.fixture(scope="session", params=sorted(HF_VARIANTS))
+def hf_qwen3(request, tmp_path_factory):
+    """(folder, torch model) for each parity variant."""
+    if not HAS_TORCH:
+        pytest.skip("PyTorch is not importable (the transformers parity oracle)")
+    from transformers import Qwen3ForCausalLM
+
+    folder = build_hf_qwen3(tmp_path_factory.mktemp(f"hf_{request.param}"), **HF_VARIANTS[request.param])
+    model = Qwen3ForCausalLM.from_pretrained(str(folder), dtype="float32").eval()
+    return folder, model
+
+
+@pytest.fixture(scope="session")
+def random_target(tmp_path_factory) -> Path:
+    """A small random Qwen3 HF checkpoint written with numpy (no torch needed), with a byte tokenizer."""
+    from ddtree_jax.random_checkpoint import write_random_qwen3
+
+    return write_random_qwen3(tmp_path_factory.mktemp("random") / "target", seed=1)
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,85 @@
+"""The Qwen3 target against transformers' own Qwen3ForCausalLM (float32, CPU)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.checkpoint import load_target
+from ddtree_jax.models import qwen3
+from ddtree_jax.engine import causal_mask
+from ddtree_jax.cache import advance
+
+torch = pytest.importorskip("torch", reason="PyTorch is not importable (the transformers parity oracle)")
+
+TOL = 1e-4
+
+
+def _hf_logits(model, ids: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.tensor(ids)).logits.float().numpy()
+
+
+def test_prefill_and_32_decode_steps_match_transformers(hf_qwen3):
+    folder, hf = hf_qwen3
+    params = load_target(folder, jnp.float32)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, 256, size=(1, 11))
+    follow = rng.integers(0, 256, size=(1, 32))
+
+    # transformers: prefill, then one token at a time through its own cache.
+    with torch.no_grad():
+        out = hf(torch.tensor(prompt), use_cache=True)
+        hf_prefill = out.logits.numpy()
+        past, hf_steps = out.past_key_values, []
+        for i in range(32):
+            out = hf(torch.tensor(follow[:, i:i + 1]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            hf_steps.append(out.logits.numpy()[:, 0])
+
+    cache = qwen3.create_cache(params.config, 1, 64, jnp.float32)
+    t = prompt.shape[1]
+    res = qwen3.forward(params, jnp.asarray(prompt), jnp.arange(t)[None], cache, causal_mask(jnp.array([t]), t))
+    np.testing.assert_allclose(np.asarray(qwen3.logits(params, res.hidden)), hf_prefill, atol=TOL, rtol=0)
+    cache = advance(res.cache, jnp.array([t]))
+    for i in range(32):
+        res = qwen3.forward(params, jnp.asarray(follow[:, i:i + 1]), cache.lengths[:, None], cache,
+                            jnp.ones((1, 1, 1), bool))
+        cache = advance(res.cache, jnp.array([1]))
+        np.testing.assert_allclose(np.asarray(qwen3.logits(params, res.hidden))[:, 0], hf_steps[i], atol=TOL, rtol=0,
+                                   err_msg=f"decode step {i}")
+
+
+def test_hidden_state_taps_follow_hf_indexing(hf_qwen3):
+    folder, hf = hf_qwen3
+    params = load_target(folder, jnp.float32)
+    ids = np.random.default_rng(1).integers(0, 256, size=(1, 9))
+    with torch.no_grad():
+        hs = hf(torch.tensor(ids), output_hidden_states=True).hidden_states
+    layers = tuple(range(params.config.num_layers - 1))  # HF's last entry has the final norm applied
+    cache = qwen3.create_cache(params.config, 1, 16, jnp.float32)
+    res = qwen3.forward(params, jnp.asarray(ids), jnp.arange(9)[None], cache, causal_mask(jnp.array([9]), 9),
+                        tap_layers=layers[::-1])
+    e = params.config.hidden_size
+    for j, layer in enumerate(layers[::-1]):
+        np.testing.assert_allclose(np.asarray(res.taps[..., j * e:(j + 1) * e]), hs[layer + 1].numpy(), atol=TOL, rtol=0)
+
+
+def test_batch_with_unequal_prompt_lengths_matches_rows_run_alone(hf_qwen3):
+    folder, hf = hf_qwen3
+    params = load_target(folder, jnp.float32)
+    rng = np.random.default_rng(2)
+    lengths = [7, 3, 12]
+    prompts = [rng.integers(0, 256, size=n) for n in lengths]
+    width = max(lengths)
+    tokens = np.zeros((3, width), np.int64)
+    for r, p in enumerate(prompts):
+        tokens[r, :len(p)] = p
+    cache = qwen3.create_cache(params.config, 3, 32, jnp.float32)
+    valid = jnp.array(lengths)
+    res = qwen3.forward(params, jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(width), (3, width)), cache,
+                        causal_mask(valid, width))
+    ours = np.asarray(qwen3.logits(params, res.hidden))
+    for r, p in enumerate(prompts):
+        np.testing.assert_allclose(ours[r, :len(p)], _hf_logits(hf, p[None])[0], atol=TOL, rtol=0, err_msg=f"row {r}")
