@@ -116,10 +116,29 @@ class _open:
             self.handle = safe_open(str(self.file), framework="numpy")
             return self.handle.__enter__()
         except Exception as e:  # safetensors raises its own error types for bad headers and truncation
-            raise CheckpointError(f"{self.file}: not a readable safetensors file ({_one_line(e)})") from None
+            raise CheckpointError(f"{self.file}: {_truncation(self.file) or 'not a readable safetensors file'} "
+                                  f"({_one_line(e)})") from None
 
     def __exit__(self, *exc):
         return self.handle.__exit__(*exc)
+
+
+def _truncation(file: Path) -> str | None:
+    """If the header parses but the data is cut short, name the first tensor that is cut."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_len))
+        data = size - 8 - header_len
+        cut = [(v["data_offsets"][1], name) for name, v in header.items()
+               if name != "__metadata__" and v["data_offsets"][1] > data]
+    except Exception:
+        return None
+    if not cut:
+        return None
+    end, name = min(cut)
+    return f"truncated: tensor '{name}' ends at data byte {end} but the file holds {max(data, 0)} data bytes"
 
 
 def _one_line(e: BaseException) -> str:
@@ -247,22 +266,37 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def _orbax():
-    from orbax.checkpoint import v1 as ocp
+class _orbax:
+    """Orbax V1 pytree calls under their current names (`save`/`load`/`metadata`), falling back to the
+    `*_pytree` names of older 0.12 releases."""
 
-    return ocp
+    @staticmethod
+    def _fn(new: str, old: str):
+        from orbax.checkpoint import v1 as ocp
+
+        return getattr(ocp, new, None) or getattr(ocp, old)
+
+    @classmethod
+    def save(cls, path, tree):
+        return cls._fn("save", "save_pytree")(path, tree)
+
+    @classmethod
+    def load(cls, path, abstract_tree):
+        return cls._fn("load", "load_pytree")(path, abstract_tree)
+
+    @classmethod
+    def metadata(cls, path):
+        return cls._fn("metadata", "pytree_metadata")(path).metadata
 
 
 def save_orbax(arrays: dict[str, np.ndarray | jax.Array], config_raw: dict, out: str | Path, *,
                side_files_from: str | Path | None = None, force: bool = False) -> Path:
     """Write an orbax checkpoint folder (see the module docstring). Atomic."""
-    ocp = _orbax()
-
     def write(tmp: Path):
         (tmp / "config.json").write_text(json.dumps(config_raw, indent=2) + "\n")
         (tmp / ORBAX_MARKER).write_text(json.dumps({"format": "orbax", "params": "params",
                                                      "model_type": config_raw.get("model_type")}) + "\n")
-        ocp.save_pytree(tmp / "params", _nest({n: jnp.asarray(a) for n, a in arrays.items()}))
+        _orbax.save(tmp / "params", _nest({n: jnp.asarray(a) for n, a in arrays.items()}))
         copy_side_files(side_files_from, tmp)
 
     return atomic_folder(out, write, force=force)
@@ -270,11 +304,10 @@ def save_orbax(arrays: dict[str, np.ndarray | jax.Array], config_raw: dict, out:
 
 def read_orbax_arrays(path: str | Path, expected: dict[str, tuple[int, ...]], dtype=None) -> dict[str, jax.Array]:
     """Restore an orbax folder's params, checked against `expected` {name: shape}; stored dtype unless given."""
-    ocp = _orbax()
     path = Path(path)
     params_dir = path / "params"
     try:
-        meta = ocp.pytree_metadata(params_dir).metadata
+        meta = _orbax.metadata(params_dir)
     except Exception as e:
         raise CheckpointError(f"{params_dir}: not a readable orbax checkpoint ({_one_line(e)})") from None
     stored = _flatten(meta)
@@ -288,9 +321,11 @@ def read_orbax_arrays(path: str | Path, expected: dict[str, tuple[int, ...]], dt
             raise CheckpointError(f"{params_dir}: tensor '{name}' has shape {tuple(m.shape)}, expected {expected[name]}")
         if not jnp.issubdtype(m.dtype, jnp.floating):
             raise CheckpointError(f"{params_dir}: tensor '{name}' has dtype {m.dtype}, expected a floating-point dtype")
-    target = _nest({n: jax.ShapeDtypeStruct(m.shape, dtype or m.dtype) for n, m in stored.items()})
+    # Arrays land on their device directly (one device until the parallel layer passes shardings).
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = _nest({n: jax.ShapeDtypeStruct(m.shape, dtype or m.dtype, sharding=sharding) for n, m in stored.items()})
     try:
-        restored = ocp.load_pytree(params_dir, target)
+        restored = _orbax.load(params_dir, target)
     except Exception as e:
         raise CheckpointError(f"{params_dir}: cannot be restored ({_one_line(e)})") from None
     return _flatten(restored)
@@ -315,14 +350,15 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, progress: bool = False) ->
     return params.replace_flat(arrays)
 
 
-def read_arrays(path: str | Path) -> tuple[dict[str, np.ndarray | jax.Array], dict]:
+def read_arrays(path: str | Path, progress: bool = False) -> tuple[dict[str, np.ndarray | jax.Array], dict]:
     """All parameters of a target checkpoint in their stored dtypes, plus the raw config dict."""
     path = Path(path)
     fmt = checkpoint_format(path)
     config = load_target_config(path)
     expected = _expected_shapes(qwen3.abstract(config, jnp.float32))
     if fmt == "hf":
-        return read_hf_arrays(path, expected, tied_extras(config)), read_config_json(path)
+        bar = _progress_bar(f"reading {path.name}") if progress else None
+        return read_hf_arrays(path, expected, tied_extras(config), bar), read_config_json(path)
     return read_orbax_arrays(path, expected), read_config_json(path)
 
 
@@ -330,7 +366,7 @@ def _progress_bar(desc: str):
     from tqdm import tqdm
 
     def make(total: int):
-        bar = tqdm(total=total, desc=desc, unit="tensor", leave=False)
+        bar = tqdm(total=total, desc=desc, unit="tensor", leave=False, disable=None)  # None: off when not a TTY
 
         def ticks():
             for _ in range(total):

@@ -1,0 +1,92 @@
+"""Convert target checkpoints between the Hugging Face safetensors layout and orbax.
+
+    python -m conversions.convert hf-to-orbax SRC DST [--force] [--verify]
+    python -m conversions.convert orbax-to-hf SRC DST [--force] [--verify] [--max-shard-mb N]
+
+Tensors keep their stored dtype, so a round trip is bit-exact. The output is written to a temporary
+folder next to DST and renamed at the end; an existing DST is refused unless --force. `--verify` runs
+both checkpoints (float32) on the same tokens and reports the largest logit difference; a difference
+above `--tolerance` exits 1. Bad input exits 2 with one `error:` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+EXIT_MISMATCH = 1
+EXIT_BAD_INPUT = 2
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m conversions.convert", description=__doc__.split("\n")[0])
+    p.add_argument("direction", choices=["hf-to-orbax", "orbax-to-hf"])
+    p.add_argument("src", type=Path)
+    p.add_argument("dst", type=Path)
+    p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    p.add_argument("--verify", action="store_true", help="compare logits of SRC and DST on the same tokens")
+    p.add_argument("--tolerance", type=float, default=0.0, help="largest logit difference --verify accepts")
+    p.add_argument("--max-shard-mb", type=int, default=5120, help="orbax-to-hf: largest safetensors shard, MiB")
+    return p.parse_args(argv)
+
+
+def convert(direction: str, src: Path, dst: Path, *, force: bool = False, max_shard_mb: int = 5120) -> Path:
+    from ddtree_jax.checkpoint import CheckpointError, checkpoint_format, read_arrays, save_hf, save_orbax
+
+    want = {"hf-to-orbax": "hf", "orbax-to-hf": "orbax"}[direction]
+    found = checkpoint_format(src)
+    if found != want:
+        raise CheckpointError(f"{src}: is a {found} checkpoint, but {direction} needs a {want} one")
+    if dst.exists() and not force:
+        raise CheckpointError(f"{dst}: already exists (pass --force to overwrite)")
+    if dst.resolve() == src.resolve():
+        raise CheckpointError(f"{dst}: is the source folder; choose another destination")
+    arrays, config_raw = read_arrays(src, progress=True)
+    if direction == "hf-to-orbax":
+        return save_orbax(arrays, config_raw, dst, side_files_from=src, force=force)
+    return save_hf(arrays, config_raw, dst, side_files_from=src, force=force, max_shard_bytes=max_shard_mb * 2**20)
+
+
+def max_logit_difference(a: Path, b: Path, seq_len: int = 16, seed: int = 0) -> float:
+    """Largest |logit| difference between two target checkpoints on the same random tokens (float32)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ddtree_jax.checkpoint import load_target
+    from ddtree_jax.engine import causal_mask
+    from ddtree_jax.models import qwen3
+
+    logits = []
+    for folder in (a, b):
+        params = load_target(folder, jnp.float32)
+        tokens = np.random.default_rng(seed).integers(0, params.config.vocab_size, (1, seq_len))
+        cache = qwen3.create_cache(params.config, 1, seq_len, jnp.float32)
+        out = qwen3.forward(params, jnp.asarray(tokens), jnp.arange(seq_len)[None], cache,
+                            causal_mask(jnp.array([seq_len]), seq_len))
+        logits.append(np.asarray(qwen3.logits(params, out.hidden)))
+    return float(np.abs(logits[0] - logits[1]).max())
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from ddtree_jax.checkpoint import CheckpointError
+    from ddtree_jax.config import ConfigError
+
+    try:
+        out = convert(args.direction, args.src, args.dst, force=args.force, max_shard_mb=args.max_shard_mb)
+    except (CheckpointError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"wrote {out}")
+    if args.verify:
+        diff = max_logit_difference(args.src, out)
+        ok = diff <= args.tolerance
+        print(f"verify: max |logit difference| = {diff:.3g} ({'ok' if ok else f'above tolerance {args.tolerance}'})")
+        if not ok:
+            return EXIT_MISMATCH
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""`python -m ddtree_jax.generate`: generate text from a local checkpoint (HF or orbax folder).
+
+Streams text to the terminal, or prints one JSON object with `--json`:
+  {"mode", "output_ids", "text" (with a tokenizer), "acceptance_lengths", "tau", "new_tokens",
+   "decode_seconds", "tokens_per_second"}
+Bad input (missing or corrupt checkpoint, unknown token ids, ...) prints one `error:` line and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+EXIT_BAD_INPUT = 2
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m ddtree_jax.generate", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", type=Path, default=None,
+                   help="target checkpoint folder (HF safetensors or orbax); default: a small random Qwen3")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default=None, help="prompt text (tokenized with the checkpoint's tokenizer)")
+    src.add_argument("--prompt-ids", default=None, help="prompt as comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--chat", action="store_true", help="wrap --prompt in the tokenizer's chat template")
+    p.add_argument("--mode", choices=["ar"], default="ar", help="decoding mode")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--stream-every", type=int, default=8, help="rounds per device call when streaming")
+    return p.parse_args(argv)
+
+
+class BadInput(Exception):
+    pass
+
+
+def _load_tokenizer(folder: Path):
+    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # transformers raises many types for broken tokenizer files
+        raise BadInput(f"{folder}: tokenizer cannot be loaded ({' '.join(str(e).split())})") from None
+
+
+def _parse_prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise BadInput(f"--prompt-ids: expected comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise BadInput("--prompt-ids: no token ids given")
+    return ids
+
+
+def _tokenize_prompt(args, tokenizer, folder: Path) -> list[int]:
+    text = args.prompt if args.prompt is not None else "def fibonacci(n):"
+    if tokenizer is None:
+        raise BadInput(f"{folder}: no tokenizer.json or tokenizer_config.json; pass --prompt-ids instead of --prompt")
+    if args.chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise BadInput(f"{folder}: the tokenizer has no chat template (drop --chat)")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    else:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise BadInput("--prompt: the prompt tokenizes to nothing")
+    return list(ids)
+
+
+def run(args: argparse.Namespace) -> dict:
+    import jax.numpy as jnp
+
+    from ddtree_jax.checkpoint import load_target
+    from ddtree_jax.config import generation_eos_ids
+    from ddtree_jax.engine import DecodeOptions, Mode, generate
+    from ddtree_jax.random_checkpoint import default_random_target
+    from ddtree_jax.sampling import SamplingConfig
+
+    # Check what needs no checkpoint first, so bad flags fail fast.
+    if args.max_new_tokens < 1:
+        raise BadInput(f"--max-new-tokens: expected >= 1, got {args.max_new_tokens}")
+    try:
+        sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    prompt = _parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
+
+    folder = args.target
+    if folder is None:
+        folder = default_random_target()
+        print(f"note: no --target given, so this runs a small randomly initialised Qwen3 checkpoint ({folder}); "
+              "its weights are random and its text is gibberish.", file=sys.stderr)
+    params = load_target(folder, {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype],
+                         progress=not args.json)
+    tokenizer = _load_tokenizer(folder)
+    if prompt is None:
+        prompt = _tokenize_prompt(args, tokenizer, folder)
+    eos = () if args.ignore_eos else tuple(dict.fromkeys(params.config.eos_token_ids + generation_eos_ids(folder)))
+    options = DecodeOptions(mode=Mode(args.mode), max_new_tokens=args.max_new_tokens, sampling=sampling, eos_ids=eos)
+
+    printed = [""]
+
+    def stream(rows):
+        if tokenizer is None:
+            return
+        text = tokenizer.decode(rows[0], skip_special_tokens=True)
+        if text.startswith(printed[0]) and not text.endswith("\ufffd"):
+            sys.stdout.write(text[len(printed[0]):])
+            sys.stdout.flush()
+            printed[0] = text
+
+    try:
+        result = generate(params, [prompt], options, seed=args.seed,
+                          steps_per_call=None if args.json else args.stream_every,
+                          on_tokens=None if args.json else stream)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    out = result.output_ids[0]
+    report = {
+        "mode": args.mode,
+        "output_ids": out,
+        "acceptance_lengths": result.acceptance_lengths[0],
+        "tau": result.tau,
+        "new_tokens": len(out),
+        "decode_seconds": result.decode_seconds,
+        "tokens_per_second": len(out) / result.decode_seconds if result.decode_seconds > 0 else None,
+    }
+    if tokenizer is not None:
+        report["text"] = tokenizer.decode(out, skip_special_tokens=True)
+    if not args.json:
+        if tokenizer is None:
+            print(" ".join(map(str, out)))
+        else:
+            stream(result.output_ids)
+            print()
+        tps = report["tokens_per_second"]
+        print(f"[{args.mode}] {len(out)} tokens in {result.decode_seconds:.3f} s"
+              + (f" ({tps:.1f} tokens/s)" if tps else "") + f", tau {result.tau:.2f}", file=sys.stderr)
+    return report
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from ddtree_jax.checkpoint import CheckpointError
+    from ddtree_jax.config import ConfigError
+
+    try:
+        report = run(args)
+    except (BadInput, CheckpointError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The AR engine: masks, EOS handling, on-device loop, and greedy output against transformers' generate."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.checkpoint import load_target
+from ddtree_jax.engine import DecodeOptions, DecodeState, _emit, causal_mask, generate
+from ddtree_jax.sampling import SamplingConfig
+
+
+def test_causal_mask_literal():
+    mask = np.asarray(causal_mask(jnp.array([2, 3]), 3)).astype(int)
+    np.testing.assert_array_equal(mask[0], [[1, 0, 0], [1, 1, 0], [0, 0, 1]])
+    np.testing.assert_array_equal(mask[1], [[1, 0, 0], [1, 1, 0], [1, 1, 1]])
+
+
+@dataclasses.dataclass
+class EmitCase:
+    name: str
+    tokens: list[list[int]]
+    counts: list[int]
+    done: list[bool]
+    num_generated: list[int]
+    expect_output: list[list[int]]
+    expect_done: list[bool]
+
+
+EMIT_CASES = [
+    EmitCase("append_all", [[5, 6, 7]], [3], [False], [0], [[5, 6, 7]], [False]),
+    EmitCase("eos_inside_round_drops_the_rest", [[5, 9, 7]], [3], [False], [0], [[5, 9]], [True]),
+    EmitCase("eos_beyond_count_is_ignored", [[5, 6, 9]], [2], [False], [0], [[5, 6]], [False]),
+    EmitCase("budget_cuts_the_round", [[5, 6, 7]], [3], [False], [4], [[1, 1, 1, 1, 5, 6]], [True]),
+    EmitCase("done_rows_stay_put", [[5, 6, 7], [5, 6, 7]], [3, 3], [True, False], [1, 1],
+             [[1], [1, 5, 6, 7]], [True, False]),
+]
+
+
+@pytest.mark.parametrize("case", EMIT_CASES, ids=lambda c: c.name)
+def test_emit(case: EmitCase):
+    b, max_new = len(case.tokens), 6
+    output = np.zeros((b, max_new), np.int32)
+    for r, n in enumerate(case.num_generated):
+        output[r, :n] = 1
+    state = DecodeState(cache=None, last_token=jnp.asarray(output[:, 0]), output=jnp.asarray(output),
+                        num_generated=jnp.asarray(case.num_generated, jnp.int32), done=jnp.asarray(case.done),
+                        round_lengths=None, num_rounds=None, rng=None, step=None)
+    options = DecodeOptions(max_new_tokens=max_new, eos_ids=(9,))
+    out = _emit(state, jnp.asarray(case.tokens, jnp.int32), jnp.asarray(case.counts, jnp.int32), options)
+    got = [np.asarray(out.output)[r, :int(out.num_generated[r])].tolist() for r in range(b)]
+    assert got == case.expect_output
+    assert np.asarray(out.done).tolist() == case.expect_done
+    for r in range(b):
+        if got[r]:
+            assert int(out.last_token[r]) == got[r][-1]
+
+
+def test_eos_stops_each_row_and_is_kept(random_target):
+    params = load_target(random_target, jnp.float32)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    free = generate(params, prompts, DecodeOptions(max_new_tokens=24)).output_ids
+    eos = free[0][6]  # a token row 0 emits; row 1 may or may not emit it
+    stopped = generate(params, prompts, DecodeOptions(max_new_tokens=24, eos_ids=(eos,))).output_ids
+    for row_free, row_stopped in zip(free, stopped):
+        cut = row_free.index(eos) + 1 if eos in row_free else len(row_free)
+        assert row_stopped == row_free[:cut]
+    assert len(stopped[0]) <= 7
+
+
+def test_streaming_in_chunks_gives_the_same_tokens(random_target):
+    params = load_target(random_target, jnp.float32)
+    options = DecodeOptions(max_new_tokens=21)
+    whole = generate(params, [[7, 7, 7]], options)
+    seen = []
+    chunked = generate(params, [[7, 7, 7]], options, steps_per_call=4, on_tokens=lambda rows: seen.append(len(rows[0])))
+    assert chunked.output_ids == whole.output_ids
+    assert seen == [1, 5, 9, 13, 17, 21]
+    assert whole.acceptance_lengths == [[1] * 20] and whole.tau == 1.0
+
+
+def test_sampling_is_reproducible_and_seed_dependent(random_target):
+    params = load_target(random_target, jnp.float32)
+    options = DecodeOptions(max_new_tokens=16, sampling=SamplingConfig(temperature=1.0, top_k=20))
+    a = generate(params, [[1, 2, 3]], options, seed=1).output_ids
+    assert generate(params, [[1, 2, 3]], options, seed=1).output_ids == a
+    assert generate(params, [[1, 2, 3]], options, seed=2).output_ids != a
+
+
+def test_rejects_out_of_vocabulary_prompt(random_target):
+    params = load_target(random_target, jnp.float32)
+    with pytest.raises(ValueError, match="token id 100000 is outside the vocabulary"):
+        generate(params, [[1, 100000]], DecodeOptions(max_new_tokens=2))
+
+
+def test_greedy_matches_transformers_generate_with_unequal_prompts(hf_qwen3):
+    torch = pytest.importorskip("torch")
+    from transformers import GenerationConfig
+
+    folder, hf = hf_qwen3
+    params = load_target(folder, jnp.float32)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (6, 1, 13)]
+    ours = generate(params, prompts, DecodeOptions(max_new_tokens=24)).output_ids
+    config = GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for prompt, row in zip(prompts, ours):
+        with torch.no_grad():
+            theirs = hf.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt):].tolist()
+        assert len(theirs) == 24
+        assert row == theirs
