@@ -240,3 +240,121 @@ def generation_eos_ids(path: str | Path) -> tuple[int, ...]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ConfigError(f"{file}: not valid JSON ({e})") from None
     return _Fields(raw if isinstance(raw, dict) else {}, str(file)).token_ids("eos_token_id")
+
+
+# ----------------------------------------------------------------------------------------------------
+# DFlash drafter
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashConfig:
+    """Facts about a DFlash block-diffusion drafter (HF `architectures: ["DFlashDraftModel"]`).
+
+    The drafter has no embedding and no lm_head: it borrows the target's. `layer_causal[i]` and
+    `layer_windows[i]` give layer i's mask: causal inside the block or not, and the sliding window on
+    absolute positions (None: unwindowed).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    vocab_size: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int | None
+    layer_causal: tuple[bool, ...]
+    layer_windows: tuple[int | None, ...]
+    max_position_embeddings: int
+
+    @property
+    def num_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+DRAFTER_ARCHITECTURE = "DFlashDraftModel"
+
+
+def parse_dflash(raw: dict[str, Any], where: str = "config.json") -> DFlashConfig:
+    """Build a `DFlashConfig` from a drafter's HF `config.json` dict, as the published checkpoints lay it out."""
+    f = _Fields(raw, where)
+    archs = raw.get("architectures") or []
+    if DRAFTER_ARCHITECTURE not in archs:
+        raise f.fail("architectures", f"expected a list holding {DRAFTER_ARCHITECTURE!r}, found {archs!r}")
+    dflash = raw.get("dflash_config")
+    if not isinstance(dflash, dict):
+        raise f.fail("dflash_config", f"missing or not an object (found {dflash!r}); it must hold mask_token_id "
+                                      "and target_layer_ids")
+    sub = _Fields(dflash, f"{where}: dflash_config")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise f.fail("hidden_act", f"expected 'silu', found {raw.get('hidden_act')!r}")
+    if raw.get("attention_bias", False):
+        raise f.fail("attention_bias", "biased projections are not supported (expected false)")
+
+    if "block_size" in raw:
+        block_size = f.int("block_size", minimum=2)
+    elif "block_size" in dflash:
+        block_size = sub.int("block_size", minimum=2)
+    else:
+        raise f.fail("block_size", "missing (expected at top level or inside dflash_config)")
+    mask_token_id = sub.int("mask_token_id", minimum=0)
+    layer_ids = dflash.get("target_layer_ids")
+    if not isinstance(layer_ids, list) or not layer_ids or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layer_ids):
+        raise sub.fail("target_layer_ids", f"expected a non-empty list of layer indices, found {layer_ids!r}")
+
+    hidden = f.int("hidden_size")
+    heads = f.int("num_attention_heads")
+    kv_heads = f.int("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise f.fail("num_key_value_heads", f"{kv_heads} does not divide num_attention_heads={heads}")
+    head_dim = f.int("head_dim", hidden // heads)
+    if head_dim % 2:
+        raise f.fail("head_dim", f"expected an even number (RoPE rotates pairs), found {head_dim}")
+    num_layers = f.int("num_hidden_layers")
+    layer_types = raw.get("layer_types") or ["full_attention"] * num_layers
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        raise f.fail("layer_types", f"expected a list of {num_layers} entries, found {layer_types!r}")
+    for i, kind in enumerate(layer_types):
+        if kind not in ("full_attention", "sliding_attention"):
+            raise f.fail("layer_types", f"entry {i} is {kind!r}; expected 'full_attention' or 'sliding_attention'")
+    # As the reference: a window only where HF's config keeps one (use_sliding_window), on sliding layers;
+    # causal per layer from `is_causal` if set, else sliding layers are causal.
+    window = f.int("sliding_window") if f.bool("use_sliding_window", False) and raw.get("sliding_window") else None
+    is_causal = raw.get("is_causal")
+    if is_causal is not None and not isinstance(is_causal, bool):
+        raise f.fail("is_causal", f"expected true, false or null, found {is_causal!r}")
+    causal = tuple(kind == "sliding_attention" if is_causal is None else is_causal for kind in layer_types)
+    windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+    num_target_layers = raw.get("num_target_layers")
+    if num_target_layers is not None:
+        num_target_layers = f.int("num_target_layers")
+    return DFlashConfig(
+        hidden_size=hidden,
+        intermediate_size=f.int("intermediate_size"),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=f.float("rms_norm_eps", 1e-6),
+        rope=parse_rope(f),
+        vocab_size=f.int("vocab_size"),
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=tuple(layer_ids),
+        num_target_layers=num_target_layers,
+        layer_causal=causal,
+        layer_windows=windows,
+        max_position_embeddings=f.int("max_position_embeddings", 32768),
+    )
+
+
+def load_drafter_config(path: str | Path) -> DFlashConfig:
+    path = Path(path)
+    return parse_dflash(read_config_json(path), str(path / "config.json" if path.is_dir() else path))
