@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from ddtree_jax.config import ConfigError, load_target_config, read_config_json
-from ddtree_jax.models import qwen3
+from ddtree_jax.config import (DRAFTER_ARCHITECTURE, check_pair, load_drafter_config, load_target_config,
+                               read_config_json)
+from ddtree_jax.models import dflash, qwen3
 from ddtree_jax.models.params import ModelParams
 
 SINGLE_FILE = "model.safetensors"
@@ -335,31 +336,81 @@ def read_orbax_arrays(path: str | Path, expected: dict[str, tuple[int, ...]], dt
 # Public entry points
 
 
+def is_drafter(config_raw: dict) -> bool:
+    return DRAFTER_ARCHITECTURE in (config_raw.get("architectures") or [])
+
+
+def _stored_shape(path: Path, name: str) -> tuple[int, ...] | None:
+    """The shape a checkpoint folder stores for one tensor, read from headers or metadata only."""
+    if checkpoint_format(path) == "orbax":
+        try:
+            return tuple(_flatten(_orbax.metadata(path / "params"))[name].shape)
+        except KeyError:
+            return None
+        except Exception as e:
+            raise CheckpointError(f"{path / 'params'}: not a readable orbax checkpoint ({_one_line(e)})") from None
+    files = _tensor_files(path)
+    if name not in files:
+        return None
+    with _open(files[name]) as f:
+        return tuple(f.get_slice(name).get_shape())
+
+
+def _load(path: Path, abstract: ModelParams, dtype, tied: dict[str, str], progress: bool) -> ModelParams:
+    expected = _expected_shapes(abstract)
+    if checkpoint_format(path) == "hf":
+        bar = _progress_bar(f"loading {path.name}") if progress else None
+        arrays = _to_device(read_hf_arrays(path, expected, tied, bar), dtype)
+    else:
+        arrays = read_orbax_arrays(path, expected, dtype)
+    return abstract.replace_flat(arrays)
+
+
 def load_target(path: str | Path, dtype=jnp.bfloat16, progress: bool = False) -> ModelParams:
     """Load a target checkpoint (HF or orbax folder) as `ModelParams` in `dtype` (None: as stored)."""
     path = Path(path)
-    fmt = checkpoint_format(path)
+    checkpoint_format(path)
     config = load_target_config(path)
-    params = qwen3.abstract(config, dtype or jnp.float32)
-    expected = _expected_shapes(params)
-    if fmt == "hf":
-        bar = _progress_bar(f"loading {path.name}") if progress else None
-        arrays = _to_device(read_hf_arrays(path, expected, tied_extras(config), bar), dtype)
-    else:
-        arrays = read_orbax_arrays(path, expected, dtype)
-    return params.replace_flat(arrays)
+    return _load(path, qwen3.abstract(config, dtype or jnp.float32), dtype, tied_extras(config), progress)
+
+
+def load_drafter(path: str | Path, target_config, dtype=jnp.bfloat16, *, allow_layer_mismatch: bool = False,
+                 progress: bool = False) -> ModelParams:
+    """Load a DFlash drafter for `target_config`, checking the pair before reading any weights."""
+    path = Path(path)
+    checkpoint_format(path)
+    config = load_drafter_config(path)
+    check_pair(target_config, config, allow_layer_mismatch=allow_layer_mismatch, where=str(path / "config.json"))
+    want = len(config.target_layer_ids) * target_config.hidden_size
+    fc = _stored_shape(path, "fc.weight")
+    if fc is not None and len(fc) == 2 and fc[1] != want:
+        raise CheckpointError(
+            f"{path}: tensor 'fc.weight' takes {fc[1]} input features, but len(target_layer_ids)="
+            f"{len(config.target_layer_ids)} taps x the target's hidden_size {target_config.hidden_size} = {want}")
+    abstract = dflash.abstract(config, target_config.hidden_size, dtype or jnp.float32)
+    return _load(path, abstract, dtype, {}, progress)
 
 
 def read_arrays(path: str | Path, progress: bool = False) -> tuple[dict[str, np.ndarray | jax.Array], dict]:
-    """All parameters of a target checkpoint in their stored dtypes, plus the raw config dict."""
+    """All parameters of a target or drafter checkpoint in their stored dtypes, plus the raw config dict."""
     path = Path(path)
     fmt = checkpoint_format(path)
-    config = load_target_config(path)
-    expected = _expected_shapes(qwen3.abstract(config, jnp.float32))
+    raw = read_config_json(path)
+    if is_drafter(raw):
+        config = load_drafter_config(path)
+        fc = _stored_shape(path, "fc.weight")
+        if fc is None or len(fc) != 2 or fc[1] % len(config.target_layer_ids):
+            raise CheckpointError(f"{path}: tensor 'fc.weight' is missing or its input width {fc} is not a multiple "
+                                  f"of the {len(config.target_layer_ids)} target_layer_ids")
+        abstract, tied = dflash.abstract(config, fc[1] // len(config.target_layer_ids), jnp.float32), {}
+    else:
+        config = load_target_config(path)
+        abstract, tied = qwen3.abstract(config, jnp.float32), tied_extras(config)
+    expected = _expected_shapes(abstract)
     if fmt == "hf":
         bar = _progress_bar(f"reading {path.name}") if progress else None
-        return read_hf_arrays(path, expected, tied_extras(config), bar), read_config_json(path)
-    return read_orbax_arrays(path, expected), read_config_json(path)
+        return read_hf_arrays(path, expected, tied, bar), raw
+    return read_orbax_arrays(path, expected), raw
 
 
 def _progress_bar(desc: str):

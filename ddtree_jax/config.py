@@ -358,3 +358,26 @@ def parse_dflash(raw: dict[str, Any], where: str = "config.json") -> DFlashConfi
 def load_drafter_config(path: str | Path) -> DFlashConfig:
     path = Path(path)
     return parse_dflash(read_config_json(path), str(path / "config.json" if path.is_dir() else path))
+
+
+def check_pair(target: Qwen3Config, drafter: DFlashConfig, *, allow_layer_mismatch: bool = False,
+               where: str = "drafter config.json") -> None:
+    """Check that a drafter can run on a target; a ConfigError names the field, the value and what was expected."""
+    if drafter.mask_token_id >= target.vocab_size:
+        raise ConfigError(f"{where}: field 'dflash_config.mask_token_id': {drafter.mask_token_id} is not a row of the "
+                          f"target's embedding (expected 0..{target.vocab_size - 1})")
+    for layer_id in drafter.target_layer_ids:
+        if layer_id >= target.num_layers:
+            raise ConfigError(f"{where}: field 'dflash_config.target_layer_ids': {layer_id} is not a target layer "
+                              f"(expected 0..{target.num_layers - 1}; found {list(drafter.target_layer_ids)})")
+    if drafter.hidden_size != target.hidden_size:
+        raise ConfigError(f"{where}: field 'hidden_size': {drafter.hidden_size}, expected the target's "
+                          f"hidden_size {target.hidden_size} (the drafter uses the target's embedding and lm_head)")
+    if drafter.vocab_size != target.vocab_size:
+        raise ConfigError(f"{where}: field 'vocab_size': {drafter.vocab_size}, expected the target's vocab_size "
+                          f"{target.vocab_size}")
+    if drafter.num_target_layers is not None and drafter.num_target_layers != target.num_layers \
+            and not allow_layer_mismatch:
+        raise ConfigError(f"{where}: field 'num_target_layers': {drafter.num_target_layers}, but the target has "
+                          f"{target.num_layers} layers (a drafter trained for another target? "
+                          "--allow-layer-mismatch overrides)")

@@ -1,12 +1,13 @@
 """Decoding rounds and the on-device decode loop.
 
-A round is one jitted function of `(params, DecodeState)`; the loop is a `lax.while_loop` over rounds
+A round is one jitted function of `(target, drafter, DecodeState)`; the loop is a `lax.while_loop` over rounds
 that runs until every row is done or a step limit is reached (the limit lets a terminal stream a few
 rounds per call). The state is donated, so caches update in place. The host-facing `generate` pads the
 prompts, sizes the cache, compiles once per shape (kept in a small cache) and times prefill and decode
 separately, compilation excluded.
 
-Modes so far: AR (one target token per round). DFlash and DDTree rounds plug into the same loop.
+Modes: AR (one target token per round) and DFlash (a drafted chain verified in one target pass).
+The DDTree round plugs into the same loop.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax.cache import KVCache, advance
-from ddtree_jax.models import qwen3
+from ddtree_jax.models import dflash, qwen3
 from ddtree_jax.models.params import ModelParams
 from ddtree_jax.sampling import SamplingConfig, decode_tokens
 
@@ -31,20 +32,36 @@ PROMPT_BUCKET = 32
 
 class Mode(str, enum.Enum):
     AR = "ar"
+    DFLASH = "dflash"
+
+    @property
+    def needs_drafter(self) -> bool:
+        return self is not Mode.AR
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeOptions:
-    """Static choices of one generation call (hashable: part of the compilation key)."""
+    """Static choices of one generation call (hashable: part of the compilation key).
+
+    block_size: drafter block (bonus + bs - 1 drafts) for DFlash; 0 takes the drafter's own.
+    """
 
     mode: Mode = Mode.AR
     max_new_tokens: int = 64
     sampling: SamplingConfig = SamplingConfig()
     eos_ids: tuple[int, ...] = ()  # empty: never stop on a token
+    block_size: int = 0
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.mode.needs_drafter and self.block_size == 1:
+            raise ValueError(f"block_size must be >= 2 for {self.mode.value}, got {self.block_size}")
+
+    @property
+    def verify_width(self) -> int:
+        """Tokens the target verifies per round (the widest call after prefill)."""
+        return 1 if self.mode is Mode.AR else self.block_size
 
     @property
     def max_rounds(self) -> int:
@@ -58,6 +75,7 @@ class DecodeState:
 
     Fields:
       cache:          target KV cache; `lengths` counts the tokens fed to the target.
+      draft_cache:    drafter context K/V (same lengths as `cache` between rounds), or None for AR.
       last_token:     [b] int32, newest emitted token (not yet fed to the target).
       output:         [b, max_new] int32, emitted tokens (prompt excluded); valid up to num_generated.
       num_generated:  [b] int32.
@@ -69,6 +87,7 @@ class DecodeState:
     """
 
     cache: KVCache
+    draft_cache: KVCache | None
     last_token: jax.Array
     output: jax.Array
     num_generated: jax.Array
@@ -121,21 +140,27 @@ def _emit(state: DecodeState, tokens: jax.Array, counts: jax.Array, options: Dec
                                last_token=jnp.where(kept > 0, last, state.last_token))
 
 
-def prefill(params: ModelParams, tokens: jax.Array, prompt_lengths: jax.Array, rng: jax.Array, *,
-            capacity: int, options: DecodeOptions) -> DecodeState:
-    """Run the prompt (right-padded tokens [b, p], lengths [b]) and emit each row's first token."""
+def prefill(target: ModelParams, drafter: ModelParams | None, tokens: jax.Array, prompt_lengths: jax.Array,
+            rng: jax.Array, *, capacity: int, options: DecodeOptions) -> DecodeState:
+    """Run the prompt (right-padded tokens [b, p], lengths [b]), fill the drafter's context cache, and emit
+    each row's first token."""
     b, p = tokens.shape
-    config = params.config
-    dtype = params.flat()["model.embed_tokens.weight"].dtype
-    cache = qwen3.create_cache(config, b, capacity, dtype)
+    dtype = target.flat()["model.embed_tokens.weight"].dtype
+    cache = qwen3.create_cache(target.config, b, capacity, dtype)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-    out = qwen3.forward(params, tokens, positions, cache, causal_mask(prompt_lengths, p))
+    taps = drafter.config.target_layer_ids if drafter is not None else ()
+    out = qwen3.forward(target, tokens, positions, cache, causal_mask(prompt_lengths, p), tap_layers=taps)
     cache = advance(out.cache, prompt_lengths)
+    draft_cache = None
+    if drafter is not None:
+        draft_cache = dflash.ingest_context(drafter, out.taps, prompt_lengths,
+                                            dflash.create_cache(drafter.config, b, capacity, dtype))
     last_hidden = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
     rng, key = jax.random.split(rng)
-    first = decode_tokens(qwen3.logits(params, last_hidden), key, options.sampling)
+    first = decode_tokens(qwen3.logits(target, last_hidden), key, options.sampling)
     state = DecodeState(
         cache=cache,
+        draft_cache=draft_cache,
         last_token=first,
         output=jnp.zeros((b, options.max_new_tokens), jnp.int32),
         num_generated=jnp.zeros((b,), jnp.int32),
@@ -148,18 +173,53 @@ def prefill(params: ModelParams, tokens: jax.Array, prompt_lengths: jax.Array, r
     return _emit(state, first[:, None], jnp.ones((b,), jnp.int32), options)
 
 
-def ar_round(params: ModelParams, state: DecodeState, options: DecodeOptions) -> DecodeState:
+def ar_round(target: ModelParams, drafter: None, state: DecodeState, options: DecodeOptions) -> DecodeState:
     """Feed each row's last token to the target and emit the next one."""
     b = state.last_token.shape[0]
     running = ~state.done
-    out = qwen3.forward(params, state.last_token[:, None], state.cache.lengths[:, None], state.cache,
+    out = qwen3.forward(target, state.last_token[:, None], state.cache.lengths[:, None], state.cache,
                         jnp.ones((b, 1, 1), bool))
     cache = advance(out.cache, running.astype(jnp.int32))
     rng, key = jax.random.split(state.rng)
-    token = decode_tokens(qwen3.logits(params, out.hidden[:, 0]), key, options.sampling)
+    token = decode_tokens(qwen3.logits(target, out.hidden[:, 0]), key, options.sampling)
     counts = running.astype(jnp.int32)
     state = dataclasses.replace(state, cache=cache, rng=rng)
     return _record_round(_emit(state, token[:, None], counts, options), counts, running)
+
+
+def dflash_round(target: ModelParams, drafter: ModelParams, state: DecodeState, options: DecodeOptions) -> DecodeState:
+    """Draft a chain in one drafter pass, verify it in one target pass, keep the longest agreeing prefix.
+
+    With bs = 4, bonus x, drafts [d1 d2 d3] and the target's decoded tokens post = [p0 p1 p2 p3] for the
+    chain [x d1 d2 d3]: d1 == p0, d2 == p1, d3 != p2 gives acc = 2; the cache keeps [x d1 d2] (3 rows),
+    the round emits [p0 p1 p2] = [d1 d2 p2], and p2 is the next bonus. At temperature > 0 the post tokens
+    are independent samples of the target's rule (sample-and-match), so every emitted token is an exact
+    sample given its prefix.
+    """
+    b = state.last_token.shape[0]
+    bs = options.block_size
+    running = ~state.done
+    start = state.cache.lengths
+    mask_id = drafter.config.mask_token_id
+    with jax.named_scope("draft"):
+        block = jnp.concatenate([state.last_token[:, None], jnp.full((b, bs - 1), mask_id, jnp.int32)], axis=1)
+        drafts = jnp.argmax(dflash.draft_logits(drafter, target, block, state.draft_cache), axis=-1).astype(jnp.int32)
+    with jax.named_scope("verify"):
+        chain = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
+        positions = start[:, None] + jnp.arange(bs, dtype=jnp.int32)[None, :]
+        out = qwen3.forward(target, chain, positions, state.cache, causal_mask(jnp.full((b,), bs), bs),
+                            tap_layers=drafter.config.target_layer_ids)
+        rng, key = jax.random.split(state.rng)
+        post = decode_tokens(qwen3.logits(target, out.hidden), key, options.sampling)
+    with jax.named_scope("accept"):
+        accepted = jnp.cumprod((drafts == post[:, :-1]).astype(jnp.int32), axis=1).sum(axis=1)
+        counts = jnp.where(running, accepted + 1, 0)
+    with jax.named_scope("commit"):
+        cache = advance(out.cache, counts)
+        draft_cache = dflash.ingest_context(drafter, out.taps, counts, state.draft_cache)
+        state = dataclasses.replace(state, cache=cache, draft_cache=draft_cache, rng=rng)
+        state = _emit(state, post, counts, options)
+    return _record_round(state, counts, running)
 
 
 def _record_round(state: DecodeState, counts: jax.Array, running: jax.Array) -> DecodeState:
@@ -170,10 +230,11 @@ def _record_round(state: DecodeState, counts: jax.Array, running: jax.Array) -> 
                                step=state.step + 1)
 
 
-ROUNDS = {Mode.AR: ar_round}
+ROUNDS = {Mode.AR: ar_round, Mode.DFLASH: dflash_round}
 
 
-def decode_loop(params: ModelParams, state: DecodeState, max_steps: jax.Array, options: DecodeOptions) -> DecodeState:
+def decode_loop(target: ModelParams, drafter: ModelParams | None, state: DecodeState, max_steps: jax.Array,
+                options: DecodeOptions) -> DecodeState:
     """Run rounds until every row is done or `max_steps` more rounds have run (all on device)."""
     round_fn = ROUNDS[options.mode]
     stop_at = state.step + max_steps
@@ -181,7 +242,7 @@ def decode_loop(params: ModelParams, state: DecodeState, max_steps: jax.Array, o
     def cond(s: DecodeState):
         return (~s.done).any() & (s.step < stop_at)
 
-    return jax.lax.while_loop(cond, lambda s: round_fn(params, s, options), state)
+    return jax.lax.while_loop(cond, lambda s: round_fn(target, drafter, s, options), state)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -228,17 +289,30 @@ def _compiled(name: str, fn: Callable, args: tuple, static: dict, donate: tuple[
     return compiled, time.perf_counter() - start
 
 
-def generate(params: ModelParams, prompts: Sequence[Sequence[int]], options: DecodeOptions, *, seed: int = 0,
-             steps_per_call: int | None = None,
+def resolve_options(options: DecodeOptions, drafter: ModelParams | None) -> DecodeOptions:
+    """Fill in what the drafter decides (block size) and check that the mode has what it needs."""
+    if options.mode.needs_drafter:
+        if drafter is None:
+            raise ValueError(f"mode {options.mode.value} needs a drafter")
+        if options.block_size == 0:
+            options = dataclasses.replace(options, block_size=drafter.config.block_size)
+    return options
+
+
+def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: DecodeOptions, *,
+             drafter: ModelParams | None = None, seed: int = 0, steps_per_call: int | None = None,
              on_tokens: Callable[[list[list[int]]], None] | None = None) -> GenerationResult:
     """Generate for a batch of token-id prompts (unequal lengths allowed).
 
-    steps_per_call: rounds per device call (None: the whole loop in one call); `on_tokens` receives every
-    row's tokens so far after each call, for streaming.
+    drafter: the DFlash drafter (DFlash mode). steps_per_call: rounds per device call (None: the whole loop
+    in one call); `on_tokens` receives every row's tokens so far after each call, for streaming.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    vocab = params.config.vocab_size
+    options = resolve_options(options, drafter)
+    if not options.mode.needs_drafter:
+        drafter = None
+    vocab = target.config.vocab_size
     for r, prompt in enumerate(prompts):
         bad = [t for t in prompt if not 0 <= int(t) < vocab]
         if bad:
@@ -246,9 +320,7 @@ def generate(params: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
     b = len(prompts)
     lengths = np.array([len(p) for p in prompts], np.int32)
     width = _round_up(int(lengths.max()), PROMPT_BUCKET)
-    capacity = _round_up(width + options.max_new_tokens + 1, CAPACITY_BUCKET)
-    if capacity > params.config.max_position_embeddings:
-        capacity = max(width + options.max_new_tokens + 1, params.config.max_position_embeddings)
+    capacity = _round_up(width + options.max_new_tokens + options.verify_width, CAPACITY_BUCKET)
     tokens = np.zeros((b, width), np.int32)
     for r, prompt in enumerate(prompts):
         tokens[r, :len(prompt)] = prompt
@@ -256,14 +328,14 @@ def generate(params: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
     tokens, lengths_dev = jnp.asarray(tokens), jnp.asarray(lengths)
 
     static = dict(capacity=capacity, options=options)
-    prefill_fn, compile_s = _compiled("prefill", prefill, (params, tokens, lengths_dev, rng), static)
+    prefill_fn, compile_s = _compiled("prefill", prefill, (target, drafter, tokens, lengths_dev, rng), static)
     start = time.perf_counter()
-    state = jax.block_until_ready(prefill_fn(params, tokens, lengths_dev, rng))
+    state = jax.block_until_ready(prefill_fn(target, drafter, tokens, lengths_dev, rng))
     prefill_s = time.perf_counter() - start
 
     steps = jnp.asarray(steps_per_call or options.max_rounds, jnp.int32)
-    loop_fn, loop_compile_s = _compiled("decode_loop", decode_loop, (params, state, steps), dict(options=options),
-                                        donate=(1,))
+    loop_fn, loop_compile_s = _compiled("decode_loop", decode_loop, (target, drafter, state, steps),
+                                        dict(options=options), donate=(2,))
     decode_s = 0.0
     while True:
         if on_tokens is not None:
@@ -271,7 +343,7 @@ def generate(params: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
         if bool(state.done.all()):
             break
         start = time.perf_counter()
-        state = jax.block_until_ready(loop_fn(params, state, steps))
+        state = jax.block_until_ready(loop_fn(target, drafter, state, steps))
         decode_s += time.perf_counter() - start
     round_lengths, num_rounds = np.asarray(state.round_lengths), np.asarray(state.num_rounds)
     return GenerationResult(

@@ -25,7 +25,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     src.add_argument("--prompt", default=None, help="prompt text (tokenized with the checkpoint's tokenizer)")
     src.add_argument("--prompt-ids", default=None, help="prompt as comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--chat", action="store_true", help="wrap --prompt in the tokenizer's chat template")
-    p.add_argument("--mode", choices=["ar"], default="ar", help="decoding mode")
+    p.add_argument("--mode", choices=["ar", "dflash"], default="ar", help="decoding mode")
+    p.add_argument("--drafter", type=Path, default=None, help="DFlash drafter checkpoint folder (dflash mode)")
+    p.add_argument("--block-size", type=int, default=0, help="drafter block size (0: the drafter's own)")
+    p.add_argument("--allow-layer-mismatch", action="store_true",
+                   help="run a drafter whose num_target_layers differs from the target's layer count")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -83,8 +87,8 @@ def _tokenize_prompt(args, tokenizer, folder: Path) -> list[int]:
 def run(args: argparse.Namespace) -> dict:
     import jax.numpy as jnp
 
-    from ddtree_jax.checkpoint import load_target
-    from ddtree_jax.config import generation_eos_ids
+    from ddtree_jax.checkpoint import load_drafter, load_target
+    from ddtree_jax.config import check_pair, generation_eos_ids, load_drafter_config, load_target_config
     from ddtree_jax.engine import DecodeOptions, Mode, generate
     from ddtree_jax.random_checkpoint import default_random_target
     from ddtree_jax.sampling import SamplingConfig
@@ -103,13 +107,27 @@ def run(args: argparse.Namespace) -> dict:
         folder = default_random_target()
         print(f"note: no --target given, so this runs a small randomly initialised Qwen3 checkpoint ({folder}); "
               "its weights are random and its text is gibberish.", file=sys.stderr)
-    params = load_target(folder, {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype],
-                         progress=not args.json)
+    mode = Mode(args.mode)
+    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
+    if mode.needs_drafter:
+        if args.drafter is None:
+            raise BadInput(f"--mode {mode.value} needs --drafter DIR")
+        if args.block_size == 1 or args.block_size < 0:
+            raise BadInput(f"--block-size: expected 0 (the drafter's) or >= 2, got {args.block_size}")
+        # The pair is checked from the configs alone, before any weights are read.
+        check_pair(load_target_config(folder), load_drafter_config(args.drafter),
+                   allow_layer_mismatch=args.allow_layer_mismatch, where=str(args.drafter / "config.json"))
+    params = load_target(folder, dtype, progress=not args.json)
+    drafter = None
+    if mode.needs_drafter:
+        drafter = load_drafter(args.drafter, params.config, dtype, allow_layer_mismatch=args.allow_layer_mismatch,
+                               progress=not args.json)
     tokenizer = _load_tokenizer(folder)
     if prompt is None:
         prompt = _tokenize_prompt(args, tokenizer, folder)
     eos = () if args.ignore_eos else tuple(dict.fromkeys(params.config.eos_token_ids + generation_eos_ids(folder)))
-    options = DecodeOptions(mode=Mode(args.mode), max_new_tokens=args.max_new_tokens, sampling=sampling, eos_ids=eos)
+    options = DecodeOptions(mode=mode, max_new_tokens=args.max_new_tokens, sampling=sampling, eos_ids=eos,
+                            block_size=args.block_size if mode.needs_drafter else 0)
 
     printed = [""]
 
@@ -123,7 +141,7 @@ def run(args: argparse.Namespace) -> dict:
             printed[0] = text
 
     try:
-        result = generate(params, [prompt], options, seed=args.seed,
+        result = generate(params, [prompt], options, drafter=drafter, seed=args.seed,
                           steps_per_call=None if args.json else args.stream_every,
                           on_tokens=None if args.json else stream)
     except ValueError as e:

@@ -103,3 +103,58 @@ def default_random_target(cache_root: str | Path | None = None) -> Path:
     if not (folder / "config.json").exists():
         write_random_qwen3(folder, seed=0, force=True, **DEFAULT_RANDOM_TARGET)
     return folder
+
+
+def tiny_dflash_config(target_config: dict, **overrides) -> dict:
+    """An HF drafter `config.json` dict (published layout) fitting a target config dict: 2 layers, block 4,
+    taps from the target's first and last layers, mask token = the target's last embedding row."""
+    n_target = target_config["num_hidden_layers"]
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "vocab_size": target_config["vocab_size"],
+        "hidden_size": target_config["hidden_size"],
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "block_size": 4,
+        "num_target_layers": n_target,
+        "layer_types": ["full_attention", "full_attention"],
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "dflash_config": {"mask_token_id": target_config["vocab_size"] - 1,
+                          "target_layer_ids": sorted({0, n_target - 1})},
+        "torch_dtype": "float32",
+    }
+    config.update(overrides)
+    return config
+
+
+def random_dflash_arrays(config: dict, target_hidden_size: int, seed: int = 0, dtype=np.float32,
+                         std: float = 0.05) -> dict[str, np.ndarray]:
+    from ddtree_jax.config import parse_dflash
+    from ddtree_jax.models import dflash
+
+    parsed = parse_dflash(config)
+    rng = np.random.default_rng(seed)
+    arrays = {}
+    for name, a in dflash.abstract(parsed, target_hidden_size).flat().items():
+        value = 1.0 + 0.1 * rng.standard_normal(a.shape) if "norm" in name else std * rng.standard_normal(a.shape)
+        arrays[name] = value.astype(dtype)
+    return arrays
+
+
+def write_random_dflash(out: str | Path, target_config: dict, seed: int = 0, dtype=np.float32, force: bool = False,
+                        **overrides) -> Path:
+    """Write a small random DFlash drafter folder for a target config dict, atomically."""
+    config = tiny_dflash_config(target_config, **overrides)
+    arrays = random_dflash_arrays(config, target_config["hidden_size"], seed=seed, dtype=dtype)
+    return atomic_folder(out, lambda tmp: write_hf_files(tmp, arrays, config), force=force)

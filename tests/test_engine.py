@@ -46,7 +46,7 @@ def test_emit(case: EmitCase):
     output = np.zeros((b, max_new), np.int32)
     for r, n in enumerate(case.num_generated):
         output[r, :n] = 1
-    state = DecodeState(cache=None, last_token=jnp.asarray(output[:, 0]), output=jnp.asarray(output),
+    state = DecodeState(cache=None, draft_cache=None, last_token=jnp.asarray(output[:, 0]), output=jnp.asarray(output),
                         num_generated=jnp.asarray(case.num_generated, jnp.int32), done=jnp.asarray(case.done),
                         round_lengths=None, num_rounds=None, rng=None, step=None)
     options = DecodeOptions(max_new_tokens=max_new, eos_ids=(9,))

@@ -132,7 +132,8 @@ def cached_attention(
     visible_new = new_mask
     if sliding_window is not None:
         visible_cache = visible_cache & (positions[:, :, None] - slots[None, None, :] < sliding_window)
-        visible_new = visible_new & (positions[:, :, None] - positions[:, None, :] < sliding_window)
+        # |distance|: a non-causal block also hides keys more than a window ahead (as the reference).
+        visible_new = visible_new & (jnp.abs(positions[:, :, None] - positions[:, None, :]) < sliding_window)
 
     scores = jnp.concatenate([scores_cache, scores_new], axis=-1)
     visible = jnp.concatenate([visible_cache, visible_new], axis=-1)[:, None, None]
