@@ -1,12 +1,14 @@
 """Convert target checkpoints between the Hugging Face safetensors layout and orbax.
 
-    python -m conversions.convert hf-to-orbax SRC DST [--force] [--verify]
-    python -m conversions.convert orbax-to-hf SRC DST [--force] [--verify] [--max-shard-mb N]
+    python -m conversions.convert hf-to-orbax SRC DST [--force] [--verify [--target DIR]]
+    python -m conversions.convert orbax-to-hf SRC DST [--force] [--verify [--target DIR]] [--max-shard-mb N]
 
-Tensors keep their stored dtype, so a round trip is bit-exact. The output is written to a temporary
-folder next to DST and renamed at the end; an existing DST is refused unless --force. `--verify` runs
-both checkpoints (float32) on the same tokens and reports the largest logit difference; a difference
-above `--tolerance` exits 1. Bad input exits 2 with one `error:` line.
+Targets and DFlash drafters both convert. Tensors keep their stored dtype, so a round trip is
+bit-exact. The output is written to a temporary folder next to DST and renamed at the end; an existing
+DST is refused unless --force. `--verify` runs both checkpoints (float32) on the same input and reports
+the largest logit difference (a drafter runs on random context features with `--target DIR`'s
+embedding and lm_head); a difference above `--tolerance` exits 1. Bad input exits 2 with one `error:`
+line.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.add_argument("--verify", action="store_true", help="compare logits of SRC and DST on the same tokens")
     p.add_argument("--tolerance", type=float, default=0.0, help="largest logit difference --verify accepts")
+    p.add_argument("--target", type=Path, default=None, help="--verify of a drafter: the target it runs with")
     p.add_argument("--max-shard-mb", type=int, default=5120, help="orbax-to-hf: largest safetensors shard, MiB")
     return p.parse_args(argv)
 
@@ -48,16 +51,33 @@ def convert(direction: str, src: Path, dst: Path, *, force: bool = False, max_sh
     return save_hf(arrays, config_raw, dst, side_files_from=src, force=force, max_shard_bytes=max_shard_mb * 2**20)
 
 
-def max_logit_difference(a: Path, b: Path, seq_len: int = 16, seed: int = 0) -> float:
-    """Largest |logit| difference between two target checkpoints on the same random tokens (float32)."""
+def max_logit_difference(a: Path, b: Path, seq_len: int = 16, seed: int = 0, target: Path | None = None) -> float:
+    """Largest |logit| difference between two checkpoints on the same random input (float32).
+
+    Targets run on random tokens; drafters (which need `target`) on random context features and a block.
+    """
     import jax.numpy as jnp
     import numpy as np
 
-    from ddtree_jax.checkpoint import load_target
+    from ddtree_jax.checkpoint import CheckpointError, is_drafter, load_drafter, load_target
+    from ddtree_jax.config import read_config_json
     from ddtree_jax.engine import causal_mask
-    from ddtree_jax.models import qwen3
+    from ddtree_jax.models import dflash, qwen3
 
     logits = []
+    if is_drafter(read_config_json(a)):
+        if target is None:
+            raise CheckpointError(f"{a}: is a DFlash drafter; --verify needs --target DIR to run it")
+        target_params = load_target(target, jnp.float32)
+        for folder in (a, b):
+            drafter = load_drafter(folder, target_params.config, jnp.float32)
+            features = len(drafter.config.target_layer_ids) * target_params.config.hidden_size
+            taps = jnp.asarray(np.random.default_rng(seed).standard_normal((1, seq_len, features)), jnp.float32)
+            cache = dflash.ingest_context(drafter, taps, jnp.array([seq_len]),
+                                          dflash.create_cache(drafter.config, 1, seq_len, jnp.float32))
+            block = jnp.full((1, drafter.config.block_size), drafter.config.mask_token_id, jnp.int32)
+            logits.append(np.asarray(dflash.draft_logits(drafter, target_params, block, cache)))
+        return float(np.abs(logits[0] - logits[1]).max())
     for folder in (a, b):
         params = load_target(folder, jnp.float32)
         tokens = np.random.default_rng(seed).integers(0, params.config.vocab_size, (1, seq_len))
@@ -80,7 +100,11 @@ def main(argv=None) -> int:
         return EXIT_BAD_INPUT
     print(f"wrote {out}")
     if args.verify:
-        diff = max_logit_difference(args.src, out)
+        try:
+            diff = max_logit_difference(args.src, out, target=args.target)
+        except (CheckpointError, ConfigError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_BAD_INPUT
         ok = diff <= args.tolerance
         print(f"verify: max |logit difference| = {diff:.3g} ({'ok' if ok else f'above tolerance {args.tolerance}'})")
         if not ok:

@@ -124,7 +124,8 @@ def run(args) -> Report:
     return diagnose(spec.acceptance_lengths, bs, divergence is None, divergence)
 
 
-def print_report(report: Report, out=sys.stdout) -> None:
+def print_report(report: Report, out=None) -> None:
+    out = out or sys.stdout
     print(f"rounds: {report.rounds}   tau (tokens per round, bonus included): {report.tau:.2f}", file=out)
     print("acceptance per draft position:", file=out)
     for j, rate in enumerate(report.position_acceptance):

@@ -78,10 +78,11 @@ def byte_tokenizer(folder: Path, vocab_size: int) -> None:
 
 
 def write_random_qwen3(out: str | Path, seed: int = 0, dtype=np.float32, with_tokenizer: bool = True,
-                       force: bool = False, **overrides) -> Path:
-    """Write a small random Qwen3 checkpoint folder (config.json, model.safetensors, tokenizer), atomically."""
+                       force: bool = False, std: float = 0.05, **overrides) -> Path:
+    """Write a small random Qwen3 checkpoint folder (config.json, model.safetensors, tokenizer), atomically.
+    A larger weight `std` gives a more peaked next-token distribution."""
     config = tiny_qwen3_config(**overrides)
-    arrays = random_qwen3_arrays(config, seed=seed, dtype=dtype)
+    arrays = random_qwen3_arrays(config, seed=seed, dtype=dtype, std=std)
 
     def write(tmp: Path):
         write_hf_files(tmp, arrays, config)

@@ -65,3 +65,19 @@ def test_wrong_direction_is_a_clear_error(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     assert proc.stderr.strip() == f"error: {src}: is a hf checkpoint, but orbax-to-hf needs a orbax one"
+
+
+def test_drafter_round_trip_and_verify(tmp_path, capsys):
+    from ddtree_jax.random_checkpoint import write_random_dflash, write_random_qwen3
+
+    target = write_random_qwen3(tmp_path / "t", with_tokenizer=False)
+    drafter = write_random_dflash(tmp_path / "d", tiny_qwen3_config(), dtype=ml_dtypes.bfloat16)
+    assert convert_main(["hf-to-orbax", str(drafter), str(tmp_path / "o"), "--verify"]) == 2
+    assert "is a DFlash drafter; --verify needs --target DIR" in capsys.readouterr().err
+    assert convert_main(["hf-to-orbax", str(drafter), str(tmp_path / "o"), "--force", "--verify",
+                         "--target", str(target)]) == 0
+    assert "max |logit difference| = 0 (ok)" in capsys.readouterr().out
+    assert convert_main(["orbax-to-hf", str(tmp_path / "o"), str(tmp_path / "back")]) == 0
+    before, after = _read_hf(drafter), _read_hf(tmp_path / "back")
+    assert set(before) == set(after)
+    assert all(before[k].tobytes() == after[k].tobytes() and before[k].dtype == after[k].dtype for k in before)

@@ -105,3 +105,20 @@ def test_prompt_without_tokenizer_is_refused(tmp_path):
     assert "no tokenizer.json or tokenizer_config.json; pass --prompt-ids" in proc.stderr
     ok = run_cli("--target", folder, "--prompt-ids", "1,2", "--json", "--max-new-tokens", 3)
     assert ok.returncode == 0 and "text" not in json.loads(ok.stdout)
+
+
+def test_dflash_mode_reports_rounds_and_matches_ar(tmp_path):
+    from pairs import write_signal_pair
+
+    target, drafter = write_signal_pair(tmp_path)
+    common = ["--target", target, "--prompt-ids", "1,2,3", "--json", "--max-new-tokens", 21, "--dtype", "float32"]
+    ar = json.loads(run_cli(*common).stdout)
+    proc = run_cli(*common, "--mode", "dflash", "--drafter", drafter)
+    assert proc.returncode == 0, proc.stderr
+    spec = json.loads(proc.stdout)
+    assert spec["mode"] == "dflash" and spec["output_ids"] == ar["output_ids"]
+    assert spec["acceptance_lengths"] == [4] * 5 and spec["tau"] == 4.0
+    two = json.loads(run_cli(*common, "--mode", "dflash", "--drafter", drafter, "--block-size", 2).stdout)
+    assert two["acceptance_lengths"] == [2] * 10 and two["output_ids"] == ar["output_ids"]
+    missing = run_cli(*common, "--mode", "dflash")
+    assert missing.returncode == 2 and "--mode dflash needs --drafter DIR" in missing.stderr

@@ -1,0 +1,124 @@
+"""DFlash decoding is lossless: greedy equals AR token for token; sampling follows the AR distribution."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.checkpoint import load_drafter, load_target
+from ddtree_jax.engine import DecodeOptions, Mode, causal_mask, generate
+from ddtree_jax.models import qwen3
+from ddtree_jax.random_checkpoint import tiny_qwen3_config, write_random_dflash, write_random_qwen3
+from ddtree_jax.sampling import SamplingConfig
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [3, 9]]
+
+
+@pytest.fixture(scope="module")
+def small_pair(tmp_path_factory):
+    """A random target with a 16-token vocabulary and a random drafter: drafts match often enough that
+    rounds accept 1, 2, 3... tokens, differently per row."""
+    root = tmp_path_factory.mktemp("pair")
+    target = load_target(write_random_qwen3(root / "t", seed=2, with_tokenizer=False, vocab_size=16), jnp.float32)
+    drafter = load_drafter(write_random_dflash(root / "d", tiny_qwen3_config(vocab_size=16), seed=3),
+                           target.config, jnp.float32)
+    return target, drafter
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 7])
+def test_greedy_equals_ar(small_pair, block_size):
+    target, drafter = small_pair
+    ar = generate(target, PROMPTS, DecodeOptions(max_new_tokens=40))
+    spec = generate(target, PROMPTS, DecodeOptions(mode=Mode.DFLASH, max_new_tokens=40, block_size=block_size),
+                    drafter=drafter)
+    assert spec.output_ids == ar.output_ids
+    lengths = [n for row in spec.acceptance_lengths for n in row]
+    assert max(lengths) >= 2, "the drafter never agreed: the test would not exercise acceptance"
+    assert all(1 <= n <= block_size for n in lengths)
+    # The prefill emits one token; every round commits its length (the last one may be cut by the budget).
+    assert all(sum(row) + 1 >= len(o) for row, o in zip(spec.acceptance_lengths, spec.output_ids))
+
+
+def _eos_inside_an_accepted_round(spec, row):
+    """A token whose first occurrence in `row`'s output is an accepted draft, not a round's last token."""
+    out, rounds = spec.output_ids[row], spec.acceptance_lengths[row]
+    ends = set(np.cumsum(rounds))  # output index (1-based count) at which each round ends
+    for token in sorted(set(out)):
+        first = out.index(token) + 1  # tokens emitted up to and including it
+        if first > 1 and first not in ends:
+            return token
+    return None
+
+
+def test_eos_inside_an_accepted_block_stops_like_ar(small_pair):
+    target, drafter = small_pair
+    options = DecodeOptions(mode=Mode.DFLASH, max_new_tokens=40, block_size=4)
+    free = generate(target, PROMPTS, options, drafter=drafter)
+    eos = _eos_inside_an_accepted_round(free, 1)
+    assert eos is not None, "no round accepted a draft before the token first appeared"
+    ar = generate(target, PROMPTS, DecodeOptions(max_new_tokens=40, eos_ids=(eos,)))
+    spec = generate(target, PROMPTS, dataclasses.replace(options, eos_ids=(eos,)), drafter=drafter)
+    assert spec.output_ids == ar.output_ids
+    assert spec.output_ids[1][-1] == eos and len(spec.output_ids[1]) < 40
+
+
+def _exact_three_token_distribution(target, prompt, vocab):
+    """p(x1, x2, x3 | prompt) from the target's own softmax, [v, v, v], float64."""
+    seqs = np.array([prompt + [a, b] for a, b in itertools.product(range(vocab), repeat=2)])
+    n, t = seqs.shape
+    cache = qwen3.create_cache(target.config, n, t, jnp.float32)
+    out = qwen3.forward(target, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(t), (n, t)), cache,
+                        causal_mask(jnp.full((n,), t), t))
+    logp = np.asarray(jax.nn.log_softmax(qwen3.logits(target, out.hidden), -1), np.float64)
+    p1 = np.exp(logp[0, t - 3])
+    p2 = np.exp(logp[::vocab, t - 2]).reshape(vocab, vocab)  # rows: x1
+    p3 = np.exp(logp[:, t - 1]).reshape(vocab, vocab, vocab)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def test_sampling_follows_the_ar_distribution(tmp_path):
+    """Chi-square goodness of fit of DFlash samples (x1, x2, x3) against the target's exact distribution.
+
+    4000 samples over the 512 cells, cells with expected count < 5 pooled; alpha = 1e-3 with a fixed seed.
+    Power: with the same number of samples, a sampler that gets the dependence between positions wrong
+    (x2, x3 drawn without regard to x1) is rejected at p < 1e-6, as the negative control below checks.
+    """
+    from scipy import stats
+
+    vocab = 8
+    # Larger weights: a peaked target whose tokens depend strongly on their prefix.
+    target = load_target(write_random_qwen3(tmp_path / "t", seed=5, with_tokenizer=False, vocab_size=vocab,
+                                            hidden_size=32, head_dim=8, std=0.4), jnp.float32)
+    drafter = load_drafter(write_random_dflash(tmp_path / "d", tiny_qwen3_config(vocab_size=vocab, hidden_size=32),
+                                               seed=6, head_dim=8), target.config, jnp.float32)
+    prompt, n = [1, 2, 3], 4000
+    exact = _exact_three_token_distribution(target, prompt, vocab).ravel()
+    exact /= exact.sum()  # float32 softmax rounding
+    options = DecodeOptions(mode=Mode.DFLASH, max_new_tokens=3, block_size=4,
+                            sampling=SamplingConfig(temperature=1.0))
+    result = generate(target, [prompt] * n, options, drafter=drafter, seed=123)
+    samples = np.array(result.output_ids)
+    accepted = sum(n - 1 for row in result.acceptance_lengths for n in row)
+    assert accepted > 500, "drafts were rarely accepted; the test would not exercise the match rule"
+    counts = np.bincount(samples[:, 0] * vocab * vocab + samples[:, 1] * vocab + samples[:, 2], minlength=vocab ** 3)
+
+    def chi2_pvalue(observed):
+        expected = exact * n
+        small = expected < 5
+        obs = np.append(observed[~small], observed[small].sum())
+        exp = np.append(expected[~small], expected[small].sum())
+        return stats.chisquare(obs, exp).pvalue
+
+    assert chi2_pvalue(counts) > 1e-3
+
+    # Negative control: the same number of samples from a wrong rule (x2, x3 drawn ignoring x1) is rejected.
+    rng = np.random.default_rng(0)
+    marg1 = exact.reshape(vocab, -1).sum(1)
+    marg23 = exact.reshape(vocab, -1).sum(0)
+    wrong = rng.choice(vocab, size=n, p=marg1) * vocab * vocab + rng.choice(vocab * vocab, size=n, p=marg23)
+    assert chi2_pvalue(np.bincount(wrong, minlength=vocab ** 3)) < 1e-6
