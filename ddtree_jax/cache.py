@@ -56,3 +56,21 @@ def write_pending(layer_cache: jax.Array, rows: jax.Array, lengths: jax.Array) -
 def advance(cache: KVCache, counts: jax.Array) -> KVCache:
     """Commit the first `counts[r]` pending rows of each row r (counts [b] int)."""
     return dataclasses.replace(cache, lengths=cache.lengths + counts.astype(jnp.int32))
+
+
+def commit_path(cache: KVCache, path: jax.Array, counts: jax.Array) -> KVCache:
+    """Keep an accepted tree path: the pending rows at slots `lengths + path[r, i]` move to
+    `lengths + i`, and `counts[r]` of them are committed.
+
+    path [b, P] int32 node indices by depth (root first), counts [b]. Path indices never decrease and
+    path[i] >= i (parents precede children), and every row is gathered before any is written, so the
+    move is safe in place. Example: length 5, path [0 2 5] -> slots 5, 7, 10 move to 5, 6, 7.
+    """
+    rows = (cache.lengths[:, None] + path)[:, :, None, None]  # [b, P, 1, 1]
+
+    def move(layer):
+        kept = jnp.take_along_axis(layer, rows, axis=1)  # [b, P, n, d]
+        return write_pending(layer, kept, cache.lengths)
+
+    return KVCache(k=tuple(move(k) for k in cache.k), v=tuple(move(v) for v in cache.v),
+                   lengths=cache.lengths + counts.astype(jnp.int32))

@@ -6,8 +6,9 @@ rounds per call). The state is donated, so caches update in place. The host-faci
 prompts, sizes the cache, compiles once per shape (kept in a small cache) and times prefill and decode
 separately, compilation excluded.
 
-Modes: AR (one target token per round) and DFlash (a drafted chain verified in one target pass).
-The DDTree round plugs into the same loop.
+Modes: AR (one target token per round); DFlash (a drafted chain verified in one target pass); DDTree
+(a static-size draft tree built from the same drafter pass, verified in one target pass with an
+ancestor mask). DFlash is the DDTree round with a chain for a tree.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.cache import KVCache, advance
+from ddtree_jax.accept import accept_tree, chain_tree
+from ddtree_jax.cache import KVCache, advance, commit_path
 from ddtree_jax.models import dflash, qwen3
 from ddtree_jax.models.params import ModelParams
 from ddtree_jax.sampling import SamplingConfig, decode_tokens
+from ddtree_jax.tree import build_tree
 
 CAPACITY_BUCKET = 128
 PROMPT_BUCKET = 32
@@ -33,6 +36,7 @@ PROMPT_BUCKET = 32
 class Mode(str, enum.Enum):
     AR = "ar"
     DFLASH = "dflash"
+    DDTREE = "ddtree"
 
     @property
     def needs_drafter(self) -> bool:
@@ -43,7 +47,8 @@ class Mode(str, enum.Enum):
 class DecodeOptions:
     """Static choices of one generation call (hashable: part of the compilation key).
 
-    block_size: drafter block (bonus + bs - 1 drafts) for DFlash; 0 takes the drafter's own.
+    block_size: drafter block (bonus + bs - 1 drafts); 0 takes the drafter's own.
+    budget: DDTree tree nodes besides the root (B); the target verifies B + 1 tokens per round.
     """
 
     mode: Mode = Mode.AR
@@ -51,17 +56,20 @@ class DecodeOptions:
     sampling: SamplingConfig = SamplingConfig()
     eos_ids: tuple[int, ...] = ()  # empty: never stop on a token
     block_size: int = 0
+    budget: int = 64
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.mode.needs_drafter and self.block_size == 1:
             raise ValueError(f"block_size must be >= 2 for {self.mode.value}, got {self.block_size}")
+        if self.mode is Mode.DDTREE and self.budget < 1:
+            raise ValueError(f"budget must be >= 1, got {self.budget}")
 
     @property
     def verify_width(self) -> int:
         """Tokens the target verifies per round (the widest call after prefill)."""
-        return 1 if self.mode is Mode.AR else self.block_size
+        return {Mode.AR: 1, Mode.DFLASH: self.block_size, Mode.DDTREE: self.budget + 1}[self.mode]
 
     @property
     def max_rounds(self) -> int:
@@ -187,38 +195,49 @@ def ar_round(target: ModelParams, drafter: None, state: DecodeState, options: De
     return _record_round(_emit(state, token[:, None], counts, options), counts, running)
 
 
-def dflash_round(target: ModelParams, drafter: ModelParams, state: DecodeState, options: DecodeOptions) -> DecodeState:
-    """Draft a chain in one drafter pass, verify it in one target pass, keep the longest agreeing prefix.
+def speculative_round(target: ModelParams, drafter: ModelParams, state: DecodeState,
+                      options: DecodeOptions) -> DecodeState:
+    """One DFlash or DDTree round: draft once, verify every drafted token in one target pass, keep the
+    longest path on which the target's own decoding rule agrees, plus the target's next token.
 
-    With bs = 4, bonus x, drafts [d1 d2 d3] and the target's decoded tokens post = [p0 p1 p2 p3] for the
-    chain [x d1 d2 d3]: d1 == p0, d2 == p1, d3 != p2 gives acc = 2; the cache keeps [x d1 d2] (3 rows),
-    the round emits [p0 p1 p2] = [d1 d2 p2], and p2 is the next bonus. At temperature > 0 the post tokens
-    are independent samples of the target's rule (sample-and-match), so every emitted token is an exact
-    sample given its prefix.
+    DFlash drafts the chain of per-position argmaxes; DDTree the B most probable prefixes (tree.py).
+    Chain example, bs = 4: bonus x, drafts [d1 d2 d3], decoded post = [p0 p1 p2 p3]; d1 == p0,
+    d2 == p1, d3 != p2 gives path [0 1 2], count 3; the cache keeps [x d1 d2], the round emits
+    [p0 p1 p2] = [d1 d2 p2], and p2 is the next bonus. At temperature > 0 every node gets an independent
+    sample of the target's rule (sample-and-match), so every emitted token is an exact sample given its
+    prefix.
     """
     b = state.last_token.shape[0]
     bs = options.block_size
     running = ~state.done
     start = state.cache.lengths
-    mask_id = drafter.config.mask_token_id
     with jax.named_scope("draft"):
-        block = jnp.concatenate([state.last_token[:, None], jnp.full((b, bs - 1), mask_id, jnp.int32)], axis=1)
-        drafts = jnp.argmax(dflash.draft_logits(drafter, target, block, state.draft_cache), axis=-1).astype(jnp.int32)
+        block = jnp.concatenate([state.last_token[:, None],
+                                 jnp.full((b, bs - 1), drafter.config.mask_token_id, jnp.int32)], axis=1)
+        logits = dflash.draft_logits(drafter, target, block, state.draft_cache)  # [b, bs - 1, v]
+    with jax.named_scope("tree"):
+        if options.mode is Mode.DDTREE:
+            tree = build_tree(jax.nn.log_softmax(logits, axis=-1), state.last_token, options.budget)
+        else:
+            drafts = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+            tree = chain_tree(jnp.concatenate([state.last_token[:, None], drafts], axis=1))
     with jax.named_scope("verify"):
-        chain = jnp.concatenate([state.last_token[:, None], drafts], axis=1)
-        positions = start[:, None] + jnp.arange(bs, dtype=jnp.int32)[None, :]
-        out = qwen3.forward(target, chain, positions, state.cache, causal_mask(jnp.full((b,), bs), bs),
+        out = qwen3.forward(target, tree.tokens, start[:, None] + tree.depths, state.cache, tree.ancestor,
                             tap_layers=drafter.config.target_layer_ids)
         rng, key = jax.random.split(state.rng)
-        post = decode_tokens(qwen3.logits(target, out.hidden), key, options.sampling)
+        decoded = decode_tokens(qwen3.logits(target, out.hidden), key, options.sampling)
     with jax.named_scope("accept"):
-        accepted = jnp.cumprod((drafts == post[:, :-1]).astype(jnp.int32), axis=1).sum(axis=1)
-        counts = jnp.where(running, accepted + 1, 0)
+        acc = accept_tree(tree, decoded, bs)
+        counts = jnp.where(running, acc.count, 0)
     with jax.named_scope("commit"):
-        cache = advance(out.cache, counts)
-        draft_cache = dflash.ingest_context(drafter, out.taps, counts, state.draft_cache)
+        if options.mode is Mode.DDTREE:
+            cache = commit_path(out.cache, acc.path, counts)
+            taps = jnp.take_along_axis(out.taps, acc.path[:, :, None], axis=1)
+        else:  # a chain's path is 0, 1, 2, ...: rows are already in place
+            cache, taps = advance(out.cache, counts), out.taps
+        draft_cache = dflash.ingest_context(drafter, taps, counts, state.draft_cache)
         state = dataclasses.replace(state, cache=cache, draft_cache=draft_cache, rng=rng)
-        state = _emit(state, post, counts, options)
+        state = _emit(state, acc.tokens, counts, options)
     return _record_round(state, counts, running)
 
 
@@ -230,7 +249,7 @@ def _record_round(state: DecodeState, counts: jax.Array, running: jax.Array) -> 
                                step=state.step + 1)
 
 
-ROUNDS = {Mode.AR: ar_round, Mode.DFLASH: dflash_round}
+ROUNDS = {Mode.AR: ar_round, Mode.DFLASH: speculative_round, Mode.DDTREE: speculative_round}
 
 
 def decode_loop(target: ModelParams, drafter: ModelParams | None, state: DecodeState, max_steps: jax.Array,
