@@ -1,0 +1,163 @@
+"""DDTree decoding: lossless against AR, the acceptance sequence of a straightforward reference, no host
+transfers inside the decode loop."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.checkpoint import load_drafter, load_target
+from ddtree_jax.engine import DecodeOptions, Mode, causal_mask, decode_loop, generate, prefill, resolve_options
+from ddtree_jax.models import dflash, qwen3
+from ddtree_jax.random_checkpoint import tiny_qwen3_config, write_random_dflash, write_random_qwen3
+from ddtree_jax.sampling import SamplingConfig
+from test_dflash_decoding import PROMPTS, _eos_inside_an_accepted_round, _exact_three_token_distribution
+from test_tree import heap_tree
+
+
+@pytest.fixture(scope="module")
+def pair16(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair16")
+    target = load_target(write_random_qwen3(root / "t", seed=2, with_tokenizer=False, vocab_size=16), jnp.float32)
+    drafter = load_drafter(write_random_dflash(root / "d", tiny_qwen3_config(vocab_size=16), seed=3),
+                           target.config, jnp.float32)
+    return target, drafter
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(pair16):
+    return generate(pair16[0], PROMPTS, DecodeOptions(max_new_tokens=40)).output_ids
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("budget", [1, 4, 16, 64, 256])
+def test_greedy_equals_ar(pair16, ar_outputs, budget, block_size):
+    target, drafter = pair16
+    spec = generate(target, PROMPTS, DecodeOptions(mode=Mode.DDTREE, max_new_tokens=40, block_size=block_size,
+                                                   budget=budget), drafter=drafter)
+    assert spec.output_ids == ar_outputs
+    lengths = [n for row in spec.acceptance_lengths for n in row]
+    assert all(1 <= n <= block_size for n in lengths)
+    if budget >= 16:  # most rounds accept a draft, so path commits are exercised
+        assert np.mean(lengths) > 1.5
+
+
+def test_eos_inside_an_accepted_path_stops_like_ar(pair16):
+    target, drafter = pair16
+    options = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=40, block_size=4, budget=16)
+    free = generate(target, PROMPTS, options, drafter=drafter)
+    eos = _eos_inside_an_accepted_round(free, 0)
+    assert eos is not None
+    ar = generate(target, PROMPTS, DecodeOptions(max_new_tokens=40, eos_ids=(eos,)))
+    spec = generate(target, PROMPTS, dataclasses.replace(options, eos_ids=(eos,)), drafter=drafter)
+    assert spec.output_ids == ar.output_ids and spec.output_ids[0][-1] == eos
+
+
+# ---- a straightforward reference round: no caches, the heap tree, a walk with full target passes
+
+
+WIDTH = 64  # the reference pads every sequence to this width, so each function compiles once
+
+
+@jax.jit
+def _full_pass(target, drafter, tokens, length):
+    """One uncached target pass over tokens [WIDTH] (valid up to length): next-token argmax after the last
+    valid token, and the drafter's context K/V built from scratch from the taps of every valid token."""
+    cache = qwen3.create_cache(target.config, 1, WIDTH, jnp.float32)
+    out = qwen3.forward(target, tokens[None], jnp.arange(WIDTH)[None], cache, causal_mask(length[None], WIDTH),
+                        tap_layers=drafter.config.target_layer_ids)
+    nxt = jnp.argmax(qwen3.logits(target, out.hidden[0, length - 1]))
+    draft_cache = dflash.ingest_context(drafter, out.taps, length[None],
+                                        dflash.create_cache(drafter.config, 1, WIDTH + 16, jnp.float32))
+    return nxt, draft_cache
+
+
+def _pass(target, drafter, tokens):
+    padded = np.zeros(WIDTH, np.int32)
+    padded[:len(tokens)] = tokens
+    nxt, cache = _full_pass(target, drafter, jnp.asarray(padded), jnp.asarray(len(tokens), jnp.int32))
+    return int(nxt), cache
+
+
+def reference_ddtree(target, drafter, prompt, budget, block_size, max_new):
+    """Greedy DDTree as the paper describes it: the heap tree, then a walk that runs the target afresh
+    (no cache) on the committed tokens plus the path so far; everything recomputed every round."""
+    fed = list(prompt)
+    bonus, _ = _pass(target, drafter, fed)
+    emitted, lengths = [bonus], []
+    while len(emitted) < max_new:
+        _, cache = _pass(target, drafter, fed)
+        block = jnp.asarray([[bonus] + [drafter.config.mask_token_id] * (block_size - 1)])
+        log_probs = np.asarray(jax.nn.log_softmax(dflash.draft_logits(drafter, target, block, cache)[0], -1))
+        tree = heap_tree(log_probs, budget)
+        path, nxt = (), _pass(target, drafter, fed + [bonus])[0]
+        while path + (nxt,) in tree:
+            path = path + (nxt,)
+            nxt = _pass(target, drafter, fed + [bonus] + list(path))[0]
+        lengths.append(1 + len(path))
+        emitted += list(path) + [nxt]
+        fed += [bonus] + list(path)
+        bonus = nxt
+    return emitted[:max_new], lengths
+
+
+def test_acceptance_lengths_match_the_reference_round(tmp_path):
+    target = load_target(write_random_qwen3(tmp_path / "t", seed=8, with_tokenizer=False, vocab_size=48),
+                         jnp.float32)
+    drafter = load_drafter(write_random_dflash(tmp_path / "d", tiny_qwen3_config(vocab_size=48), seed=9,
+                                               block_size=8), target.config, jnp.float32)
+    prompt, means = [5, 17, 33, 2], []
+    for budget in (1, 16, 64):
+        spec = generate(target, [prompt], DecodeOptions(mode=Mode.DDTREE, max_new_tokens=32, budget=budget),
+                        drafter=drafter)
+        ref_out, ref_lengths = reference_ddtree(target, drafter, prompt, budget, 8, 32)
+        assert spec.acceptance_lengths[0] == ref_lengths, budget
+        assert spec.output_ids[0] == ref_out
+        means.append(np.mean(ref_lengths))
+    assert means[0] < means[1] < means[2], means
+
+
+def test_sampling_follows_the_ar_distribution(tmp_path):
+    """As the DFlash test: chi-square of (x1, x2, x3) against the exact distribution, alpha 1e-3, seed fixed."""
+    from scipy import stats
+
+    vocab = 8
+    target = load_target(write_random_qwen3(tmp_path / "t", seed=5, with_tokenizer=False, vocab_size=vocab,
+                                            hidden_size=32, head_dim=8, std=0.4), jnp.float32)
+    drafter = load_drafter(write_random_dflash(tmp_path / "d", tiny_qwen3_config(vocab_size=vocab, hidden_size=32),
+                                               seed=6, head_dim=8), target.config, jnp.float32)
+    prompt, n = [1, 2, 3], 4000
+    exact = _exact_three_token_distribution(target, prompt, vocab).ravel()
+    exact /= exact.sum()
+    options = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=3, block_size=4, budget=6,
+                            sampling=SamplingConfig(temperature=1.0, top_k=0, top_p=1.0))
+    result = generate(target, [prompt] * n, options, drafter=drafter, seed=321)
+    assert sum(m - 1 for row in result.acceptance_lengths for m in row) > 1000
+    samples = np.array(result.output_ids)
+    counts = np.bincount(samples @ np.array([vocab * vocab, vocab, 1]), minlength=vocab ** 3)
+    expected = exact * n
+    small = expected < 5
+    p = stats.chisquare(np.append(counts[~small], counts[small].sum()),
+                        np.append(expected[~small], expected[small].sum())).pvalue
+    assert p > 1e-3
+
+
+def test_decode_loop_makes_no_host_transfers(pair16):
+    target, drafter = pair16
+    options = resolve_options(DecodeOptions(mode=Mode.DDTREE, max_new_tokens=30, budget=8), drafter)
+    tokens, lengths = jnp.asarray([[1, 2, 3, 4]]), jnp.asarray([4])
+    state = jax.jit(prefill, static_argnames=("capacity", "options"))(
+        target, drafter, tokens, lengths, jax.random.key(0), capacity=64, options=options)
+    loop = jax.jit(decode_loop, static_argnames=("options",))
+    steps = jnp.asarray(100, jnp.int32)
+    loop.lower(target, drafter, state, steps, options=options).compile()
+    jaxpr = str(jax.make_jaxpr(lambda s: decode_loop(target, drafter, s, steps, options))(state))
+    assert "callback" not in jaxpr and "while" in jaxpr
+    with jax.transfer_guard("disallow"):
+        final = loop(target, drafter, state, steps, options=options)
+        final.step.block_until_ready()
+    assert int(final.step) > 3 and bool(final.done.all())  # many rounds ran inside the one call

@@ -1,0 +1,132 @@
+"""The device tree builder against a straightforward heap implementation of the paper's Algorithm 1."""
+
+from __future__ import annotations
+
+import heapq
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.tree import ancestor_mask, build_tree
+
+
+def heap_tree(log_probs: np.ndarray, budget: int) -> set[tuple[int, ...]]:
+    """Algorithm 1: best-first over rank tuples; pop B times, push the next sibling and the first child.
+
+    Ties pop in (depth, rank tuple) order. Scores are summed in float32 left to right, as on device.
+    """
+    depth_limit, vocab = log_probs.shape
+    k = min(budget, vocab)
+    order = np.argsort(-log_probs, axis=1, kind="stable")[:, :k]
+    top = np.take_along_axis(log_probs, order, axis=1).astype(np.float32)
+
+    def score(ranks):
+        s = np.float32(0)
+        for depth, rank in enumerate(ranks):
+            s = np.float32(s + top[depth, rank])
+        return s
+
+    heap = [(-score((0,)), 1, (0,))]
+    chosen = []
+    while heap and len(chosen) < budget:
+        neg, depth, ranks = heapq.heappop(heap)
+        if not np.isfinite(neg):
+            break
+        chosen.append(tuple(int(order[d, r]) for d, r in enumerate(ranks)))
+        if ranks[-1] + 1 < k:
+            sibling = ranks[:-1] + (ranks[-1] + 1,)
+            heapq.heappush(heap, (-score(sibling), depth, sibling))
+        if depth < depth_limit:
+            child = ranks + (0,)
+            heapq.heappush(heap, (-score(child), depth + 1, child))
+    return set(chosen)
+
+
+def device_tree_paths(log_probs: np.ndarray, budget: int) -> set[tuple[int, ...]]:
+    tree = build_tree(jnp.asarray(log_probs)[None], jnp.array([7]), budget)
+    tokens, parents, depths, valid, anc = (np.asarray(x[0]) for x in (tree.tokens, tree.parents, tree.depths,
+                                                                       tree.valid, tree.ancestor))
+    assert tokens[0] == 7 and parents[0] == 0 and depths[0] == 0
+    paths = set()
+    for i in range(1, budget + 1):
+        if not valid[i]:
+            assert anc[i].sum() == 1 and anc[i, i]
+            continue
+        path, j = [], i
+        while j != 0:
+            assert parents[j] < j and depths[j] == depths[parents[j]] + 1  # parents precede children
+            path.append(int(tokens[j]))
+            j = parents[j]
+        path = tuple(reversed(path))
+        assert list(np.flatnonzero(anc[i])) == sorted(_ancestors(parents, i))
+        paths.add(path)
+    # Siblings carry distinct tokens.
+    for p in set(parents[1:][valid[1:]]):
+        kids = tokens[1:][(parents[1:] == p) & valid[1:]]
+        assert len(kids) == len(set(kids.tolist()))
+    return paths
+
+
+def _ancestors(parents, i):
+    out = {i}
+    while i != 0:
+        i = int(parents[i])
+        out.add(i)
+    return out
+
+
+def _log_softmax(x):
+    x = x - x.max(axis=-1, keepdims=True)
+    return (x - np.log(np.exp(x).sum(axis=-1, keepdims=True))).astype(np.float32)
+
+
+CASES = [(vocab, depth, budget) for vocab in (2, 7, 50, 700) for depth in (1, 4, 15)
+         for budget in (1, 2, 3, 16, 64, 512) if not (vocab == 700 and depth == 15 and budget == 512)]
+
+
+@pytest.mark.parametrize("vocab,depth,budget", CASES)
+def test_matches_heap_on_random_log_probs(vocab, depth, budget):
+    rng = np.random.default_rng(vocab * 1000 + depth * 10 + budget)
+    log_probs = _log_softmax(rng.standard_normal((depth, vocab)) * 2)
+    assert device_tree_paths(log_probs, budget) == heap_tree(log_probs, budget)
+
+
+@pytest.mark.parametrize("budget", [1, 5, 17, 100, 512])
+def test_matches_heap_with_exact_ties(budget):
+    """Log-probs from a few dyadic values: sums are exact in float32 and many prefixes tie."""
+    rng = np.random.default_rng(budget)
+    log_probs = -rng.integers(1, 5, size=(6, 12)).astype(np.float32) / 4
+    assert device_tree_paths(log_probs, budget) == heap_tree(log_probs, budget)
+
+
+def test_fewer_prefixes_than_budget_pads_with_invalid_nodes():
+    log_probs = _log_softmax(np.random.default_rng(0).standard_normal((2, 3)))
+    paths = device_tree_paths(log_probs, 20)  # only 3 + 9 prefixes exist
+    assert len(paths) == 12 == len(heap_tree(log_probs, 20))
+
+
+def test_budget_512_depth_15_large_vocab_is_the_top_prefixes():
+    """The largest case: budget 512 over 15 depths of a 700-token vocabulary."""
+    rng = np.random.default_rng(1)
+    log_probs = _log_softmax(rng.standard_normal((15, 700)) * 3)
+    assert device_tree_paths(log_probs, 512) == heap_tree(log_probs, 512)
+
+
+def test_ancestor_mask_literal():
+    mask = np.asarray(ancestor_mask(jnp.array([0, 0, 1, 0, 2]), jnp.ones(5, bool), 3)).astype(int)
+    np.testing.assert_array_equal(mask, [[1, 0, 0, 0, 0],
+                                         [1, 1, 0, 0, 0],
+                                         [1, 1, 1, 0, 0],
+                                         [1, 0, 0, 1, 0],
+                                         [1, 1, 1, 0, 1]])
+
+
+def test_batched_rows_are_independent():
+    rng = np.random.default_rng(3)
+    lp = np.stack([_log_softmax(rng.standard_normal((5, 30))) for _ in range(3)])
+    batched = build_tree(jnp.asarray(lp), jnp.array([1, 2, 3]), 24)
+    for r in range(3):
+        alone = build_tree(jnp.asarray(lp[r:r + 1]), jnp.array([r + 1]), 24)
+        for field in ("tokens", "parents", "depths", "valid", "ancestor"):
+            np.testing.assert_array_equal(getattr(batched, field)[r], getattr(alone, field)[0])
