@@ -57,6 +57,7 @@ class DecodeOptions:
     eos_ids: tuple[int, ...] = ()  # empty: never stop on a token
     block_size: int = 0
     budget: int = 64
+    record_trees: bool = False  # keep each round's tree and accepted path in the state (--save-trees)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -92,6 +93,7 @@ class DecodeState:
       num_rounds:     [b] int32, rounds in which the row was still running.
       rng:            PRNG key (sampling).
       step:           [] int32, rounds run (all rows).
+      trace:          the last round's tree and accepted path (RoundTrace), when options.record_trees.
     """
 
     cache: KVCache
@@ -104,6 +106,29 @@ class DecodeState:
     num_rounds: jax.Array
     rng: jax.Array
     step: jax.Array
+    trace: "RoundTrace | None" = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RoundTrace:
+    """One round's draft tree and what was accepted (device; T tree nodes, P = block size).
+
+    start [b] position of the root; tree.* [b, T]; path [b, P] accepted node indices by depth; count [b]."""
+
+    start: jax.Array
+    tokens: jax.Array
+    parents: jax.Array
+    depths: jax.Array
+    valid: jax.Array
+    path: jax.Array
+    count: jax.Array
+
+    @classmethod
+    def empty(cls, batch: int, nodes: int, path_len: int) -> "RoundTrace":
+        z = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+        return cls(start=z(batch), tokens=z(batch, nodes), parents=z(batch, nodes), depths=z(batch, nodes),
+                   valid=jnp.zeros((batch, nodes), bool), path=z(batch, path_len), count=z(batch))
 
 
 def causal_mask(valid: jax.Array, t: int) -> jax.Array:
@@ -177,6 +202,7 @@ def prefill(target: ModelParams, drafter: ModelParams | None, tokens: jax.Array,
         num_rounds=jnp.zeros((b,), jnp.int32),
         rng=rng,
         step=jnp.zeros((), jnp.int32),
+        trace=RoundTrace.empty(b, options.verify_width, options.block_size) if options.record_trees else None,
     )
     return _emit(state, first[:, None], jnp.ones((b,), jnp.int32), options)
 
@@ -236,7 +262,9 @@ def speculative_round(target: ModelParams, drafter: ModelParams, state: DecodeSt
         else:  # a chain's path is 0, 1, 2, ...: rows are already in place
             cache, taps = advance(out.cache, counts), out.taps
         draft_cache = dflash.ingest_context(drafter, taps, counts, state.draft_cache)
-        state = dataclasses.replace(state, cache=cache, draft_cache=draft_cache, rng=rng)
+        trace = RoundTrace(start=start, tokens=tree.tokens, parents=tree.parents, depths=tree.depths,
+                           valid=tree.valid, path=acc.path, count=counts) if options.record_trees else None
+        state = dataclasses.replace(state, cache=cache, draft_cache=draft_cache, rng=rng, trace=trace)
         state = _emit(state, acc.tokens, counts, options)
     return _record_round(state, counts, running)
 
@@ -278,6 +306,16 @@ class GenerationResult:
     prefill_seconds: float
     decode_seconds: float
     compile_seconds: float
+    trees: list[dict] | None = None  # with options.record_trees: one dict per row per round
+
+    def acceptance_histogram(self, block_size: int) -> list[int]:
+        """Rounds by committed length: entry k counts rounds that committed k + 1 tokens (k + 1 = depth
+        of the deepest accepted node + 1)."""
+        counts = [0] * block_size
+        for row in self.acceptance_lengths:
+            for n in row:
+                counts[n - 1] += 1
+        return counts
 
     @property
     def new_tokens(self) -> int:
@@ -352,6 +390,11 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
     state = jax.block_until_ready(prefill_fn(target, drafter, tokens, lengths_dev, rng))
     prefill_s = time.perf_counter() - start
 
+    if options.record_trees:
+        if not options.mode.needs_drafter:
+            raise ValueError("record_trees needs a speculative mode (dflash or ddtree)")
+        steps_per_call = 1  # the trace holds one round; read it after every round
+    trees: list[dict] | None = [] if options.record_trees else None
     steps = jnp.asarray(steps_per_call or options.max_rounds, jnp.int32)
     loop_fn, loop_compile_s = _compiled("decode_loop", decode_loop, (target, drafter, state, steps),
                                         dict(options=options), donate=(2,))
@@ -361,9 +404,12 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
             on_tokens(_rows(state))
         if bool(state.done.all()):
             break
+        running = np.asarray(~state.done)
         start = time.perf_counter()
         state = jax.block_until_ready(loop_fn(target, drafter, state, steps))
         decode_s += time.perf_counter() - start
+        if trees is not None:
+            trees.extend(_trace_rows(state, running))
     round_lengths, num_rounds = np.asarray(state.round_lengths), np.asarray(state.num_rounds)
     return GenerationResult(
         output_ids=_rows(state),
@@ -371,7 +417,21 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
         prefill_seconds=prefill_s,
         decode_seconds=decode_s,
         compile_seconds=compile_s + loop_compile_s,
+        trees=trees,
     )
+
+
+def _trace_rows(state: DecodeState, running: np.ndarray) -> list[dict]:
+    """The last round's trees of the rows that were running, as JSON-ready dicts (valid nodes only)."""
+    t = jax.tree.map(np.asarray, state.trace)
+    out = []
+    for r in np.flatnonzero(running):
+        keep = t.valid[r]
+        count = int(t.count[r])
+        out.append({"round": int(state.step) - 1, "row": int(r), "start": int(t.start[r]),
+                    "tokens": t.tokens[r][keep].tolist(), "parents": t.parents[r][keep].tolist(),
+                    "depths": t.depths[r][keep].tolist(), "accepted": t.path[r][:count].tolist()})
+    return out
 
 
 def _rows(state: DecodeState) -> list[list[int]]:

@@ -14,20 +14,27 @@ import sys
 from pathlib import Path
 
 EXIT_BAD_INPUT = 2
+# Provisional: the benchmark on real shapes will pick the default budget.
+DEFAULT_BUDGET = 64
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ddtree_jax.generate", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", type=Path, default=None,
-                   help="target checkpoint folder (HF safetensors or orbax); default: a small random Qwen3")
+                   help="target checkpoint folder (HF safetensors or orbax); default: a small random Qwen3 "
+                        "with a random drafter")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default=None, help="prompt text (tokenized with the checkpoint's tokenizer)")
     src.add_argument("--prompt-ids", default=None, help="prompt as comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--chat", action="store_true", help="wrap --prompt in the tokenizer's chat template")
-    p.add_argument("--mode", choices=["ar", "dflash"], default="ar", help="decoding mode")
-    p.add_argument("--drafter", type=Path, default=None, help="DFlash drafter checkpoint folder (dflash mode)")
+    p.add_argument("--mode", choices=["ddtree", "dflash", "ar"], default="ddtree", help="decoding mode")
+    p.add_argument("--drafter", type=Path, default=None,
+                   help="DFlash drafter checkpoint folder (ddtree and dflash modes)")
+    p.add_argument("--budget", type=int, default=DEFAULT_BUDGET, help="DDTree: draft tree nodes besides the root")
     p.add_argument("--block-size", type=int, default=0, help="drafter block size (0: the drafter's own)")
+    p.add_argument("--save-trees", type=Path, default=None,
+                   help="write every round's draft tree and accepted path here (JSON lines)")
     p.add_argument("--allow-layer-mismatch", action="store_true",
                    help="run a drafter whose num_target_layers differs from the target's layer count")
     p.add_argument("--max-new-tokens", type=int, default=64)
@@ -90,7 +97,7 @@ def run(args: argparse.Namespace) -> dict:
     from ddtree_jax.checkpoint import load_drafter, load_target
     from ddtree_jax.config import check_pair, generation_eos_ids, load_drafter_config, load_target_config
     from ddtree_jax.engine import DecodeOptions, Mode, generate
-    from ddtree_jax.random_checkpoint import default_random_target
+    from ddtree_jax.random_checkpoint import default_random_pair
     from ddtree_jax.sampling import SamplingConfig
 
     # Check what needs no checkpoint first, so bad flags fail fast.
@@ -103,15 +110,22 @@ def run(args: argparse.Namespace) -> dict:
     prompt = _parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
 
     folder = args.target
-    if folder is None:
-        folder = default_random_target()
-        print(f"note: no --target given, so this runs a small randomly initialised Qwen3 checkpoint ({folder}); "
-              "its weights are random and its text is gibberish.", file=sys.stderr)
     mode = Mode(args.mode)
+    if folder is None:
+        folder, random_drafter = default_random_pair()
+        if args.drafter is None and mode.needs_drafter:
+            args.drafter = random_drafter
+        print(f"note: no --target given, so this runs a small randomly initialised Qwen3 checkpoint ({folder}) "
+              f"and a random DFlash drafter; their weights are random, the text is gibberish and drafts are "
+              "rarely accepted.", file=sys.stderr)
+    if args.budget < 1:
+        raise BadInput(f"--budget: expected >= 1, got {args.budget}")
+    if args.save_trees is not None and not mode.needs_drafter:
+        raise BadInput("--save-trees: needs --mode ddtree or dflash")
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     if mode.needs_drafter:
         if args.drafter is None:
-            raise BadInput(f"--mode {mode.value} needs --drafter DIR")
+            raise BadInput(f"--mode {mode.value} needs --drafter DIR (or --mode ar)")
         if args.block_size == 1 or args.block_size < 0:
             raise BadInput(f"--block-size: expected 0 (the drafter's) or >= 2, got {args.block_size}")
         # The pair is checked from the configs alone, before any weights are read.
@@ -127,7 +141,8 @@ def run(args: argparse.Namespace) -> dict:
         prompt = _tokenize_prompt(args, tokenizer, folder)
     eos = () if args.ignore_eos else tuple(dict.fromkeys(params.config.eos_token_ids + generation_eos_ids(folder)))
     options = DecodeOptions(mode=mode, max_new_tokens=args.max_new_tokens, sampling=sampling, eos_ids=eos,
-                            block_size=args.block_size if mode.needs_drafter else 0)
+                            block_size=args.block_size if mode.needs_drafter else 0, budget=args.budget,
+                            record_trees=args.save_trees is not None)
 
     printed = [""]
 
@@ -158,6 +173,14 @@ def run(args: argparse.Namespace) -> dict:
     }
     if tokenizer is not None:
         report["text"] = tokenizer.decode(out, skip_special_tokens=True)
+    if mode.needs_drafter:
+        block_size = args.block_size or drafter.config.block_size
+        report["block_size"] = block_size
+        report["acceptance_histogram"] = result.acceptance_histogram(block_size)
+    if mode is Mode.DDTREE:
+        report["budget"] = args.budget
+    if args.save_trees is not None:
+        _write_lines(args.save_trees, result.trees)
     if not args.json:
         if tokenizer is None:
             print(" ".join(map(str, out)))
@@ -168,6 +191,23 @@ def run(args: argparse.Namespace) -> dict:
         print(f"[{args.mode}] {len(out)} tokens in {result.decode_seconds:.3f} s"
               + (f" ({tps:.1f} tokens/s)" if tps else "") + f", tau {result.tau:.2f}", file=sys.stderr)
     return report
+
+
+def _write_lines(path: Path, rows: list[dict]) -> None:
+    """JSON lines, written to a temporary file and renamed."""
+    import os
+    import tempfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def main(argv=None) -> int:

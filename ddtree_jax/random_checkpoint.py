@@ -95,15 +95,20 @@ def write_random_qwen3(out: str | Path, seed: int = 0, dtype=np.float32, with_to
 DEFAULT_RANDOM_TARGET = dict(num_hidden_layers=4, hidden_size=128, intermediate_size=256, head_dim=32)
 
 
-def default_random_target(cache_root: str | Path | None = None) -> Path:
-    """The random checkpoint the commands use when no `--target` is given; built once, then reused."""
+def default_random_pair(cache_root: str | Path | None = None) -> tuple[Path, Path]:
+    """The random target and drafter the commands use when no `--target` is given; built once, then reused
+    (under $DDTREE_JAX_CACHE or ~/.cache/ddtree_jax). The drafter's mask token is the tokenizer's <|mask|>."""
     import os
 
     root = Path(cache_root or os.environ.get("DDTREE_JAX_CACHE", Path.home() / ".cache" / "ddtree_jax"))
-    folder = root / "random-qwen3-tiny-v1"
-    if not (folder / "config.json").exists():
-        write_random_qwen3(folder, seed=0, force=True, **DEFAULT_RANDOM_TARGET)
-    return folder
+    target, drafter = root / "random-qwen3-tiny-v1", root / "random-dflash-tiny-v1"
+    if not (target / "config.json").exists():
+        write_random_qwen3(target, seed=0, force=True, **DEFAULT_RANDOM_TARGET)
+    if not (drafter / "config.json").exists():
+        target_config = tiny_qwen3_config(**DEFAULT_RANDOM_TARGET)
+        write_random_dflash(drafter, target_config, seed=1, force=True, block_size=8, head_dim=32,
+                            dflash_config={"mask_token_id": 257, "target_layer_ids": [1, 3]})
+    return target, drafter
 
 
 def tiny_dflash_config(target_config: dict, **overrides) -> dict:

@@ -4,12 +4,12 @@ Random drafters accept almost nothing, so they cannot show a doctor telling a go
 one. Here every weight is set by hand (hidden 32, target 4 layers, vocab 16, drafter 1 layer, block 4):
 
 - target: every token embeds as 10*e0 + 1*e2 (+ small noise on dims 9..); the mask token also has 1*e3.
-  Attention writes nothing; layer l's MLP adds a marker ~1*e(4+l). lm_head row X = 5*e0 + e1 + e3,
-  so the target always predicts X.
+  Attention writes nothing; layer l's MLP adds a marker ~1*e(4+l). lm_head row X = 40 * (0.5*e0 + e1 +
+  e3), so the target always predicts X.
 - drafter: `fc` turns tap slot j into (marker of layer ids[j]) - (marker of ids[j] + 1), which is ~1 only
   when the tap really is the output of layer ids[j] (HF hidden_states[l + 1]); summed into e1, with a
   constant 0.1*e0-per-tap into e8. Uniform attention (q = 0) carries the context's e1 into the block;
-  the final norm keeps dims 1, 2, 3 only. lm_head row Z = 1.15*e2 competes with X = e1 + e3, so the
+  the final norm keeps dims 1, 2, 3 only. lm_head row Z = 40 * 1.15*e2 competes with X, so the
   drafter says X only when the context signal (right tap layers) and the mask marker (right mask token)
   are both there.
 """
@@ -51,8 +51,10 @@ def _target_arrays(rng) -> dict[str, np.ndarray]:
     a["model.embed_tokens.weight"][:, 2] = 1.0
     a["model.embed_tokens.weight"][:, 9:] = 0.3 * rng.standard_normal((VOCAB, e - 9))
     a["model.embed_tokens.weight"][MASK, 3] = 1.0
-    a["lm_head.weight"][X, :4] = [5.0, 1.0, 0.0, 1.0]
-    a["lm_head.weight"][Z, :4] = [0.0, 0.0, 1.15, 0.0]
+    # Scaled by 40 so the drafter is confident (p(X) ~ 0.98 when both signals are right): a chain of X
+    # then outranks every alternative in a draft tree.
+    a["lm_head.weight"][X, :4] = [20.0, 40.0, 0.0, 40.0]
+    a["lm_head.weight"][Z, :4] = [0.0, 0.0, 46.0, 0.0]
     # n0 = the normalised e0 component seen by each MLP, about 10 / rms(x) = 5.5; silu(5.5) * 5.5 ~ 30.
     n0 = 10.0 / np.sqrt(103.0 / e)
     for layer in range(LAYERS):

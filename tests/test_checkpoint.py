@@ -134,8 +134,8 @@ def test_tied_checkpoint_with_a_different_lm_head_is_refused(tmp_path):
 
 def test_cli_reports_one_error_line_and_exit_code_2(target):
     _rewrite(target, lambda t: t.pop("model.norm.weight"))
-    proc = subprocess.run([sys.executable, "-m", "ddtree_jax.generate", "--target", str(target), "--prompt-ids", "1,2",
-                           "--json"], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "ddtree_jax.generate", "--mode", "ar", "--target", str(target),
+                           "--prompt-ids", "1,2", "--json"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert lines == [f"error: {target / 'model.safetensors'}: tensor 'model.norm.weight' is missing (expected shape (64,))"]

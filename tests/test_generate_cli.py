@@ -21,6 +21,10 @@ def run_cli(*args, env=None, timeout=600):
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
+def run_ar(*args, **kwargs):
+    return run_cli("--mode", "ar", *args, **kwargs)
+
+
 @requires_torch
 def test_greedy_json_equals_transformers_generate(tmp_path):
     import torch
@@ -45,7 +49,7 @@ def test_greedy_json_equals_transformers_generate(tmp_path):
 def test_json_report_with_text_prompt(random_target):
     from transformers import AutoTokenizer
 
-    proc = run_cli("--target", random_target, "--prompt", "def add(a, b):", "--json", "--max-new-tokens", 12,
+    proc = run_ar("--target", random_target, "--prompt", "def add(a, b):", "--json", "--max-new-tokens", 12,
                    "--ignore-eos", "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
@@ -59,27 +63,32 @@ def test_json_report_with_text_prompt(random_target):
 
 def test_streams_text_and_stops_at_eos(random_target, tmp_path):
     # Make EOS a token the model emits greedily, so the stop is exercised through the CLI.
-    free = json.loads(run_cli("--target", random_target, "--prompt-ids", "5,6,7", "--json", "--ignore-eos",
+    free = json.loads(run_ar("--target", random_target, "--prompt-ids", "5,6,7", "--json", "--ignore-eos",
                               "--max-new-tokens", 20, "--dtype", "float32").stdout)["output_ids"]
     eos = free[4]
     (tmp_path / "t").mkdir()
     for item in random_target.iterdir():
         (tmp_path / "t" / item.name).write_bytes(item.read_bytes())
     (tmp_path / "t" / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
-    report = json.loads(run_cli("--target", tmp_path / "t", "--prompt-ids", "5,6,7", "--json", "--max-new-tokens", 20,
+    report = json.loads(run_ar("--target", tmp_path / "t", "--prompt-ids", "5,6,7", "--json", "--max-new-tokens", 20,
                                 "--dtype", "float32").stdout)
     assert report["output_ids"] == free[:free.index(eos) + 1]
-    streamed = run_cli("--target", tmp_path / "t", "--prompt", "x = 1", "--max-new-tokens", 8)
+    streamed = run_ar("--target", tmp_path / "t", "--prompt", "x = 1", "--max-new-tokens", 8)
     assert streamed.returncode == 0, streamed.stderr
     assert "tokens in" in streamed.stderr and "tau 1.00" in streamed.stderr
 
 
-def test_default_target_is_a_labelled_random_checkpoint(tmp_path):
-    proc = run_cli("--prompt", "hello", "--json", "--max-new-tokens", 4, env={"DDTREE_JAX_CACHE": str(tmp_path)})
+def test_default_run_is_ddtree_on_a_labelled_random_pair(tmp_path):
+    env = {"DDTREE_JAX_CACHE": str(tmp_path)}
+    proc = run_cli("--prompt", "hello", "--json", "--max-new-tokens", 12, "--ignore-eos", env=env)
     assert proc.returncode == 0, proc.stderr
     assert "randomly initialised" in proc.stderr
-    assert json.loads(proc.stdout)["new_tokens"] >= 1
+    report = json.loads(proc.stdout)
+    assert report["mode"] == "ddtree" and report["budget"] == 64 and report["block_size"] == 8
+    assert sum(report["acceptance_histogram"]) == len(report["acceptance_lengths"])
     assert (tmp_path / "random-qwen3-tiny-v1" / "config.json").exists()
+    ar = json.loads(run_ar("--prompt", "hello", "--json", "--max-new-tokens", 12, "--ignore-eos", env=env).stdout)
+    assert ar["output_ids"] == report["output_ids"]
 
 
 @pytest.mark.parametrize("args,message", [
@@ -90,7 +99,7 @@ def test_default_target_is_a_labelled_random_checkpoint(tmp_path):
     (["--chat", "--prompt", "hi"], "the tokenizer has no chat template"),
 ])
 def test_bad_input_exits_2_with_one_line(random_target, args, message):
-    proc = run_cli("--target", random_target, *args)
+    proc = run_ar("--target", random_target, *args)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: ") and message in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -100,10 +109,10 @@ def test_prompt_without_tokenizer_is_refused(tmp_path):
     from ddtree_jax.random_checkpoint import write_random_qwen3
 
     folder = write_random_qwen3(tmp_path / "t", with_tokenizer=False)
-    proc = run_cli("--target", folder, "--prompt", "hi")
+    proc = run_ar("--target", folder, "--prompt", "hi")
     assert proc.returncode == 2
     assert "no tokenizer.json or tokenizer_config.json; pass --prompt-ids" in proc.stderr
-    ok = run_cli("--target", folder, "--prompt-ids", "1,2", "--json", "--max-new-tokens", 3)
+    ok = run_ar("--target", folder, "--prompt-ids", "1,2", "--json", "--max-new-tokens", 3)
     assert ok.returncode == 0 and "text" not in json.loads(ok.stdout)
 
 
@@ -112,7 +121,7 @@ def test_dflash_mode_reports_rounds_and_matches_ar(tmp_path):
 
     target, drafter = write_signal_pair(tmp_path)
     common = ["--target", target, "--prompt-ids", "1,2,3", "--json", "--max-new-tokens", 21, "--dtype", "float32"]
-    ar = json.loads(run_cli(*common).stdout)
+    ar = json.loads(run_ar(*common).stdout)
     proc = run_cli(*common, "--mode", "dflash", "--drafter", drafter)
     assert proc.returncode == 0, proc.stderr
     spec = json.loads(proc.stdout)
@@ -121,4 +130,25 @@ def test_dflash_mode_reports_rounds_and_matches_ar(tmp_path):
     two = json.loads(run_cli(*common, "--mode", "dflash", "--drafter", drafter, "--block-size", 2).stdout)
     assert two["acceptance_lengths"] == [2] * 10 and two["output_ids"] == ar["output_ids"]
     missing = run_cli(*common, "--mode", "dflash")
-    assert missing.returncode == 2 and "--mode dflash needs --drafter DIR" in missing.stderr
+    assert missing.returncode == 2 and "--mode dflash needs --drafter DIR (or --mode ar)" in missing.stderr
+
+
+def test_ddtree_mode_json_and_saved_trees(tmp_path):
+    from pairs import X, write_signal_pair
+
+    target, drafter = write_signal_pair(tmp_path)
+    trees = tmp_path / "out" / "trees.jsonl"
+    proc = run_cli("--target", target, "--drafter", drafter, "--prompt-ids", "1,2,3", "--json", "--max-new-tokens", 13,
+                   "--dtype", "float32", "--budget", 5, "--save-trees", trees)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["mode"] == "ddtree" and report["budget"] == 5 and report["block_size"] == 4
+    assert report["acceptance_lengths"] == [4, 4, 4] and report["acceptance_histogram"] == [0, 0, 0, 3]
+    rows = [json.loads(line) for line in trees.read_text().splitlines()]
+    assert [r["round"] for r in rows] == [0, 1, 2] and [r["start"] for r in rows] == [3, 7, 11]
+    for r in rows:
+        assert len(r["tokens"]) == 6 and [r["tokens"][i] for i in r["accepted"][1:]] == [X, X, X]
+        assert r["depths"][0] == 0 and r["parents"][0] == 0 and all(p < i for i, p in enumerate(r["parents"]) if i)
+        assert [r["depths"][i] for i in r["accepted"]] == [0, 1, 2, 3]
+    bad = run_ar("--target", target, "--prompt-ids", "1", "--save-trees", trees)
+    assert bad.returncode == 2 and "--save-trees: needs --mode ddtree or dflash" in bad.stderr
