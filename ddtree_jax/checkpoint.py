@@ -27,6 +27,7 @@ from ddtree_jax.config import (DRAFTER_ARCHITECTURE, check_pair, load_drafter_co
                                read_config_json)
 from ddtree_jax.models import dflash, qwen3
 from ddtree_jax.models.params import ModelParams
+from ddtree_jax.parallel import Parallel, param_shardings, put
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -201,8 +202,13 @@ def tied_extras(config) -> dict[str, str]:
     return {"lm_head.weight": "model.embed_tokens.weight"} if getattr(config, "tie_word_embeddings", False) else {}
 
 
-def _to_device(arrays: dict[str, np.ndarray], dtype) -> dict[str, jax.Array]:
-    return {name: jnp.asarray(a if dtype is None else a.astype(dtype)) for name, a in arrays.items()}
+def _to_device(arrays: dict[str, np.ndarray], dtype, shardings: dict | None = None) -> dict[str, jax.Array]:
+    """Host arrays -> device arrays in `dtype`, each straight onto its shards (no full copy on one device)."""
+    out = {}
+    for name, a in arrays.items():
+        host = a if dtype is None else a.astype(dtype)
+        out[name] = put(host, shardings[name]) if shardings is not None else jnp.asarray(host)
+    return out
 
 
 def write_hf_files(folder: Path, arrays: dict[str, np.ndarray | jax.Array], config_raw: dict, *,
@@ -303,8 +309,10 @@ def save_orbax(arrays: dict[str, np.ndarray | jax.Array], config_raw: dict, out:
     return atomic_folder(out, write, force=force)
 
 
-def read_orbax_arrays(path: str | Path, expected: dict[str, tuple[int, ...]], dtype=None) -> dict[str, jax.Array]:
-    """Restore an orbax folder's params, checked against `expected` {name: shape}; stored dtype unless given."""
+def read_orbax_arrays(path: str | Path, expected: dict[str, tuple[int, ...]], dtype=None,
+                      shardings: dict | None = None) -> dict[str, jax.Array]:
+    """Restore an orbax folder's params, checked against `expected` {name: shape}; stored dtype unless given;
+    each array lands on its `shardings[name]` (default: the first device)."""
     path = Path(path)
     params_dir = path / "params"
     try:
@@ -322,9 +330,10 @@ def read_orbax_arrays(path: str | Path, expected: dict[str, tuple[int, ...]], dt
             raise CheckpointError(f"{params_dir}: tensor '{name}' has shape {tuple(m.shape)}, expected {expected[name]}")
         if not jnp.issubdtype(m.dtype, jnp.floating):
             raise CheckpointError(f"{params_dir}: tensor '{name}' has dtype {m.dtype}, expected a floating-point dtype")
-    # Arrays land on their device directly (one device until the parallel layer passes shardings).
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = _nest({n: jax.ShapeDtypeStruct(m.shape, dtype or m.dtype, sharding=sharding) for n, m in stored.items()})
+    single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    target = _nest({n: jax.ShapeDtypeStruct(m.shape, dtype or m.dtype,
+                                            sharding=shardings[n] if shardings is not None else single)
+                    for n, m in stored.items()})
     try:
         restored = _orbax.load(params_dir, target)
     except Exception as e:
@@ -356,26 +365,30 @@ def _stored_shape(path: Path, name: str) -> tuple[int, ...] | None:
         return tuple(f.get_slice(name).get_shape())
 
 
-def _load(path: Path, abstract: ModelParams, dtype, tied: dict[str, str], progress: bool) -> ModelParams:
+def _load(path: Path, abstract: ModelParams, dtype, tied: dict[str, str], progress: bool,
+          parallel: Parallel | None) -> ModelParams:
     expected = _expected_shapes(abstract)
+    shardings = param_shardings(abstract, parallel) if parallel is not None else None
     if checkpoint_format(path) == "hf":
         bar = _progress_bar(f"loading {path.name}") if progress else None
-        arrays = _to_device(read_hf_arrays(path, expected, tied, bar), dtype)
+        arrays = _to_device(read_hf_arrays(path, expected, tied, bar), dtype, shardings)
     else:
-        arrays = read_orbax_arrays(path, expected, dtype)
+        arrays = read_orbax_arrays(path, expected, dtype, shardings)
     return abstract.replace_flat(arrays)
 
 
-def load_target(path: str | Path, dtype=jnp.bfloat16, progress: bool = False) -> ModelParams:
-    """Load a target checkpoint (HF or orbax folder) as `ModelParams` in `dtype` (None: as stored)."""
+def load_target(path: str | Path, dtype=jnp.bfloat16, progress: bool = False,
+                parallel: Parallel | None = None) -> ModelParams:
+    """Load a target checkpoint (HF or orbax folder) as `ModelParams` in `dtype` (None: as stored), each
+    parameter placed by `parallel` (default: the first device)."""
     path = Path(path)
     checkpoint_format(path)
     config = load_target_config(path)
-    return _load(path, qwen3.abstract(config, dtype or jnp.float32), dtype, tied_extras(config), progress)
+    return _load(path, qwen3.abstract(config, dtype or jnp.float32), dtype, tied_extras(config), progress, parallel)
 
 
 def load_drafter(path: str | Path, target_config, dtype=jnp.bfloat16, *, allow_layer_mismatch: bool = False,
-                 progress: bool = False) -> ModelParams:
+                 progress: bool = False, parallel: Parallel | None = None) -> ModelParams:
     """Load a DFlash drafter for `target_config`, checking the pair before reading any weights."""
     path = Path(path)
     checkpoint_format(path)
@@ -388,7 +401,7 @@ def load_drafter(path: str | Path, target_config, dtype=jnp.bfloat16, *, allow_l
             f"{path}: tensor 'fc.weight' takes {fc[1]} input features, but len(target_layer_ids)="
             f"{len(config.target_layer_ids)} taps x the target's hidden_size {target_config.hidden_size} = {want}")
     abstract = dflash.abstract(config, target_config.hidden_size, dtype or jnp.float32)
-    return _load(path, abstract, dtype, {}, progress)
+    return _load(path, abstract, dtype, {}, progress, parallel)
 
 
 def read_arrays(path: str | Path, progress: bool = False) -> tuple[dict[str, np.ndarray | jax.Array], dict]:

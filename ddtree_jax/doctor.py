@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from ddtree_jax.generate import add_parallel_args
+
 EXIT_FLAGGED = 1
 EXIT_BAD_INPUT = 2
 FIRST_POSITION_FLOOR = 0.2
@@ -104,16 +106,18 @@ def run(args) -> Report:
     from ddtree_jax.checkpoint import load_drafter, load_target
     from ddtree_jax.config import check_pair, load_drafter_config, load_target_config
     from ddtree_jax.engine import DecodeOptions, Mode, generate
-    from ddtree_jax.generate import _load_tokenizer
+    from ddtree_jax.generate import _load_tokenizer, parallel_from_args
 
     check_pair(load_target_config(args.target), load_drafter_config(args.drafter),
                allow_layer_mismatch=args.allow_layer_mismatch, where=str(args.drafter / "config.json"))
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
-    target = load_target(args.target, dtype)
-    drafter = load_drafter(args.drafter, target.config, dtype, allow_layer_mismatch=args.allow_layer_mismatch)
+    parallel = parallel_from_args(args)
+    target = load_target(args.target, dtype, parallel=parallel)
+    drafter = load_drafter(args.drafter, target.config, dtype, allow_layer_mismatch=args.allow_layer_mismatch,
+                           parallel=parallel)
     prompts = _prompts(args, _load_tokenizer(args.target), target.config.vocab_size, drafter.config.mask_token_id)
     bs = args.block_size or drafter.config.block_size
-    base = DecodeOptions(max_new_tokens=args.max_new_tokens)  # EOS ignored: more rounds to measure
+    base = DecodeOptions(max_new_tokens=args.max_new_tokens, parallel=parallel)  # EOS ignored: more rounds
     spec = generate(target, prompts, dataclasses.replace(base, mode=Mode.DFLASH, block_size=bs), drafter=drafter)
     ar = generate(target, prompts, base)
     divergence = None
@@ -152,14 +156,16 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     p.add_argument("--allow-layer-mismatch", action="store_true")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    add_parallel_args(p)
     args = p.parse_args(argv)
 
     from ddtree_jax.checkpoint import CheckpointError
     from ddtree_jax.config import ConfigError
+    from ddtree_jax.generate import BadInput
 
     try:
         report = run(args)
-    except (CheckpointError, ConfigError, ValueError, OSError) as e:
+    except (BadInput, CheckpointError, ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.json:

@@ -26,6 +26,7 @@ from ddtree_jax.accept import accept_tree, chain_tree
 from ddtree_jax.cache import KVCache, advance, commit_path
 from ddtree_jax.models import dflash, qwen3
 from ddtree_jax.models.params import ModelParams
+from ddtree_jax.parallel import Parallel, put, to_host
 from ddtree_jax.sampling import SamplingConfig, decode_tokens
 from ddtree_jax.tree import build_tree
 
@@ -58,6 +59,7 @@ class DecodeOptions:
     block_size: int = 0
     budget: int = 64
     record_trees: bool = False  # keep each round's tree and accepted path in the state (--save-trees)
+    parallel: Parallel = Parallel()  # device layout (parallel.py)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -142,6 +144,16 @@ def causal_mask(valid: jax.Array, t: int) -> jax.Array:
     return (j <= i)[None] & (is_valid | (i == j)[None])
 
 
+def _constrain_cache(cache: KVCache | None, parallel: Parallel) -> KVCache | None:
+    """Pin a cache's layout: heads over the tp axis, rows over the dp axis."""
+    if cache is None or parallel.mesh is None:
+        return cache
+    spec = parallel.kv_spec(cache.k[0].shape[2])
+    return KVCache(k=tuple(parallel.constrain(k, spec) for k in cache.k),
+                   v=tuple(parallel.constrain(v, spec) for v in cache.v),
+                   lengths=parallel.constrain(cache.lengths, parallel.batch_spec(1)))
+
+
 def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
     if not eos_ids:
         return jnp.zeros(tokens.shape, bool)
@@ -179,15 +191,15 @@ def prefill(target: ModelParams, drafter: ModelParams | None, tokens: jax.Array,
     each row's first token."""
     b, p = tokens.shape
     dtype = target.flat()["model.embed_tokens.weight"].dtype
-    cache = qwen3.create_cache(target.config, b, capacity, dtype)
+    cache = _constrain_cache(qwen3.create_cache(target.config, b, capacity, dtype), options.parallel)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     taps = drafter.config.target_layer_ids if drafter is not None else ()
     out = qwen3.forward(target, tokens, positions, cache, causal_mask(prompt_lengths, p), tap_layers=taps)
     cache = advance(out.cache, prompt_lengths)
     draft_cache = None
     if drafter is not None:
-        draft_cache = dflash.ingest_context(drafter, out.taps, prompt_lengths,
-                                            dflash.create_cache(drafter.config, b, capacity, dtype))
+        draft_cache = dflash.ingest_context(drafter, out.taps, prompt_lengths, _constrain_cache(
+            dflash.create_cache(drafter.config, b, capacity, dtype), options.parallel))
     last_hidden = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
     rng, key = jax.random.split(rng)
     first = decode_tokens(qwen3.logits(target, last_hidden), key, options.sampling)
@@ -213,7 +225,7 @@ def ar_round(target: ModelParams, drafter: None, state: DecodeState, options: De
     running = ~state.done
     out = qwen3.forward(target, state.last_token[:, None], state.cache.lengths[:, None], state.cache,
                         jnp.ones((b, 1, 1), bool))
-    cache = advance(out.cache, running.astype(jnp.int32))
+    cache = _constrain_cache(advance(out.cache, running.astype(jnp.int32)), options.parallel)
     rng, key = jax.random.split(state.rng)
     token = decode_tokens(qwen3.logits(target, out.hidden[:, 0]), key, options.sampling)
     counts = running.astype(jnp.int32)
@@ -261,7 +273,9 @@ def speculative_round(target: ModelParams, drafter: ModelParams, state: DecodeSt
             taps = jnp.take_along_axis(out.taps, acc.path[:, :, None], axis=1)
         else:  # a chain's path is 0, 1, 2, ...: rows are already in place
             cache, taps = advance(out.cache, counts), out.taps
-        draft_cache = dflash.ingest_context(drafter, taps, counts, state.draft_cache)
+        draft_cache = _constrain_cache(dflash.ingest_context(drafter, taps, counts, state.draft_cache),
+                                       options.parallel)
+        cache = _constrain_cache(cache, options.parallel)
         trace = RoundTrace(start=start, tokens=tree.tokens, parents=tree.parents, depths=tree.depths,
                            valid=tree.valid, path=acc.path, count=counts) if options.record_trees else None
         state = dataclasses.replace(state, cache=cache, draft_cache=draft_cache, rng=rng, trace=trace)
@@ -374,6 +388,11 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
         bad = [t for t in prompt if not 0 <= int(t) < vocab]
         if bad:
             raise ValueError(f"prompt {r}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    n_prompts = len(prompts)
+    parallel = options.parallel
+    if parallel.mode == "dp" and n_prompts % parallel.size:
+        # dp splits rows evenly over devices: pad with copies of the first prompt, dropped at the end.
+        prompts = list(prompts) + [prompts[0]] * (parallel.size - n_prompts % parallel.size)
     b = len(prompts)
     lengths = np.array([len(p) for p in prompts], np.int32)
     width = _round_up(int(lengths.max()), PROMPT_BUCKET)
@@ -382,7 +401,8 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
     for r, prompt in enumerate(prompts):
         tokens[r, :len(prompt)] = prompt
     rng = jax.random.key(seed)
-    tokens, lengths_dev = jnp.asarray(tokens), jnp.asarray(lengths)
+    tokens = put(tokens, parallel.sharding(parallel.batch_spec(2)))
+    lengths_dev = put(lengths, parallel.sharding(parallel.batch_spec(1)))
 
     static = dict(capacity=capacity, options=options)
     prefill_fn, compile_s = _compiled("prefill", prefill, (target, drafter, tokens, lengths_dev, rng), static)
@@ -402,18 +422,19 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
     while True:
         if on_tokens is not None:
             on_tokens(_rows(state))
-        if bool(state.done.all()):
+        done = to_host(state.done)
+        if done.all():
             break
-        running = np.asarray(~state.done)
+        running = ~done
         start = time.perf_counter()
         state = jax.block_until_ready(loop_fn(target, drafter, state, steps))
         decode_s += time.perf_counter() - start
         if trees is not None:
             trees.extend(_trace_rows(state, running))
-    round_lengths, num_rounds = np.asarray(state.round_lengths), np.asarray(state.num_rounds)
+    round_lengths, num_rounds = to_host(state.round_lengths), to_host(state.num_rounds)
     return GenerationResult(
-        output_ids=_rows(state),
-        acceptance_lengths=[round_lengths[r, :num_rounds[r]].tolist() for r in range(b)],
+        output_ids=_rows(state)[:n_prompts],
+        acceptance_lengths=[round_lengths[r, :num_rounds[r]].tolist() for r in range(n_prompts)],
         prefill_seconds=prefill_s,
         decode_seconds=decode_s,
         compile_seconds=compile_s + loop_compile_s,
@@ -423,17 +444,17 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
 
 def _trace_rows(state: DecodeState, running: np.ndarray) -> list[dict]:
     """The last round's trees of the rows that were running, as JSON-ready dicts (valid nodes only)."""
-    t = jax.tree.map(np.asarray, state.trace)
+    t = jax.tree.map(to_host, state.trace)
     out = []
     for r in np.flatnonzero(running):
         keep = t.valid[r]
         count = int(t.count[r])
-        out.append({"round": int(state.step) - 1, "row": int(r), "start": int(t.start[r]),
+        out.append({"round": int(to_host(state.step)) - 1, "row": int(r), "start": int(t.start[r]),
                     "tokens": t.tokens[r][keep].tolist(), "parents": t.parents[r][keep].tolist(),
                     "depths": t.depths[r][keep].tolist(), "accepted": t.path[r][:count].tolist()})
     return out
 
 
 def _rows(state: DecodeState) -> list[list[int]]:
-    output, counts = np.asarray(state.output), np.asarray(state.num_generated)
+    output, counts = to_host(state.output), to_host(state.num_generated)
     return [output[r, :counts[r]].tolist() for r in range(output.shape[0])]

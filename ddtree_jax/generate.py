@@ -44,6 +44,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    add_parallel_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--stream-every", type=int, default=8, help="rounds per device call when streaming")
     return p.parse_args(argv)
@@ -51,6 +52,31 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 class BadInput(Exception):
     pass
+
+
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--devices", type=int, default=1, help="devices to run on (a one-axis mesh; all processes')")
+    p.add_argument("--parallel", choices=["tp", "dp"], default="tp",
+                   help="tp: split the models over the devices; dp: split the batch rows")
+    p.add_argument("--coordinator", default=None,
+                   help="multi-process runs: HOST:PORT of process 0 (jax.distributed.initialize)")
+    p.add_argument("--num-processes", type=int, default=None, help="multi-process runs: number of processes")
+    p.add_argument("--process-id", type=int, default=None, help="multi-process runs: this process's index")
+
+
+def parallel_from_args(args):
+    from ddtree_jax.parallel import init_distributed, make_parallel
+
+    if args.coordinator is not None:
+        if args.num_processes is None or args.process_id is None:
+            raise BadInput("--coordinator needs --num-processes and --process-id")
+        init_distributed(args.coordinator, args.num_processes, args.process_id)
+    if args.devices < 1:
+        raise BadInput(f"--devices: expected >= 1, got {args.devices}")
+    try:
+        return make_parallel(args.devices, args.parallel)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
 
 
 def _load_tokenizer(folder: Path):
@@ -100,6 +126,7 @@ def run(args: argparse.Namespace) -> dict:
     from ddtree_jax.random_checkpoint import default_random_pair
     from ddtree_jax.sampling import SamplingConfig
 
+    parallel = parallel_from_args(args)  # first: a multi-process run must initialise before any device use
     # Check what needs no checkpoint first, so bad flags fail fast.
     if args.max_new_tokens < 1:
         raise BadInput(f"--max-new-tokens: expected >= 1, got {args.max_new_tokens}")
@@ -131,18 +158,18 @@ def run(args: argparse.Namespace) -> dict:
         # The pair is checked from the configs alone, before any weights are read.
         check_pair(load_target_config(folder), load_drafter_config(args.drafter),
                    allow_layer_mismatch=args.allow_layer_mismatch, where=str(args.drafter / "config.json"))
-    params = load_target(folder, dtype, progress=not args.json)
+    params = load_target(folder, dtype, progress=not args.json, parallel=parallel)
     drafter = None
     if mode.needs_drafter:
         drafter = load_drafter(args.drafter, params.config, dtype, allow_layer_mismatch=args.allow_layer_mismatch,
-                               progress=not args.json)
+                               progress=not args.json, parallel=parallel)
     tokenizer = _load_tokenizer(folder)
     if prompt is None:
         prompt = _tokenize_prompt(args, tokenizer, folder)
     eos = () if args.ignore_eos else tuple(dict.fromkeys(params.config.eos_token_ids + generation_eos_ids(folder)))
     options = DecodeOptions(mode=mode, max_new_tokens=args.max_new_tokens, sampling=sampling, eos_ids=eos,
                             block_size=args.block_size if mode.needs_drafter else 0, budget=args.budget,
-                            record_trees=args.save_trees is not None)
+                            record_trees=args.save_trees is not None, parallel=parallel)
 
     printed = [""]
 

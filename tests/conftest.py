@@ -15,6 +15,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+# Four host devices for the multi-device tests; everything else runs on the first one.
+jax.config.update("jax_num_cpu_devices", 4)
 
 
 def _has_torch() -> bool:
