@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -89,8 +90,6 @@ def measure_ceilings(repeats: int, small: bool) -> dict:
 def _random_pair(shape: str, parallel):
     """Random bf16 target and drafter of a named shape, initialised on the device."""
     import jax
-    import jax.numpy as jnp
-    from flax import nnx
 
     from ddtree_jax.config import parse_dflash, parse_qwen3
     from ddtree_jax.models import dflash, qwen3
@@ -110,20 +109,33 @@ def _random_pair(shape: str, parallel):
                        "target_layer_ids": taps if big else [0, n_layers - 1]})
     t_cfg, d_cfg = parse_qwen3(target_raw), parse_dflash(drafter_raw)
 
-    def init(abstract: ModelParams, build, seed: int) -> ModelParams:
+    def init(abstract: ModelParams, seed: int) -> ModelParams:
+        # One small jitted initialiser per (shape, sharding), not one program for the whole model: XLA
+        # takes many minutes to compile a single random-init program of an 8B model.
         shardings = param_shardings(abstract, parallel)
-        names = list(abstract.flat())
+        arrays = {}
+        for i, (name, leaf) in enumerate(abstract.flat().items()):
+            ones = "norm" in name
+            arrays[name] = _random_array(leaf.shape, str(leaf.dtype), ones, shardings[name])(
+                jax.random.fold_in(jax.random.key(seed), i))
+        return abstract.replace_flat(arrays)
 
-        def make():
-            state = nnx.split(build(nnx.Rngs(seed)), nnx.Param)[1]
-            return ModelParams(state=state, graphdef=abstract.graphdef, config=abstract.config).flat()
-
-        flat = jax.jit(make, out_shardings={n: shardings[n] for n in names})()
-        return abstract.replace_flat(flat)
-
-    target = init(qwen3.abstract(t_cfg), qwen3.build(t_cfg), 0)
-    drafter = init(dflash.abstract(d_cfg, t_cfg.hidden_size), dflash.build(d_cfg, t_cfg.hidden_size), 1)
+    target = init(qwen3.abstract(t_cfg), 0)
+    drafter = init(dflash.abstract(d_cfg, t_cfg.hidden_size), 1)
     return target, drafter
+
+
+@functools.lru_cache(maxsize=None)
+def _random_array(shape, dtype: str, ones: bool, sharding):
+    import jax
+    import jax.numpy as jnp
+
+    def make(key):
+        if ones:
+            return jnp.ones(shape, dtype)
+        return (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(dtype)
+
+    return jax.jit(make, out_shardings=sharding)
 
 
 def _param_bytes(params) -> int:
@@ -135,35 +147,32 @@ def _filled_state(target, drafter, context: int, options, parallel):
     import jax
     import jax.numpy as jnp
 
-    from ddtree_jax.engine import DecodeState, RoundTrace, _constrain_cache
+    from ddtree_jax.engine import DecodeState, RoundTrace
     from ddtree_jax.models import dflash, qwen3
 
     b = 1
     capacity = -(-(context + 64 * options.verify_width + 64) // 128) * 128
     dtype = jnp.bfloat16
 
-    @jax.jit
-    def build(key):
-        def filled(cache, k):
-            keys = jax.random.split(k, len(cache.k) * 2)
-            ks = tuple(jax.random.normal(keys[i], c.shape, dtype) for i, c in enumerate(cache.k))
-            vs = tuple(jax.random.normal(keys[len(cache.k) + i], c.shape, dtype) for i, c in enumerate(cache.v))
-            return dataclasses.replace(cache, k=ks, v=vs, lengths=jnp.full((b,), context, jnp.int32))
+    def filled(cache, seed: int):
+        # One small cached initialiser per shape (a single program that draws every layer's K/V compiled
+        # for minutes on the H200).
+        sharding = parallel.sharding(parallel.kv_spec(cache.k[0].shape[2]))
+        make = _random_array(cache.k[0].shape, "bfloat16", False, sharding)
+        ks = tuple(make(jax.random.key(seed * 1000 + i)) for i in range(len(cache.k)))
+        vs = tuple(make(jax.random.key(seed * 1000 + 500 + i)) for i in range(len(cache.v)))
+        return dataclasses.replace(cache, k=ks, v=vs, lengths=jnp.full((b,), context, jnp.int32))
 
-        k1, k2 = jax.random.split(key)
-        cache = _constrain_cache(filled(qwen3.create_cache(target.config, b, capacity, dtype), k1), parallel)
-        draft_cache = None
-        if options.mode.needs_drafter:
-            draft_cache = _constrain_cache(filled(dflash.create_cache(drafter.config, b, capacity, dtype), k2),
-                                           parallel)
-        return DecodeState(
-            cache=cache, draft_cache=draft_cache, last_token=jnp.ones((b,), jnp.int32),
-            output=jnp.zeros((b, options.max_new_tokens), jnp.int32), num_generated=jnp.ones((b,), jnp.int32),
-            done=jnp.zeros((b,), bool), round_lengths=jnp.zeros((b, options.max_rounds), jnp.int32),
-            num_rounds=jnp.zeros((b,), jnp.int32), rng=jax.random.key(0), step=jnp.zeros((), jnp.int32),
-            trace=RoundTrace.empty(b, options.verify_width, options.block_size) if options.record_trees else None)
-
-    return build(jax.random.key(3))
+    cache = filled(jax.eval_shape(lambda: qwen3.create_cache(target.config, b, capacity, dtype)), 1)
+    draft_cache = None
+    if options.mode.needs_drafter:
+        draft_cache = filled(jax.eval_shape(lambda: dflash.create_cache(drafter.config, b, capacity, dtype)), 2)
+    return DecodeState(
+        cache=cache, draft_cache=draft_cache, last_token=jnp.ones((b,), jnp.int32),
+        output=jnp.zeros((b, options.max_new_tokens), jnp.int32), num_generated=jnp.ones((b,), jnp.int32),
+        done=jnp.zeros((b,), bool), round_lengths=jnp.zeros((b, options.max_rounds), jnp.int32),
+        num_rounds=jnp.zeros((b,), jnp.int32), rng=jax.random.key(0), step=jnp.zeros((), jnp.int32),
+        trace=RoundTrace.empty(b, options.verify_width, options.block_size) if options.record_trees else None)
 
 
 def time_stages(target, drafter, options, context: int, repeats: int, parallel) -> dict:
@@ -251,8 +260,12 @@ def run_shape(args, parallel) -> dict:
     from ddtree_jax.engine import DecodeOptions, Mode
 
     small = args.shape == "tiny"
+    start = time.perf_counter()
     ceilings = measure_ceilings(args.repeats, small)
+    print(f"ceilings {ceilings}", flush=True)
     target, drafter = _random_pair(args.shape, parallel)
+    jax.block_until_ready(target.flat())
+    print(f"random weights ready after {time.perf_counter() - start:.0f} s", flush=True)
     rows = []
     plan = [("ar", None)] * ("ar" in args.modes) + [("dflash", None)] * ("dflash" in args.modes) + \
         [("ddtree", b) for b in args.budgets if "ddtree" in args.modes]
@@ -268,6 +281,10 @@ def run_shape(args, parallel) -> dict:
         rows.append({"mode": mode, "budget": budget, "verify_tokens": tokens, **{f"{k}_s": v for k, v in stages.items()},
                      "floor_s": floor, "ratio_to_floor": stages["round"] / floor, "tau_projected": tau,
                      "tokens_per_s_projected": tau / stages["round"]})
+        # Progress that survives a cut-short run: one line and a partial JSON per row.
+        print(json.dumps({k: v for k, v in rows[-1].items()}), flush=True)
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench.partial.json").write_text(json.dumps({"ceilings": ceilings, "rows": rows}, indent=1))
     ar = next((r for r in rows if r["mode"] == "ar"), None)
     for r in rows:
         r["round_over_ar_step"] = r["round_s"] / ar["round_s"] if ar else None
