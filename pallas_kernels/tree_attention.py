@@ -1,0 +1,387 @@
+"""Tree-masked attention of new tokens over the committed KV cache plus themselves (Pallas, Triton).
+
+The contract is `ddtree_jax.models.layers.cached_attention`: queries of the T new tokens (tree nodes,
+a chain, or one AR token) attend to the committed cache slots `[0, length)` of their row and to the
+new tokens that `new_mask` allows (the ancestor mask of a tree). `tree_attention_reference` below
+restates that math in plain jnp (independently: kernels never import the models).
+
+Letters: b batch, t new tokens as queries, u new tokens as keys (u = t), s cache slots, n KV heads,
+g query heads per KV head, d head dim, r = t * g rows of one KV head, c chunks.
+
+How the kernel splits the work (flash-decoding: Dao et al., "Flash-Decoding for long-context
+inference", 2023; the online softmax of FlashAttention-2, arXiv 2307.08691, Algorithm 1):
+- one program takes one (row, KV head, block of rows, chunk). Its rows are (token, query head) pairs
+  of one KV head, token-major (row = token * g + head in group), so every K/V block it loads serves
+  all g query heads of the group (GQA) and all T tokens in the block;
+- chunks 0..C-1 are slices of the committed cache (keys at slots < length); chunk C is the T new keys
+  under `new_mask`. Each program writes its normalised partial output and its log-sum-exp;
+  `_merge_partials` combines the C + 1 partials in plain jnp. The cache split lets batch 1 fill the GPU.
+
+Triton wants power-of-two tiles of at least 16 for dots: the wrapper pads the rows to a multiple of
+`block_q` and the head dim to a power of two (>= 16); key blocks past the cache length or past T are
+masked loads, so S and T need no padding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels._dispatch import (cdiv, core_count, is_pow2, next_pow2, resolve_implementation,
+                                      resolve_interpret, round_up)
+
+_NEG_INF = float("-inf")
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeAttentionConfig:
+    """Tuning knobs of the Pallas kernel (static; hashable, so usable as a jit static argument).
+
+    block_q:    rows (token x query head of one KV head) per program; a power of two >= 16. Clamped
+                to the padded row count.
+    block_k:    cache keys per inner step; a power of two >= 16. Clamped to the padded cache size.
+    block_u:    new-token keys per inner step; a power of two >= 16. Clamped to the padded T. Kept
+                apart from block_k because Triton gives each of the two loops its own pipelined
+                shared-memory buffers (stages x 2 x block x d each), which bounds programs per SM.
+    num_chunks: cache chunks per (row, KV head, row block); None picks enough to give about one
+                program per streaming multiprocessor (never more chunks than key blocks).
+    num_warps, num_stages: Triton's warps per program and software-pipelining depth.
+    """
+
+    block_q: int = 64
+    block_k: int = 64
+    block_u: int = 32
+    num_chunks: int | None = None
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k", "block_u"):
+            value = getattr(self, name)
+            if not is_pow2(value) or value < 16:
+                raise ValueError(f"TreeAttentionConfig.{name}={value!r}: must be a power of two >= 16 "
+                                 "(Triton dot tiles)")
+        if self.num_chunks is not None and not (isinstance(self.num_chunks, int)
+                                                and not isinstance(self.num_chunks, bool)
+                                                and self.num_chunks >= 1):
+            raise ValueError(f"TreeAttentionConfig.num_chunks={self.num_chunks!r}: must be None or an int >= 1")
+        if self.num_warps not in (1, 2, 4, 8, 16) or isinstance(self.num_warps, bool):
+            raise ValueError(f"TreeAttentionConfig.num_warps={self.num_warps!r}: must be 1, 2, 4, 8 or 16")
+        if not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool) or self.num_stages < 1:
+            raise ValueError(f"TreeAttentionConfig.num_stages={self.num_stages!r}: must be an int >= 1")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernel body
+
+
+def _online_softmax_step(q, k, v, visible, carry, *, scale, precision):
+    """One key block of the online softmax. q [bq, d], k/v [bk, d], visible [bq, bk] bool;
+    carry = (acc [bq, d] f32 unnormalised output, m [bq] running max (-inf: nothing seen), l [bq] sum)."""
+    acc, m, l = carry
+    scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                             preferred_element_type=jnp.float32) * scale
+    scores = jnp.where(visible, scores, _NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(scores, axis=1))
+    # A row that has seen nothing yet keeps m = -inf; shift by 0 there so exp gives 0, not NaN.
+    shift = jnp.where(m_new == _NEG_INF, 0.0, m_new)
+    p = jnp.exp(scores - shift[:, None])
+    alpha = jnp.exp(m - shift)
+    l = alpha * l + jnp.sum(p, axis=1)
+    # Probabilities in v's dtype, as the reference does before its value einsum.
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                         preferred_element_type=jnp.float32)
+    return alpha[:, None] * acc + pv, m_new, l
+
+
+def _tree_attention_kernel(
+    # inputs
+    q_ref,     # [block_q, d] query rows of one KV head (row = token * g + head in group)
+    k_ref,     # [s, d] committed keys of this row and KV head
+    v_ref,     # [s, d] committed values
+    kn_ref,    # [t, d] the new tokens' keys
+    vn_ref,    # [t, d] the new tokens' values
+    mask_ref,  # [t, t] int8, 1 where query token i sees new token j
+    pos_ref,   # [t] int32 positions of the new tokens
+    len_ref,   # [] int32 committed slots of this row
+    # outputs
+    o_ref,     # [block_q, d] float32 this chunk's output, normalised within the chunk
+    lse_ref,   # [block_q] float32 this chunk's log-sum-exp of scores (-inf: the chunk showed nothing)
+    *,
+    scale: float,
+    window: int | None,
+    num_chunks: int,
+    chunk: int,
+    block_q: int,
+    block_k: int,
+    block_u: int,
+    group: int,
+    num_new: int,
+    num_slots: int,
+    precision,
+):
+    row_block, chunk_id = pl.program_id(2), pl.program_id(3)
+    d = q_ref.shape[-1]
+    q = q_ref[...]
+    rows = row_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
+    row_ok = rows < num_new * group
+    row_token = jnp.minimum(lax.div(rows, jnp.int32(group)), num_new - 1)  # clamped: padding rows stay in bounds
+    row_pos = pos_ref[row_token] if window is not None else None
+    step = functools.partial(_online_softmax_step, scale=scale, precision=precision)
+    init = (jnp.zeros((block_q, d), jnp.float32), jnp.full((block_q,), _NEG_INF, jnp.float32),
+            jnp.zeros((block_q,), jnp.float32))
+
+    def cache_chunk():
+        length = jnp.minimum(len_ref[...], num_slots)
+        start = chunk_id * chunk
+        end = jnp.minimum(start + chunk, length)  # chunk is a multiple of block_k: blocks end at `end` or S
+        first = jnp.int32(0)
+        if window is not None:
+            # Slots below the earliest row's window are hidden from every row: skip their blocks.
+            lowest = jnp.min(jnp.where(row_ok, row_pos, jnp.iinfo(jnp.int32).max)) - (window - 1)
+            first = lax.div(jnp.maximum(lowest - start, 0), jnp.int32(block_k))
+        num_blocks = lax.div(jnp.maximum(end - start, 0) + (block_k - 1), jnp.int32(block_k))
+
+        def body(i, carry):
+            k0 = start + i * block_k
+            cols = k0 + jnp.arange(block_k, dtype=jnp.int32)
+            col_ok = cols < end
+            k = plt.load(k_ref.at[pl.ds(k0, block_k), :], mask=col_ok[:, None], other=0)
+            v = plt.load(v_ref.at[pl.ds(k0, block_k), :], mask=col_ok[:, None], other=0)
+            visible = col_ok[None, :] & row_ok[:, None]
+            if window is not None:
+                visible = visible & (row_pos[:, None] - cols[None, :] < window)
+            return step(q, k, v, visible, carry)
+
+        return lax.fori_loop(first, jnp.maximum(num_blocks, first), body, init)
+
+    def new_tokens():
+        def body(i, carry):
+            u0 = i * block_u
+            cols = u0 + jnp.arange(block_u, dtype=jnp.int32)
+            col_ok = cols < num_new
+            col_token = jnp.minimum(cols, num_new - 1)
+            k = plt.load(kn_ref.at[pl.ds(u0, block_u), :], mask=col_ok[:, None], other=0)
+            v = plt.load(vn_ref.at[pl.ds(u0, block_u), :], mask=col_ok[:, None], other=0)
+            # Gather the mask rows of each row's token (rows of one token share them).
+            seen = mask_ref[row_token[:, None], col_token[None, :]]
+            visible = (seen != 0) & col_ok[None, :] & row_ok[:, None]
+            if window is not None:
+                col_pos = pos_ref[col_token]
+                visible = visible & (jnp.abs(row_pos[:, None] - col_pos[None, :]) < window)
+            return step(q, k, v, visible, carry)
+
+        return lax.fori_loop(0, cdiv(num_new, block_u), body, init)
+
+    acc, m, l = lax.cond(chunk_id < num_chunks, cache_chunk, new_tokens)
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
+    o_ref[...] = acc / l_safe[:, None]
+    lse_ref[...] = jnp.where(empty, _NEG_INF, m + jnp.log(l_safe))
+
+
+# ----------------------------------------------------------------------------------------------------
+# pallas_call wrapper
+
+
+def _check_shapes(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions):
+    if q.ndim != 4:
+        raise ValueError(f"q must be [b, t, heads, d], got shape {q.shape}")
+    b, t, hq, d = q.shape
+    if k_cache.ndim != 4 or k_cache.shape[0] != b or k_cache.shape[3] != d or v_cache.shape != k_cache.shape:
+        raise ValueError(f"k_cache/v_cache must both be [b={b}, s, n, d={d}], got {k_cache.shape} and {v_cache.shape}")
+    n = k_cache.shape[2]
+    if hq % n:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({n})")
+    if k_new.shape != (b, t, n, d) or v_new.shape != (b, t, n, d):
+        raise ValueError(f"k_new/v_new must be [b, t, n, d] = {(b, t, n, d)}, got {k_new.shape} and {v_new.shape}")
+    if new_mask.shape != (b, t, t):
+        raise ValueError(f"new_mask must be [b, t, t] = {(b, t, t)}, got {new_mask.shape}")
+    if positions.shape != (b, t):
+        raise ValueError(f"positions must be [b, t] = {(b, t)}, got {positions.shape}")
+    if cache_lengths.shape != (b,):
+        raise ValueError(f"cache_lengths must be [b] = {(b,)}, got {cache_lengths.shape}")
+    dtypes = {x.dtype for x in (q, k_cache, v_cache, k_new, v_new)}
+    if len(dtypes) != 1:  # a cast here would copy the whole cache on every call
+        raise ValueError(f"q, k_cache, v_cache, k_new, v_new must share one dtype, got {sorted(map(str, dtypes))}")
+
+
+def _layout(b: int, t: int, hq: int, n: int, s: int, d: int, config: TreeAttentionConfig) -> dict:
+    """Static tile sizes and grid for one problem shape (all Python ints)."""
+    group = hq // n
+    rows = t * group
+    block_q = min(config.block_q, max(16, next_pow2(rows)))
+    block_k = min(config.block_k, max(16, next_pow2(s)))
+    block_u = min(config.block_u, max(16, next_pow2(t)))
+    row_blocks = cdiv(rows, block_q)
+    num_chunks = config.num_chunks
+    if num_chunks is None:
+        # About one wave of programs; the new-token chunk adds one program per (row, head, row block).
+        num_chunks = cdiv(core_count(), b * n * row_blocks)
+    num_chunks = max(1, min(num_chunks, cdiv(s, block_k)))
+    chunk = round_up(cdiv(s, num_chunks), block_k)
+    num_chunks = cdiv(s, chunk)  # no empty trailing chunks
+    return dict(group=group, rows=rows, padded_rows=row_blocks * block_q, block_q=block_q, block_k=block_k,
+                block_u=block_u, row_blocks=row_blocks, num_chunks=num_chunks, chunk=chunk,
+                head_dim=max(16, next_pow2(d)))
+
+
+def _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions, *,
+                             scale: float, sliding_window: int | None, config: TreeAttentionConfig,
+                             interpret: bool, debug: bool = False):
+    """Runs the kernel. Returns (o [c+1, b, n, padded rows, dp] f32, lse [c+1, b, n, padded rows] f32,
+    layout dict); the last chunk is the new tokens'."""
+    _check_shapes(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions)
+    b, t, hq, d = q.shape
+    s, n = k_cache.shape[1], k_cache.shape[2]
+    if s == 0:  # no committed slots at all: one empty slot keeps the grid and the loads well formed
+        k_cache = jnp.zeros((b, 1, n, d), k_cache.dtype)
+        v_cache = jnp.zeros((b, 1, n, d), v_cache.dtype)
+        cache_lengths = jnp.zeros((b,), jnp.int32)
+        s = 1
+    lay = _layout(b, t, hq, n, s, d, config)
+    dp, group = lay["head_dim"], lay["group"]
+
+    def pad_d(x):
+        return x if dp == d else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, dp - d)])
+
+    # [b, t, n*g, d] -> rows of each KV head, token-major: [b, n, t*g, dp], padded to whole row blocks.
+    q_rows = q.reshape(b, t, n, group, d).transpose(0, 2, 1, 3, 4).reshape(b, n, t * group, d)
+    q_rows = jnp.pad(pad_d(q_rows), [(0, 0), (0, 0), (0, lay["padded_rows"] - lay["rows"]), (0, 0)])
+    k_cache, v_cache, k_new, v_new = map(pad_d, (k_cache, v_cache, k_new, v_new))
+    mask8 = new_mask.astype(jnp.int8)
+    positions = positions.astype(jnp.int32)
+    lengths = cache_lengths.astype(jnp.int32)
+    window = None if sliding_window is None else int(sliding_window)
+    num_splits = lay["num_chunks"] + 1
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
+
+    kernel = functools.partial(
+        _tree_attention_kernel, scale=float(scale), window=window, num_chunks=lay["num_chunks"],
+        chunk=lay["chunk"], block_q=lay["block_q"], block_k=lay["block_k"], block_u=lay["block_u"],
+        group=group, num_new=t, num_slots=s, precision=precision)
+    block_q = lay["block_q"]
+    o, lse = pl.pallas_call(
+        kernel,
+        grid=(b, n, lay["row_blocks"], num_splits),
+        in_specs=[
+            pl.BlockSpec((None, None, block_q, dp), lambda i, h, r, c: (i, h, r, 0)),  # q rows
+            pl.BlockSpec((None, s, None, dp), lambda i, h, r, c: (i, 0, h, 0)),  # k_cache
+            pl.BlockSpec((None, s, None, dp), lambda i, h, r, c: (i, 0, h, 0)),  # v_cache
+            pl.BlockSpec((None, t, None, dp), lambda i, h, r, c: (i, 0, h, 0)),  # k_new
+            pl.BlockSpec((None, t, None, dp), lambda i, h, r, c: (i, 0, h, 0)),  # v_new
+            pl.BlockSpec((None, t, t), lambda i, h, r, c: (i, 0, 0)),  # new_mask
+            pl.BlockSpec((None, t), lambda i, h, r, c: (i, 0)),  # positions
+            pl.BlockSpec((None,), lambda i, h, r, c: (i,)),  # cache_lengths
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, block_q, dp), lambda i, h, r, c: (c, i, h, r, 0)),
+            pl.BlockSpec((None, None, None, block_q), lambda i, h, r, c: (c, i, h, r)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((num_splits, b, n, lay["padded_rows"], dp), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, b, n, lay["padded_rows"]), jnp.float32),
+        ],
+        compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        debug=debug,
+        name="tree_attention",
+    )(q_rows, k_cache, v_cache, k_new, v_new, mask8, positions, lengths)
+    return o, lse, lay
+
+
+def _merge_partials(o, lse, lay, out_shape, dtype):
+    """Log-sum-exp merge of the chunks' partials: o [c, b, n, R, dp], lse [c, b, n, R] -> [b, t, n*g, d]."""
+    b, t, hq, d = out_shape
+    n, group, rows = hq // lay["group"], lay["group"], lay["rows"]
+    o, lse = o[:, :, :, :rows, :d], lse[:, :, :, :rows]
+    top = jnp.max(lse, axis=0)
+    top = jnp.where(top == _NEG_INF, 0.0, top)  # rows that saw nothing: all weights 0, output 0
+    weights = jnp.exp(lse - top[None])
+    total = jnp.sum(weights, axis=0)
+    out = jnp.einsum("cbnr,cbnrd->bnrd", weights, o, precision=lax.Precision.HIGHEST)
+    out = out / jnp.where(total == 0.0, 1.0, total)[..., None]
+    out = out.reshape(b, n, t, group, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
+    return out.astype(dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Public functions
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "config", "interpret", "debug"))
+def tree_attention_pallas(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions, *,
+                          scale: float, sliding_window: int | None = None,
+                          config: TreeAttentionConfig | None = None, interpret: bool = False,
+                          debug: bool = False) -> jax.Array:
+    """The Pallas kernel; arguments and result as `tree_attention_reference`, plus the knobs.
+
+    config: TreeAttentionConfig (None: defaults). interpret: run the kernel in the Pallas interpreter
+    (CPU). debug: print the kernel's jaxpr and Triton IR.
+    """
+    config = TreeAttentionConfig() if config is None else config
+    o, lse, lay = _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask,
+                                           positions, scale=scale, sliding_window=sliding_window,
+                                           config=config, interpret=interpret, debug=debug)
+    return _merge_partials(o, lse, lay, q.shape, q.dtype)
+
+
+def tree_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions, *,
+                   scale: float, sliding_window: int | None = None, implementation: str | None = None,
+                   config: TreeAttentionConfig | None = None, interpret: bool | None = None) -> jax.Array:
+    """Dispatcher: the Pallas kernel on a GPU, the reference elsewhere.
+
+    implementation: None (see `pallas_kernels._dispatch`: argument, then $DDTREE_JAX_KERNELS, then the
+    backend), "pallas" or "reference". interpret: None interprets the kernel where there is no GPU.
+    Arguments and result as `tree_attention_reference`.
+    """
+    if resolve_implementation(implementation) == "reference":
+        return tree_attention_reference(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions,
+                                        scale=scale, sliding_window=sliding_window)
+    return tree_attention_pallas(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions,
+                                 scale=scale, sliding_window=sliding_window, config=config,
+                                 interpret=resolve_interpret(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window"))
+def tree_attention_reference(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions, *,
+                             scale: float, sliding_window: int | None = None) -> jax.Array:
+    """Attention of the new tokens over the committed cache plus themselves, in plain jnp.
+
+    Args:
+      q:              [b, t, n*g, d] queries of the new tokens.
+      k_cache, v_cache: [b, s, n, d] committed K/V; slot j holds position j.
+      cache_lengths:  [b] int, committed slots per row; slots >= length are ignored.
+      k_new, v_new:   [b, t, n, d] K/V of the new tokens.
+      new_mask:       [b, t, t] bool, which new tokens each new token sees (padding rows see only themselves).
+      positions:      [b, t] int, the new tokens' positions (used only for the sliding window).
+      scale:          softmax scale.
+      sliding_window: keys with query_pos - key_pos >= window are hidden (|distance| among new tokens).
+    Returns:
+      [b, t, n*g, d] in q's dtype; scores and softmax in float32; a row that sees nothing gives zeros.
+    """
+    b, t, hq, d = q.shape
+    s, n = k_cache.shape[1], k_cache.shape[2]
+    qg = q.reshape(b, t, n, hq // n, d)
+    f32 = jnp.float32
+    logits_cache = jnp.einsum("btngd,bsnd->bngts", qg, k_cache, preferred_element_type=f32) * scale
+    logits_new = jnp.einsum("btngd,bund->bngtu", qg, k_new, preferred_element_type=f32) * scale
+    slot = jnp.arange(s)
+    seen_cache = jnp.broadcast_to(slot[None, None, :] < cache_lengths[:, None, None], (b, t, s))
+    seen_new = new_mask.astype(bool)
+    if sliding_window is not None:
+        seen_cache = seen_cache & (positions[:, :, None] - slot[None, None, :] < sliding_window)
+        seen_new = seen_new & (jnp.abs(positions[:, :, None] - positions[:, None, :]) < sliding_window)
+    logits = jnp.concatenate([logits_cache, logits_new], axis=-1)
+    seen = jnp.concatenate([seen_cache, seen_new], axis=-1)[:, None, None]
+    logits = jnp.where(seen, logits, -jnp.inf)
+    probs = jnp.where(seen, jax.nn.softmax(logits, axis=-1, where=seen), 0.0)
+    out = jnp.einsum("bngts,bsnd->btngd", probs[..., :s].astype(v_cache.dtype), v_cache, preferred_element_type=f32)
+    out = out + jnp.einsum("bngtu,bund->btngd", probs[..., s:].astype(v_new.dtype), v_new, preferred_element_type=f32)
+    return out.reshape(b, t, hq, d).astype(q.dtype)

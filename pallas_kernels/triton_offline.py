@@ -1,0 +1,120 @@
+"""Compile the kernels for sm_90 on a machine without a GPU, and report their resources (a development aid).
+
+    pip install triton            # not a project dependency; 3.9 was used here
+    python -m pallas_kernels.triton_offline [--quick]
+
+For each kernel at the gpu_check shapes and configs: jax lowers the Pallas kernel to Triton IR (as it
+does on a GPU), the pip `triton` compiles that IR for compute capability 9.0, and `cuobjdump` (shipped
+with triton) reads the cubin's registers, spill stack and shared memory, from which programs per SM
+follow. This catches Triton compile errors and shared-memory overflows before spending device time;
+XLA's own Triton (inside jaxlib) may still differ in detail, so the GPU run remains the judge.
+Reads a private jax hook (`jax._src.pallas.triton.lowering.lower_jaxpr_to_triton_module`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from pallas_kernels import gpu_check  # noqa: E402
+from pallas_kernels import tree_accept as tac  # noqa: E402
+from pallas_kernels import tree_attention as ta  # noqa: E402
+
+SMEM_PER_SM = 233472  # bytes on sm_90 (228 KiB); one block may take up to 227 KiB; 1 KiB is reserved per block
+SMEM_PER_BLOCK = 232448
+REGS_PER_SM = 65536
+
+
+def triton_ir(fn, args) -> str:
+    """The Triton IR (text) of the last pallas_call that lowering `fn(*args)` for CUDA produces."""
+    from jax._src.pallas.triton import lowering
+
+    captured = []
+    original = lowering.lower_jaxpr_to_triton_module
+
+    def capture(*a, **k):
+        result = original(*a, **k)
+        captured.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = capture
+    try:
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        lowering.lower_jaxpr_to_triton_module = original
+    return captured[-1]
+
+
+def resources(ir_text: str, num_warps: int, num_stages: int) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ttir")
+        with open(path, "w") as f:
+            f.write(ir_text)
+        kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=num_warps, num_stages=num_stages))
+        cubin = os.path.join(tmp, "kernel.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        usage = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+        ptx = kernel.asm["ptx"]
+    smem = int(kernel.metadata.shared)
+    regs = int(re.search(r"REG:(\d+)", usage).group(1))
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    threads = 32 * num_warps
+    per_sm = min(SMEM_PER_SM // (smem + 1024), REGS_PER_SM // (-(-regs // 8) * 8 * threads), 64 // num_warps, 32)
+    return dict(smem=smem, regs=regs, spill_stack=stack, programs_per_sm=per_sm, fits=smem <= SMEM_PER_BLOCK,
+                mma="wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "none")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m pallas_kernels.triton_offline", description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="default configs only")
+    args = parser.parse_args(argv)
+    if importlib.util.find_spec("triton") is None:
+        print("error: needs the `triton` package (pip install triton)", file=sys.stderr)
+        return 2
+    shape = gpu_check.FULL
+    sds = jax.ShapeDtypeStruct
+    b, hq, n, d, s = (shape[k] for k in ("b", "hq", "n", "d", "s"))
+    jobs = []
+    for dtype in (jnp.bfloat16, jnp.float32):
+        configs = [ta.TreeAttentionConfig()] + ([] if args.quick or dtype == jnp.float32 else gpu_check.ATTN_SWEEP)
+        for t in shape["attn_t"]:
+            attn_args = [sds((b, t, hq, d), dtype), sds((b, s, n, d), dtype), sds((b, s, n, d), dtype),
+                         sds((b,), jnp.int32), sds((b, t, n, d), dtype), sds((b, t, n, d), dtype),
+                         sds((b, t, t), bool), sds((b, t), jnp.int32)]
+            for config in configs:
+                fn = functools.partial(ta.tree_attention_pallas, scale=d ** -0.5, config=config)
+                jobs.append((f"tree_attention {jnp.dtype(dtype).name} T={t}", config, fn, attn_args))
+        configs = [tac.TreeAcceptConfig()] + ([] if args.quick or dtype == jnp.float32 else gpu_check.ACCEPT_SWEEP)
+        for t in shape["accept_t"]:
+            acc_args = [sds((1, t, shape["vocab"]), dtype)]
+            for config in configs:
+                fn = functools.partial(tac.greedy_tokens_pallas, config=config)
+                jobs.append((f"tree_accept {jnp.dtype(dtype).name} T={t}", config, fn, acc_args))
+    for name, config, fn, fn_args in jobs:
+        label = f"{name:<32} {config!r}".replace("TreeAttentionConfig", "").replace("TreeAcceptConfig", "")
+        try:
+            print(label, resources(triton_ir(fn, fn_args), config.num_warps, config.num_stages), flush=True)
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            print(label, "FAILED", gpu_check.error_text(exc, 400).replace("\n", " | "), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""The tree-attention kernel against its plain-jnp reference, and the reference against the models' contract.
+
+Every kernel test class runs interpreted on CPU (interpret=True) and compiled on a GPU (interpret=False,
+marked `gpu`, skipped without one). Inputs are fresh random arrays; masks are ancestor masks of random
+trees (parents precede children) with padding nodes that see only themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.models.layers import cached_attention
+from pallas_kernels import tree_attention as ta
+from pallas_kernels._dispatch import ENV_VAR
+
+INTERPRET = [pytest.param(True, id="interpret"), pytest.param(False, id="compiled", marks=pytest.mark.gpu)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    t: int  # new tokens
+    n: int  # KV heads
+    g: int  # query heads per KV head
+    s: int  # cache slots
+    lengths: tuple[int, ...]  # committed slots per row (batch = len(lengths))
+    d: int = 32
+    window: int | None = None
+    dtype: str = "float32"
+    valid: int | None = None  # tree nodes that are real (the rest are padding); None = all
+    config: ta.TreeAttentionConfig = ta.TreeAttentionConfig(block_q=16, block_k=16)
+
+    def __str__(self):
+        return (f"t{self.t}-n{self.n}g{self.g}-s{self.s}-len{'_'.join(map(str, self.lengths))}-d{self.d}"
+                f"-w{self.window}-{self.dtype}")
+
+
+CASES = [
+    # AR step: one token; a row with an empty cache; S=37 is not a multiple of block_k=16; 3 chunks.
+    Case(t=1, n=2, g=1, s=37, lengths=(0, 37), config=ta.TreeAttentionConfig(block_q=16, block_k=16, num_chunks=3)),
+    # Small tree, GQA 4, two padding nodes, head dim not a power of two (padded to 32).
+    Case(t=5, n=2, g=4, s=50, lengths=(13, 50), d=24, valid=3),
+    # GQA 8 with the sliding window; rows of lengths 0 and 29 over 45 slots; chunks chosen automatically.
+    Case(t=17, n=1, g=8, s=45, lengths=(0, 29), window=6, config=ta.TreeAttentionConfig(block_q=32, block_k=16)),
+    # 65 nodes x 4 heads = 260 rows: several row blocks; window wider than the cache.
+    Case(t=65, n=1, g=4, s=20, lengths=(20, 3), d=16, window=40, valid=50,
+         config=ta.TreeAttentionConfig(block_q=64, block_k=16, num_chunks=2)),
+    # bf16, MHA, 4 KV heads, default config (block sizes clamp to the problem).
+    Case(t=17, n=4, g=1, s=100, lengths=(100, 61), dtype="bfloat16", config=ta.TreeAttentionConfig()),
+]
+
+
+def random_tree(rng: np.random.Generator, t: int, valid: int | None):
+    """(ancestor mask [t, t] bool, depths [t]) of a random tree whose first `valid` nodes are real."""
+    valid = t if valid is None else valid
+    parents = np.zeros(t, np.int64)
+    depths = np.zeros(t, np.int64)
+    mask = np.eye(t, dtype=bool)
+    for i in range(1, valid):
+        parents[i] = rng.integers(0, i)
+        depths[i] = depths[parents[i]] + 1
+        mask[i] = mask[parents[i]]
+        mask[i, i] = True
+    return mask, depths
+
+
+def make_inputs(case: Case, seed: int):
+    rng = np.random.default_rng(seed)
+    b, hq = len(case.lengths), case.n * case.g
+    dtype = jnp.dtype(case.dtype)
+
+    def normal(*shape):
+        return jnp.asarray(rng.normal(size=shape), jnp.float32).astype(dtype)
+
+    masks, positions = [], []
+    for length in case.lengths:
+        mask, depths = random_tree(rng, case.t, case.valid)
+        masks.append(mask)
+        positions.append(length + depths)  # a tree node sits at start + depth, as in the verify step
+    return dict(q=normal(b, case.t, hq, case.d), k_cache=normal(b, case.s, case.n, case.d),
+                v_cache=normal(b, case.s, case.n, case.d), cache_lengths=jnp.asarray(case.lengths, jnp.int32),
+                k_new=normal(b, case.t, case.n, case.d), v_new=normal(b, case.t, case.n, case.d),
+                new_mask=jnp.asarray(np.stack(masks)), positions=jnp.asarray(np.stack(positions), jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "config", "interpret"))
+def kernel_with_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions, *, scale,
+                         sliding_window, config, interpret):
+    """What tree_attention_pallas computes, plus the raw per-chunk outputs (to check every element is written)."""
+    o, lse, lay = ta._tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions,
+                                              scale=scale, sliding_window=sliding_window, config=config,
+                                              interpret=interpret)
+    return ta._merge_partials(o, lse, lay, q.shape, q.dtype), o, lse
+
+
+def tolerance(dtype: str) -> dict:
+    return dict(atol=2e-5, rtol=2e-5) if dtype == "float32" else dict(atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+class TestTreeAttentionKernel:
+    @pytest.mark.parametrize("case", CASES, ids=str)
+    def test_matches_reference(self, case: Case, interpret: bool):
+        x = make_inputs(case, seed=zlib.crc32(str(case).encode()))
+        scale = case.d ** -0.5
+        out, o, lse = kernel_with_partials(**x, scale=scale, sliding_window=case.window, config=case.config,
+                                           interpret=interpret)
+        ref = ta.tree_attention_reference(**x, scale=scale, sliding_window=case.window)
+        assert out.shape == x["q"].shape and out.dtype == x["q"].dtype
+        # The interpreter fills output buffers with NaN: none left means every partial was written.
+        assert not np.isnan(np.asarray(o)).any() and not np.isnan(np.asarray(lse)).any()
+        lay = ta._layout(len(case.lengths), case.t, case.n * case.g, case.n, case.s, case.d, case.config)
+        assert o.shape == (lay["num_chunks"] + 1, len(case.lengths), case.n, lay["padded_rows"], lay["head_dim"])
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), **tolerance(case.dtype))
+
+    def test_public_entry_and_stale_slots(self, interpret: bool):
+        """Slots at or past a row's length hold NaN (stale or never written): the kernel must not read them."""
+        case = Case(t=5, n=2, g=4, s=40, lengths=(0, 17), window=None,
+                    config=ta.TreeAttentionConfig(block_q=16, block_k=16, num_chunks=2))
+        x = make_inputs(case, seed=3)
+        slot = np.arange(case.s)[None, :, None, None]
+        stale = slot >= np.asarray(case.lengths)[:, None, None, None]
+        dirty = dict(x, k_cache=jnp.where(stale, jnp.nan, x["k_cache"]),
+                     v_cache=jnp.where(stale, jnp.nan, x["v_cache"]))
+        clean = dict(x, k_cache=jnp.where(stale, 0.0, x["k_cache"]), v_cache=jnp.where(stale, 0.0, x["v_cache"]))
+        out = ta.tree_attention_pallas(**dirty, scale=0.3, config=case.config, interpret=interpret)
+        ref = ta.tree_attention_reference(**clean, scale=0.3)
+        assert not np.isnan(np.asarray(out)).any()
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+
+    def test_row_that_sees_nothing_is_zero(self, interpret: bool):
+        """A token with an empty cache and an all-False mask row gets zeros (the reference's rule), not NaN."""
+        case = Case(t=5, n=1, g=4, s=20, lengths=(0, 20))
+        x = make_inputs(case, seed=4)
+        x["new_mask"] = x["new_mask"].at[0, 2, :].set(False)
+        out = ta.tree_attention_pallas(**x, scale=0.5, config=case.config, interpret=interpret)
+        ref = ta.tree_attention_reference(**x, scale=0.5)
+        assert np.all(np.asarray(out[0, 2]) == 0.0) and np.abs(np.asarray(out[0, 1])).sum() > 0
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+
+    def test_no_cache_slots(self, interpret: bool):
+        """A cache of capacity 0 (prefill from nothing): only the new tokens are attended."""
+        case = Case(t=5, n=2, g=2, s=0, lengths=(0,))
+        x = make_inputs(case, seed=5)
+        out = ta.tree_attention_pallas(**x, scale=0.5, config=case.config, interpret=interpret)
+        ref = ta.tree_attention_reference(**x, scale=0.5)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+
+
+class TestReference:
+    @pytest.mark.parametrize("case", CASES, ids=str)
+    def test_reference_keeps_the_models_contract(self, case: Case):
+        x = make_inputs(case, seed=11)
+        ref = ta.tree_attention_reference(**x, scale=0.2, sliding_window=case.window)
+        model = cached_attention(**x, scale=0.2, sliding_window=case.window)
+        np.testing.assert_allclose(np.asarray(ref, np.float32), np.asarray(model, np.float32), atol=1e-6, rtol=1e-6)
+
+    def test_mask_matters(self):
+        """Negative check of the test inputs: a different ancestor mask changes the output."""
+        case = Case(t=17, n=1, g=4, s=20, lengths=(5,))
+        x = make_inputs(case, seed=12)
+        causal = dict(x, new_mask=jnp.asarray(np.tril(np.ones((1, 17, 17), bool))))
+        a = ta.tree_attention_reference(**x, scale=0.5)
+        c = ta.tree_attention_reference(**causal, scale=0.5)
+        assert not np.allclose(np.asarray(a), np.asarray(c), atol=1e-3)
+
+
+class TestDispatchAndConfig:
+    def test_dispatcher(self, monkeypatch):
+        case = Case(t=5, n=1, g=4, s=20, lengths=(7,))
+        x = make_inputs(case, seed=21)
+        ref = ta.tree_attention_reference(**x, scale=0.5)
+        monkeypatch.delenv(ENV_VAR, raising=False)
+        np.testing.assert_array_equal(np.asarray(ta.tree_attention(**x, scale=0.5, implementation="reference")),
+                                      np.asarray(ref))
+        monkeypatch.setenv(ENV_VAR, "pallas")  # on CPU the dispatcher interprets the kernel
+        forced = ta.tree_attention(**x, scale=0.5, config=case.config)
+        np.testing.assert_allclose(np.asarray(forced), np.asarray(ref), atol=2e-5, rtol=2e-5)
+        monkeypatch.setenv(ENV_VAR, "triton")
+        with pytest.raises(ValueError, match=ENV_VAR):
+            ta.tree_attention(**x, scale=0.5)
+        with pytest.raises(ValueError, match="implementation='cuda'"):
+            ta.tree_attention(**x, scale=0.5, implementation="cuda")
+
+    @pytest.mark.parametrize("field,value", [("block_q", 8), ("block_q", 48), ("block_k", 0), ("block_k", True),
+                                             ("block_u", 24), ("num_chunks", 0), ("num_warps", 3), ("num_stages", 0)])
+    def test_bad_config_names_the_value(self, field, value):
+        with pytest.raises(ValueError, match=rf"TreeAttentionConfig\.{field}={value!r}"):
+            ta.TreeAttentionConfig(**{field: value})
+
+    def test_bad_shapes(self):
+        x = make_inputs(Case(t=5, n=2, g=4, s=20, lengths=(3,)), seed=0)
+        with pytest.raises(ValueError, match="new_mask"):
+            ta.tree_attention_pallas(**dict(x, new_mask=x["new_mask"][:, :4]), scale=0.5, interpret=True)
+        with pytest.raises(ValueError, match="multiple of KV heads"):
+            ta.tree_attention_pallas(**dict(x, q=x["q"][:, :, :7]), scale=0.5, interpret=True)
+        with pytest.raises(ValueError, match="share one dtype"):
+            ta.tree_attention_pallas(**dict(x, q=x["q"].astype(jnp.bfloat16)), scale=0.5, interpret=True)
