@@ -461,6 +461,9 @@ def atomic_folder(out: str | Path, write: Callable[[Path], None], *, force: bool
         raise CheckpointError(f"{out}: already exists (pass --force to overwrite)")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes 0700; the result should read like any new folder
     try:
         write(tmp)
         if out.exists():

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.accept import accept_tree, chain_tree
+from ddtree_jax.accept import Acceptance, accept_tree, chain_tree
 from ddtree_jax.cache import KVCache, advance, commit_path
 from ddtree_jax.models import dflash, qwen3
 from ddtree_jax.models.params import ModelParams
@@ -60,6 +60,7 @@ class DecodeOptions:
     budget: int = 64
     record_trees: bool = False  # keep each round's tree and accepted path in the state (--save-trees)
     parallel: Parallel = Parallel()  # device layout (parallel.py)
+    kernels: str = "jax"  # "jax" (pure-JAX attention and acceptance) or "pallas" (pallas_kernels/)
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -68,6 +69,10 @@ class DecodeOptions:
             raise ValueError(f"block_size must be >= 2 for {self.mode.value}, got {self.block_size}")
         if self.mode is Mode.DDTREE and self.budget < 1:
             raise ValueError(f"budget must be >= 1, got {self.budget}")
+        if self.kernels not in ("jax", "pallas"):
+            raise ValueError(f"kernels must be 'jax' or 'pallas', got {self.kernels!r}")
+        if self.kernels == "pallas" and self.parallel.mode == "tp":
+            raise ValueError("kernels 'pallas' run on one device or under dp for now (not yet under shard_map in tp)")
 
     @property
     def verify_width(self) -> int:
@@ -194,7 +199,8 @@ def prefill(target: ModelParams, drafter: ModelParams | None, tokens: jax.Array,
     cache = _constrain_cache(qwen3.create_cache(target.config, b, capacity, dtype), options.parallel)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     taps = drafter.config.target_layer_ids if drafter is not None else ()
-    out = qwen3.forward(target, tokens, positions, cache, causal_mask(prompt_lengths, p), tap_layers=taps)
+    out = qwen3.forward(target, tokens, positions, cache, causal_mask(prompt_lengths, p), tap_layers=taps,
+                        kernels=options.kernels)
     cache = advance(out.cache, prompt_lengths)
     draft_cache = None
     if drafter is not None:
@@ -224,7 +230,7 @@ def ar_round(target: ModelParams, drafter: None, state: DecodeState, options: De
     b = state.last_token.shape[0]
     running = ~state.done
     out = qwen3.forward(target, state.last_token[:, None], state.cache.lengths[:, None], state.cache,
-                        jnp.ones((b, 1, 1), bool))
+                        jnp.ones((b, 1, 1), bool), kernels=options.kernels)
     cache = _constrain_cache(advance(out.cache, running.astype(jnp.int32)), options.parallel)
     rng, key = jax.random.split(state.rng)
     token = decode_tokens(qwen3.logits(target, out.hidden[:, 0]), key, options.sampling)
@@ -252,7 +258,7 @@ def speculative_round(target: ModelParams, drafter: ModelParams, state: DecodeSt
     with jax.named_scope("draft"):
         block = jnp.concatenate([state.last_token[:, None],
                                  jnp.full((b, bs - 1), drafter.config.mask_token_id, jnp.int32)], axis=1)
-        logits = dflash.draft_logits(drafter, target, block, state.draft_cache)  # [b, bs - 1, v]
+        logits = dflash.draft_logits(drafter, target, block, state.draft_cache, options.kernels)  # [b, bs-1, v]
     with jax.named_scope("tree"):
         if options.mode is Mode.DDTREE:
             tree = build_tree(jax.nn.log_softmax(logits, axis=-1), state.last_token, options.budget)
@@ -261,11 +267,19 @@ def speculative_round(target: ModelParams, drafter: ModelParams, state: DecodeSt
             tree = chain_tree(jnp.concatenate([state.last_token[:, None], drafts], axis=1))
     with jax.named_scope("verify"):
         out = qwen3.forward(target, tree.tokens, start[:, None] + tree.depths, state.cache, tree.ancestor,
-                            tap_layers=drafter.config.target_layer_ids)
+                            tap_layers=drafter.config.target_layer_ids, kernels=options.kernels)
         rng, key = jax.random.split(state.rng)
-        decoded = decode_tokens(qwen3.logits(target, out.hidden), key, options.sampling)
+        node_logits = qwen3.logits(target, out.hidden)
     with jax.named_scope("accept"):
-        acc = accept_tree(tree, decoded, bs)
+        if options.kernels == "pallas" and options.sampling.greedy:
+            # The fused kernel reads the T x V logits once for the argmax and walks the tree.
+            from pallas_kernels.tree_accept import tree_accept_pallas
+
+            fused = tree_accept_pallas(node_logits, tree.tokens, tree.parents, tree.depths, tree.valid,
+                                       path_len=bs, interpret=jax.default_backend() != "gpu")
+            acc = Acceptance(path=fused.path, count=fused.count, bonus=fused.bonus, tokens=fused.tokens)
+        else:
+            acc = accept_tree(tree, decode_tokens(node_logits, key, options.sampling), bs)
         counts = jnp.where(running, acc.count, 0)
     with jax.named_scope("commit"):
         if options.mode is Mode.DDTREE:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -44,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    p.add_argument("--kernels", choices=["jax", "pallas"], default=os.environ.get("DDTREE_JAX_KERNELS", "jax"),
+                   help="attention and acceptance: pure JAX, or the Pallas kernels (interpreted without a GPU)")
     add_parallel_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--stream-every", type=int, default=8, help="rounds per device call when streaming")
@@ -167,9 +170,13 @@ def run(args: argparse.Namespace) -> dict:
     if prompt is None:
         prompt = _tokenize_prompt(args, tokenizer, folder)
     eos = () if args.ignore_eos else tuple(dict.fromkeys(params.config.eos_token_ids + generation_eos_ids(folder)))
+    try:
+        DecodeOptions(kernels=args.kernels, parallel=parallel)
+    except ValueError as e:
+        raise BadInput(f"--kernels: {e}") from None
     options = DecodeOptions(mode=mode, max_new_tokens=args.max_new_tokens, sampling=sampling, eos_ids=eos,
                             block_size=args.block_size if mode.needs_drafter else 0, budget=args.budget,
-                            record_trees=args.save_trees is not None, parallel=parallel)
+                            record_trees=args.save_trees is not None, parallel=parallel, kernels=args.kernels)
 
     printed = [""]
 

@@ -93,7 +93,8 @@ def block_mask(batch: int, block_size: int, causal: bool) -> jax.Array:
     return jnp.broadcast_to(mask, (batch, block_size, block_size))
 
 
-def draft_hidden(params: ModelParams, target: ModelParams, block_tokens: jax.Array, cache: KVCache) -> jax.Array:
+def draft_hidden(params: ModelParams, target: ModelParams, block_tokens: jax.Array, cache: KVCache,
+                 kernels: str = "jax") -> jax.Array:
     """Run the block over the cached context; block_tokens [b, bs] at positions `cache.lengths + i`.
 
     Returns the final-normed hidden states [b, bs, e] of every block slot (slot 0 included).
@@ -114,12 +115,13 @@ def draft_hidden(params: ModelParams, target: ModelParams, block_tokens: jax.Arr
             v = attn.v_proj(x).reshape(b, bs, -1, d)
             out = cached_attention(q, cache.k[i], cache.v[i], cache.lengths, k, v,
                                    block_mask(b, bs, config.layer_causal[i]), positions,
-                                   scale=d ** -0.5, sliding_window=config.layer_windows[i])
+                                   scale=d ** -0.5, sliding_window=config.layer_windows[i], kernels=kernels)
             h = h + attn.o_proj(out.reshape(b, bs, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
     return model.norm(h)
 
 
-def draft_logits(params: ModelParams, target: ModelParams, block_tokens: jax.Array, cache: KVCache) -> jax.Array:
+def draft_logits(params: ModelParams, target: ModelParams, block_tokens: jax.Array, cache: KVCache,
+                 kernels: str = "jax") -> jax.Array:
     """float32 logits [b, bs - 1, v] for block slots 1 .. bs - 1 through the target's lm_head."""
-    return qwen3.logits(target, draft_hidden(params, target, block_tokens, cache)[:, 1:])
+    return qwen3.logits(target, draft_hidden(params, target, block_tokens, cache, kernels)[:, 1:])

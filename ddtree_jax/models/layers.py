@@ -102,10 +102,12 @@ def cached_attention(
     *,
     scale: float,
     sliding_window: int | None = None,
+    kernels: str = "jax",
 ) -> jax.Array:
-    """Attention of new tokens over the committed cache plus the new tokens themselves (pure JAX).
+    """Attention of new tokens over the committed cache plus the new tokens themselves.
 
-    This is the reference path; the Pallas tree-attention kernel sits behind the same contract.
+    kernels "jax" runs the pure-JAX path below; "pallas" the tree-attention kernel of
+    `pallas_kernels.tree_attention`, which meets the same contract (interpreted where there is no GPU).
 
     Args:
       q:             [b, t, n*g, d] queries of the new tokens (RoPE applied).
@@ -120,6 +122,12 @@ def cached_attention(
     Returns:
       [b, t, n*g, d] in q's dtype. Scores and softmax are float32.
     """
+    if kernels == "pallas":
+        from pallas_kernels.tree_attention import tree_attention_pallas
+
+        return tree_attention_pallas(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions,
+                                     scale=scale, sliding_window=sliding_window,
+                                     interpret=jax.default_backend() != "gpu")
     b, t, hq, d = q.shape
     s, n = k_cache.shape[1], k_cache.shape[2]
     qg = q.reshape(b, t, n, hq // n, d)

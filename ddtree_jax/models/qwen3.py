@@ -32,7 +32,8 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps, "head_dim", dtype=dtype)
         self.head_dim = d
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, cache_lengths, new_mask, positions, sliding_window):
+    def __call__(self, x, cos, sin, k_cache, v_cache, cache_lengths, new_mask, positions, sliding_window,
+                 kernels: str = "jax"):
         """x [b, t, e] -> (out [b, t, e], k_new [b, t, n, d], v_new [b, t, n, d])."""
         b, t, _ = x.shape
         d = self.head_dim
@@ -41,7 +42,7 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(b, t, -1, d)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = cached_attention(q, k_cache, v_cache, cache_lengths, k, v, new_mask, positions,
-                               scale=d ** -0.5, sliding_window=sliding_window)
+                               scale=d ** -0.5, sliding_window=sliding_window, kernels=kernels)
         return self.o_proj(out.reshape(b, t, -1)), k, v
 
 
@@ -102,6 +103,7 @@ def forward(
     cache: KVCache,
     new_mask: jax.Array,
     tap_layers: tuple[int, ...] = (),
+    kernels: str = "jax",
 ) -> ForwardOut:
     """Run the target on new tokens.
 
@@ -112,6 +114,7 @@ def forward(
       cache:     committed K/V; every new token sees all committed slots of its row.
       new_mask:  [b, t, t] bool, which new tokens each new token sees (see `cached_attention`).
       tap_layers: decoder layer ids whose outputs to return (static).
+      kernels:   "jax" or "pallas" attention (static; see `cached_attention`).
     """
     config: Qwen3Config = params.config
     model = params.module()
@@ -125,7 +128,7 @@ def forward(
         with jax.named_scope(f"layer_{i}"):
             attn_out, k, v = layer.self_attn(
                 layer.input_layernorm(x), cos, sin, cache.k[i], cache.v[i], cache.lengths, new_mask, positions,
-                config.sliding_windows[i],
+                config.sliding_windows[i], kernels,
             )
             x = x + attn_out
             x = x + layer.mlp(layer.post_attention_layernorm(x))

@@ -18,8 +18,8 @@ import hashlib
 import json
 import sysconfig
 import textwrap
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 HELD_OUT_FRACTION = 0.02
 EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})

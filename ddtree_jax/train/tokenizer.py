@@ -9,8 +9,8 @@ is deterministic for the same texts and settings.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"
@@ -27,7 +27,6 @@ def train_tokenizer(texts: Iterable[str], out: str | Path, *, vocab_size: int = 
     (fewer if the texts run out of pairs seen `min_frequency` times).
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     if vocab_size < 258 + 1:
         raise ValueError(f"vocab_size must be > 258 (2 special tokens + 256 bytes), got {vocab_size}")
@@ -73,7 +72,7 @@ def mask_token_id(tokenizer) -> int | None:
     return int(ids[0]) if ids and ids[0] is not None and ids[0] != unk else None
 
 
-def encode_documents(tokenizer, texts: Iterable[str], *, batch: int = 64) -> "list[list[int]]":
+def encode_documents(tokenizer, texts: Iterable[str], *, batch: int = 64) -> list[list[int]]:
     """Token ids of each text (no special tokens added), in batches for speed."""
     out: list[list[int]] = []
     chunk: list[str] = []
@@ -85,3 +84,29 @@ def encode_documents(tokenizer, texts: Iterable[str], *, batch: int = 64) -> "li
     if chunk:
         out.extend(tokenizer(chunk, add_special_tokens=False)["input_ids"])
     return out
+
+
+def main(argv=None) -> int:
+    """`python -m ddtree_jax.train.tokenizer --out DIR [--vocab-size N] [--max-files N] [--include-tests]`:
+    train on the corpus's training split (held-out files excluded)."""
+    import argparse
+    import json
+
+    from ddtree_jax.train import corpus
+
+    p = argparse.ArgumentParser(prog="python -m ddtree_jax.train.tokenizer", description=main.__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
+    p.add_argument("--corpus-root", type=Path, default=None, help="folder of .py files (default: the stdlib)")
+    p.add_argument("--include-tests", action="store_true")
+    p.add_argument("--max-files", type=int, default=None, help="train on the first N training files only")
+    a = p.parse_args(argv)
+    train, _ = corpus.split_files(corpus.list_files(a.corpus_root, include_tests=a.include_tests))
+    tok = train_tokenizer(corpus.iter_texts(train[:a.max_files], a.corpus_root), a.out, vocab_size=a.vocab_size)
+    print(json.dumps({"out": str(a.out), "vocab_size": len(tok), "eos_token_id": tok.eos_token_id,
+                      "mask_token_id": tok.mask_token_id, "files": len(train[:a.max_files])}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
