@@ -71,8 +71,14 @@ class DecodeOptions:
             raise ValueError(f"budget must be >= 1, got {self.budget}")
         if self.kernels not in ("jax", "pallas"):
             raise ValueError(f"kernels must be 'jax' or 'pallas', got {self.kernels!r}")
+
+
+    @property
+    def attention_kernels(self):
+        """What the models' attention receives: "jax", "pallas", or ("pallas", mesh) under tp."""
         if self.kernels == "pallas" and self.parallel.mode == "tp":
-            raise ValueError("kernels 'pallas' run on one device or under dp for now (not yet under shard_map in tp)")
+            return ("pallas", self.parallel.mesh)
+        return self.kernels
 
     @property
     def verify_width(self) -> int:
@@ -200,7 +206,7 @@ def prefill(target: ModelParams, drafter: ModelParams | None, tokens: jax.Array,
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     taps = drafter.config.target_layer_ids if drafter is not None else ()
     out = qwen3.forward(target, tokens, positions, cache, causal_mask(prompt_lengths, p), tap_layers=taps,
-                        kernels=options.kernels)
+                        kernels=options.attention_kernels)
     cache = advance(out.cache, prompt_lengths)
     draft_cache = None
     if drafter is not None:
@@ -230,7 +236,7 @@ def ar_round(target: ModelParams, drafter: None, state: DecodeState, options: De
     b = state.last_token.shape[0]
     running = ~state.done
     out = qwen3.forward(target, state.last_token[:, None], state.cache.lengths[:, None], state.cache,
-                        jnp.ones((b, 1, 1), bool), kernels=options.kernels)
+                        jnp.ones((b, 1, 1), bool), kernels=options.attention_kernels)
     cache = _constrain_cache(advance(out.cache, running.astype(jnp.int32)), options.parallel)
     rng, key = jax.random.split(state.rng)
     token = decode_tokens(qwen3.logits(target, out.hidden[:, 0]), key, options.sampling)
@@ -258,7 +264,8 @@ def speculative_round(target: ModelParams, drafter: ModelParams, state: DecodeSt
     with jax.named_scope("draft"):
         block = jnp.concatenate([state.last_token[:, None],
                                  jnp.full((b, bs - 1), drafter.config.mask_token_id, jnp.int32)], axis=1)
-        logits = dflash.draft_logits(drafter, target, block, state.draft_cache, options.kernels)  # [b, bs-1, v]
+        logits = dflash.draft_logits(drafter, target, block, state.draft_cache,
+                                     options.attention_kernels)  # [b, bs - 1, v]
     with jax.named_scope("tree"):
         if options.mode is Mode.DDTREE:
             tree = build_tree(jax.nn.log_softmax(logits, axis=-1), state.last_token, options.budget)
@@ -267,12 +274,13 @@ def speculative_round(target: ModelParams, drafter: ModelParams, state: DecodeSt
             tree = chain_tree(jnp.concatenate([state.last_token[:, None], drafts], axis=1))
     with jax.named_scope("verify"):
         out = qwen3.forward(target, tree.tokens, start[:, None] + tree.depths, state.cache, tree.ancestor,
-                            tap_layers=drafter.config.target_layer_ids, kernels=options.kernels)
+                            tap_layers=drafter.config.target_layer_ids, kernels=options.attention_kernels)
         rng, key = jax.random.split(state.rng)
         node_logits = qwen3.logits(target, out.hidden)
     with jax.named_scope("accept"):
-        if options.kernels == "pallas" and options.sampling.greedy:
-            # The fused kernel reads the T x V logits once for the argmax and walks the tree.
+        if options.kernels == "pallas" and options.sampling.greedy and options.parallel.mode != "tp":
+            # The fused kernel reads the T x V logits once for the argmax and walks the tree (under tp the
+            # logits are split over the vocabulary and XLA's sharded argmax does this step).
             from pallas_kernels.tree_accept import tree_accept_pallas
 
             fused = tree_accept_pallas(node_logits, tree.tokens, tree.parents, tree.depths, tree.valid,

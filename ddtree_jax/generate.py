@@ -170,10 +170,6 @@ def run(args: argparse.Namespace) -> dict:
     if prompt is None:
         prompt = _tokenize_prompt(args, tokenizer, folder)
     eos = () if args.ignore_eos else tuple(dict.fromkeys(params.config.eos_token_ids + generation_eos_ids(folder)))
-    try:
-        DecodeOptions(kernels=args.kernels, parallel=parallel)
-    except ValueError as e:
-        raise BadInput(f"--kernels: {e}") from None
     options = DecodeOptions(mode=mode, max_new_tokens=args.max_new_tokens, sampling=sampling, eos_ids=eos,
                             block_size=args.block_size if mode.needs_drafter else 0, budget=args.budget,
                             record_trees=args.save_trees is not None, parallel=parallel, kernels=args.kernels)

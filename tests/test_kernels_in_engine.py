@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
-import pytest
 
 from ddtree_jax.checkpoint import load_drafter, load_target
 from ddtree_jax.engine import DecodeOptions, Mode, generate
@@ -25,6 +24,18 @@ def test_ddtree_with_pallas_kernels_matches_jax(tmp_path):
         assert pallas_out.acceptance_lengths == jax_out.acceptance_lengths
 
 
-def test_pallas_under_tp_is_refused_clearly():
-    with pytest.raises(ValueError, match="not yet under shard_map in tp"):
-        DecodeOptions(kernels="pallas", parallel=make_parallel(2, "tp"))
+def test_pallas_attention_under_tp_shard_map_matches_one_device(tmp_path):
+    target_kw = dict(vocab_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=8, intermediate_size=128)
+    t_dir = write_random_qwen3(tmp_path / "t", seed=4, with_tokenizer=False, **target_kw)
+    d_dir = write_random_dflash(tmp_path / "d", tiny_qwen3_config(**target_kw), seed=5, block_size=4,
+                                num_key_value_heads=4)
+    prompts = [[1, 2, 3, 4, 5], [3, 9]]
+    target = load_target(t_dir, jnp.float32)
+    single = generate(target, prompts, DecodeOptions(mode=Mode.DDTREE, max_new_tokens=8, budget=6),
+                      drafter=load_drafter(d_dir, target.config, jnp.float32))
+    parallel = make_parallel(2, "tp")
+    options = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=8, budget=6, kernels="pallas", parallel=parallel)
+    assert options.attention_kernels == ("pallas", parallel.mesh)
+    target = load_target(t_dir, jnp.float32, parallel=parallel)
+    tp = generate(target, prompts, options, drafter=load_drafter(d_dir, target.config, jnp.float32, parallel=parallel))
+    assert tp.output_ids == single.output_ids and tp.acceptance_lengths == single.acceptance_lengths

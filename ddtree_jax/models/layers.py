@@ -107,7 +107,8 @@ def cached_attention(
     """Attention of new tokens over the committed cache plus the new tokens themselves.
 
     kernels "jax" runs the pure-JAX path below; "pallas" the tree-attention kernel of
-    `pallas_kernels.tree_attention`, which meets the same contract (interpreted where there is no GPU).
+    `pallas_kernels.tree_attention`, which meets the same contract (interpreted where there is no GPU);
+    ("pallas", mesh) runs that kernel under `shard_map` on each device's own heads of a tp mesh.
 
     Args:
       q:             [b, t, n*g, d] queries of the new tokens (RoPE applied).
@@ -122,12 +123,10 @@ def cached_attention(
     Returns:
       [b, t, n*g, d] in q's dtype. Scores and softmax are float32.
     """
-    if kernels == "pallas":
-        from pallas_kernels.tree_attention import tree_attention_pallas
-
-        return tree_attention_pallas(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions,
-                                     scale=scale, sliding_window=sliding_window,
-                                     interpret=jax.default_backend() != "gpu")
+    impl, mesh = (kernels, None) if isinstance(kernels, str) else kernels
+    if impl == "pallas":
+        return _pallas_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions,
+                                 scale=scale, sliding_window=sliding_window, tp_mesh=mesh)
     b, t, hq, d = q.shape
     s, n = k_cache.shape[1], k_cache.shape[2]
     qg = q.reshape(b, t, n, hq // n, d)
@@ -152,3 +151,27 @@ def cached_attention(
     out = jnp.einsum("bngts,bsnd->btngd", probs[..., :s].astype(v_cache.dtype), v_cache, preferred_element_type=f32)
     out = out + jnp.einsum("bngtu,bund->btngd", probs[..., s:].astype(v_new.dtype), v_new, preferred_element_type=f32)
     return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def _pallas_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions, *, scale: float,
+                      sliding_window: int | None, tp_mesh=None) -> jax.Array:
+    """The Pallas tree-attention kernel; on a tp mesh, under shard_map over the local heads.
+
+    Heads split over the mesh axis 'model' for q [b, t, hq, d] and K/V [b, s|t, n, d]; lengths, mask and
+    positions are replicated. GQA groups stay whole because query heads are kv-head-major. When the KV
+    heads do not divide by the mesh size, the kernel runs unsplit.
+    """
+    import functools
+
+    from pallas_kernels.tree_attention import tree_attention_pallas
+
+    kernel = functools.partial(tree_attention_pallas, scale=scale, sliding_window=sliding_window,
+                               interpret=jax.default_backend() != "gpu")
+    if tp_mesh is None or k_cache.shape[2] % tp_mesh.size:
+        return kernel(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions)
+    from jax.sharding import PartitionSpec as P
+
+    heads, rep = P(None, None, "model", None), P()
+    sharded = jax.shard_map(kernel, mesh=tp_mesh, in_specs=(heads, heads, heads, rep, heads, heads, rep, rep),
+                            out_specs=heads, check_vma=False)
+    return sharded(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions)
