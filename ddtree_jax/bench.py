@@ -395,11 +395,11 @@ def plot(report: dict, path: Path) -> None:
         ax.set_xlabel("tree budget B (nodes verified = B + 1)")
         ax.set_ylabel("ms per round")
         ax.set_title(f"{report['shape']}, context {report['context']}, {report['device']}")
+        ax.legend()
     else:
         ax.bar([f"{r['mode']}{'' if r['budget'] is None else ' ' + str(r['budget'])}" for r in report["rows"]],
                [r["tokens_per_s"] for r in report["rows"]])
         ax.set_ylabel("tokens/s")
-    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

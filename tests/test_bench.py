@@ -45,3 +45,11 @@ def test_projected_tau_and_bad_flags(capsys):
     assert main(["--shape", "tiny", "--budgets", "x"]) == 2
     assert main([]) == 2
     assert "give either --shape" in capsys.readouterr().err
+
+
+def test_shape_mode_under_tp(tmp_path):
+    out = tmp_path / "out"
+    assert main(["--shape", "tiny", "--context", "16", "--budgets", "8", "--modes", "ar,ddtree", "--repeats", "1",
+                 "--devices", "2", "--parallel", "tp", "--out", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["devices"] == 2 and report["parallel"] == "tp" and len(report["rows"]) == 2
