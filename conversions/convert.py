@@ -46,6 +46,10 @@ def convert(direction: str, src: Path, dst: Path, *, force: bool = False, max_sh
     if dst.resolve() == src.resolve():
         raise CheckpointError(f"{dst}: is the source folder; choose another destination")
     arrays, config_raw = read_arrays(src, progress=True)
+    if direction == "orbax-to-hf" and config_raw.get("model_type") == "qwen3_5":
+        # The orbax folder keeps our 'model.' names; the wrapper layout stores them under 'model.language_model.'.
+        raise CheckpointError(f"{src}: orbax-to-hf of a 'qwen3_5' (vision-language wrapper) checkpoint is not "
+                              "supported yet; convert from a 'qwen3_5_text' folder")
     if direction == "hf-to-orbax":
         return save_orbax(arrays, config_raw, dst, side_files_from=src, force=force)
     return save_hf(arrays, config_raw, dst, side_files_from=src, force=force, max_shard_bytes=max_shard_mb * 2**20)

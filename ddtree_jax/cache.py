@@ -74,3 +74,62 @@ def commit_path(cache: KVCache, path: jax.Array, counts: jax.Array) -> KVCache:
 
     return KVCache(k=tuple(move(k) for k in cache.k), v=tuple(move(v) for v in cache.v),
                    lengths=cache.lengths + counts.astype(jnp.int32))
+
+
+# ----------------------------------------------------------------------------------------------------
+# Hybrid targets (Qwen3.5/3.6): recurrent state of the Gated DeltaNet layers beside the KV cache.
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RecurrentState:
+    """The state of one Gated DeltaNet layer after the committed tokens of each row.
+
+    Fields:
+      state: device [b, Hv, Dk, Dv] float32, the delta-rule memory (read as `state^T k`).
+      conv:  device [b, C, K - 1] in the model's dtype, the last K - 1 inputs of the depthwise causal
+             conv (C = conv channels = 2 * key dim + value dim, K = conv kernel), oldest first; zeros
+             before any token.
+    """
+
+    state: jax.Array
+    conv: jax.Array
+
+    @classmethod
+    def create(cls, batch: int, num_value_heads: int, key_head_dim: int, value_head_dim: int, conv_dim: int,
+               conv_kernel: int, dtype) -> "RecurrentState":
+        return cls(state=jnp.zeros((batch, num_value_heads, key_head_dim, value_head_dim), jnp.float32),
+                   conv=jnp.zeros((batch, conv_dim, conv_kernel - 1), dtype))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HybridCache:
+    """Caches of a hybrid target: K/V of its full-attention layers and states of its linear layers.
+
+    Fields:
+      kv:        KVCache with one layer per full-attention layer (config.attention_layers order); its
+                 `lengths` are the committed tokens of each row for the whole model.
+      recurrent: one RecurrentState per Gated DeltaNet layer (config.linear_layers order). Unlike K/V,
+                 a forward pass advances these over its valid tokens (there are no "pending" states).
+    """
+
+    kv: KVCache
+    recurrent: tuple[RecurrentState, ...]
+
+    @property
+    def lengths(self) -> jax.Array:
+        return self.kv.lengths
+
+    @property
+    def batch(self) -> int:
+        return self.kv.batch
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.capacity
+
+
+def advance_hybrid(cache: HybridCache, counts: jax.Array) -> HybridCache:
+    """Commit the first `counts[r]` pending K/V rows of each row r; recurrent states are already advanced."""
+    return dataclasses.replace(cache, kv=advance(cache.kv, counts))

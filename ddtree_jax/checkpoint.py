@@ -25,7 +25,7 @@ import numpy as np
 
 from ddtree_jax.config import (DRAFTER_ARCHITECTURE, check_pair, load_drafter_config, load_target_config,
                                read_config_json)
-from ddtree_jax.models import dflash, qwen3
+from ddtree_jax.models import dflash, qwen3, qwen3_5
 from ddtree_jax.models.params import ModelParams
 from ddtree_jax.parallel import Parallel, param_shardings, put
 
@@ -152,13 +152,20 @@ def _expected_shapes(params: ModelParams) -> dict[str, tuple[int, ...]]:
 
 
 def read_hf_arrays(path: str | Path, expected: dict[str, tuple[int, ...]], tied_pairs: dict[str, str] | None = None,
-                   progress: Callable[[int], Iterator] | None = None) -> dict[str, np.ndarray]:
+                   progress: Callable[[int], Iterator] | None = None, *, stored_names: dict[str, str] | None = None,
+                   ignored_prefixes: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
     """Read and check every tensor of an HF folder against `expected` {name: shape}; host numpy arrays,
     stored dtype. `tied_pairs` {extra name: name it must equal} lists tensors allowed as exact copies
-    (an lm_head saved next to tied embeddings)."""
+    (an lm_head saved next to tied embeddings). `stored_names` {our name: name in the files} renames
+    (default: the same); stored tensors whose names start with one of `ignored_prefixes` are skipped
+    unread. Errors name tensors as stored; the result is keyed by our names."""
     path = Path(path)
-    files = _tensor_files(path)
+    files = {name: file for name, file in _tensor_files(path).items() if not name.startswith(ignored_prefixes)}
     tied_pairs = tied_pairs or {}
+    stored_names = stored_names or {}
+    ours = {stored_names.get(name, name): name for name in expected}  # stored name -> our name
+    expected = {stored: expected[name] for stored, name in ours.items()}
+    tied_pairs = {stored_names.get(a, a): stored_names.get(b, b) for a, b in tied_pairs.items()}
     where = path / (INDEX_FILE if (path / INDEX_FILE).exists() else SINGLE_FILE)
     for name in expected:
         if name not in files:
@@ -195,11 +202,32 @@ def read_hf_arrays(path: str | Path, expected: dict[str, tuple[int, ...]], tied_
                 raise CheckpointError(f"{files[extra]}: tensor '{extra}' differs from '{original}' but "
                                       "config.json says tie_word_embeddings=true")
             del arrays[extra]
-    return arrays
+    return {ours[name]: a for name, a in arrays.items()}
 
 
 def tied_extras(config) -> dict[str, str]:
     return {"lm_head.weight": "model.embed_tokens.weight"} if getattr(config, "tie_word_embeddings", False) else {}
+
+
+# Per HF model_type: where a target's tensors live in its files, and which stored tensors are not ours.
+# A `qwen3_5` (vision-language) checkpoint keeps the text model under `model.language_model.` and also
+# holds the vision tower (`model.visual.*`) and the multi-token-prediction head (`mtp.*`), which the
+# target does not use (HF's Qwen3_5ForCausalLM ignores them too); every other tensor is checked strictly.
+TEXT_PREFIXES = {"qwen3_5": "model.language_model."}
+IGNORED_PREFIXES = {"qwen3_5": ("model.visual.", "mtp."), "qwen3_5_text": ("mtp.",)}
+
+
+def target_module(config):
+    """The model module (`qwen3` or `qwen3_5`) of a parsed target config."""
+    return qwen3_5 if getattr(config, "model_type", None) == "qwen3_5" else qwen3
+
+
+def stored_layout(config, names) -> tuple[dict[str, str], tuple[str, ...]]:
+    """({our name: stored name}, ignored prefixes) of a target's HF files; `names` are our parameter names."""
+    hf_type = getattr(config, "hf_model_type", getattr(config, "model_type", None))
+    prefix = TEXT_PREFIXES.get(hf_type)
+    renames = {n: prefix + n[len("model."):] for n in names if n.startswith("model.")} if prefix else {}
+    return renames, IGNORED_PREFIXES.get(hf_type, ())
 
 
 def _to_device(arrays: dict[str, np.ndarray], dtype, shardings: dict | None = None) -> dict[str, jax.Array]:
@@ -371,7 +399,9 @@ def _load(path: Path, abstract: ModelParams, dtype, tied: dict[str, str], progre
     shardings = param_shardings(abstract, parallel) if parallel is not None else None
     if checkpoint_format(path) == "hf":
         bar = _progress_bar(f"loading {path.name}") if progress else None
-        arrays = _to_device(read_hf_arrays(path, expected, tied, bar), dtype, shardings)
+        renames, ignored = stored_layout(abstract.config, expected)
+        arrays = _to_device(read_hf_arrays(path, expected, tied, bar, stored_names=renames, ignored_prefixes=ignored),
+                            dtype, shardings)
     else:
         arrays = read_orbax_arrays(path, expected, dtype, shardings)
     return abstract.replace_flat(arrays)
@@ -380,11 +410,15 @@ def _load(path: Path, abstract: ModelParams, dtype, tied: dict[str, str], progre
 def load_target(path: str | Path, dtype=jnp.bfloat16, progress: bool = False,
                 parallel: Parallel | None = None) -> ModelParams:
     """Load a target checkpoint (HF or orbax folder) as `ModelParams` in `dtype` (None: as stored), each
-    parameter placed by `parallel` (default: the first device)."""
+    parameter placed by `parallel` (default: the first device).
+
+    Qwen3 (`qwen3`) and Qwen3.5/3.6 (`qwen3_5_text`, or `qwen3_5` whose text weights sit under
+    `model.language_model.`; its `model.visual.*` and `mtp.*` tensors are ignored) targets."""
     path = Path(path)
     checkpoint_format(path)
     config = load_target_config(path)
-    return _load(path, qwen3.abstract(config, dtype or jnp.float32), dtype, tied_extras(config), progress, parallel)
+    abstract = target_module(config).abstract(config, dtype or jnp.float32)
+    return _load(path, abstract, dtype, tied_extras(config), progress, parallel)
 
 
 def load_drafter(path: str | Path, target_config, dtype=jnp.bfloat16, *, allow_layer_mismatch: bool = False,
@@ -418,11 +452,12 @@ def read_arrays(path: str | Path, progress: bool = False) -> tuple[dict[str, np.
         abstract, tied = dflash.abstract(config, fc[1] // len(config.target_layer_ids), jnp.float32), {}
     else:
         config = load_target_config(path)
-        abstract, tied = qwen3.abstract(config, jnp.float32), tied_extras(config)
+        abstract, tied = target_module(config).abstract(config, jnp.float32), tied_extras(config)
     expected = _expected_shapes(abstract)
     if fmt == "hf":
         bar = _progress_bar(f"reading {path.name}") if progress else None
-        return read_hf_arrays(path, expected, tied, bar), raw
+        renames, ignored = stored_layout(abstract.config, expected)
+        return read_hf_arrays(path, expected, tied, bar, stored_names=renames, ignored_prefixes=ignored), raw
     return read_orbax_arrays(path, expected), raw
 
 

@@ -212,10 +212,199 @@ def parse_qwen3(raw: dict[str, Any], where: str = "config.json") -> Qwen3Config:
     )
 
 
-TARGET_PARSERS = {"qwen3": parse_qwen3}
+# ----------------------------------------------------------------------------------------------------
+# Qwen3.5 / Qwen3.6 hybrid targets (Gated DeltaNet + gated full attention)
+
+LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 
 
-def load_target_config(path: str | Path) -> Qwen3Config:
+@dataclasses.dataclass(frozen=True)
+class Qwen3_5Config:
+    """Facts about a Qwen3.5/3.6 hybrid target (HF `model_type: qwen3_5` with a `text_config`, or
+    `qwen3_5_text`). Field names shared with `Qwen3Config` mean the same thing.
+
+    `layer_types[i]` is "linear_attention" (a Gated DeltaNet layer with a recurrent state) or
+    "full_attention" (gated GQA over the KV cache). RoPE rotates only the first `rotary_dim` dims of each
+    head. `hf_model_type` records the file layout: "qwen3_5" stores text weights under
+    `model.language_model.`, "qwen3_5_text" under `model.`.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    rotary_dim: int  # int(head_dim * partial_rotary_factor), even
+    tie_word_embeddings: bool
+    layer_types: tuple[str, ...]
+    max_position_embeddings: int
+    linear_conv_kernel: int
+    linear_key_head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_value_head_dim: int
+    attn_output_gate: bool = True
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    hf_model_type: str = "qwen3_5_text"
+
+    model_type = "qwen3_5"
+
+    @property
+    def num_groups(self) -> int:
+        """Query heads per KV head (GQA group size) of the full-attention layers."""
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Ids of the full-attention layers (each owns one KV cache layer, in this order)."""
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == FULL_ATTENTION)
+
+    @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """Ids of the Gated DeltaNet layers (each owns one recurrent state, in this order)."""
+        return tuple(i for i, kind in enumerate(self.layer_types) if kind == LINEAR_ATTENTION)
+
+    @property
+    def linear_key_dim(self) -> int:
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_dim(self) -> int:
+        return self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the depthwise conv: [q | k | v] of a Gated DeltaNet layer."""
+        return 2 * self.linear_key_dim + self.linear_value_dim
+
+    def num_params(self) -> int:
+        e, f, v, d = self.hidden_size, self.intermediate_size, self.vocab_size, self.head_dim
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        attn = e * q * (2 if self.attn_output_gate else 1) + 2 * e * kv + q * e + 2 * d
+        hv, conv, vd = self.linear_num_value_heads, self.linear_conv_dim, self.linear_value_dim
+        gdn = e * conv + e * vd + 2 * e * hv + conv * self.linear_conv_kernel + 2 * hv \
+            + self.linear_value_head_dim + vd * e
+        common = 3 * e * f + 2 * e
+        mixers = len(self.attention_layers) * attn + len(self.linear_layers) * gdn
+        return v * e * (1 if self.tie_word_embeddings else 2) + self.num_layers * common + mixers + e
+
+
+def parse_qwen3_5(raw: dict[str, Any], where: str = "config.json") -> Qwen3_5Config:
+    """Build a `Qwen3_5Config` from a `qwen3_5` (fields inside `text_config`) or `qwen3_5_text` config dict.
+
+    M-RoPE with identical text positions for its three sections is ordinary 1-D RoPE, so `mrope_section`
+    and `mrope_interleaved` are accepted and ignored; other rope types are refused.
+    """
+    top = _Fields(raw, where)
+    model_type = raw.get("model_type")
+    if model_type == "qwen3_5":
+        text = raw.get("text_config")
+        if not isinstance(text, dict):
+            raise top.fail("text_config", f"missing or not an object (found {text!r}); a qwen3_5 config keeps its "
+                                          "language model's fields there")
+        f = _Fields(text, f"{where}: text_config")
+    elif model_type == "qwen3_5_text":
+        text, f = raw, top
+    else:
+        raise top.fail("model_type", f"expected 'qwen3_5' or 'qwen3_5_text', found {model_type!r}")
+    if text.get("hidden_act", "silu") != "silu":
+        raise f.fail("hidden_act", f"expected 'silu', found {text.get('hidden_act')!r}")
+    if text.get("attention_bias", False):
+        raise f.fail("attention_bias", "biased q/k/v/o projections are not supported (expected false)")
+    if text.get("output_gate_type", "swish") != "swish":
+        raise f.fail("output_gate_type",
+                     f"expected 'swish' (SiLU-gated RMSNorm), found {text.get('output_gate_type')!r}")
+    attn_output_gate = f.bool("attn_output_gate", True)
+    if not attn_output_gate:
+        raise f.fail("attn_output_gate", "false is not supported (HF Qwen3.5 attention always has the output gate)")
+
+    hidden = f.int("hidden_size")
+    heads = f.int("num_attention_heads")
+    kv_heads = f.int("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise f.fail("num_key_value_heads", f"{kv_heads} does not divide num_attention_heads={heads}")
+    head_dim = f.int("head_dim", hidden // heads)
+    num_layers = f.int("num_hidden_layers")
+
+    layer_types = text.get("layer_types")
+    if layer_types is None:  # HF's default: every `full_attention_interval`-th layer is full attention
+        interval = f.int("full_attention_interval", 4)
+        layer_types = [LINEAR_ATTENTION if (i + 1) % interval else FULL_ATTENTION for i in range(num_layers)]
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+        raise f.fail("layer_types", f"expected a list of {num_layers} entries, found {layer_types!r}")
+    for i, kind in enumerate(layer_types):
+        if kind not in (LINEAR_ATTENTION, FULL_ATTENTION):
+            raise f.fail("layer_types", f"entry {i} is {kind!r}; expected {LINEAR_ATTENTION!r} or {FULL_ATTENTION!r}")
+
+    params = text.get("rope_parameters")
+    field = "rope_parameters"
+    if params is None:
+        params = dict(text.get("rope_scaling") or {})
+        field = "rope_scaling"
+        params.setdefault("rope_theta", text.get("rope_theta", 10000.0))
+    if not isinstance(params, dict):
+        raise f.fail(field, f"expected an object, found {params!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise f.fail(field, f"rope_type {rope_type!r} is not supported for qwen3_5 (supported: default, with or "
+                            "without mrope_section for text-only positions)")
+    sub = _Fields(params, f"{f.where}: {field}")
+    theta = sub.float("rope_theta", 10000.0)
+    # transformers >= 5 keeps partial_rotary_factor inside rope_parameters; older files at top level.
+    factor_fields = sub if "partial_rotary_factor" in params else f
+    factor = factor_fields.float("partial_rotary_factor", 0.25)
+    if factor > 1:
+        raise factor_fields.fail("partial_rotary_factor", f"expected a number in (0, 1], found {factor}")
+    rotary_dim = int(head_dim * factor)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise factor_fields.fail("partial_rotary_factor", f"{factor} x head_dim {head_dim} = {rotary_dim} rotary "
+                                                          "dims; expected an even number >= 2 (RoPE rotates pairs)")
+
+    k_heads = f.int("linear_num_key_heads", 16)
+    v_heads = f.int("linear_num_value_heads", 32)
+    if v_heads % k_heads:
+        raise f.fail("linear_num_value_heads", f"{v_heads} is not a multiple of linear_num_key_heads={k_heads}")
+    # EOS: the text config's and, for a qwen3_5 wrapper, the top level's too (it keeps the chat EOS there).
+    eos = tuple(dict.fromkeys(f.token_ids("eos_token_id") + (top.token_ids("eos_token_id") if f is not top else ())))
+    tie = top.bool("tie_word_embeddings", False) if "tie_word_embeddings" in raw and model_type == "qwen3_5" \
+        else f.bool("tie_word_embeddings", False)
+    return Qwen3_5Config(
+        vocab_size=f.int("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=f.int("intermediate_size"),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=f.float("rms_norm_eps", 1e-6),
+        rope=RopeConfig(theta=theta),
+        rotary_dim=rotary_dim,
+        tie_word_embeddings=tie,
+        layer_types=tuple(layer_types),
+        max_position_embeddings=f.int("max_position_embeddings", 32768),
+        linear_conv_kernel=f.int("linear_conv_kernel_dim", 4, minimum=2),
+        linear_key_head_dim=f.int("linear_key_head_dim", 128),
+        linear_num_key_heads=k_heads,
+        linear_num_value_heads=v_heads,
+        linear_value_head_dim=f.int("linear_value_head_dim", 128),
+        attn_output_gate=attn_output_gate,
+        eos_token_ids=eos,
+        bos_token_id=((f.token_ids("bos_token_id") or top.token_ids("bos_token_id")) or (None,))[0],
+        pad_token_id=((f.token_ids("pad_token_id") or top.token_ids("pad_token_id")) or (None,))[0],
+        hf_model_type=model_type,
+    )
+
+
+TARGET_PARSERS = {"qwen3": parse_qwen3, "qwen3_5": parse_qwen3_5, "qwen3_5_text": parse_qwen3_5}
+
+
+def load_target_config(path: str | Path) -> Qwen3Config | Qwen3_5Config:
     """Parse the target config in a checkpoint folder; the model_type picks the parser."""
     path = Path(path)
     raw = read_config_json(path)

@@ -402,6 +402,9 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    if getattr(target.config, "model_type", "qwen3") != "qwen3":
+        raise ValueError(f"decoding a {target.config.model_type} target is not supported yet: the hybrid model "
+                         "runs forward (models/qwen3_5.py) but its recurrent state is not yet wired into the rounds")
     options = resolve_options(options, drafter)
     if not options.mode.needs_drafter:
         drafter = None

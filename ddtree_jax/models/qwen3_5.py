@@ -1,0 +1,360 @@
+"""Qwen3.5/3.6 hybrid target (HF `model_type: qwen3_5` / `qwen3_5_text`) as Flax NNX modules and a pure
+forward function.
+
+Layers are either Gated DeltaNet ("linear_attention": a causal depthwise conv and a gated delta-rule
+recurrence, with a per-row `RecurrentState`) or gated full attention ("full_attention": GQA over the KV
+cache, partial RoPE, output times sigmoid(gate)). The module tree mirrors HF's `Qwen3_5ForCausalLM`, so
+the NNX state path of every parameter is its HF name in a `qwen3_5_text` checkpoint
+('model.layers.0.linear_attn.in_proj_qkv.weight', ...); `checkpoint.py` maps the `qwen3_5` layout
+('model.language_model.…') onto these names.
+
+Dimension letters: b batch, t new tokens, e hidden, n KV heads, d head dim, H value heads of a GDN layer
+(k heads are repeated to them), K/V key/value head dims of a GDN layer, C conv channels, c chunk.
+Every RMSNorm is zero-centred (`x / rms(x) * (1 + w)`, weight init 0) except the GDN output norm (gated:
+`w * x / rms(x) * silu(z)`, weight init 1).
+
+Tensor parallelism: the attention and MLP weights carry the Megatron axes of qwen3.py; the GDN weights
+carry logical axes that `parallel.TP_RULES` does not map, so they stay replicated for now.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from ddtree_jax.cache import HybridCache, KVCache, RecurrentState, write_pending
+from ddtree_jax.config import FULL_ATTENTION, Qwen3_5Config
+from ddtree_jax.models import qwen3
+from ddtree_jax.models.layers import Embedding, Linear, SwiGLU, _param, apply_rope, cached_attention, rope_cos_sin
+from ddtree_jax.models.params import ModelParams, abstract_params, random_params
+
+CHUNK = 64  # tokens per chunk of the chunked (WY) delta rule, as HF
+
+
+# ----------------------------------------------------------------------------------------------------
+# Delta rule: pure jnp, float32
+
+
+def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state):
+    """The gated delta rule one token at a time.
+
+    Args:
+      q, k:  [b, t, H, K] float32; k L2-normalised, q L2-normalised and scaled by K ** -0.5.
+      v:     [b, t, H, V] float32.
+      g:     [b, t, H] float32 log decay (<= 0); beta: [b, t, H] float32 write strength in [0, 1].
+             A token with g = 0 and beta = 0 leaves the state unchanged.
+      initial_state: [b, H, K, V] float32.
+    Returns:
+      out [b, t, H, V] float32 (o_t = S_t^T q_t) and the final state [b, H, K, V] float32, where
+      S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - (exp(g_t) S_{t-1})^T k_t))^T.
+    """
+    def step(state, x):
+        q_t, k_t, v_t, g_t, b_t = x  # [b, H, K], [b, H, K], [b, H, V], [b, H], [b, H]
+        state = state * jnp.exp(g_t)[..., None, None]
+        memory = jnp.einsum("bhkv,bhk->bhv", state, k_t)
+        delta = (v_t - memory) * b_t[..., None]
+        state = state + k_t[..., :, None] * delta[..., None, :]
+        return state, jnp.einsum("bhkv,bhk->bhv", state, q_t)
+
+    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
+    state, out = jax.lax.scan(step, initial_state, xs)
+    return jnp.moveaxis(out, 0, 1), state
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size: int = CHUNK):
+    """The gated delta rule over chunks of `chunk_size` tokens (the WY/UT form): same arguments and results
+    as `recurrent_gated_delta_rule`, equal up to float rounding.
+
+    Inside a chunk, with G_i the cumulative log decay up to token i and L_ij = exp(G_i - G_j) for j <= i
+    (0 above the diagonal), the rows u (corrected values) and w (decayed keys reading the old state) solve
+    (I + strict_lower(diag(beta) K K^T * L)) [u | w] = [diag(beta) V | diag(beta exp(G)) K]; then
+    v_new = u - w S, out = (q exp(G)) S + (Q K^T * L) v_new, S' = exp(G_last) S + (K exp(G_last - G))^T v_new.
+    The sequence is padded with g = beta = 0 tokens (which change nothing) to whole chunks.
+    """
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    pad = -t % chunk_size
+    n = (t + pad) // chunk_size
+
+    def chunks(x):  # [b, t, H, ...] -> [n, b, H, c, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape(b, n, chunk_size, *x.shape[2:])
+        return jnp.moveaxis(jnp.moveaxis(x, 3, 2), 1, 0)
+
+    q, k, v, g, beta = (chunks(x) for x in (q, k, v, g, beta))  # q,k [n,b,H,c,K]; v [n,b,H,c,V]; g,beta [n,b,H,c]
+    cum = jnp.cumsum(g, axis=-1)
+    lower = jnp.tril(jnp.ones((chunk_size, chunk_size), bool))  # j <= i
+    decay = jnp.exp(jnp.where(lower, cum[..., :, None] - cum[..., None, :], -jnp.inf))  # [n,b,H,c,c]
+    k_beta = k * beta[..., None]
+    system = jnp.einsum("...ik,...jk->...ij", k_beta, k) * decay
+    system = jnp.where(jnp.tril(lower, -1), system, 0.0) + jnp.eye(chunk_size, dtype=system.dtype)
+    rhs = jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(cum)[..., None]], axis=-1)
+    solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+    u, w = solved[..., :dv], solved[..., dv:]
+    intra = jnp.einsum("...ik,...jk->...ij", q, k) * decay
+    q_decayed = q * jnp.exp(cum)[..., None]
+    last = cum[..., -1:]
+    k_decayed = k * jnp.exp(last - cum)[..., None]
+
+    def step(state, x):
+        u_i, w_i, q_i, k_i, intra_i, last_i = x
+        v_new = u_i - jnp.einsum("bhck,bhkv->bhcv", w_i, state)
+        out = jnp.einsum("bhck,bhkv->bhcv", q_i, state) + jnp.einsum("bhij,bhjv->bhiv", intra_i, v_new)
+        state = state * jnp.exp(last_i)[..., None] + jnp.einsum("bhck,bhcv->bhkv", k_i, v_new)
+        return state, out
+
+    state, out = jax.lax.scan(step, initial_state, (u, w, q_decayed, k_decayed, intra, last))
+    out = jnp.moveaxis(out, 0, 1)  # [b, n, H, c, V]
+    out = jnp.moveaxis(out, 2, 3).reshape(b, n * chunk_size, h, dv)[:, :t]
+    return out, state
+
+
+# ----------------------------------------------------------------------------------------------------
+# Modules
+
+
+class ZeroCenteredRMSNorm(nnx.Module):
+    """HF `Qwen3_5RMSNorm`: `x / rms(x) * (1 + w)` in float32, then cast to x's dtype (weight init 0)."""
+
+    def __init__(self, dim: int, eps: float, axis_name: str = "embed", *, dtype):
+        self.weight = _param(None, (dim,), dtype, (axis_name,), "zeros")
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+class GatedRMSNorm(nnx.Module):
+    """HF `Qwen3_5RMSNormGated`: `w * (x / rms(x)) * silu(z)` per head (weight init 1)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype):
+        self.weight = _param(None, (dim,), dtype, ("linear_head_dim",), "ones")
+        self.eps = eps
+
+    def __call__(self, x: jax.Array, z: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = (x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)).astype(x.dtype)
+        scaled = (self.weight[...].astype(x.dtype) * normed).astype(jnp.float32)
+        return (scaled * jax.nn.silu(z.astype(jnp.float32))).astype(x.dtype)
+
+
+class DepthwiseConv(nnx.Module):
+    """HF `nn.Conv1d(C, C, K, groups=C, bias=False)`: weight [C, 1, K]."""
+
+    def __init__(self, channels: int, kernel: int, *, dtype, rngs):
+        self.weight = _param(rngs, (channels, 1, kernel), dtype, ("linear_conv", None, None), "normal")
+
+
+class GatedAttention(nnx.Module):
+    """Full attention with an output gate: q_proj gives per head [query | gate]; q/k norms, partial RoPE."""
+
+    def __init__(self, config: Qwen3_5Config, *, dtype, rngs):
+        e, d = config.hidden_size, config.head_dim
+        self.q_proj = Linear(e, config.num_heads * d * 2, ("q_heads", "embed"), dtype=dtype, rngs=rngs)
+        self.k_proj = Linear(e, config.num_kv_heads * d, ("kv_heads", "embed"), dtype=dtype, rngs=rngs)
+        self.v_proj = Linear(e, config.num_kv_heads * d, ("kv_heads", "embed"), dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(config.num_heads * d, e, ("embed", "q_heads"), dtype=dtype, rngs=rngs)
+        self.q_norm = ZeroCenteredRMSNorm(d, config.rms_norm_eps, "head_dim", dtype=dtype)
+        self.k_norm = ZeroCenteredRMSNorm(d, config.rms_norm_eps, "head_dim", dtype=dtype)
+        self.head_dim, self.rotary_dim = d, config.rotary_dim
+
+    def _rope(self, x, cos, sin):
+        """Rotate the first rotary_dim dims of each head (pairs (i, i + rotary_dim/2)); pass the rest."""
+        r = self.rotary_dim
+        return jnp.concatenate([apply_rope(x[..., :r], cos, sin), x[..., r:]], axis=-1)
+
+    def __call__(self, x, cos, sin, k_cache, v_cache, cache_lengths, new_mask, positions, kernels: str = "jax"):
+        """x [b, t, e] -> (out [b, t, e], k_new [b, t, n, d], v_new [b, t, n, d])."""
+        b, t, _ = x.shape
+        d = self.head_dim
+        q_gate = self.q_proj(x).reshape(b, t, -1, 2 * d)
+        q, gate = q_gate[..., :d], q_gate[..., d:].reshape(b, t, -1)
+        q = self._rope(self.q_norm(q), cos, sin)
+        k = self._rope(self.k_norm(self.k_proj(x).reshape(b, t, -1, d)), cos, sin)
+        v = self.v_proj(x).reshape(b, t, -1, d)
+        out = cached_attention(q, k_cache, v_cache, cache_lengths, k, v, new_mask, positions,
+                               scale=d ** -0.5, kernels=kernels)
+        out = out.reshape(b, t, -1) * jax.nn.sigmoid(gate)
+        return self.o_proj(out), k, v
+
+
+class GatedDeltaNet(nnx.Module):
+    """HF `Qwen3_5GatedDeltaNet`: in_proj_qkv -> causal depthwise conv + SiLU -> gated delta rule ->
+    gated RMSNorm with in_proj_z -> out_proj."""
+
+    def __init__(self, config: Qwen3_5Config, *, dtype, rngs):
+        e, hv, conv = config.hidden_size, config.linear_num_value_heads, config.linear_conv_dim
+        self.in_proj_qkv = Linear(e, conv, ("linear_conv", "embed"), dtype=dtype, rngs=rngs)
+        self.in_proj_z = Linear(e, config.linear_value_dim, ("linear_value", "embed"), dtype=dtype, rngs=rngs)
+        self.in_proj_b = Linear(e, hv, ("linear_heads", "embed"), dtype=dtype, rngs=rngs)
+        self.in_proj_a = Linear(e, hv, ("linear_heads", "embed"), dtype=dtype, rngs=rngs)
+        self.conv1d = DepthwiseConv(conv, config.linear_conv_kernel, dtype=dtype, rngs=rngs)
+        self.A_log = _param(None, (hv,), dtype, ("linear_heads",), "zeros")
+        self.dt_bias = _param(None, (hv,), dtype, ("linear_heads",), "ones")
+        self.norm = GatedRMSNorm(config.linear_value_head_dim, config.rms_norm_eps, dtype=dtype)
+        self.out_proj = Linear(config.linear_value_dim, e, ("embed", "linear_value"), dtype=dtype, rngs=rngs)
+        self.key_dim, self.value_dim = config.linear_key_dim, config.linear_value_dim
+        self.key_head_dim, self.value_head_dim = config.linear_key_head_dim, config.linear_value_head_dim
+
+    def __call__(self, x: jax.Array, state: RecurrentState, valid: jax.Array) -> tuple[jax.Array, RecurrentState]:
+        """x [b, t, e]; valid [b] int, real tokens per row (the rest are right padding and leave the state
+        alone) -> (out [b, t, e], the state advanced over each row's valid tokens)."""
+        b, t, _ = x.shape
+        kernel = self.conv1d.weight.shape[-1]
+        is_valid = jnp.arange(t)[None, :] < valid[:, None]  # [b, t]
+
+        # Causal depthwise conv over [window | new inputs]; the new window is each row's last K-1 real inputs.
+        mixed = self.in_proj_qkv(x)  # [b, t, C]
+        full = jnp.concatenate([jnp.swapaxes(state.conv, 1, 2).astype(mixed.dtype), mixed], axis=1)  # [b, K-1+t, C]
+        w = self.conv1d.weight[...][:, 0, :].astype(jnp.float32)  # [C, K]
+        conv = sum(full[:, j:j + t].astype(jnp.float32) * w[:, j] for j in range(kernel))
+        mixed = jax.nn.silu(conv).astype(x.dtype)
+        window = jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, kernel - 1, axis=0))(full, valid)
+        new_conv = jnp.swapaxes(window, 1, 2).astype(state.conv.dtype)  # [b, C, K-1]
+
+        f32 = jnp.float32
+        q = mixed[..., :self.key_dim].reshape(b, t, -1, self.key_head_dim).astype(f32)
+        k = mixed[..., self.key_dim:2 * self.key_dim].reshape(b, t, -1, self.key_head_dim).astype(f32)
+        v = mixed[..., 2 * self.key_dim:].reshape(b, t, -1, self.value_head_dim).astype(f32)
+        q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=-1, keepdims=True) + 1e-6) * self.key_head_dim ** -0.5
+        k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=-1, keepdims=True) + 1e-6)
+        repeat = v.shape[2] // k.shape[2]  # value head h reads key head h // repeat (HF repeat_interleave)
+        q, k = jnp.repeat(q, repeat, axis=2), jnp.repeat(k, repeat, axis=2)
+        beta = jax.nn.sigmoid(self.in_proj_b(x)).astype(f32)  # [b, t, H]
+        g = -jnp.exp(self.A_log[...].astype(f32)) * jax.nn.softplus(self.in_proj_a(x).astype(f32)
+                                                                       + self.dt_bias[...].astype(f32))
+        beta, g = jnp.where(is_valid[..., None], beta, 0.0), jnp.where(is_valid[..., None], g, 0.0)
+
+        rule = recurrent_gated_delta_rule if t == 1 else chunk_gated_delta_rule
+        core, new_state = rule(q, k, v, g, beta, state.state)
+        core = self.norm(core.astype(x.dtype), self.in_proj_z(x).reshape(b, t, -1, self.value_head_dim))
+        return self.out_proj(core.reshape(b, t, -1)), RecurrentState(state=new_state, conv=new_conv)
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, config: Qwen3_5Config, layer_type: str, *, dtype, rngs):
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        if layer_type == FULL_ATTENTION:
+            self.self_attn = GatedAttention(config, dtype=dtype, rngs=rngs)
+        else:
+            self.linear_attn = GatedDeltaNet(config, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size, dtype=dtype, rngs=rngs)
+
+
+class Qwen3_5Model(nnx.Module):
+    def __init__(self, config: Qwen3_5Config, *, dtype, rngs):
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(config, kind, dtype=dtype, rngs=rngs) for kind in config.layer_types])
+        self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype)
+
+
+class Qwen3_5ForCausalLM(nnx.Module):
+    def __init__(self, config: Qwen3_5Config, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
+        self.model = Qwen3_5Model(config, dtype=dtype, rngs=rngs)
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, ("vocab", "embed"), dtype=dtype, rngs=rngs)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Functional API
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ForwardOut:
+    """hidden: [b, t, e] after the final norm; taps: [b, t, len(tap_layers) * e] (outputs of the tapped
+    decoder layers in the order asked; HF `hidden_states[l + 1]`), or None; cache: K/V of the new tokens
+    written as pending rows (lengths unchanged) and every recurrent state advanced over the valid tokens."""
+
+    hidden: jax.Array
+    taps: jax.Array | None
+    cache: HybridCache
+
+
+def build(config: Qwen3_5Config, dtype=jnp.bfloat16):
+    return lambda rngs: Qwen3_5ForCausalLM(config, dtype=dtype, rngs=rngs)
+
+
+def abstract(config: Qwen3_5Config, dtype=jnp.bfloat16) -> ModelParams:
+    return abstract_params(build(config, dtype), config)
+
+
+def init_random(config: Qwen3_5Config, dtype=jnp.bfloat16, seed: int = 0) -> ModelParams:
+    return random_params(build(config, dtype), config, seed)
+
+
+def create_cache(config: Qwen3_5Config, batch: int, capacity: int, dtype) -> HybridCache:
+    """Empty caches: K/V for the full-attention layers, zero states for the Gated DeltaNet layers."""
+    kv = KVCache.create(len(config.attention_layers), batch, capacity, config.num_kv_heads, config.head_dim, dtype)
+    recurrent = tuple(
+        RecurrentState.create(batch, config.linear_num_value_heads, config.linear_key_head_dim,
+                              config.linear_value_head_dim, config.linear_conv_dim, config.linear_conv_kernel, dtype)
+        for _ in config.linear_layers)
+    return HybridCache(kv=kv, recurrent=recurrent)
+
+
+def forward(
+    params: ModelParams,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: HybridCache,
+    new_mask: jax.Array,
+    tap_layers: tuple[int, ...] = (),
+    valid: jax.Array | None = None,
+    kernels: str = "jax",
+) -> ForwardOut:
+    """Run the target on new tokens, which extend each row's committed sequence as a chain.
+
+    Args:
+      tokens:    [b, t] int token ids.
+      positions: [b, t] int positions (RoPE); `length + i`.
+      cache:     committed K/V and recurrent states.
+      new_mask:  [b, t, t] bool, which new tokens each new token sees in the attention layers (causal for
+                 a prompt or a chain; see `cached_attention`). The recurrent layers always read the tokens
+                 in order: tree verification needs per-node states and is not handled here.
+      tap_layers: decoder layer ids whose outputs to return (static).
+      valid:     [b] int, real tokens per row (a prefix; the rest is right padding that leaves the recurrent
+                 states alone); default all t.
+      kernels:   "jax" or "pallas" attention (static; see `cached_attention`).
+    """
+    config: Qwen3_5Config = params.config
+    model = params.module()
+    b, t = tokens.shape
+    for layer_id in tap_layers:
+        if not 0 <= layer_id < config.num_layers:
+            raise ValueError(f"tap layer {layer_id} is outside 0..{config.num_layers - 1}")
+    valid = jnp.full((b,), t, jnp.int32) if valid is None else valid.astype(jnp.int32)
+    x = model.model.embed_tokens(tokens)
+    cos, sin = rope_cos_sin(positions, jnp.asarray(config.rope.inv_freq(config.rotary_dim)))
+    kv, lengths = cache.kv, cache.kv.lengths
+    new_k, new_v, new_states, taps = list(kv.k), list(kv.v), list(cache.recurrent), {}
+    attn_index = {layer: j for j, layer in enumerate(config.attention_layers)}
+    linear_index = {layer: j for j, layer in enumerate(config.linear_layers)}
+    for i, layer in enumerate(model.model.layers):
+        with jax.named_scope(f"layer_{i}"):
+            h = layer.input_layernorm(x)
+            if i in attn_index:
+                j = attn_index[i]
+                mixed, k, v = layer.self_attn(h, cos, sin, kv.k[j], kv.v[j], lengths, new_mask, positions, kernels)
+                new_k[j], new_v[j] = write_pending(kv.k[j], k, lengths), write_pending(kv.v[j], v, lengths)
+            else:
+                j = linear_index[i]
+                mixed, new_states[j] = layer.linear_attn(h, cache.recurrent[j], valid)
+            x = x + mixed
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        if i in tap_layers:
+            taps[i] = x
+    hidden = model.model.norm(x)
+    tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1) if tap_layers else None
+    new_cache = HybridCache(kv=dataclasses.replace(kv, k=tuple(new_k), v=tuple(new_v)), recurrent=tuple(new_states))
+    return ForwardOut(hidden=hidden, taps=tapped, cache=new_cache)
+
+
+# lm_head (or the tied embedding) has the same names as in qwen3.
+logits = qwen3.logits

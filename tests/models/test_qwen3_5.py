@@ -1,0 +1,318 @@
+"""The Qwen3.5/3.6 hybrid target against transformers' own Qwen3_5ForCausalLM (float32, CPU)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.cache import RecurrentState, advance_hybrid
+from ddtree_jax.checkpoint import load_target
+from ddtree_jax.config import ConfigError, Qwen3_5Config, parse_qwen3_5
+from ddtree_jax.engine import causal_mask
+from ddtree_jax.models import qwen3_5
+
+torch = pytest.importorskip("torch", reason="PyTorch is not importable (the transformers parity oracle)")
+
+TOL = 1e-4
+VOCAB = 96
+LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+
+# Small hybrid shapes: GQA 4/2 with head_dim 16 and half of it rotated; GDN with 2 key heads repeated to 4
+# value heads.
+TEXT_CONFIG = dict(
+    vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, layer_types=LAYER_TYPES, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_value_head_dim=8, rms_norm_eps=1e-6,
+    max_position_embeddings=512, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)
+
+
+def _randomise(model):
+    """Random weights everywhere, norms and the decay parameters included (HF inits norms to constants)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.log(torch.empty_like(p).uniform_(0.5, 4.0)))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn_like(p))
+            elif "linear_attn.norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif "norm" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(0.1 * torch.randn_like(p))
+
+
+@pytest.fixture(scope="module")
+def hf_qwen3_5(tmp_path_factory):
+    """(folder, torch model): a random Qwen3_5ForCausalLM saved as a `qwen3_5_text` checkpoint."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(0)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TEXT_CONFIG)).float().eval()
+    _randomise(model)
+    folder = tmp_path_factory.mktemp("hf_qwen3_5")
+    model.save_pretrained(str(folder))
+    return folder, model
+
+
+@pytest.fixture(scope="module")
+def params(hf_qwen3_5):
+    return load_target(hf_qwen3_5[0], jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "taps"))
+def _prefill_jit(params, tokens, valid, capacity, taps):
+    b, t = tokens.shape
+    cache = qwen3_5.create_cache(params.config, b, capacity, jnp.float32)
+    res = qwen3_5.forward(params, tokens, jnp.broadcast_to(jnp.arange(t), (b, t)), cache, causal_mask(valid, t),
+                          tap_layers=taps, valid=valid)
+    return res, advance_hybrid(res.cache, valid)
+
+
+def _prefill(params, tokens: np.ndarray, lengths=None, capacity: int = 128, taps=()):
+    """One call over the (right-padded) prompts; returns (ForwardOut, cache with the prompts committed)."""
+    b, t = tokens.shape
+    valid = jnp.full((b,), t, jnp.int32) if lengths is None else jnp.asarray(lengths, jnp.int32)
+    return _prefill_jit(params, jnp.asarray(tokens), valid, capacity, taps)
+
+
+@jax.jit
+def _step_jit(params, cache, token):
+    res = qwen3_5.forward(params, token[:, None], cache.lengths[:, None], cache, jnp.ones((token.shape[0], 1, 1), bool))
+    return res, advance_hybrid(res.cache, jnp.ones((token.shape[0],), jnp.int32))
+
+
+def _step(params, cache, token):
+    """One decode step of one token per row (the recurrent form of the delta rule)."""
+    return _step_jit(params, cache, jnp.asarray(token, jnp.int32))
+
+
+def test_config_parses_both_model_types(hf_qwen3_5):
+    folder, _ = hf_qwen3_5
+    raw = json.loads((folder / "config.json").read_text())
+    text = parse_qwen3_5(raw)
+    assert isinstance(text, Qwen3_5Config) and text.hf_model_type == "qwen3_5_text"
+    assert text.layer_types == tuple(LAYER_TYPES) and text.rotary_dim == 8
+    assert text.attention_layers == (2,) and text.linear_layers == (0, 1, 3)
+    wrapped = parse_qwen3_5({"model_type": "qwen3_5", "text_config": dict(raw, eos_token_id=5), "eos_token_id": 7})
+    assert wrapped.hf_model_type == "qwen3_5" and wrapped.eos_token_ids == (5, 7)
+    assert dataclasses.replace(text, hf_model_type="qwen3_5", eos_token_ids=(5, 7)) == wrapped
+    params = qwen3_5.abstract(text, jnp.float32)
+    assert sum(int(np.prod(a.shape)) for a in params.flat().values()) == text.num_params()
+
+
+@pytest.mark.parametrize("change, field", [
+    (dict(layer_types=["linear_attention", "sliding_attention", "full_attention", "linear_attention"]), "layer_types"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), "rope_parameters"),
+    (dict(linear_num_value_heads=3), "linear_num_value_heads"),
+    (dict(attn_output_gate=False), "attn_output_gate"),
+    (dict(rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.1}), "partial_rotary_factor"),
+    (dict(hidden_size="32"), "hidden_size"),
+])
+def test_config_errors_name_the_file_and_field(change, field):
+    raw = dict(TEXT_CONFIG, model_type="qwen3_5_text", **change)
+    with pytest.raises(ConfigError, match=f"cfg.json.*'{field}'"):
+        parse_qwen3_5(raw, "cfg.json")
+    with pytest.raises(ConfigError, match=f"cfg.json: text_config.*'{field}'"):
+        parse_qwen3_5({"model_type": "qwen3_5", "text_config": raw}, "cfg.json")
+
+
+def test_prefill_and_32_decode_steps_match_transformers(hf_qwen3_5, params):
+    _, hf = hf_qwen3_5
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(0, VOCAB, size=(1, 11))
+    follow = rng.integers(0, VOCAB, size=(1, 32))
+    with torch.no_grad():
+        out = hf(torch.tensor(prompt), use_cache=True)
+        hf_prefill, past, hf_steps = out.logits.numpy(), out.past_key_values, []
+        for i in range(32):
+            out = hf(torch.tensor(follow[:, i:i + 1]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            hf_steps.append(out.logits.numpy()[:, 0])
+
+    res, cache = _prefill(params, prompt)
+    np.testing.assert_allclose(np.asarray(qwen3_5.logits(params, res.hidden)), hf_prefill, atol=TOL, rtol=0)
+    for i in range(32):
+        res, cache = _step(params, cache, follow[:, i])
+        np.testing.assert_allclose(np.asarray(qwen3_5.logits(params, res.hidden))[:, 0], hf_steps[i], atol=TOL,
+                                   rtol=0, err_msg=f"decode step {i}")
+
+
+def test_prefill_over_several_chunks_matches_transformers(hf_qwen3_5, params):
+    """A 150-token prompt: three 64-token chunks of the WY form on both sides."""
+    _, hf = hf_qwen3_5
+    ids = np.random.default_rng(9).integers(0, VOCAB, size=(1, 150))
+    with torch.no_grad():
+        want = hf(torch.tensor(ids)).logits.numpy()
+    res, _ = _prefill(params, ids, capacity=160)
+    np.testing.assert_allclose(np.asarray(qwen3_5.logits(params, res.hidden)), want, atol=TOL, rtol=0)
+
+
+def test_bfloat16_runs_with_float32_states(hf_qwen3_5):
+    """bf16 weights and activations: the recurrent state stays float32, the conv window takes the model dtype."""
+    bf16 = load_target(hf_qwen3_5[0], jnp.bfloat16)
+    ids = np.random.default_rng(10).integers(0, VOCAB, size=(2, 7))
+    cache = qwen3_5.create_cache(bf16.config, 2, 16, jnp.bfloat16)
+    res = qwen3_5.forward(bf16, jnp.asarray(ids), jnp.broadcast_to(jnp.arange(7), (2, 7)), cache,
+                          causal_mask(jnp.array([7, 4]), 7), valid=jnp.array([7, 4]))
+    assert res.hidden.dtype == jnp.bfloat16
+    assert res.cache.recurrent[0].state.dtype == jnp.float32 and res.cache.recurrent[0].conv.dtype == jnp.bfloat16
+    assert np.isfinite(np.asarray(qwen3_5.logits(bf16, res.hidden))).all()
+
+
+def test_greedy_tokens_equal_transformers_generate(hf_qwen3_5, params):
+    from transformers import GenerationConfig
+
+    _, hf = hf_qwen3_5
+    prompt = np.random.default_rng(3).integers(0, VOCAB, size=(1, 9))
+    n = 24
+    with torch.no_grad():
+        want = hf.generate(torch.tensor(prompt), generation_config=GenerationConfig(
+            max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)).numpy()[0, prompt.shape[1]:]
+    res, cache = _prefill(params, prompt)
+    token = np.asarray(jnp.argmax(qwen3_5.logits(params, res.hidden[:, -1]), -1))
+    got = [int(token[0])]
+    for _ in range(n - 1):
+        res, cache = _step(params, cache, token)
+        token = np.asarray(jnp.argmax(qwen3_5.logits(params, res.hidden[:, -1]), -1))
+        got.append(int(token[0]))
+    assert got == want.tolist()
+
+
+def test_chunked_prefill_equals_token_by_token_recurrence(params):
+    """70 tokens (more than one 64-token chunk) in one call vs 70 single-token calls: same logits and states."""
+    tokens = np.random.default_rng(4).integers(0, VOCAB, size=(1, 70))
+    res, chunked = _prefill(params, tokens)
+    cache = qwen3_5.create_cache(params.config, 1, 128, jnp.float32)
+    for i in range(70):
+        one, cache = _step(params, cache, tokens[:, i])
+        np.testing.assert_allclose(np.asarray(one.hidden[:, 0]), np.asarray(res.hidden[:, i]), atol=TOL, rtol=0,
+                                   err_msg=f"token {i}")
+    for a, b in zip(chunked.recurrent, cache.recurrent):
+        np.testing.assert_allclose(np.asarray(a.state), np.asarray(b.state), atol=TOL, rtol=0)
+        np.testing.assert_allclose(np.asarray(a.conv), np.asarray(b.conv), atol=TOL, rtol=0)
+
+
+def test_delta_rule_chunked_equals_recurrent_with_padding():
+    """The two free functions agree, also from a nonzero state and when trailing tokens have g = beta = 0."""
+    rng = np.random.default_rng(5)
+    b, t, h, dk, dv = 2, 75, 3, 8, 6
+    q, k = (jnp.asarray(rng.normal(size=(b, t, h, dk)), jnp.float32) for _ in range(2))
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    v = jnp.asarray(rng.normal(size=(b, t, h, dv)), jnp.float32)
+    g = jnp.asarray(-rng.uniform(0, 1, size=(b, t, h)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0, 1, size=(b, t, h)), jnp.float32)
+    state = jnp.asarray(rng.normal(size=(b, h, dk, dv)), jnp.float32)
+    out_c, s_c = qwen3_5.chunk_gated_delta_rule(q, k, v, g, beta, state)
+    out_r, s_r = qwen3_5.recurrent_gated_delta_rule(q, k, v, g, beta, state)
+    np.testing.assert_allclose(np.asarray(out_c), np.asarray(out_r), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(s_c), np.asarray(s_r), atol=1e-4, rtol=1e-4)
+    # Padding: tokens 50.. with g = beta = 0 leave the state at its value after 50 tokens.
+    keep = (jnp.arange(t) < 50)[None, :, None]
+    _, s_pad = qwen3_5.chunk_gated_delta_rule(q, k, v, jnp.where(keep, g, 0), jnp.where(keep, beta, 0), state)
+    _, s_50 = qwen3_5.recurrent_gated_delta_rule(q[:, :50], k[:, :50], v[:, :50], g[:, :50], beta[:, :50], state)
+    np.testing.assert_allclose(np.asarray(s_pad), np.asarray(s_50), atol=1e-4, rtol=1e-4)
+
+
+def test_batch_with_unequal_prompt_lengths_matches_rows_alone(params):
+    rng = np.random.default_rng(6)
+    lengths = [13, 6]
+    prompts = [rng.integers(0, VOCAB, size=n) for n in lengths]
+    width = max(lengths)
+    tokens = np.zeros((2, width), np.int64)
+    for r, p in enumerate(prompts):
+        tokens[r, :len(p)] = p
+    follow = rng.integers(0, VOCAB, size=(2, 5))
+    res, cache = _prefill(params, tokens, lengths)
+    batch_logits = np.asarray(qwen3_5.logits(params, res.hidden))
+    batch_steps = []
+    for i in range(5):
+        out, cache = _step(params, cache, follow[:, i])
+        batch_steps.append(np.asarray(qwen3_5.logits(params, out.hidden[:, 0])))
+    for r, p in enumerate(prompts):
+        alone, alone_cache = _prefill(params, p[None])
+        np.testing.assert_allclose(batch_logits[r, :len(p)], np.asarray(qwen3_5.logits(params, alone.hidden))[0],
+                                   atol=TOL, rtol=0, err_msg=f"row {r}")
+        for i in range(5):
+            out, alone_cache = _step(params, alone_cache, follow[r:r + 1, i])
+            np.testing.assert_allclose(batch_steps[i][r], np.asarray(qwen3_5.logits(params, out.hidden[0, 0])),
+                                       atol=TOL, rtol=0, err_msg=f"row {r} step {i}")
+
+
+def test_hidden_state_taps_follow_hf_indexing(hf_qwen3_5, params):
+    _, hf = hf_qwen3_5
+    ids = np.random.default_rng(7).integers(0, VOCAB, size=(1, 9))
+    with torch.no_grad():
+        hs = hf(torch.tensor(ids), output_hidden_states=True).hidden_states
+    layers = tuple(range(params.config.num_layers - 1))[::-1]  # HF's last entry has the final norm applied
+    res, _ = _prefill(params, ids, taps=layers)
+    e = params.config.hidden_size
+    for j, layer in enumerate(layers):
+        np.testing.assert_allclose(np.asarray(res.taps[..., j * e:(j + 1) * e]), hs[layer + 1].numpy(), atol=TOL,
+                                   rtol=0, err_msg=f"layer {layer}")
+
+
+def test_qwen3_5_vision_language_folder_loads_text_weights(hf_qwen3_5, params, tmp_path):
+    """A `qwen3_5` folder (text weights under model.language_model., plus vision and MTP tensors) loads to the
+    same parameters as the `qwen3_5_text` folder."""
+    from safetensors.numpy import load_file, save_file
+
+    folder, _ = hf_qwen3_5
+    text_raw = json.loads((folder / "config.json").read_text())
+    arrays = load_file(str(folder / "model.safetensors"))
+    renamed = {("model.language_model." + n[len("model."):] if n.startswith("model.") else n): a
+               for n, a in arrays.items()}
+    renamed["model.visual.x.weight"] = np.ones((3, 2), np.float32)
+    renamed["mtp.y.weight"] = np.ones((4,), np.float32)
+    out = tmp_path / "vl"
+    out.mkdir()
+    save_file(renamed, str(out / "model.safetensors"), metadata={"format": "pt"})
+    text_raw.pop("architectures", None)
+    raw = {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"],
+           "text_config": dict(text_raw, model_type="qwen3_5_text"), "vision_config": {"depth": 1},
+           "tie_word_embeddings": False}
+    (out / "config.json").write_text(json.dumps(raw))
+    loaded = load_target(out, jnp.float32)
+    assert loaded.config.hf_model_type == "qwen3_5"
+    ids = np.random.default_rng(8).integers(0, VOCAB, size=(1, 10))
+    a, _ = _prefill(params, ids)
+    b, _ = _prefill(loaded, ids)
+    np.testing.assert_array_equal(np.asarray(qwen3_5.logits(params, a.hidden)),
+                                  np.asarray(qwen3_5.logits(loaded, b.hidden)))
+
+    # Strictness stays for everything else: an unknown text tensor is refused, named as stored.
+    renamed["model.language_model.extra.weight"] = np.ones((2,), np.float32)
+    save_file(renamed, str(out / "model.safetensors"), metadata={"format": "pt"})
+    from ddtree_jax.checkpoint import CheckpointError
+
+    with pytest.raises(CheckpointError, match="unexpected tensor 'model.language_model.extra.weight'"):
+        load_target(out, jnp.float32)
+    del renamed["model.language_model.extra.weight"], renamed["model.language_model.norm.weight"]
+    save_file(renamed, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="tensor 'model.language_model.norm.weight' is missing"):
+        load_target(out, jnp.float32)
+
+
+def test_recurrent_state_shapes(params):
+    cache = qwen3_5.create_cache(params.config, 2, 16, jnp.float32)
+    assert len(cache.kv.k) == 1 and len(cache.recurrent) == 3
+    c = params.config
+    assert isinstance(cache.recurrent[0], RecurrentState)
+    assert cache.recurrent[0].state.shape == (2, 4, 8, 8) and cache.recurrent[0].state.dtype == jnp.float32
+    assert cache.recurrent[0].conv.shape == (2, c.linear_conv_dim, 3)
+
+
+def test_decoding_a_hybrid_target_is_refused_clearly(params):
+    """Until the recurrent state is wired into the rounds, generation refuses instead of running qwen3 code."""
+    from ddtree_jax.engine import DecodeOptions, generate
+
+    with pytest.raises(ValueError, match="decoding a qwen3_5 target is not supported yet"):
+        generate(params, [[1, 2]], DecodeOptions(max_new_tokens=2))
