@@ -282,7 +282,8 @@ def save_hf(arrays: dict[str, np.ndarray | jax.Array], config_raw: dict, out: st
 # orbax
 
 
-def _nest(flat: dict[str, object]) -> dict:
+def nest(flat: dict[str, object]) -> dict:
+    """{'a.b.c': x} -> {'a': {'b': {'c': x}}} (orbax stores parameters by their names' dotted parts)."""
     tree: dict = {}
     for name, value in flat.items():
         node = tree
@@ -293,11 +294,12 @@ def _nest(flat: dict[str, object]) -> dict:
     return tree
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+def flatten(tree: dict, prefix: str = "") -> dict[str, object]:
+    """Inverse of `nest`."""
     out = {}
     for key, value in tree.items():
         name = f"{prefix}{key}"
-        out.update(_flatten(value, name + ".") if isinstance(value, dict) else {name: value})
+        out.update(flatten(value, name + ".") if isinstance(value, dict) else {name: value})
     return out
 
 
@@ -331,7 +333,7 @@ def save_orbax(arrays: dict[str, np.ndarray | jax.Array], config_raw: dict, out:
         (tmp / "config.json").write_text(json.dumps(config_raw, indent=2) + "\n")
         (tmp / ORBAX_MARKER).write_text(json.dumps({"format": "orbax", "params": "params",
                                                      "model_type": config_raw.get("model_type")}) + "\n")
-        _orbax.save(tmp / "params", _nest({n: jnp.asarray(a) for n, a in arrays.items()}))
+        _orbax.save(tmp / "params", nest({n: jnp.asarray(a) for n, a in arrays.items()}))
         copy_side_files(side_files_from, tmp)
 
     return atomic_folder(out, write, force=force)
@@ -347,7 +349,7 @@ def read_orbax_arrays(path: str | Path, expected: dict[str, tuple[int, ...]], dt
         meta = _orbax.metadata(params_dir)
     except Exception as e:
         raise CheckpointError(f"{params_dir}: not a readable orbax checkpoint ({_one_line(e)})") from None
-    stored = _flatten(meta)
+    stored = flatten(meta)
     for name in expected:
         if name not in stored:
             raise CheckpointError(f"{params_dir}: tensor '{name}' is missing (expected shape {expected[name]})")
@@ -359,14 +361,14 @@ def read_orbax_arrays(path: str | Path, expected: dict[str, tuple[int, ...]], dt
         if not jnp.issubdtype(m.dtype, jnp.floating):
             raise CheckpointError(f"{params_dir}: tensor '{name}' has dtype {m.dtype}, expected a floating-point dtype")
     single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = _nest({n: jax.ShapeDtypeStruct(m.shape, dtype or m.dtype,
+    target = nest({n: jax.ShapeDtypeStruct(m.shape, dtype or m.dtype,
                                             sharding=shardings[n] if shardings is not None else single)
                     for n, m in stored.items()})
     try:
         restored = _orbax.load(params_dir, target)
     except Exception as e:
         raise CheckpointError(f"{params_dir}: cannot be restored ({_one_line(e)})") from None
-    return _flatten(restored)
+    return flatten(restored)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -381,7 +383,7 @@ def _stored_shape(path: Path, name: str) -> tuple[int, ...] | None:
     """The shape a checkpoint folder stores for one tensor, read from headers or metadata only."""
     if checkpoint_format(path) == "orbax":
         try:
-            return tuple(_flatten(_orbax.metadata(path / "params"))[name].shape)
+            return tuple(flatten(_orbax.metadata(path / "params"))[name].shape)
         except KeyError:
             return None
         except Exception as e:

@@ -28,31 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from ddtree_jax.checkpoint import flatten, nest  # noqa: F401  (re-exported for the trainers)
 from ddtree_jax.models.params import ModelParams
 
 # ----------------------------------------------------------------------------------------------------
 # Parameters as nested dicts
-
-
-def nest(flat: dict[str, Any]) -> dict:
-    """{'a.b.c': x} -> {'a': {'b': {'c': x}}}."""
-    tree: dict = {}
-    for name, value in flat.items():
-        node = tree
-        *parents, leaf = name.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return tree
-
-
-def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    """Inverse of `nest`."""
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        out.update(flatten(value, name + ".") if isinstance(value, dict) else {name: value})
-    return out
 
 
 def param_tree(params: ModelParams, dtype=jnp.float32) -> dict:
