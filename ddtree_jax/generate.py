@@ -2,7 +2,8 @@
 
 Streams text to the terminal, or prints one JSON object with `--json`:
   {"mode", "output_ids", "text" (with a tokenizer), "acceptance_lengths", "tau", "new_tokens",
-   "decode_seconds", "tokens_per_second"}
+   "decode_seconds", "tokens_per_second"}, plus "block_size" and "acceptance_histogram" for dflash and
+  ddtree, and "budget" for ddtree.
 Bad input (missing or corrupt checkpoint, unknown token ids, ...) prints one `error:` line and exits 2.
 """
 
