@@ -81,6 +81,32 @@ def _exact_three_token_distribution(target, prompt, vocab):
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
+VOCAB8 = 8
+
+
+def sampling_pair(tmp_path):
+    """A peaked random target on an 8-token vocabulary (larger weights: tokens depend strongly on their
+    prefix), a random drafter, a prompt, and the exact p(x1, x2, x3 | prompt) flattened [512]."""
+    target = load_target(write_random_qwen3(tmp_path / "t", seed=5, with_tokenizer=False, vocab_size=VOCAB8,
+                                            hidden_size=32, head_dim=8, std=0.4), jnp.float32)
+    drafter = load_drafter(write_random_dflash(tmp_path / "d", tiny_qwen3_config(vocab_size=VOCAB8, hidden_size=32),
+                                               seed=6, head_dim=8), target.config, jnp.float32)
+    prompt = [1, 2, 3]
+    exact = _exact_three_token_distribution(target, prompt, VOCAB8).ravel()
+    return target, drafter, prompt, exact / exact.sum()  # renormalised: float32 softmax rounding
+
+
+def chi2_pvalue(samples: np.ndarray, exact: np.ndarray) -> float:
+    """Chi-square p-value of samples [n, 3] against `exact`; cells expecting < 5 are pooled into one."""
+    from scipy import stats
+
+    counts = np.bincount(samples @ np.array([VOCAB8 * VOCAB8, VOCAB8, 1]), minlength=VOCAB8 ** 3)
+    expected = exact * len(samples)
+    small = expected < 5
+    return stats.chisquare(np.append(counts[~small], counts[small].sum()),
+                           np.append(expected[~small], expected[small].sum())).pvalue
+
+
 def test_sampling_follows_the_ar_distribution(tmp_path):
     """Chi-square goodness of fit of DFlash samples (x1, x2, x3) against the target's exact distribution.
 
@@ -88,37 +114,19 @@ def test_sampling_follows_the_ar_distribution(tmp_path):
     Power: with the same number of samples, a sampler that gets the dependence between positions wrong
     (x2, x3 drawn without regard to x1) is rejected at p < 1e-6, as the negative control below checks.
     """
-    from scipy import stats
-
-    vocab = 8
-    # Larger weights: a peaked target whose tokens depend strongly on their prefix.
-    target = load_target(write_random_qwen3(tmp_path / "t", seed=5, with_tokenizer=False, vocab_size=vocab,
-                                            hidden_size=32, head_dim=8, std=0.4), jnp.float32)
-    drafter = load_drafter(write_random_dflash(tmp_path / "d", tiny_qwen3_config(vocab_size=vocab, hidden_size=32),
-                                               seed=6, head_dim=8), target.config, jnp.float32)
-    prompt, n = [1, 2, 3], 4000
-    exact = _exact_three_token_distribution(target, prompt, vocab).ravel()
-    exact /= exact.sum()  # float32 softmax rounding
+    target, drafter, prompt, exact = sampling_pair(tmp_path)
+    n = 4000
     options = DecodeOptions(mode=Mode.DFLASH, max_new_tokens=3, block_size=4,
                             sampling=SamplingConfig(temperature=1.0))
     result = generate(target, [prompt] * n, options, drafter=drafter, seed=123)
-    samples = np.array(result.output_ids)
-    accepted = sum(n - 1 for row in result.acceptance_lengths for n in row)
+    accepted = sum(m - 1 for row in result.acceptance_lengths for m in row)
     assert accepted > 500, "drafts were rarely accepted; the test would not exercise the match rule"
-    counts = np.bincount(samples[:, 0] * vocab * vocab + samples[:, 1] * vocab + samples[:, 2], minlength=vocab ** 3)
-
-    def chi2_pvalue(observed):
-        expected = exact * n
-        small = expected < 5
-        obs = np.append(observed[~small], observed[small].sum())
-        exp = np.append(expected[~small], expected[small].sum())
-        return stats.chisquare(obs, exp).pvalue
-
-    assert chi2_pvalue(counts) > 1e-3
+    assert chi2_pvalue(np.array(result.output_ids), exact) > 1e-3
 
     # Negative control: the same number of samples from a wrong rule (x2, x3 drawn ignoring x1) is rejected.
     rng = np.random.default_rng(0)
-    marg1 = exact.reshape(vocab, -1).sum(1)
-    marg23 = exact.reshape(vocab, -1).sum(0)
-    wrong = rng.choice(vocab, size=n, p=marg1) * vocab * vocab + rng.choice(vocab * vocab, size=n, p=marg23)
-    assert chi2_pvalue(np.bincount(wrong, minlength=vocab ** 3)) < 1e-6
+    marg1 = exact.reshape(VOCAB8, -1).sum(1)
+    marg23 = exact.reshape(VOCAB8, -1).sum(0)
+    x23 = rng.choice(VOCAB8 * VOCAB8, size=n, p=marg23)
+    wrong = np.stack([rng.choice(VOCAB8, size=n, p=marg1), x23 // VOCAB8, x23 % VOCAB8], axis=1)
+    assert chi2_pvalue(wrong, exact) < 1e-6
