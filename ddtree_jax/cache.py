@@ -133,3 +133,47 @@ class HybridCache:
 def advance_hybrid(cache: HybridCache, counts: jax.Array) -> HybridCache:
     """Commit the first `counts[r]` pending K/V rows of each row r; recurrent states are already advanced."""
     return dataclasses.replace(cache, kv=advance(cache.kv, counts))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NodeStates:
+    """What one Gated DeltaNet layer leaves per node of a verified tree (T nodes), to install an accepted one.
+
+    Fields:
+      state:  device [b, T, Hv, Dk, Dv] float32, the delta-rule memory after each node (its root path).
+      inputs: device [b, T, C] in the model's dtype, each node's conv input (the in_proj_qkv output).
+
+    Size per node per layer: Hv * Dk * Dv * 4 + C * itemsize bytes (Qwen3.6-27B: 48 * 128 * 128 * 4 =
+    3 MiB + 10240 * 2 = 20 KiB in bf16).
+    """
+
+    state: jax.Array
+    inputs: jax.Array
+
+
+def commit_recurrent(state: RecurrentState, nodes: NodeStates, path: jax.Array, counts: jax.Array) -> RecurrentState:
+    """The state of one Gated DeltaNet layer after an accepted tree path.
+
+    path [b, P] node indices by depth (root first, padded with the deepest node), counts [b] accepted
+    nodes (>= 1; 0 keeps the committed state, for rows that are done). The recurrent state becomes the
+    deepest accepted node's; the conv window the last K - 1 inputs of [committed window | path inputs].
+    """
+    b = counts.shape[0]
+    counts = counts.astype(jnp.int32)
+    deepest = jnp.take_along_axis(path, jnp.maximum(counts - 1, 0)[:, None], axis=1)[:, 0]  # [b]
+    installed = nodes.state[jnp.arange(b), deepest]  # [b, Hv, Dk, Dv]
+    installed = jnp.where((counts > 0)[:, None, None, None], installed, state.state)
+    kernel_1 = state.conv.shape[-1]
+    along = jnp.take_along_axis(nodes.inputs, path[:, :, None], axis=1)  # [b, P, C]
+    full = jnp.concatenate([jnp.swapaxes(state.conv, 1, 2), along.astype(state.conv.dtype)], axis=1)
+    window = jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, kernel_1, axis=0))(full, counts)
+    return RecurrentState(state=installed, conv=jnp.swapaxes(window, 1, 2))
+
+
+def commit_hybrid_path(cache: HybridCache, nodes: tuple[NodeStates, ...], path: jax.Array,
+                       counts: jax.Array) -> HybridCache:
+    """Keep an accepted tree path of a hybrid target: K/V rows as `commit_path`, each Gated DeltaNet layer's
+    state and conv window as `commit_recurrent`."""
+    return HybridCache(kv=commit_path(cache.kv, path, counts),
+                       recurrent=tuple(commit_recurrent(s, n, path, counts) for s, n in zip(cache.recurrent, nodes)))

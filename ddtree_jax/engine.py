@@ -9,6 +9,11 @@ separately, compilation excluded.
 Modes: AR (one target token per round); DFlash (a drafted chain verified in one target pass); DDTree
 (a static-size draft tree built from the same drafter pass, verified in one target pass with an
 ancestor mask). DFlash is the DDTree round with a chain for a tree.
+
+Targets: Qwen3 (attention only: a `KVCache`) and the Qwen3.5/3.6 hybrid (a `HybridCache`: K/V of the
+full-attention layers plus a recurrent state per Gated DeltaNet layer). On a hybrid, verification runs every
+Gated DeltaNet layer over the tree nodes in order, each node starting from its parent's state, and the
+commit installs the deepest accepted node's state and conv window (`cache.commit_recurrent`).
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax.accept import Acceptance, accept_tree, chain_tree
-from ddtree_jax.cache import KVCache, advance, commit_path
-from ddtree_jax.models import dflash, qwen3
+from ddtree_jax.cache import (HybridCache, KVCache, RecurrentState, advance, advance_hybrid, commit_path,
+                             commit_recurrent)
+from ddtree_jax.models import dflash, qwen3, qwen3_5
 from ddtree_jax.models.params import ModelParams
 from ddtree_jax.parallel import Parallel, put, to_host
 from ddtree_jax.sampling import SamplingConfig, decode_tokens
@@ -96,7 +102,8 @@ class DecodeState:
     """Everything the loop carries, all on device.
 
     Fields:
-      cache:          target KV cache; `lengths` counts the tokens fed to the target.
+      cache:          target KV cache (HybridCache for a hybrid target); `lengths` counts the tokens fed to
+                      the target.
       draft_cache:    drafter context K/V (same lengths as `cache` between rounds), or None for AR.
       last_token:     [b] int32, newest emitted token (not yet fed to the target).
       output:         [b, max_new] int32, emitted tokens (prompt excluded); valid up to num_generated.
@@ -109,7 +116,7 @@ class DecodeState:
       trace:          the last round's tree and accepted path (RoundTrace), when options.record_trees.
     """
 
-    cache: KVCache
+    cache: KVCache | HybridCache
     draft_cache: KVCache | None
     last_token: jax.Array
     output: jax.Array
@@ -155,10 +162,40 @@ def causal_mask(valid: jax.Array, t: int) -> jax.Array:
     return (j <= i)[None] & (is_valid | (i == j)[None])
 
 
-def _constrain_cache(cache: KVCache | None, parallel: Parallel) -> KVCache | None:
-    """Pin a cache's layout: heads over the tp axis, rows over the dp axis."""
+def target_model(params: ModelParams):
+    """The model module of a target: `qwen3_5` for a hybrid (Qwen3.5/3.6) config, else `qwen3`. Both have
+    create_cache, forward and logits."""
+    return qwen3_5 if getattr(params.config, "model_type", "qwen3") == "qwen3_5" else qwen3
+
+
+def is_hybrid(params: ModelParams) -> bool:
+    return target_model(params) is qwen3_5
+
+
+def _target_forward(target: ModelParams, tokens, positions, cache, new_mask, *, tap_layers=(), kernels="jax",
+                    valid=None, parents=None):
+    """The target's forward; `valid` (real tokens per row) and `parents` (a verification tree) matter only to
+    a hybrid target's recurrent layers, an attention-only target needs neither."""
+    if is_hybrid(target):
+        return qwen3_5.forward(target, tokens, positions, cache, new_mask, tap_layers=tap_layers, valid=valid,
+                               kernels=kernels, parents=parents)
+    return qwen3.forward(target, tokens, positions, cache, new_mask, tap_layers=tap_layers, kernels=kernels)
+
+
+def _advance(cache, counts):
+    return advance_hybrid(cache, counts) if isinstance(cache, HybridCache) else advance(cache, counts)
+
+
+def _constrain_cache(cache, parallel: Parallel):
+    """Pin a cache's layout: heads over the tp axis, rows over the dp axis (a hybrid's recurrent states:
+    rows over dp, replicated under tp)."""
     if cache is None or parallel.mesh is None:
         return cache
+    if isinstance(cache, HybridCache):
+        recurrent = tuple(RecurrentState(state=parallel.constrain(r.state, parallel.batch_spec(4)),
+                                         conv=parallel.constrain(r.conv, parallel.batch_spec(3)))
+                          for r in cache.recurrent)
+        return HybridCache(kv=_constrain_cache(cache.kv, parallel), recurrent=recurrent)
     spec = parallel.kv_spec(cache.k[0].shape[2])
     return KVCache(k=tuple(parallel.constrain(k, spec) for k in cache.k),
                    v=tuple(parallel.constrain(v, spec) for v in cache.v),
@@ -202,19 +239,20 @@ def prefill(target: ModelParams, drafter: ModelParams | None, tokens: jax.Array,
     each row's first token."""
     b, p = tokens.shape
     dtype = target.flat()["model.embed_tokens.weight"].dtype
-    cache = _constrain_cache(qwen3.create_cache(target.config, b, capacity, dtype), options.parallel)
+    model = target_model(target)
+    cache = _constrain_cache(model.create_cache(target.config, b, capacity, dtype), options.parallel)
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     taps = drafter.config.target_layer_ids if drafter is not None else ()
-    out = qwen3.forward(target, tokens, positions, cache, causal_mask(prompt_lengths, p), tap_layers=taps,
-                        kernels=options.attention_kernels)
-    cache = advance(out.cache, prompt_lengths)
+    out = _target_forward(target, tokens, positions, cache, causal_mask(prompt_lengths, p), tap_layers=taps,
+                          kernels=options.attention_kernels, valid=prompt_lengths)
+    cache = _advance(out.cache, prompt_lengths)
     draft_cache = None
     if drafter is not None:
         draft_cache = dflash.ingest_context(drafter, out.taps, prompt_lengths, _constrain_cache(
             dflash.create_cache(drafter.config, b, capacity, dtype), options.parallel))
     last_hidden = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
     rng, key = jax.random.split(rng)
-    first = decode_tokens(qwen3.logits(target, last_hidden), key, options.sampling)
+    first = decode_tokens(model.logits(target, last_hidden), key, options.sampling)
     state = DecodeState(
         cache=cache,
         draft_cache=draft_cache,
@@ -235,11 +273,12 @@ def ar_round(target: ModelParams, drafter: None, state: DecodeState, options: De
     """Feed each row's last token to the target and emit the next one."""
     b = state.last_token.shape[0]
     running = ~state.done
-    out = qwen3.forward(target, state.last_token[:, None], state.cache.lengths[:, None], state.cache,
-                        jnp.ones((b, 1, 1), bool), kernels=options.attention_kernels)
-    cache = _constrain_cache(advance(out.cache, running.astype(jnp.int32)), options.parallel)
+    out = _target_forward(target, state.last_token[:, None], state.cache.lengths[:, None], state.cache,
+                          jnp.ones((b, 1, 1), bool), kernels=options.attention_kernels,
+                          valid=running.astype(jnp.int32))  # a done row's recurrent state stays put
+    cache = _constrain_cache(_advance(out.cache, running.astype(jnp.int32)), options.parallel)
     rng, key = jax.random.split(state.rng)
-    token = decode_tokens(qwen3.logits(target, out.hidden[:, 0]), key, options.sampling)
+    token = decode_tokens(target_model(target).logits(target, out.hidden[:, 0]), key, options.sampling)
     counts = running.astype(jnp.int32)
     state = dataclasses.replace(state, cache=cache, rng=rng)
     return _record_round(_emit(state, token[:, None], counts, options), counts, running)
@@ -273,10 +312,12 @@ def speculative_round(target: ModelParams, drafter: ModelParams, state: DecodeSt
             drafts = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             tree = chain_tree(jnp.concatenate([state.last_token[:, None], drafts], axis=1))
     with jax.named_scope("verify"):
-        out = qwen3.forward(target, tree.tokens, start[:, None] + tree.depths, state.cache, tree.ancestor,
-                            tap_layers=drafter.config.target_layer_ids, kernels=options.attention_kernels)
+        # A hybrid's recurrent layers walk the tree (a chain for DFlash): each node from its parent's state.
+        out = _target_forward(target, tree.tokens, start[:, None] + tree.depths, state.cache, tree.ancestor,
+                              tap_layers=drafter.config.target_layer_ids, kernels=options.attention_kernels,
+                              parents=tree.parents)
         rng, key = jax.random.split(state.rng)
-        node_logits = qwen3.logits(target, out.hidden)
+        node_logits = target_model(target).logits(target, out.hidden)
     with jax.named_scope("accept"):
         if options.kernels == "pallas" and options.sampling.greedy and options.parallel.mode != "tp":
             # The fused kernel reads the T x V logits once for the argmax and walks the tree (under tp the
@@ -290,11 +331,16 @@ def speculative_round(target: ModelParams, drafter: ModelParams, state: DecodeSt
             acc = accept_tree(tree, decode_tokens(node_logits, key, options.sampling), bs)
         counts = jnp.where(running, acc.count, 0)
     with jax.named_scope("commit"):
+        hybrid = isinstance(out.cache, HybridCache)
+        kv = out.cache.kv if hybrid else out.cache
         if options.mode is Mode.DDTREE:
-            cache = commit_path(out.cache, acc.path, counts)
+            kv = commit_path(kv, acc.path, counts)
             taps = jnp.take_along_axis(out.taps, acc.path[:, :, None], axis=1)
         else:  # a chain's path is 0, 1, 2, ...: rows are already in place
-            cache, taps = advance(out.cache, counts), out.taps
+            kv, taps = advance(kv, counts), out.taps
+        # A hybrid's recurrent layers take the deepest accepted node's state and the path's conv window.
+        cache = HybridCache(kv=kv, recurrent=tuple(commit_recurrent(r, n, acc.path, counts) for r, n in
+                                                   zip(out.cache.recurrent, out.nodes))) if hybrid else kv
         draft_cache = _constrain_cache(dflash.ingest_context(drafter, taps, counts, state.draft_cache),
                                        options.parallel)
         cache = _constrain_cache(cache, options.parallel)
@@ -402,9 +448,6 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    if getattr(target.config, "model_type", "qwen3") != "qwen3":
-        raise ValueError(f"decoding a {target.config.model_type} target is not supported yet: the hybrid model "
-                         "runs forward (models/qwen3_5.py) but its recurrent state is not yet wired into the rounds")
     options = resolve_options(options, drafter)
     if not options.mode.needs_drafter:
         drafter = None

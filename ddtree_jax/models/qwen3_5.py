@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ddtree_jax.cache import HybridCache, KVCache, RecurrentState, write_pending
+from ddtree_jax.cache import HybridCache, KVCache, NodeStates, RecurrentState, write_pending
 from ddtree_jax.config import FULL_ATTENTION, Qwen3_5Config
 from ddtree_jax.models import qwen3
 from ddtree_jax.models.layers import Embedding, Linear, SwiGLU, _param, apply_rope, cached_attention, rope_cos_sin
@@ -62,6 +62,48 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state):
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta))
     state, out = jax.lax.scan(step, initial_state, xs)
     return jnp.moveaxis(out, 0, 1), state
+
+
+# Tree verification: a deliberately wrong recurrence order, for one negative test only. When True, node i
+# starts from node i - 1's state (node-index order, as a plain chain would) instead of its parent's.
+CHAIN_ORDERED_RECURRENCE_FOR_TESTS = False
+
+
+def tree_gated_delta_rule(q, k, v, g, beta, initial_state, parents, depths):
+    """The gated delta rule over the nodes of a tree (a chain is the tree whose parent of i is i - 1).
+
+    Every node starts from its parent's state; a depth-0 node (the root, or a padding node) starts from
+    `initial_state`. Nodes are visited in index order, so parents must precede their children.
+
+    Args:
+      q, k, v, g, beta, initial_state: as `recurrent_gated_delta_rule`, with t = T nodes.
+      parents: [b, T] int parent node index (the root is its own parent); depths: [b, T] int, root 0.
+    Returns:
+      out [b, T, H, V] float32 and the state after every node, [b, T, H, K, V] float32 (node i's state is
+      its parent's advanced over node i: the state after the root path up to and including i).
+    """
+    b, t = parents.shape
+    rows = jnp.arange(b)
+    chain_ordered = CHAIN_ORDERED_RECURRENCE_FOR_TESTS
+
+    def step(states, x):  # states [T, b, H, K, V]: filled for nodes < i
+        i, q_t, k_t, v_t, g_t, b_t, parent, depth = x
+        if chain_ordered:  # wrong on purpose (tests only): the previous node index, whatever the tree
+            prev, start = states[jnp.maximum(i - 1, 0)], jnp.broadcast_to(i == 0, (b,))
+        else:
+            prev, start = states[parent, rows], depth == 0
+        prev = jnp.where(start[:, None, None, None], initial_state, prev)
+        state = prev * jnp.exp(g_t)[..., None, None]
+        memory = jnp.einsum("bhkv,bhk->bhv", state, k_t)
+        delta = (v_t - memory) * b_t[..., None]
+        state = state + k_t[..., :, None] * delta[..., None, :]
+        states = jax.lax.dynamic_update_index_in_dim(states, state, i, axis=0)
+        return states, jnp.einsum("bhkv,bhk->bhv", state, q_t)
+
+    xs = (jnp.arange(t),) + tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta, parents, depths))
+    init = jnp.zeros((t,) + initial_state.shape, initial_state.dtype)
+    states, out = jax.lax.scan(step, init, xs)
+    return jnp.moveaxis(out, 0, 1), jnp.moveaxis(states, 0, 1)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size: int = CHUNK):
@@ -201,21 +243,48 @@ class GatedDeltaNet(nnx.Module):
         self.key_dim, self.value_dim = config.linear_key_dim, config.linear_value_dim
         self.key_head_dim, self.value_head_dim = config.linear_key_head_dim, config.linear_value_head_dim
 
-    def __call__(self, x: jax.Array, state: RecurrentState, valid: jax.Array) -> tuple[jax.Array, RecurrentState]:
+    def __call__(self, x: jax.Array, state: RecurrentState, valid: jax.Array, parents: jax.Array | None = None,
+                 depths: jax.Array | None = None) -> tuple[jax.Array, RecurrentState, NodeStates | None]:
         """x [b, t, e]; valid [b] int, real tokens per row (the rest are right padding and leave the state
-        alone) -> (out [b, t, e], the state advanced over each row's valid tokens)."""
+        alone) -> (out [b, t, e], the state advanced over each row's valid tokens, None).
+
+        Tree mode (parents [b, t] and depths [b, t] given; the t tokens are the nodes of a tree hanging
+        below the committed tokens, parents before children): each node's conv window is made of its
+        ancestors' inputs (the committed window above the root) and its recurrence starts from its
+        parent's state (the committed state for depth 0). Returns (out, the committed state unchanged,
+        NodeStates with every node's state and conv input) so that the caller installs an accepted node's.
+        """
         b, t, _ = x.shape
         kernel = self.conv1d.weight.shape[-1]
-        is_valid = jnp.arange(t)[None, :] < valid[:, None]  # [b, t]
+        tree = parents is not None
 
         # Causal depthwise conv over [window | new inputs]; the new window is each row's last K-1 real inputs.
         mixed = self.in_proj_qkv(x)  # [b, t, C]
-        full = jnp.concatenate([jnp.swapaxes(state.conv, 1, 2).astype(mixed.dtype), mixed], axis=1)  # [b, K-1+t, C]
+        window_in = jnp.swapaxes(state.conv, 1, 2).astype(mixed.dtype)  # [b, K-1, C], oldest first
         w = self.conv1d.weight[...][:, 0, :].astype(jnp.float32)  # [C, K]
-        conv = sum(full[:, j:j + t].astype(jnp.float32) * w[:, j] for j in range(kernel))
+        if tree:
+            # The input `back` steps up the root path of every node: ancestor node `back` levels up while
+            # depth - back >= 0, else slot K-1 + depth - back of the committed window.
+            ancestors, node = [], jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+            for _ in range(kernel):
+                ancestors.append(node)
+                node = jnp.take_along_axis(parents, node, axis=1)
+            conv = 0.0
+            for j in range(kernel):  # weight tap j reads the input kernel - 1 - j steps back (oldest first)
+                back = kernel - 1 - j
+                from_nodes = jnp.take_along_axis(mixed, ancestors[back][..., None], axis=1)
+                slot = jnp.clip(kernel - 1 + depths - back, 0, kernel - 2)
+                from_window = jnp.take_along_axis(window_in, slot[..., None], axis=1)
+                src = jnp.where((depths >= back)[..., None], from_nodes, from_window)
+                conv = conv + src.astype(jnp.float32) * w[:, j]
+            new_conv = state.conv
+        else:
+            full = jnp.concatenate([window_in, mixed], axis=1)  # [b, K-1+t, C]
+            conv = sum(full[:, j:j + t].astype(jnp.float32) * w[:, j] for j in range(kernel))
+            window = jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, kernel - 1, axis=0))(full, valid)
+            new_conv = jnp.swapaxes(window, 1, 2).astype(state.conv.dtype)  # [b, C, K-1]
+        pre_conv = mixed
         mixed = jax.nn.silu(conv).astype(x.dtype)
-        window = jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, kernel - 1, axis=0))(full, valid)
-        new_conv = jnp.swapaxes(window, 1, 2).astype(state.conv.dtype)  # [b, C, K-1]
 
         f32 = jnp.float32
         q = mixed[..., :self.key_dim].reshape(b, t, -1, self.key_head_dim).astype(f32)
@@ -228,12 +297,18 @@ class GatedDeltaNet(nnx.Module):
         beta = jax.nn.sigmoid(self.in_proj_b(x)).astype(f32)  # [b, t, H]
         g = -jnp.exp(self.A_log[...].astype(f32)) * jax.nn.softplus(self.in_proj_a(x).astype(f32)
                                                                        + self.dt_bias[...].astype(f32))
-        beta, g = jnp.where(is_valid[..., None], beta, 0.0), jnp.where(is_valid[..., None], g, 0.0)
-
-        rule = recurrent_gated_delta_rule if t == 1 else chunk_gated_delta_rule
-        core, new_state = rule(q, k, v, g, beta, state.state)
+        nodes = None
+        if tree:
+            core, node_states = tree_gated_delta_rule(q, k, v, g, beta, state.state, parents, depths)
+            new_state = state.state
+            nodes = NodeStates(state=node_states, inputs=pre_conv.astype(state.conv.dtype))
+        else:
+            is_valid = jnp.arange(t)[None, :] < valid[:, None]  # [b, t]
+            beta, g = jnp.where(is_valid[..., None], beta, 0.0), jnp.where(is_valid[..., None], g, 0.0)
+            rule = recurrent_gated_delta_rule if t == 1 else chunk_gated_delta_rule
+            core, new_state = rule(q, k, v, g, beta, state.state)
         core = self.norm(core.astype(x.dtype), self.in_proj_z(x).reshape(b, t, -1, self.value_head_dim))
-        return self.out_proj(core.reshape(b, t, -1)), RecurrentState(state=new_state, conv=new_conv)
+        return self.out_proj(core.reshape(b, t, -1)), RecurrentState(state=new_state, conv=new_conv), nodes
 
 
 class DecoderLayer(nnx.Module):
@@ -270,11 +345,15 @@ class Qwen3_5ForCausalLM(nnx.Module):
 class ForwardOut:
     """hidden: [b, t, e] after the final norm; taps: [b, t, len(tap_layers) * e] (outputs of the tapped
     decoder layers in the order asked; HF `hidden_states[l + 1]`), or None; cache: K/V of the new tokens
-    written as pending rows (lengths unchanged) and every recurrent state advanced over the valid tokens."""
+    written as pending rows (lengths unchanged) and every recurrent state advanced over the valid tokens;
+    nodes: None, or in tree mode (`parents` given) one NodeStates per Gated DeltaNet layer (config.linear_layers
+    order) with every node's state and conv input, the cache's recurrent states then being left as committed
+    (`cache.commit_hybrid_path` installs the accepted node's)."""
 
     hidden: jax.Array
     taps: jax.Array | None
     cache: HybridCache
+    nodes: tuple[NodeStates, ...] | None = None
 
 
 def build(config: Qwen3_5Config, dtype=jnp.bfloat16):
@@ -308,6 +387,7 @@ def forward(
     tap_layers: tuple[int, ...] = (),
     valid: jax.Array | None = None,
     kernels: str = "jax",
+    parents: jax.Array | None = None,
 ) -> ForwardOut:
     """Run the target on new tokens, which extend each row's committed sequence as a chain.
 
@@ -316,12 +396,16 @@ def forward(
       positions: [b, t] int positions (RoPE); `length + i`.
       cache:     committed K/V and recurrent states.
       new_mask:  [b, t, t] bool, which new tokens each new token sees in the attention layers (causal for
-                 a prompt or a chain; see `cached_attention`). The recurrent layers always read the tokens
-                 in order: tree verification needs per-node states and is not handled here.
+                 a prompt or a chain, the ancestor mask for a tree; see `cached_attention`).
       tap_layers: decoder layer ids whose outputs to return (static).
       valid:     [b] int, real tokens per row (a prefix; the rest is right padding that leaves the recurrent
                  states alone); default all t.
       kernels:   "jax" or "pallas" attention (static; see `cached_attention`).
+      parents:   None (the tokens extend each row as a chain: a prompt or one decode token), or [b, t] int
+                 parent node indices of a verification tree (root = node 0, its own parent; parents precede
+                 children; a chain is parents [0, 0, 1, 2, ...]). Then node depths are `positions -
+                 cache.lengths`, `valid` is ignored (every node is real), each Gated DeltaNet layer runs the
+                 tree recurrence (`tree_gated_delta_rule`) and the per-node states come back in `nodes`.
     """
     config: Qwen3_5Config = params.config
     model = params.module()
@@ -334,6 +418,9 @@ def forward(
     cos, sin = rope_cos_sin(positions, jnp.asarray(config.rope.inv_freq(config.rotary_dim)))
     kv, lengths = cache.kv, cache.kv.lengths
     new_k, new_v, new_states, taps = list(kv.k), list(kv.v), list(cache.recurrent), {}
+    nodes = [None] * len(cache.recurrent)
+    depths = None if parents is None else (positions - lengths[:, None]).astype(jnp.int32)
+    parents = None if parents is None else parents.astype(jnp.int32)
     attn_index = {layer: j for j, layer in enumerate(config.attention_layers)}
     linear_index = {layer: j for j, layer in enumerate(config.linear_layers)}
     for i, layer in enumerate(model.model.layers):
@@ -345,7 +432,7 @@ def forward(
                 new_k[j], new_v[j] = write_pending(kv.k[j], k, lengths), write_pending(kv.v[j], v, lengths)
             else:
                 j = linear_index[i]
-                mixed, new_states[j] = layer.linear_attn(h, cache.recurrent[j], valid)
+                mixed, new_states[j], nodes[j] = layer.linear_attn(h, cache.recurrent[j], valid, parents, depths)
             x = x + mixed
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         if i in tap_layers:
@@ -353,7 +440,7 @@ def forward(
     hidden = model.model.norm(x)
     tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1) if tap_layers else None
     new_cache = HybridCache(kv=dataclasses.replace(kv, k=tuple(new_k), v=tuple(new_v)), recurrent=tuple(new_states))
-    return ForwardOut(hidden=hidden, taps=tapped, cache=new_cache)
+    return ForwardOut(hidden=hidden, taps=tapped, cache=new_cache, nodes=None if parents is None else tuple(nodes))
 
 
 # lm_head (or the tied embedding) has the same names as in qwen3.

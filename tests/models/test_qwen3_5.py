@@ -310,9 +310,17 @@ def test_recurrent_state_shapes(params):
     assert cache.recurrent[0].conv.shape == (2, c.linear_conv_dim, 3)
 
 
-def test_decoding_a_hybrid_target_is_refused_clearly(params):
-    """Until the recurrent state is wired into the rounds, generation refuses instead of running qwen3 code."""
+def test_engine_ar_equals_the_step_loop(params):
+    """engine.generate on a hybrid target (prefill, then one-token rounds) gives the tokens of the greedy
+    prefill + decode-step loop above. (DFlash/DDTree on hybrids: tests/test_hybrid_decoding.py.)"""
     from ddtree_jax.engine import DecodeOptions, generate
 
-    with pytest.raises(ValueError, match="decoding a qwen3_5 target is not supported yet"):
-        generate(params, [[1, 2]], DecodeOptions(max_new_tokens=2))
+    prompt = np.random.default_rng(11).integers(0, VOCAB, size=(1, 9))
+    res, cache = _prefill(params, prompt)
+    token = np.asarray(jnp.argmax(qwen3_5.logits(params, res.hidden[:, -1]), -1))
+    want = [int(token[0])]
+    for _ in range(11):
+        res, cache = _step(params, cache, token)
+        token = np.asarray(jnp.argmax(qwen3_5.logits(params, res.hidden[:, -1]), -1))
+        want.append(int(token[0]))
+    assert generate(params, prompt.tolist(), DecodeOptions(max_new_tokens=12)).output_ids == [want]

@@ -1,0 +1,243 @@
+"""Decoding a Qwen3.5/3.6 hybrid target (gated attention + Gated DeltaNet): AR equals transformers' greedy
+`generate`; DFlash and DDTree equal AR token for token, which needs every recurrent layer to walk the tree
+from parent states (a chain-ordered recurrence must break DDTree)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax import engine
+from ddtree_jax.cache import HybridCache
+from ddtree_jax.checkpoint import load_drafter, load_target
+from ddtree_jax.engine import DecodeOptions, Mode, generate
+from ddtree_jax.models import qwen3_5
+from ddtree_jax.random_checkpoint import write_random_dflash
+
+torch = pytest.importorskip("torch", reason="PyTorch is not importable (builds the transformers hybrid)")
+
+LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+
+
+def text_config(vocab_size: int) -> dict:
+    """A small `qwen3_5_text` config: GQA 4/2, head_dim 16 half rotated; GDN 2 key heads -> 4 value heads."""
+    return dict(
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, layer_types=LAYER_TYPES, linear_conv_kernel_dim=4,
+        linear_key_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_value_head_dim=8,
+        rms_norm_eps=1e-6, max_position_embeddings=512, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+    )
+
+
+def build_hf_hybrid(folder, vocab_size: int, seed: int = 0, std: float = 0.1):
+    """A random transformers Qwen3_5ForCausalLM (float32) saved as a `qwen3_5_text` checkpoint: random weights,
+    norms and decay parameters included. Returns the torch model."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text_config(vocab_size))).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.log(torch.empty_like(p).uniform_(0.5, 4.0)))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn_like(p))
+            elif "linear_attn.norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif "norm" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(std * torch.randn_like(p))
+    model.save_pretrained(str(folder))
+    return model
+
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [3, 9, 4]]  # unequal lengths, batch 2
+
+
+# ---- stage 1: AR
+
+
+def test_greedy_ar_equals_transformers_generate(tmp_path):
+    from transformers import GenerationConfig
+
+    hf = build_hf_hybrid(tmp_path / "t", vocab_size=96, seed=0)
+    target = load_target(tmp_path / "t", jnp.float32)
+    n = 24
+    result = generate(target, PROMPTS, DecodeOptions(max_new_tokens=n))
+    for r, prompt in enumerate(PROMPTS):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), generation_config=GenerationConfig(
+                max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)).numpy()[0, len(prompt):]
+        assert result.output_ids[r] == want.tolist(), r
+    assert result.acceptance_lengths == [[1] * (n - 1)] * 2
+
+
+def test_ar_rows_that_are_done_keep_their_state(tmp_path):
+    """EOS stops one row early; the other row's tokens are those of the row run alone."""
+    build_hf_hybrid(tmp_path / "t", vocab_size=32, seed=1)
+    target = load_target(tmp_path / "t", jnp.float32)
+    free = generate(target, PROMPTS, DecodeOptions(max_new_tokens=16))
+    eos = free.output_ids[1][3]
+    both = generate(target, PROMPTS, DecodeOptions(max_new_tokens=16, eos_ids=(eos,)))
+    for r, prompt in enumerate(PROMPTS):
+        alone = generate(target, [prompt], DecodeOptions(max_new_tokens=16, eos_ids=(eos,)))
+        assert both.output_ids[r] == alone.output_ids[0]
+    assert both.output_ids[1][-1] == eos and len(both.output_ids[1]) <= 4
+
+
+# ---- stages 2-3: DFlash (a chain) and DDTree (a tree) verified through the recurrent layers
+
+
+VOCAB = 16  # small, so that random drafts are accepted often and paths go 2-3 deep
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def hybrid_pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid_pair")
+    build_hf_hybrid(root / "t", vocab_size=VOCAB, seed=2, std=0.1)
+    target = load_target(root / "t", jnp.float32)
+    drafter = load_drafter(write_random_dflash(root / "d", text_config(VOCAB), seed=3, block_size=8),
+                           target.config, jnp.float32)
+    return target, drafter
+
+
+@pytest.fixture(scope="module")
+def hybrid_ar(hybrid_pair):
+    return generate(hybrid_pair[0], PROMPTS, DecodeOptions(max_new_tokens=MAX_NEW)).output_ids
+
+
+def _check_lengths(result, block_size):
+    lengths = [n for row in result.acceptance_lengths for n in row]
+    assert all(1 <= n <= block_size for n in lengths)
+    assert max(lengths) >= 2, "no draft was ever accepted: the commit of a non-trivial path is not exercised"
+    return lengths
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_dflash_greedy_equals_ar(hybrid_pair, hybrid_ar, block_size):
+    target, drafter = hybrid_pair
+    spec = generate(target, PROMPTS, DecodeOptions(mode=Mode.DFLASH, max_new_tokens=MAX_NEW, block_size=block_size),
+                    drafter=drafter)
+    assert spec.output_ids == hybrid_ar
+    _check_lengths(spec, block_size)
+
+
+@pytest.mark.parametrize("budget", [1, 16, 64])
+def test_ddtree_greedy_equals_ar(hybrid_pair, hybrid_ar, budget):
+    target, drafter = hybrid_pair
+    spec = generate(target, PROMPTS, DecodeOptions(mode=Mode.DDTREE, max_new_tokens=MAX_NEW, block_size=8,
+                                                   budget=budget), drafter=drafter)
+    assert spec.output_ids == hybrid_ar
+    lengths = _check_lengths(spec, 8)
+    if budget >= 16:  # most rounds accept a draft; some accept two
+        assert np.mean(lengths) > 1.5 and sum(n >= 3 for n in lengths) >= 2
+
+
+def test_ddtree_accepts_off_spine_nodes(hybrid_pair):
+    """The trees accept paths that leave node-index order (a node whose parent is not the previous index),
+    so the exactness above depends on parent-ordered recurrent states."""
+    target, drafter = hybrid_pair
+    spec = generate(target, PROMPTS, DecodeOptions(mode=Mode.DDTREE, max_new_tokens=MAX_NEW, block_size=8, budget=16,
+                                                   record_trees=True), drafter=drafter)
+    off_spine = 0
+    for tree in spec.trees:
+        path = tree["accepted"]
+        off_spine += any(b != a + 1 for a, b in zip(path, path[1:]))
+    assert off_spine >= 1
+
+
+@pytest.fixture
+def chain_ordered_recurrence(monkeypatch):
+    """Switch the recurrence to node-index order. The flag is read when tracing, so drop every trace and
+    compilation before and after (JAX caches traces per function; the engine caches compilations)."""
+    def fresh():
+        jax.clear_caches()
+        engine._COMPILED.clear()
+
+    fresh()
+    monkeypatch.setattr(qwen3_5, "CHAIN_ORDERED_RECURRENCE_FOR_TESTS", True)
+    yield
+    monkeypatch.setattr(qwen3_5, "CHAIN_ORDERED_RECURRENCE_FOR_TESTS", False)
+    fresh()
+
+
+def test_chain_ordered_recurrence_breaks_ddtree(hybrid_pair, hybrid_ar, chain_ordered_recurrence):
+    """Negative control: each node starting from the previous node index's state (not its parent's) makes
+    DDTree differ from AR on the same setup; DFlash (a chain: parent = previous index) is unaffected."""
+    target, drafter = hybrid_pair
+    wrong = generate(target, PROMPTS, DecodeOptions(mode=Mode.DDTREE, max_new_tokens=MAX_NEW, block_size=8,
+                                                    budget=16), drafter=drafter)
+    assert wrong.output_ids != hybrid_ar
+    chain = generate(target, PROMPTS, DecodeOptions(mode=Mode.DFLASH, max_new_tokens=MAX_NEW, block_size=8),
+                     drafter=drafter)
+    assert chain.output_ids == hybrid_ar
+
+
+def test_correct_recurrence_is_back_after_the_negative_control(hybrid_pair, hybrid_ar):
+    target, drafter = hybrid_pair
+    spec = generate(target, PROMPTS, DecodeOptions(mode=Mode.DDTREE, max_new_tokens=MAX_NEW, block_size=8,
+                                                   budget=16), drafter=drafter)
+    assert spec.output_ids == hybrid_ar
+
+
+# ---- the pieces
+
+
+def test_tree_verify_states_equal_running_each_root_path(hybrid_pair):
+    """A verify forward over a small tree: every node's hidden state and recurrent state equal a plain
+    chain forward over its root path (from the same committed cache)."""
+    target, _ = hybrid_pair
+    config = target.config
+    prompt = jnp.asarray([[5, 1, 7, 2, 9]])
+    cache = qwen3_5.create_cache(config, 1, 32, jnp.float32)
+    out = qwen3_5.forward(target, prompt, jnp.arange(5)[None], cache, engine.causal_mask(jnp.asarray([5]), 5))
+    cache = engine._advance(out.cache, jnp.asarray([5]))
+    parents = np.array([0, 0, 0, 1, 2, 3, 3, 5])  # root; two children; grandchildren; a depth-4 branch
+    depths = np.array([0, 1, 1, 2, 2, 3, 3, 4])
+    tokens = jnp.asarray([[4, 11, 3, 8, 8, 1, 14, 6]])
+    from ddtree_jax.tree import ancestor_mask
+
+    mask = ancestor_mask(jnp.asarray(parents), jnp.ones(8, bool), 8)[None]
+    tree_out = qwen3_5.forward(target, tokens, 5 + jnp.asarray(depths)[None], cache, mask,
+                               parents=jnp.asarray(parents)[None])
+    assert isinstance(tree_out.cache, HybridCache) and len(tree_out.nodes) == len(config.linear_layers)
+    for node in range(8):
+        path = [node]
+        while path[-1] != 0:
+            path.append(int(parents[path[-1]]))
+        path = path[::-1]
+        n = len(path)
+        chain = qwen3_5.forward(target, tokens[:, path], 5 + jnp.arange(n)[None], cache,
+                                engine.causal_mask(jnp.asarray([n]), n))
+        np.testing.assert_allclose(np.asarray(tree_out.hidden[0, node]), np.asarray(chain.hidden[0, -1]),
+                                   atol=1e-5, rtol=0, err_msg=f"node {node}")
+        for nodes, rec in zip(tree_out.nodes, chain.cache.recurrent):
+            np.testing.assert_allclose(np.asarray(nodes.state[0, node]), np.asarray(rec.state[0]), atol=1e-5,
+                                       rtol=0, err_msg=f"node {node}")
+        # The conv window after committing this root path equals the chain's.
+        from ddtree_jax.cache import commit_recurrent
+
+        path_arr = jnp.asarray([path + [path[-1]] * (8 - n)])
+        for nodes, committed, rec in zip(tree_out.nodes, cache.recurrent, chain.cache.recurrent):
+            got = commit_recurrent(committed, nodes, path_arr, jnp.asarray([n]))
+            np.testing.assert_allclose(np.asarray(got.conv), np.asarray(rec.conv), atol=1e-5, rtol=0)
+            np.testing.assert_allclose(np.asarray(got.state), np.asarray(rec.state), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["dp", "tp"])
+def test_ddtree_on_two_devices_equals_ar(hybrid_pair, hybrid_ar, mode):
+    """The hybrid caches under a mesh: rows over devices (dp), or heads split with the GDN layers replicated (tp)."""
+    from ddtree_jax.parallel import make_parallel, shard_params
+
+    target, drafter = hybrid_pair
+    parallel = make_parallel(2, mode)
+    if mode == "tp":
+        target, drafter = shard_params(target, parallel), shard_params(drafter, parallel)
+    spec = generate(target, PROMPTS, DecodeOptions(mode=Mode.DDTREE, max_new_tokens=MAX_NEW, block_size=8, budget=16,
+                                                   parallel=parallel), drafter=drafter)
+    assert spec.output_ids == hybrid_ar
