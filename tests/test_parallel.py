@@ -91,6 +91,7 @@ def test_tp_program_all_reduces_and_dp_does_not(folders):
     after the MLP of every layer; dp only reduces the loop's all-rows-done flag."""
     from ddtree_jax import engine
 
+    engine._COMPILED.clear()  # only this test's programs (earlier tests compile other dp/tp loops)
     texts = {}
     for mode in ("tp", "dp"):
         parallel = make_parallel(2, mode)
