@@ -82,6 +82,26 @@ def build_hf_qwen3(folder: Path, seed: int = 0, **overrides) -> Path:
     return folder
 
 
+def randomise_qwen3_5(model, std: float = 0.1) -> None:
+    """Random weights for a transformers Qwen3.5 model, norms and the decay parameters included (HF inits
+    norms to constants): A_log = log U(0.5, 4), dt_bias ~ N(0, 1), the gated norm 1 + noise, the
+    zero-centred norms noise, every other weight N(0, std)."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.log(torch.empty_like(p).uniform_(0.5, 4.0)))
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn_like(p))
+            elif "linear_attn.norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif "norm" in name:
+                p.copy_(0.1 * torch.randn_like(p))
+            else:
+                p.copy_(std * torch.randn_like(p))
+
+
 @pytest.fixture(scope="session", params=sorted(HF_VARIANTS))
 def hf_qwen3(request, tmp_path_factory):
     """(folder, torch model) for each parity variant."""

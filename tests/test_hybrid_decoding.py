@@ -13,6 +13,7 @@ from ddtree_jax import engine
 from ddtree_jax.cache import HybridCache
 from ddtree_jax.checkpoint import load_drafter, load_target
 from ddtree_jax.engine import DecodeOptions, Mode, generate
+from conftest import randomise_qwen3_5
 from ddtree_jax.models import qwen3_5
 from ddtree_jax.random_checkpoint import write_random_dflash
 
@@ -39,18 +40,7 @@ def build_hf_hybrid(folder, vocab_size: int, seed: int = 0, std: float = 0.1):
 
     torch.manual_seed(seed)
     model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text_config(vocab_size))).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.log(torch.empty_like(p).uniform_(0.5, 4.0)))
-            elif name.endswith("dt_bias"):
-                p.copy_(torch.randn_like(p))
-            elif "linear_attn.norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif "norm" in name:
-                p.copy_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(std * torch.randn_like(p))
+    randomise_qwen3_5(model, std)
     model.save_pretrained(str(folder))
     return model
 

@@ -16,6 +16,7 @@ from ddtree_jax.checkpoint import load_target
 from ddtree_jax.config import ConfigError, Qwen3_5Config, parse_qwen3_5
 from ddtree_jax.engine import causal_mask
 from ddtree_jax.models import qwen3_5
+from conftest import randomise_qwen3_5
 
 torch = pytest.importorskip("torch", reason="PyTorch is not importable (the transformers parity oracle)")
 
@@ -34,22 +35,6 @@ TEXT_CONFIG = dict(
 )
 
 
-def _randomise(model):
-    """Random weights everywhere, norms and the decay parameters included (HF inits norms to constants)."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.log(torch.empty_like(p).uniform_(0.5, 4.0)))
-            elif name.endswith("dt_bias"):
-                p.copy_(torch.randn_like(p))
-            elif "linear_attn.norm" in name:
-                p.copy_(1.0 + 0.1 * torch.randn_like(p))
-            elif "norm" in name:
-                p.copy_(0.1 * torch.randn_like(p))
-            else:
-                p.copy_(0.1 * torch.randn_like(p))
-
-
 @pytest.fixture(scope="module")
 def hf_qwen3_5(tmp_path_factory):
     """(folder, torch model): a random Qwen3_5ForCausalLM saved as a `qwen3_5_text` checkpoint."""
@@ -57,7 +42,7 @@ def hf_qwen3_5(tmp_path_factory):
 
     torch.manual_seed(0)
     model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TEXT_CONFIG)).float().eval()
-    _randomise(model)
+    randomise_qwen3_5(model)
     folder = tmp_path_factory.mktemp("hf_qwen3_5")
     model.save_pretrained(str(folder))
     return folder, model
