@@ -10,6 +10,9 @@ steps="${*:-smoke tests kernels bench}"
 log() { echo "== $* ($(date +%H:%M:%S))"; }
 # Each step writes its own log under $OUT (what is there comes back even if the call is cut short);
 # keep the sum of the steps' limits under the device call's 600 s.
+# demo_bg starts the demo training (python -m ddtree_jax.train.demo) in its own process session on GPU
+# $DEMO_GPU, so it outlives this call while the machine stays warm; demo_pack, in a later call on the
+# same machine, waits for it (at most $DEMO_WAIT s) and splits the result into <= 15 MB parts under $OUT.
 
 for step in $steps; do
   case "$step" in
@@ -32,6 +35,19 @@ for step in $steps; do
       if [ -f pallas_kernels/gpu_check.py ]; then
         timeout "${KERNEL_LIMIT:-200}" python3 -m pallas_kernels.gpu_check --out "$OUT/kernels" > "$OUT/kernels.log" 2>&1
         tail -40 "$OUT/kernels.log"
+      fi
+      ;;
+    demo_bg)
+      log "demo training in the background on GPU ${DEMO_GPU:-1}"
+      CUDA_VISIBLE_DEVICES="${DEMO_GPU:-1}" setsid nohup python3 -m ddtree_jax.train.demo --out /tmp/demo \
+        > /tmp/demo.log 2>&1 < /dev/null &
+      ;;
+    demo_pack)
+      log "waiting for the demo training"
+      for _ in $(seq "${DEMO_WAIT:-300}"); do [ -f /tmp/demo/summary.json ] && break; sleep 1; done
+      cp /tmp/demo.log "$OUT/demo.log"; tail -5 /tmp/demo.log
+      if [ -f /tmp/demo/summary.json ]; then
+        tar -C /tmp -cf - --exclude=checkpoints demo | split -b 15M - "$OUT/demo.tar.part-"; ls -la "$OUT"
       fi
       ;;
     bench)
