@@ -191,57 +191,59 @@ def time_stages(target, drafter, options, context: int, repeats: int, parallel) 
     from ddtree_jax.tree import build_tree
 
     rounds = repeats + 2  # _median_seconds' warm-up included
-    state = _filled_state(target, drafter, context, options, parallel, rounds)
-    round_fn = jax.jit(lambda s: ROUNDS[options.mode](target, drafter, s, options), donate_argnums=0)
-    # Rounds advance the cache; rebuild the state now and then so the context stays near `context`.
-    holder = {"state": state}
+    # Every array reaches a jitted stage as an argument: one closed over becomes a constant of the
+    # program (16 GB of them at 8B, which XLA then tries to constant-fold for minutes).
+    round_fn = jax.jit(lambda t, d, s: ROUNDS[options.mode](t, d, s, options), donate_argnums=2)
+    holder = {"state": _filled_state(target, drafter, context, options, parallel, rounds)}
 
     def one_round():
-        holder["state"] = round_fn(holder["state"])
+        holder["state"] = round_fn(target, drafter, holder["state"])
         return holder["state"].step
 
     out = {"round": _median_seconds(one_round, repeats)}
-    state = _filled_state(target, drafter, context, options, parallel, rounds)
+    del holder
     if options.mode is Mode.AR:
         out["verify"] = out["round"]
         return out
+    state = _filled_state(target, drafter, context, options, parallel, rounds)
+    kernels = options.attention_kernels
 
     bs, b = options.block_size, 1
     block = jnp.concatenate([state.last_token[:, None],
                              jnp.full((b, bs - 1), drafter.config.mask_token_id, jnp.int32)], axis=1)
-    draft = jax.jit(lambda: dflash.draft_logits(drafter, target, block, state.draft_cache))
-    logits = draft()
+    draft = jax.jit(lambda d, t, blk, dc: dflash.draft_logits(d, t, blk, dc, kernels))
+    logits = draft(drafter, target, block, state.draft_cache)
     if options.mode is Mode.DDTREE:
-        tree_fn = jax.jit(lambda lg: build_tree(jax.nn.log_softmax(lg, -1), state.last_token, options.budget))
+        tree_fn = jax.jit(lambda lg, last: build_tree(jax.nn.log_softmax(lg, -1), last, options.budget))
     else:
-        tree_fn = jax.jit(lambda lg: chain_tree(jnp.concatenate(
-            [state.last_token[:, None], jnp.argmax(lg, -1).astype(jnp.int32)], axis=1)))
-    tree = tree_fn(logits)
+        tree_fn = jax.jit(lambda lg, last: chain_tree(jnp.concatenate(
+            [last[:, None], jnp.argmax(lg, -1).astype(jnp.int32)], axis=1)))
+    tree = tree_fn(logits, state.last_token)
 
-    def verify_fn(tr):
-        fwd = qwen3.forward(target, tr.tokens, state.cache.lengths[:, None] + tr.depths, state.cache, tr.ancestor,
-                            tap_layers=drafter.config.target_layer_ids)
-        return fwd, decode_tokens(qwen3.logits(target, fwd.hidden), state.rng, options.sampling)
+    def verify_fn(t, tr, cache, rng):
+        fwd = qwen3.forward(t, tr.tokens, cache.lengths[:, None] + tr.depths, cache, tr.ancestor,
+                            tap_layers=drafter.config.target_layer_ids, kernels=kernels)
+        return fwd, decode_tokens(qwen3.logits(t, fwd.hidden), rng, options.sampling)
 
     verify = jax.jit(verify_fn)
-    fwd, decoded = verify(tree)
+    fwd, decoded = verify(target, tree, state.cache, state.rng)
     accept = jax.jit(lambda tr, dec: accept_tree(tr, dec, bs))
     acc = accept(tree, decoded)
 
-    def commit_fn(f, a):
+    def commit_fn(d, f, a, draft_cache):
         if options.mode is Mode.DDTREE:
             cache = commit_path(f.cache, a.path, a.count)
             taps = jnp.take_along_axis(f.taps, a.path[:, :, None], axis=1)
         else:
             cache, taps = advance(f.cache, a.count), f.taps
-        return cache, dflash.ingest_context(drafter, taps, a.count, state.draft_cache)
+        return cache, dflash.ingest_context(d, taps, a.count, draft_cache)
 
     commit = jax.jit(commit_fn)
-    out["draft"] = _median_seconds(draft, repeats)
-    out["tree"] = _median_seconds(lambda: tree_fn(logits), repeats)
-    out["verify"] = _median_seconds(lambda: verify(tree), repeats)
+    out["draft"] = _median_seconds(lambda: draft(drafter, target, block, state.draft_cache), repeats)
+    out["tree"] = _median_seconds(lambda: tree_fn(logits, state.last_token), repeats)
+    out["verify"] = _median_seconds(lambda: verify(target, tree, state.cache, state.rng), repeats)
     out["accept"] = _median_seconds(lambda: accept(tree, decoded), repeats)
-    out["commit"] = _median_seconds(lambda: commit(fwd, acc), repeats)
+    out["commit"] = _median_seconds(lambda: commit(drafter, fwd, acc, state.draft_cache), repeats)
     return out
 
 
@@ -271,26 +273,28 @@ def run_shape(args, parallel) -> dict:
     jax.block_until_ready(target.flat())
     print(f"random weights ready after {time.perf_counter() - start:.0f} s", flush=True)
     rows = []
-    plan = [("ar", None)] * ("ar" in args.modes) + [("dflash", None)] * ("dflash" in args.modes) + \
+    modes = [("ar", None)] * ("ar" in args.modes) + [("dflash", None)] * ("dflash" in args.modes) + \
         [("ddtree", b) for b in args.budgets if "ddtree" in args.modes]
+    # Each mode with every attention/acceptance implementation in turn, so a cut-short run still compares.
+    plan = [(mode, budget, k) for mode, budget in modes for k in args.kernels]
     taus = dict(DEFAULT_TAU)
     taus.update(args.tau or {})
-    for mode, budget in tqdm(plan, desc="bench", disable=None):
+    for mode, budget, kernels in tqdm(plan, desc="bench", disable=None):
         options = DecodeOptions(mode=Mode(mode), max_new_tokens=4096, block_size=16, budget=budget or 64,
-                                parallel=parallel)
+                                parallel=parallel, kernels=kernels)
         stages = time_stages(target, drafter, options, args.context, args.repeats, parallel)
         tokens = options.verify_width
         floor = floor_seconds(target, drafter, mode, tokens, args.context, ceilings)
         tau = _projected_tau(taus, mode, budget)
-        rows.append({"mode": mode, "budget": budget, "verify_tokens": tokens, **{f"{k}_s": v for k, v in stages.items()},
+        rows.append({"mode": mode, "budget": budget, "kernels": kernels, "verify_tokens": tokens, **{f"{k}_s": v for k, v in stages.items()},
                      "floor_s": floor, "ratio_to_floor": stages["round"] / floor, "tau_projected": tau,
                      "tokens_per_s_projected": tau / stages["round"]})
         # Progress that survives a cut-short run: one line and a partial JSON per row.
         print(json.dumps({k: v for k, v in rows[-1].items()}), flush=True)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench.partial.json").write_text(json.dumps({"ceilings": ceilings, "rows": rows}, indent=1))
-    ar = next((r for r in rows if r["mode"] == "ar"), None)
     for r in rows:
+        ar = next((a for a in rows if a["mode"] == "ar" and a["kernels"] == r["kernels"]), None)
         r["round_over_ar_step"] = r["round_s"] / ar["round_s"] if ar else None
     return {"kind": "shape", "shape": args.shape, "context": args.context, "device": str(jax.devices()[0].device_kind),
             "devices": parallel.size, "parallel": parallel.mode, "jax": jax.__version__, "ceilings": ceilings,
@@ -362,13 +366,13 @@ def run_checkpoints(args, parallel) -> dict:
 
 def markdown(report: dict) -> str:
     if report["kind"] == "shape":
-        head = ("| mode | B | verify tokens | draft ms | tree ms | verify ms | accept ms | commit ms | round ms | "
-                "floor ms | x floor | x AR step | projected tok/s (tau) |\n|" + "---|" * 13 + "\n")
+        head = ("| mode | B | kernels | verify tokens | draft ms | tree ms | verify ms | accept ms | commit ms | round ms | "
+                "floor ms | x floor | x AR step | projected tok/s (tau) |\n|" + "---|" * 14 + "\n")
         ms = lambda r, k: f"{r[k] * 1e3:.2f}" if k in r else "-"  # noqa: E731
-        lines = [f"| {r['mode']} | {r['budget'] or '-'} | {r['verify_tokens']} | {ms(r, 'draft_s')} | "
+        lines = [f"| {r['mode']} | {r['budget'] or '-'} | {r.get('kernels', 'jax')} | {r['verify_tokens']} | {ms(r, 'draft_s')} | "
                  f"{ms(r, 'tree_s')} | {ms(r, 'verify_s')} | {ms(r, 'accept_s')} | {ms(r, 'commit_s')} | "
                  f"{ms(r, 'round_s')} | {ms(r, 'floor_s')} | {r['ratio_to_floor']:.2f} | "
-                 f"{r['round_over_ar_step']:.2f} | {r['tokens_per_s_projected']:.0f} ({r['tau_projected']:.2f}) |"
+                 f"{r['round_over_ar_step'] or float('nan'):.2f} | {r['tokens_per_s_projected']:.0f} ({r['tau_projected']:.2f}) |"
                  for r in report["rows"]]
         c = report["ceilings"]
         return (head + "\n".join(lines) + f"\n\nMeasured ceilings: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
@@ -387,15 +391,21 @@ def plot(report: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     if report["kind"] == "shape":
-        tree = [r for r in report["rows"] if r["mode"] == "ddtree"]
-        if tree:
-            ax.plot([r["budget"] for r in tree], [r["round_s"] * 1e3 for r in tree], "o-", label="DDTree round")
-            ax.plot([r["budget"] for r in tree], [r["floor_s"] * 1e3 for r in tree], "k--", label="floor")
-            ax.set_xscale("log", base=2)
-        for r in report["rows"]:
-            if r["mode"] != "ddtree":
-                ax.axhline(r["round_s"] * 1e3, ls=":", color="C1" if r["mode"] == "ar" else "C2",
-                           label=f"{r['mode']} {'step' if r['mode'] == 'ar' else 'round'}")
+        kernels = list(dict.fromkeys(r.get("kernels", "jax") for r in report["rows"]))
+        for i, k in enumerate(kernels):
+            rows = [r for r in report["rows"] if r.get("kernels", "jax") == k]
+            tree = [r for r in rows if r["mode"] == "ddtree"]
+            if tree:
+                ax.plot([r["budget"] for r in tree], [r["round_s"] * 1e3 for r in tree], "o-", color=f"C{3 * i}",
+                        label=f"DDTree round ({k})")
+                if i == 0:
+                    ax.plot([r["budget"] for r in tree], [r["floor_s"] * 1e3 for r in tree], "k--", label="floor")
+                ax.set_xscale("log", base=2)
+            for r in rows:
+                if r["mode"] != "ddtree":
+                    ax.axhline(r["round_s"] * 1e3, ls=":" if i == 0 else "-.",
+                               color=f"C{3 * i + (1 if r['mode'] == 'ar' else 2)}",
+                               label=f"{r['mode']} {'step' if r['mode'] == 'ar' else 'round'} ({k})")
         ax.set_xlabel("tree budget B (nodes verified = B + 1)")
         ax.set_ylabel("ms per round")
         ax.set_title(f"{report['shape']}, context {report['context']}, {report['device']}")
@@ -417,6 +427,8 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--budgets", default="16,64,256,512")
     p.add_argument("--modes", default="ar,dflash,ddtree")
+    p.add_argument("--kernels", default="jax",
+                   help="comma list of jax,pallas: attention/acceptance implementations timed (--shape only)")
     p.add_argument("--tau", default=None, help="projected tau, e.g. 'dflash=7.8,64=10.7,256=10.7'")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--target", type=Path, default=None)
@@ -431,11 +443,15 @@ def main(argv=None) -> int:
     try:
         args.budgets = [int(b) for b in args.budgets.split(",") if b]
         args.modes = [m for m in args.modes.split(",") if m]
+        args.kernels = [k for k in args.kernels.split(",") if k]
+        if not args.kernels or any(k not in ("jax", "pallas") for k in args.kernels):
+            raise ValueError("kernels")
         if args.tau:
             args.tau = {(k if k in ("ar", "dflash") else int(k)): float(v)
                         for k, v in (item.split("=") for item in args.tau.split(","))}
     except ValueError:
-        print("error: --budgets takes integers, --tau takes KEY=VALUE pairs", file=sys.stderr)
+        print("error: --budgets takes integers, --kernels a comma list of jax,pallas, --tau KEY=VALUE pairs",
+              file=sys.stderr)
         return 2
     if (args.shape is None) == (args.target is None):
         print("error: give either --shape NAME or --target DIR --drafter DIR --prompts FILE", file=sys.stderr)
