@@ -302,7 +302,8 @@ class Timer:
 def train_loop(*, run: TrainRun, state, start_step: int, total: int | None, budget_seconds: float | None,
                schedule_for: Callable[[int], Schedule], step_fn: Callable, batch_for: Callable[[int], tuple],
                evaluate: Callable[[Any], dict] | None, eval_every: int, save_every: int, log_every: int,
-               desc: str, calibrate_steps: int = 10):
+               desc: str, calibrate_steps: int = 10, best: tuple[str, str] | None = None,
+               patience: int | None = None):
     """The loop both trainers run.
 
     `step_fn(state, *batch, lr) -> (state, metrics)` is jitted, metrics a dict of scalars holding at
@@ -312,6 +313,10 @@ def train_loop(*, run: TrainRun, state, start_step: int, total: int | None, budg
     total is fixed after `calibrate_steps` timed steps (compilation excluded) and saved in run.json, so
     a resumed run keeps it; a given `total` wins (so a finished run can be extended). Metrics are read
     back (a device sync) only every `log_every` steps.
+    `best = (metric, "min" | "max")`: the returned state carries the parameters of the evaluation that
+    was best on that held-out metric (small corpora overfit: the last step is not the best model), and
+    `patience` stops the run after that many evaluations without improvement. The choice is saved in
+    run.json (best_step, best_value).
     Returns (state, steps done).
     """
     if total is None:  # a time budget: a resumed run keeps the total its first run fixed
@@ -329,6 +334,8 @@ def train_loop(*, run: TrainRun, state, start_step: int, total: int | None, budg
     schedule = schedule_for(total if total is not None else 1 << 30)
     step, clock, timed_from = start_step, None, None
     pending: list[tuple[int, float, dict]] = []
+    best_record: dict = {}  # step, value, params of the best evaluation so far
+    since_best = 0
 
     def flush():
         info = {}
@@ -368,11 +375,32 @@ def train_loop(*, run: TrainRun, state, start_step: int, total: int | None, budg
                 run.log_eval(record)
                 progress.write(f"{desc} held-out @ {step}: " + " ".join(
                     f"{k} {v:.4g}" for k, v in record.items() if isinstance(v, float)))
-            if step % save_every == 0 or last:
+                if best is not None:
+                    value = record[best[0]]
+                    better = not best_record or (value < best_record["value"] if best[1] == "min"
+                                                 else value > best_record["value"])
+                    if better:
+                        best_record = {"step": step, "value": value,
+                                       "params": jax.tree.map(jnp.copy, state["params"])}
+                        since_best = 0
+                    else:
+                        since_best += 1
+            stop = patience is not None and since_best >= patience
+            if step % save_every == 0 or last or stop:
                 run.save(step, state)
                 run.write_log()
+            if stop:
+                progress.write(f"{desc}: stopping at step {step}: held-out {best[0]} has not improved on step "
+                               f"{best_record['step']}'s {best_record['value']:.4g} for {patience} evaluations")
+                break
     finally:
         flush()
         progress.close()
     run.write_log()
+    if best_record:
+        run.save_meta(best_step=best_record["step"], best_value=best_record["value"])
+        if best_record["step"] != step:
+            print(f"{desc}: keeping step {best_record['step']}'s parameters (held-out {best[0]} "
+                  f"{best_record['value']:.4g})", file=sys.stderr)
+        state = {**state, "params": best_record["params"]}
     return state, step

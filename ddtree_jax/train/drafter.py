@@ -444,6 +444,7 @@ class DrafterTrainConfig:
     seed: int = 0
     dtype: str = "auto"
     eval_every: int = 250
+    patience: int | None = None  # stop after this many evaluations without a better held-out tau_est
     save_every: int = 500
     log_every: int = 25
     export_dtype: str = "bfloat16"
@@ -553,14 +554,15 @@ def train_drafter(cfg: DrafterTrainConfig) -> dict:
         run=run, state=state, start_step=start, total=None if cfg.minutes else cfg.steps,
         budget_seconds=cfg.minutes * 60 if cfg.minutes else None, schedule_for=schedule_for, step_fn=step_fn,
         batch_for=batch_for, evaluate=evaluate, eval_every=cfg.eval_every, save_every=cfg.save_every,
-        log_every=cfg.log_every, desc="drafter")
+        log_every=cfg.log_every, desc="drafter", best=("tau_est", "max"), patience=cfg.patience)
 
     export_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[cfg.export_dtype]
     out = export(state["params"], config_raw, Path(cfg.out), export_dtype)
     summary = {"out": str(out), "steps": steps, "params": n_params, "block_size": cfg.block_size,
                "target_layer_ids": layer_ids, "mask_token_id": mask_id, "gamma": gamma,
                "final_loss": run.history[-1]["loss"] if run.history else None,
-               "held_out": run.evals[-1] if run.evals else None,
+               "held_out": next((e for e in run.evals if e["step"] == run.meta.get("best_step")),
+                                run.evals[-1] if run.evals else None),
                "export_bytes": sum(f.stat().st_size for f in Path(out).glob("*.safetensors"))}
     if cfg.check_prompts and n_eval:
         k = min(cfg.check_prompts, n_eval)
@@ -619,7 +621,8 @@ def parse_args(argv=None) -> DrafterTrainConfig:
         steps=None if a.minutes else a.steps, minutes=a.minutes, batch=a.batch, anchors=a.anchors, lr=a.lr,
         warmup=a.warmup, min_lr_ratio=a.min_lr_ratio,
         weight_decay=a.weight_decay, clip=a.clip, seed=a.seed, dtype=a.dtype, eval_every=a.eval_every,
-        save_every=a.save_every, log_every=a.log_every, export_dtype=a.export_dtype, check_prompts=a.check_prompts)
+        patience=a.patience, save_every=a.save_every, log_every=a.log_every, export_dtype=a.export_dtype,
+        check_prompts=a.check_prompts)
 
 
 def main(argv=None) -> int:

@@ -217,6 +217,7 @@ class TargetTrainConfig:
     max_files: int | None = None  # train on the first N training files only (smoke runs)
     held_out_fraction: float = corpus.HELD_OUT_FRACTION
     eval_every: int = 250
+    patience: int | None = None  # stop after this many evaluations without a better held-out loss
     eval_batches: int = 8
     save_every: int = 500
     log_every: int = 25
@@ -279,13 +280,15 @@ def train_target(cfg: TargetTrainConfig) -> dict:
         budget_seconds=cfg.minutes * 60 if cfg.minutes else None, schedule_for=schedule_for,
         step_fn=make_step(skeleton, optimizer, dtype), batch_for=batch_for,
         evaluate=make_eval(skeleton, dtype, eval_batches), eval_every=cfg.eval_every,
-        save_every=cfg.save_every, log_every=cfg.log_every, desc="target")
+        save_every=cfg.save_every, log_every=cfg.log_every, desc="target", best=("loss", "min"),
+        patience=cfg.patience)
 
     out = export(state["params"], config_raw, Path(cfg.out), Path(cfg.tokenizer), work / "export_side",
                  max_shard_bytes=cfg.max_shard_bytes)
     summary = {"out": str(out), "steps": steps, "params": n_params,
                "final_loss": run.history[-1]["loss"] if run.history else None,
-               "held_out_loss": run.evals[-1]["loss"] if run.evals else None,
+               "held_out_loss": run.meta.get("best_value", run.evals[-1]["loss"] if run.evals else None),
+               "exported_step": run.meta.get("best_step", steps),
                "export_bytes": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
     if cfg.sample_prompt:
         summary["sample"] = {"prompt": cfg.sample_prompt, "continuation": sample_text(out, cfg.sample_prompt)}
@@ -316,6 +319,9 @@ def add_common_args(p: argparse.ArgumentParser, defaults) -> None:
                    help="compute dtype (master weights are float32); auto: bfloat16 on a GPU, else float32")
     p.add_argument("--work", type=Path, default=None, help="checkpoints, log.json, loss.png (default: OUT.train)")
     p.add_argument("--eval-every", type=int, default=defaults.eval_every)
+    p.add_argument("--patience", type=int, default=defaults.patience,
+                   help="stop after this many evaluations without improvement (the best evaluation's "
+                        "parameters are exported in any case)")
     p.add_argument("--save-every", type=int, default=defaults.save_every, help="orbax checkpoint every N steps")
     p.add_argument("--log-every", type=int, default=defaults.log_every)
 
@@ -350,7 +356,8 @@ def parse_args(argv=None) -> TargetTrainConfig:
         out=a.out, tokenizer=a.tokenizer, work=a.work, shape=shape, steps=None if a.minutes else a.steps,
         minutes=a.minutes, batch=a.batch, seq_len=a.seq_len, lr=a.lr, warmup=a.warmup, min_lr_ratio=a.min_lr_ratio,
         weight_decay=a.weight_decay, clip=a.clip, seed=a.seed, dtype=a.dtype, corpus_root=a.corpus_root,
-        include_tests=a.include_tests, max_files=a.max_files, eval_every=a.eval_every, eval_batches=a.eval_batches,
+        include_tests=a.include_tests, max_files=a.max_files, eval_every=a.eval_every, patience=a.patience,
+        eval_batches=a.eval_batches,
         save_every=a.save_every, log_every=a.log_every, max_shard_bytes=int(a.max_shard_mb * 1e6))
 
 
