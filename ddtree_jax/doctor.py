@@ -1,4 +1,6 @@
-"""`python -m ddtree_jax.doctor --target DIR --drafter DIR`: is this drafter right for this target?
+"""`python -m ddtree_jax.doctor [--target DIR --drafter DIR]`: is this drafter right for this target?
+
+Without `--target` it checks the demo pair shipped with the package, on its held-out prompts.
 
 1. Checks the pair from the configs (mask token, tap layers, widths, vocab, layer count) and loads
    both checkpoints strictly; any failure is one `error:` line and exit 2.
@@ -147,9 +149,11 @@ def print_report(report: Report, out=None) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ddtree_jax.doctor", description=__doc__.split("\n")[0])
-    p.add_argument("--target", type=Path, required=True)
-    p.add_argument("--drafter", type=Path, required=True)
-    p.add_argument("--prompts", type=Path, default=None, help="JSONL with 'prompt' or 'prompt_ids' per line")
+    p.add_argument("--target", type=Path, default=None, help="target folder (default: the shipped demo pair)")
+    p.add_argument("--drafter", type=Path, default=None, help="drafter folder (default with no --target: the demo's)")
+    p.add_argument("--prompts", type=Path, default=None,
+                   help="JSONL with 'prompt' or 'prompt_ids' per line (default with no --target: the demo's "
+                        "held-out prompts)")
     p.add_argument("--num-prompts", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--block-size", type=int, default=0, help="0: the drafter's own")
@@ -164,6 +168,15 @@ def main(argv=None) -> int:
     from ddtree_jax.generate import BadInput
 
     try:
+        if args.target is None:
+            from ddtree_jax.demo_pair import DEMO_NOTE, demo_drafter, demo_prompts, demo_target
+
+            args.target = demo_target()
+            args.drafter = args.drafter or demo_drafter()
+            args.prompts = args.prompts or demo_prompts()
+            print(f"note: no --target given, so this checks the demo pair: {DEMO_NOTE}.", file=sys.stderr)
+        elif args.drafter is None:
+            raise BadInput("--target needs --drafter DIR")
         report = run(args)
     except (BadInput, CheckpointError, ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

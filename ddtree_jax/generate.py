@@ -24,15 +24,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m ddtree_jax.generate", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", type=Path, default=None,
-                   help="target checkpoint folder (HF safetensors or orbax); default: a small random Qwen3 "
-                        "with a random drafter")
+                   help="target checkpoint folder (HF safetensors or orbax); default: the demo pair shipped "
+                        "with the package (ddtree_jax/assets/demo)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default=None, help="prompt text (tokenized with the checkpoint's tokenizer)")
     src.add_argument("--prompt-ids", default=None, help="prompt as comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--chat", action="store_true", help="wrap --prompt in the tokenizer's chat template")
     p.add_argument("--mode", choices=["ddtree", "dflash", "ar"], default="ddtree", help="decoding mode")
     p.add_argument("--drafter", type=Path, default=None,
-                   help="DFlash drafter checkpoint folder (ddtree and dflash modes)")
+                   help="DFlash drafter checkpoint folder (ddtree and dflash modes); default with no "
+                        "--target: the demo drafter")
     p.add_argument("--budget", type=int, default=DEFAULT_BUDGET, help="DDTree: draft tree nodes besides the root")
     p.add_argument("--block-size", type=int, default=0, help="drafter block size (0: the drafter's own)")
     p.add_argument("--save-trees", type=Path, default=None,
@@ -46,8 +47,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--kernels", choices=["jax", "pallas"], default=os.environ.get("DDTREE_JAX_KERNELS", "jax"),
-                   help="attention and acceptance: pure JAX, or the Pallas kernels (interpreted without a GPU)")
+    p.add_argument("--kernels", choices=["auto", "jax", "pallas"], default="auto",
+                   help="attention and acceptance: auto (the Pallas kernels on a GPU, pure JAX elsewhere; "
+                        "$DDTREE_JAX_KERNELS=pallas|jax overrides auto), pure JAX, or the Pallas kernels "
+                        "(interpreted without a GPU)")
     add_parallel_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--stream-every", type=int, default=8, help="rounds per device call when streaming")
@@ -127,7 +130,7 @@ def run(args: argparse.Namespace) -> dict:
     from ddtree_jax.checkpoint import load_drafter, load_target
     from ddtree_jax.config import check_pair, generation_eos_ids, load_drafter_config, load_target_config
     from ddtree_jax.engine import DecodeOptions, Mode, generate
-    from ddtree_jax.random_checkpoint import default_random_pair
+    from ddtree_jax.demo_pair import DEMO_NOTE, demo_drafter, demo_target
     from ddtree_jax.sampling import SamplingConfig
 
     parallel = parallel_from_args(args)  # first: a multi-process run must initialise before any device use
@@ -143,12 +146,10 @@ def run(args: argparse.Namespace) -> dict:
     folder = args.target
     mode = Mode(args.mode)
     if folder is None:
-        folder, random_drafter = default_random_pair()
+        folder = demo_target()
         if args.drafter is None and mode.needs_drafter:
-            args.drafter = random_drafter
-        print(f"note: no --target given, so this runs a small randomly initialised Qwen3 checkpoint ({folder}) "
-              f"and a random DFlash drafter; their weights are random, the text is gibberish and drafts are "
-              "rarely accepted.", file=sys.stderr)
+            args.drafter = demo_drafter()
+        print(f"note: no --target given, so this runs the demo pair: {DEMO_NOTE}.", file=sys.stderr)
     if args.budget < 1:
         raise BadInput(f"--budget: expected >= 1, got {args.budget}")
     if args.save_trees is not None and not mode.needs_drafter:

@@ -49,3 +49,12 @@ def test_config_errors_exit_2(tmp_path, capsys):
     target, drafter = write_signal_pair(tmp_path, dflash_config={"mask_token_id": 99, "target_layer_ids": TAP_IDS})
     assert main(["--target", str(target), "--drafter", str(drafter)]) == 2
     assert "mask_token_id': 99 is not a row" in capsys.readouterr().err
+
+
+def test_default_checks_the_shipped_demo_pair(capsys):
+    code = main(["--num-prompts", "2", "--max-new-tokens", "24", "--dtype", "float32", "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "checks the demo pair" in captured.err
+    report = json.loads(captured.out)
+    assert report["lossless"] and report["position_acceptance"][0] > 0.3  # a trained drafter
