@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 import time
 from typing import Callable, Sequence
 
@@ -35,6 +36,8 @@ from ddtree_jax.models.params import ModelParams
 from ddtree_jax.parallel import Parallel, put, to_host
 from ddtree_jax.sampling import SamplingConfig, decode_tokens
 from ddtree_jax.tree import build_tree
+from pallas_kernels._dispatch import ENV_VAR as KERNELS_ENV_VAR
+from pallas_kernels._dispatch import KERNEL_CHOICES, resolve_kernels
 
 CAPACITY_BUCKET = 128
 PROMPT_BUCKET = 32
@@ -66,7 +69,10 @@ class DecodeOptions:
     budget: int = 64
     record_trees: bool = False  # keep each round's tree and accepted path in the state (--save-trees)
     parallel: Parallel = Parallel()  # device layout (parallel.py)
-    kernels: str = "jax"  # "jax" (pure-JAX attention and acceptance) or "pallas" (pallas_kernels/)
+    # "auto": the Pallas kernels (pallas_kernels/) on a GPU for 16-bit weights, pure-JAX attention and
+    # acceptance elsewhere ($DDTREE_JAX_KERNELS=pallas|jax overrides "auto"); "jax" or "pallas" forces one.
+    # See `kernel_impl` and `resolve_options`.
+    kernels: str = "auto"
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -75,16 +81,23 @@ class DecodeOptions:
             raise ValueError(f"block_size must be >= 2 for {self.mode.value}, got {self.block_size}")
         if self.mode is Mode.DDTREE and self.budget < 1:
             raise ValueError(f"budget must be >= 1, got {self.budget}")
-        if self.kernels not in ("jax", "pallas"):
-            raise ValueError(f"kernels must be 'jax' or 'pallas', got {self.kernels!r}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {', '.join(map(repr, KERNEL_CHOICES))}, got {self.kernels!r}")
 
+    @property
+    def kernel_impl(self) -> str:
+        """"jax" or "pallas": the one place where "auto" is resolved (`pallas_kernels._dispatch.resolve_kernels`:
+        $DDTREE_JAX_KERNELS if set, else "pallas" when JAX's default backend is a GPU). `resolve_options` pins
+        it before compiling, so a compiled program is keyed on what it runs."""
+        return resolve_kernels(self.kernels)
 
     @property
     def attention_kernels(self):
         """What the models' attention receives: "jax", "pallas", or ("pallas", mesh) under tp."""
-        if self.kernels == "pallas" and self.parallel.mode == "tp":
+        kernels = self.kernel_impl
+        if kernels == "pallas" and self.parallel.mode == "tp":
             return ("pallas", self.parallel.mesh)
-        return self.kernels
+        return kernels
 
     @property
     def verify_width(self) -> int:
@@ -319,7 +332,7 @@ def speculative_round(target: ModelParams, drafter: ModelParams, state: DecodeSt
         rng, key = jax.random.split(state.rng)
         node_logits = target_model(target).logits(target, out.hidden)
     with jax.named_scope("accept"):
-        if options.kernels == "pallas" and options.sampling.greedy and options.parallel.mode != "tp":
+        if options.kernel_impl == "pallas" and options.sampling.greedy and options.parallel.mode != "tp":
             # The fused kernel reads the T x V logits once for the argmax and walks the tree (under tp the
             # logits are split over the vocabulary and XLA's sharded argmax does this step).
             from pallas_kernels.tree_accept import tree_accept_pallas
@@ -428,8 +441,17 @@ def _compiled(name: str, fn: Callable, args: tuple, static: dict, donate: tuple[
     return compiled, time.perf_counter() - start
 
 
-def resolve_options(options: DecodeOptions, drafter: ModelParams | None) -> DecodeOptions:
-    """Fill in what the drafter decides (block size) and check that the mode has what it needs."""
+def resolve_options(options: DecodeOptions, drafter: ModelParams | None, dtype=None) -> DecodeOptions:
+    """Fill in what the drafter decides (block size) and what "auto" kernels mean here, and check that the mode
+    has what it needs. `dtype`: the target's compute dtype; "auto" keeps the pure-JAX path for float32,
+    where the Pallas attention is many times slower than XLA's on the H200 (910 vs 61 us per call at
+    T = 16, docs/kernels.md)."""
+    if options.kernels == "auto":
+        kernels = options.kernel_impl
+        if kernels == "pallas" and dtype is not None and jnp.dtype(dtype).itemsize > 2 and not os.environ.get(
+                KERNELS_ENV_VAR):
+            kernels = "jax"
+        options = dataclasses.replace(options, kernels=kernels)
     if options.mode.needs_drafter:
         if drafter is None:
             raise ValueError(f"mode {options.mode.value} needs a drafter")
@@ -448,7 +470,7 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    options = resolve_options(options, drafter)
+    options = resolve_options(options, drafter, target.flat()["model.embed_tokens.weight"].dtype)
     if not options.mode.needs_drafter:
         drafter = None
     vocab = target.config.vocab_size

@@ -1,9 +1,12 @@
 """Which implementation a kernel dispatcher runs: the Pallas kernel or the plain-jnp reference.
 
 Order of precedence: the call's `implementation=` argument, then the `DDTREE_JAX_KERNELS` environment
-variable (`pallas` or `reference`), then the backend (Pallas on a GPU, the reference elsewhere). The
-choice is made when the caller is traced, so a jitted function keeps the implementation it was
-compiled with.
+variable (`pallas`, or `reference` with its alias `jax`), then the backend (Pallas on a GPU, the
+reference elsewhere). The choice is made when the caller is traced, so a jitted function keeps the
+implementation it was compiled with.
+
+The engine's own option (`ddtree_jax.engine.DecodeOptions.kernels`: "auto", "jax" or "pallas") resolves
+through `resolve_kernels` below, by the same rule: "auto" is the variable if set, else the backend.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import jax
 
 ENV_VAR = "DDTREE_JAX_KERNELS"
 IMPLEMENTATIONS = ("pallas", "reference")
+ALIASES = {"jax": "reference"}  # the engine's name for the plain-JAX path
+KERNEL_CHOICES = ("auto", "jax", "pallas")  # the engine's option (DecodeOptions.kernels, --kernels)
 
 
 def on_gpu() -> bool:
@@ -28,9 +33,20 @@ def resolve_implementation(implementation: str | None) -> str:
         source = f"${ENV_VAR}"
     if implementation is None:
         return "pallas" if on_gpu() else "reference"
+    implementation = ALIASES.get(implementation, implementation)
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{source}={implementation!r}: expected one of {', '.join(IMPLEMENTATIONS)}")
     return implementation
+
+
+def resolve_kernels(kernels: str) -> str:
+    """The engine's kernels, "jax" or "pallas". "auto": $DDTREE_JAX_KERNELS if set (pallas; reference or
+    jax), else "pallas" on a GPU and "jax" elsewhere; "jax" and "pallas" are kept as given."""
+    if kernels not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {kernels!r}")
+    if kernels != "auto":
+        return kernels
+    return "pallas" if resolve_implementation(None) == "pallas" else "jax"
 
 
 def resolve_interpret(interpret: bool | None) -> bool:

@@ -1,22 +1,38 @@
-"""GPU check of the Pallas kernels: correctness against the references and time against them.
+"""GPU check of the Pallas kernels: correctness against the references, and time per layer against the floor.
 
-    python -m pallas_kernels.gpu_check --out DIR [--quick] [--repeats N]
-    python -m pallas_kernels.gpu_check --out DIR --smoke      # tiny shapes, interpreted: runs on a CPU
+    python -m pallas_kernels.gpu_check --out DIR            # the full grid (issue 5), a few minutes on an H200
+    python -m pallas_kernels.gpu_check --out DIR --quick    # a corner of the grid, about a minute
+    python -m pallas_kernels.gpu_check --out DIR --smoke    # tiny shapes, kernels interpreted: runs on a CPU
 
-At Qwen3-8B shapes, batch 1 (32 query heads, 8 KV heads, head dim 128, a 2048-slot cache holding 2048
-committed tokens; vocabulary 151936):
-- tree_attention for T in {1, 16, 65, 257, 513} new tokens (a chain for 16, random trees otherwise):
-  relative error ||out - ref|| / ||ref|| in bf16 and float32; time of the kernel (default config and,
-  without --quick, a few others), of the jitted jnp reference, and of `jax.nn.dot_product_attention`
-  (xla and cudnn) on the cache and the new tokens concatenated beforehand, with a boolean mask.
-- tree_accept for T in {17, 65, 257, 513} nodes: exact agreement of (path, count, bonus, tokens) and of
-  the decoded tokens with the reference in bf16 and float32 logits; time of the kernel path, of the
-  reference, of the argmax kernel alone and of jnp.argmax alone.
-Run time on an H200 not yet measured (an estimate: a few minutes); --quick and --only shorten it.
-Times: median over rounds of `--calls` back-to-back calls of a jitted function (compilation and a
-warm-up excluded), so dispatch overlaps the device work; reported per call in microseconds, with
-the HBM bandwidth and matrix rate that the bytes and flops imply. A variant that fails to lower or
-run is recorded with its error and the script goes on. The JSON holds every record.
+Qwen3-8B shapes, batch 1: 32 query heads, 8 KV heads, head dim 128, vocabulary 151936.
+
+How time is measured (per layer, not per call). One call of a small kernel costs 40-100 us of launch
+and dispatch on an H200 whatever it computes (the K/V of one layer at S=2048 is 8.4 MB, 3 us of HBM
+traffic), so timing single calls says nothing about the kernel. Here every variant runs over L
+layers *inside one jitted program*: L distinct layers' inputs (separate arrays, as in the model, so no
+slice is copied and the caches do not stay in L2: L=36 at S=1024 is 150 MB of K/V, at S=16384 2.4 GB),
+L calls back to back, all outputs returned. Time per layer = median time of the program / L (a few
+programs back to back per round, so dispatch overlaps device work; compilation and a warm-up excluded).
+
+Sections:
+- ceilings: copy bandwidth (2 GiB bf16, `a*2+1`, bytes read + written) and bf16 matmul rate (8192^3),
+  measured in the same run by `ddtree_jax.bench.measure_ceilings`.
+- attention (timing): S in {1024, 4096, 16384} (cache length == S) x T in {1, 16, 65, 257} (a chain for
+  T=16, random trees of depth <= 15 otherwise), bf16: the Pallas kernel, the jnp reference under XLA,
+  and `jax.nn.dot_product_attention` with implementation "xla" and "cudnn" on cache and new tokens
+  concatenated beforehand with a boolean [b, 1, T, S+T] mask. Each row: us per layer, the floor
+  max(bytes / copy bandwidth, FLOPs / matmul rate) with bytes = K/V cache + q, k/v new, output, mask and
+  FLOPs = 4 * Hq * D * T * (S + T), the ratio to it, and the relative error against the reference.
+- attention (correctness): batch 2 with rows of different lengths (S=4096, lengths 4096 and 1371), T in
+  {1, 16, 65, 257, 513}, bf16 and float32, one layer: kernel vs the reference at highest precision.
+- accept (timing + exactness): T in {17, 65, 257, 513} nodes, float32 (what the engine's logits are) and
+  bf16 logits, copies of independent [1, T, V] logits so that their total (>= 256 MiB) is several times
+  the L2: the fused Pallas path vs the XLA argmax-plus-walk reference; exact agreement of every output;
+  floor = logit bytes / copy bandwidth.
+cuDNN's attention takes only bf16/fp16: any other dtype is recorded as "n/a", not as a failure.
+A variant that fails to lower or run is recorded with its error and the script goes on. Writes
+DIR/gpu_check.json (every record) and DIR/gpu_check.md (the summary tables); exit status 1 if a
+correctness check failed.
 """
 
 from __future__ import annotations
@@ -24,6 +40,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import platform
 import statistics
@@ -40,12 +57,20 @@ import numpy as np
 from pallas_kernels import tree_accept as tac
 from pallas_kernels import tree_attention as ta
 
-# Shapes (Qwen3-8B, batch 1).
-FULL = dict(b=1, hq=32, n=8, d=128, s=2048, length=2048, attn_t=(1, 16, 65, 257, 513),
-            vocab=151936, accept_t=(17, 65, 257, 513), path_len=16)
-SMOKE = dict(b=1, hq=4, n=2, d=16, s=40, length=37, attn_t=(1, 5), vocab=300, accept_t=(5, 17), path_len=4)
+MIB = 1 << 20
 
-# Alternatives to the defaults (block_q=64, block_k=64, block_u=32, 4 warps, 2 stages); offline compiles
+# Qwen3-8B, batch 1. `layers`: L of the per-layer timing; `accept_bytes`: least total logit bytes of the
+# copies timed together (the H200's L2 is 50 MB); `accept_copies`: bounds on their number.
+FULL = dict(b=1, hq=32, n=8, d=128, vocab=151936, path_len=16, layers=36,
+            s=(1024, 4096, 16384), t=(1, 16, 65, 257),
+            check_s=4096, check_lengths=(4096, 1371), check_t=(1, 16, 65, 257, 513),
+            accept_t=(17, 65, 257, 513), accept_bytes=256 * MIB, accept_copies=(8, 64))
+QUICK = dict(FULL, s=(1024, 16384), t=(1, 257), check_t=(1, 65), accept_t=(17, 513))
+SMOKE = dict(b=1, hq=4, n=2, d=16, vocab=300, path_len=4, layers=2,
+             s=(40,), t=(1, 5), check_s=45, check_lengths=(45, 13), check_t=(5,),
+             accept_t=(5, 17), accept_bytes=0, accept_copies=(2, 2))
+
+# Alternatives to the kernels' defaults, timed with --sweep (bf16 only); offline compiles
 # (pallas_kernels.triton_offline) put all of them within sm_90's shared memory.
 ATTN_SWEEP = [
     ta.TreeAttentionConfig(block_q=16),
@@ -64,33 +89,96 @@ ACCEPT_SWEEP = [
     tac.TreeAcceptConfig(block_t=8, block_v=2048, num_warps=8),
 ]
 
+# ||out - ref|| / ||ref|| allowed (bf16 operands land between 1e-3 and 1e-2; float32 far under 1e-4).
+TOLERANCE = {"bfloat16": 2e-2, "float32": 1e-4}
+CUDNN_DTYPES = ("bfloat16", "float16")
+
 
 def error_text(exc: BaseException, limit: int = 1500) -> str:
     text = f"{type(exc).__name__}: {exc}"
     return text if len(text) <= limit else text[: limit // 2] + " ... " + text[-limit // 2:]
 
 
-def time_us(fn, args, *, rounds: int, calls: int) -> float:
-    """Median per-call time (us) over `rounds` rounds of `calls` back-to-back calls; one warm-up round first."""
-    jax.block_until_ready(fn(*args))
+def log(message: str) -> None:
+    print(message, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Timing
+
+
+def compile_program(fn, args: tuple):
+    """AOT-compile fn for these arguments; returns (compiled, seconds)."""
+    start = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    return compiled, time.perf_counter() - start
+
+
+def time_program(compiled, args: tuple, *, rounds: int, round_seconds: float = 0.025,
+                 max_calls: int = 50) -> tuple[float, int]:
+    """(median seconds per call, calls per round). Each round runs enough back-to-back calls to last about
+    `round_seconds` (at least 2, so dispatch overlaps the device work), then synchronises; one warm-up."""
+    jax.block_until_ready(compiled(*args))
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    one = time.perf_counter() - start
+    calls = max(2, min(max_calls, math.ceil(round_seconds / max(one, 1e-7))))
     samples = []
     for _ in range(rounds):
         start = time.perf_counter()
         out = None
         for _ in range(calls):
-            out = fn(*args)
+            out = compiled(*args)
         jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(samples)
+        samples.append((time.perf_counter() - start) / calls)
+    return statistics.median(samples), calls
 
 
 def rel_err(out, ref) -> float:
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+    """||out - ref|| / ||ref|| over matching lists (or single arrays) of outputs, in float64."""
+    outs, refs = (out, ref) if isinstance(out, (list, tuple)) else ([out], [ref])
+    num = sum(float(np.sum((np.asarray(o, np.float64) - np.asarray(r, np.float64)) ** 2)) for o, r in zip(outs, refs))
+    den = sum(float(np.sum(np.asarray(r, np.float64) ** 2)) for r in refs)
+    return math.sqrt(num) / max(math.sqrt(den), 1e-30)
+
+
+def all_finite(outs) -> bool:
+    return all(bool(np.isfinite(np.asarray(o, np.float32)).all()) for o in outs)
+
+
+def floor_seconds(bytes_: float, flops: float, ceilings: dict) -> tuple[float, str]:
+    """(floor, which ceiling binds): max(bytes / copy bandwidth, FLOPs / bf16 matmul rate)."""
+    by_bytes = bytes_ / ceilings["copy_bytes_per_s"]
+    by_flops = flops / ceilings["bf16_flops_per_s"]
+    return (by_bytes, "bandwidth") if by_bytes >= by_flops else (by_flops, "matmul")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Inputs: drawn on the device, one small cached jitted initialiser per (shape, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _normal(shape: tuple, dtype: str):
+    return jax.jit(lambda key: jax.random.normal(key, shape, jnp.float32).astype(dtype))
+
+
+def normal(key, shape: tuple, dtype) -> jax.Array:
+    return _normal(tuple(shape), jnp.dtype(dtype).name)(key)
+
+
+@jax.jit
+def _concat_new(cache, new):
+    return jnp.concatenate([cache, new], axis=1)
+
+
+@jax.jit
+def _plant(logits, decoded):
+    """logits [1, t, v] with logit 8 at each node's `decoded` token (above every standard normal draw here)."""
+    return logits.at[0, jnp.arange(logits.shape[1]), decoded].set(jnp.asarray(8.0, logits.dtype))
 
 
 def random_tree(rng: np.random.Generator, t: int, max_depth: int, chain: bool):
-    """(ancestor mask [t, t], depths [t]) of a chain or of a random tree of depth <= max_depth."""
+    """(ancestor mask [t, t], depths [t], parents [t]) of a chain or of a random tree of depth <= max_depth."""
     mask = np.eye(t, dtype=bool)
     depths = np.zeros(t, np.int64)
     parents = np.zeros(t, np.int64)
@@ -108,187 +196,377 @@ def random_tree(rng: np.random.Generator, t: int, max_depth: int, chain: bool):
     return mask, depths, parents
 
 
-def attention_inputs(shape: dict, t: int, dtype, seed: int):
+def tree_arrays(shape: dict, b: int, t: int, lengths, seed: int) -> dict:
+    """The inputs every layer shares: cache lengths, the tree's mask and positions (a chain for t == 16)."""
     rng = np.random.default_rng(seed)
-    b, hq, n, d, s, length = (shape[k] for k in ("b", "hq", "n", "d", "s", "length"))
-
-    def normal(*dims):
-        return jnp.asarray(rng.standard_normal(dims, np.float32)).astype(dtype)
-
     mask, depths, _ = random_tree(rng, t, shape["path_len"] - 1, chain=(t == 16))
-    return dict(q=normal(b, t, hq, d), k_cache=normal(b, s, n, d), v_cache=normal(b, s, n, d),
-                cache_lengths=jnp.full((b,), length, jnp.int32), k_new=normal(b, t, n, d), v_new=normal(b, t, n, d),
-                new_mask=jnp.asarray(np.broadcast_to(mask, (b, t, t))),
-                positions=jnp.asarray(np.broadcast_to(length + depths, (b, t)), jnp.int32))
+    lengths = np.asarray(lengths, np.int32)
+    return dict(cache_lengths=jnp.asarray(lengths), new_mask=jnp.asarray(np.broadcast_to(mask, (b, t, t))),
+                positions=jnp.asarray(lengths[:, None] + depths[None, :], jnp.int32))
 
 
-def dpa_inputs(x: dict):
-    """Cache and new tokens concatenated, with the [b, 1, t, s + t] boolean mask that cached_attention implies."""
-    b, t = x["q"].shape[:2]
-    s = x["k_cache"].shape[1]
-    keys = jnp.concatenate([x["k_cache"], x["k_new"]], axis=1)
-    values = jnp.concatenate([x["v_cache"], x["v_new"]], axis=1)
-    seen_cache = jnp.broadcast_to(jnp.arange(s)[None, None, :] < x["cache_lengths"][:, None, None], (b, t, s))
-    mask = jnp.concatenate([seen_cache, x["new_mask"]], axis=-1)[:, None]
-    return x["q"], keys, values, mask
+def layer_arrays(shape: dict, b: int, s: int, t: int, dtype, layers: int, seed: int) -> dict:
+    """Per-layer q, k/v cache, k/v new: tuples of `layers` distinct arrays each."""
+    hq, n, d = shape["hq"], shape["n"], shape["d"]
+    key = jax.random.key(seed)
+    dims = dict(q=(b, t, hq, d), k_cache=(b, s, n, d), v_cache=(b, s, n, d), k_new=(b, t, n, d), v_new=(b, t, n, d))
+    return {name: tuple(normal(jax.random.fold_in(key, 8 * i + j), dim, dtype) for i in range(layers))
+            for j, (name, dim) in enumerate(dims.items())}
 
 
-def check_attention(shape: dict, *, interpret: bool, sweep: bool, rounds: int, calls: int) -> list[dict]:
-    records = []
-    d = shape["d"]
+def dpa_mask(shared: dict, s: int) -> jax.Array:
+    """[b, 1, t, s + t] bool: the cache slots below each row's length, then the tree's mask."""
+    lengths, new_mask = shared["cache_lengths"], shared["new_mask"]
+    b, t, _ = new_mask.shape
+    seen_cache = jnp.broadcast_to(jnp.arange(s)[None, None, :] < lengths[:, None, None], (b, t, s))
+    return jnp.concatenate([seen_cache, new_mask], axis=-1)[:, None]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Programs: L layers back to back in one jitted function
+
+
+def attention_program(layer_fn, layers: int):
+    def run(q, k_cache, v_cache, k_new, v_new, cache_lengths, new_mask, positions):
+        return tuple(layer_fn(q[i], k_cache[i], v_cache[i], cache_lengths, k_new[i], v_new[i], new_mask, positions)
+                     for i in range(layers))
+    return run
+
+
+def dpa_program(implementation: str, scale: float, layers: int):
+    def run(q, keys, values, mask):
+        return tuple(jax.nn.dot_product_attention(q[i], keys[i], values[i], None, mask, scale=scale,
+                                                  implementation=implementation) for i in range(layers))
+    return run
+
+
+def accept_program(accept_fn, copies: int):
+    def run(logits, tokens, parents, depths, valid):
+        return tuple(accept_fn(logits[i], tokens, parents, depths, valid) for i in range(copies))
+    return run
+
+
+# ----------------------------------------------------------------------------------------------------
+# Sections
+
+
+def attention_cost(shape: dict, b: int, s: int, t: int, dtype) -> tuple[int, int]:
+    """(bytes, FLOPs) of one layer: K/V cache read, q and k/v new read, output written, int8 mask; dense FLOPs."""
+    hq, n, d = shape["hq"], shape["n"], shape["d"]
+    item = jnp.dtype(dtype).itemsize
+    kv_cache = 2 * b * s * n * d * item
+    tree = b * t * (2 * hq + 2 * n) * d * item + b * t * t
+    return kv_cache + tree, 4 * b * hq * d * t * (s + t)
+
+
+def time_attention(shape: dict, ceilings: dict, records: list, save, *, interpret: bool, sweep: bool, rounds: int,
+                   dtype=jnp.bfloat16) -> None:
+    b, layers, d = shape["b"], shape["layers"], shape["d"]
     scale = d ** -0.5
-    flop_per_t = 4 * shape["hq"] * d  # q.k and p.v per (query, key) pair and head
-    for t in shape["attn_t"]:
-        for dtype in (jnp.bfloat16, jnp.float32):
-            name = jnp.dtype(dtype).name
-            x = attention_inputs(shape, t, dtype, seed=t)
-            keys_seen = shape["length"] + t
-            cache_bytes = 2 * shape["length"] * shape["n"] * d * jnp.dtype(dtype).itemsize
-            flops = flop_per_t * t * keys_seen
-            base = dict(kernel="tree_attention", dtype=name, t=t, b=shape["b"], hq=shape["hq"], n=shape["n"], d=d,
-                        s=shape["s"], length=shape["length"], bytes_kv=cache_bytes, flops=flops)
-            ref_fn = jax.jit(functools.partial(ta.tree_attention_reference, scale=scale))
-            with jax.default_matmul_precision("highest"):
-                ref = jax.block_until_ready(jax.jit(functools.partial(ta.tree_attention_reference, scale=scale))(**x))
-            configs = [ta.TreeAttentionConfig()] + (ATTN_SWEEP if sweep and dtype == jnp.bfloat16 else [])
-            for config in configs:
-                rec = dict(base, variant="pallas", config=repr(config))
+    name = jnp.dtype(dtype).name
+    on_gpu = jax.default_backend() == "gpu"
+    for s in shape["s"]:
+        for t in shape["t"]:
+            point_start = time.perf_counter()
+            bytes_, flops = attention_cost(shape, b, s, t, dtype)
+            floor, bound = floor_seconds(bytes_, flops, ceilings)
+            base = dict(section="attention", kernel="tree_attention", dtype=name, s=s, length=s, t=t, b=b,
+                        hq=shape["hq"], n=shape["n"], d=d, layers=layers, bytes=bytes_, flops=flops,
+                        floor_us=floor * 1e6, bound=bound)
+            records_here = []
+
+            def run_variant(variant: str, config: str, fn, args, reference=None):
+                rec = dict(base, variant=variant, config=config)
                 try:
-                    fn = jax.jit(functools.partial(ta.tree_attention_pallas, scale=scale, config=config,
-                                                   interpret=interpret))
-                    out = jax.block_until_ready(fn(**x))
-                    rec.update(rel_err=rel_err(out, ref), finite=bool(np.isfinite(np.asarray(out, np.float32)).all()))
-                    rec["us"] = time_us(_kw(fn, x), (), rounds=rounds, calls=calls)
-                    rec["status"] = "ok"
+                    compiled, rec["compile_s"] = compile_program(fn, args)
+                    outs = jax.block_until_ready(compiled(*args))
+                    rec["finite"] = all_finite(outs)
+                    if reference is not None:
+                        rec["rel_err"] = rel_err(outs, reference)
+                        rec["check_ok"] = rec["finite"] and rec["rel_err"] <= TOLERANCE[name]
+                    seconds, rec["calls"] = time_program(compiled, args, rounds=rounds)
+                    rec.update(us=seconds / layers * 1e6, status="ok")
+                    rec["ratio"] = rec["us"] / rec["floor_us"]
                 except Exception as exc:  # noqa: BLE001 - record and go on
                     rec.update(status="error", error=error_text(exc))
-                records.append(rec)
-            rec = dict(base, variant="reference", config="")
+                    outs = None
+                records_here.append(rec)
+                return outs
+
             try:
-                out = jax.block_until_ready(ref_fn(**x))
-                rec.update(rel_err=rel_err(out, ref), us=time_us(_kw(ref_fn, x), (), rounds=rounds, calls=calls),
-                           status="ok")
+                shared = tree_arrays(shape, b, t, [s] * b, seed=t)
+                x = layer_arrays(shape, b, s, t, dtype, layers, seed=1000 * s + t)
+                args = (x["q"], x["k_cache"], x["v_cache"], x["k_new"], x["v_new"], shared["cache_lengths"],
+                        shared["new_mask"], shared["positions"])
+                ref_fn = attention_program(functools.partial(ta.tree_attention_reference, scale=scale), layers)
+                reference = run_variant("reference (jnp, XLA)", "", ref_fn, args)
+                for config in [ta.TreeAttentionConfig()] + (ATTN_SWEEP if sweep else []):
+                    fn = attention_program(functools.partial(ta.tree_attention_pallas, scale=scale, config=config,
+                                                             interpret=interpret), layers)
+                    run_variant("pallas", _short(config), fn, args, reference)
+                # dot_product_attention sees the cache and the new tokens concatenated beforehand.
+                q = x["q"]
+                keys = tuple(_concat_new(k, kn) for k, kn in zip(x["k_cache"], x["k_new"]))
+                values = tuple(_concat_new(v, vn) for v, vn in zip(x["v_cache"], x["v_new"]))
+                del x, args
+                mask = dpa_mask(shared, s)
+                for impl in ("xla", "cudnn"):
+                    variant = f"dot_product_attention[{impl}]"
+                    if impl == "cudnn" and (interpret or not on_gpu or name not in CUDNN_DTYPES):
+                        why = ("needs a GPU" if not on_gpu else "smoke run" if interpret
+                               else f"cuDNN attention takes only bf16/fp16, not {name}")
+                        records_here.append(dict(base, variant=variant, config="", status="n/a", note=why))
+                        continue
+                    run_variant(variant, "k/v concatenated beforehand, boolean mask",
+                                dpa_program(impl, scale, layers), (q, keys, values, mask), reference)
+                del q, keys, values, mask, reference
+            except Exception as exc:  # noqa: BLE001 - a broken input builder must not lose the other points
+                records_here.append(dict(base, variant="(setup)", config="", status="error",
+                                         error=error_text(exc) + "\n" + traceback.format_exc(limit=5)))
+            records += records_here
+            save()
+            log(f"attention S={s} T={t}: floor {floor * 1e6:.1f} us ({bound}); "
+                + "; ".join(f"{r['variant']} {r['us']:.1f} us" if r.get("status") == "ok" else
+                            f"{r['variant']} {r.get('status')}" for r in records_here)
+                + f"  [{time.perf_counter() - point_start:.1f} s]")
+
+
+def check_attention(shape: dict, records: list, save, *, interpret: bool) -> None:
+    """Batch 2, rows of different lengths, bf16 and float32: one layer against the reference at highest precision."""
+    b, s, d = len(shape["check_lengths"]), shape["check_s"], shape["d"]
+    scale = d ** -0.5
+    for t in shape["check_t"]:
+        for dtype in (jnp.bfloat16, jnp.float32):
+            name = jnp.dtype(dtype).name
+            rec = dict(section="attention check", kernel="tree_attention", dtype=name, s=s,
+                       lengths=list(shape["check_lengths"]), t=t, b=b, variant="pallas",
+                       config=_short(ta.TreeAttentionConfig()))
+            try:
+                shared = tree_arrays(shape, b, t, shape["check_lengths"], seed=7 * t + 1)
+                x = {k: v[0] for k, v in layer_arrays(shape, b, s, t, dtype, 1, seed=31 * t + 3).items()}
+                x.update(shared)
+                with jax.default_matmul_precision("highest"):
+                    ref = jax.block_until_ready(
+                        jax.jit(functools.partial(ta.tree_attention_reference, scale=scale))(**x))
+                fn = jax.jit(functools.partial(ta.tree_attention_pallas, scale=scale, interpret=interpret))
+                out = jax.block_until_ready(fn(**x))
+                rec.update(rel_err=rel_err(out, ref), finite=all_finite([out]), status="ok")
+                rec["check_ok"] = rec["finite"] and rec["rel_err"] <= TOLERANCE[name]
             except Exception as exc:  # noqa: BLE001
                 rec.update(status="error", error=error_text(exc))
             records.append(rec)
-            q, keys, values, mask = dpa_inputs(x)
-            for impl in ("xla", "cudnn"):
-                rec = dict(base, variant=f"dot_product_attention[{impl}]", config="k/v concatenated beforehand")
-                try:
-                    fn = jax.jit(functools.partial(jax.nn.dot_product_attention, scale=scale, implementation=impl))
-                    out = jax.block_until_ready(fn(q, keys, values, None, mask))
-                    rec.update(rel_err=rel_err(out, ref),
-                               us=time_us(fn, (q, keys, values, None, mask), rounds=rounds, calls=calls), status="ok")
-                except Exception as exc:  # noqa: BLE001
-                    rec.update(status="error", error=error_text(exc))
-                records.append(rec)
-    for rec in records:
-        if rec.get("status") == "ok":
-            rec["tb_per_s"] = rec["bytes_kv"] / (rec["us"] * 1e-6) / 1e12
-            rec["tflop_per_s"] = rec["flops"] / (rec["us"] * 1e-6) / 1e12
-    return records
+            save()
+            log(f"attention check T={t} {name} lengths {shape['check_lengths']}: "
+                + (f"rel err {rec['rel_err']:.1e} {'ok' if rec['check_ok'] else 'MISMATCH'}"
+                   if rec["status"] == "ok" else rec["error"].splitlines()[0][:200]))
 
 
-def _kw(fn, kwargs: dict):
-    return lambda: fn(**kwargs)
+def accept_copies(shape: dict, t: int, dtype) -> int:
+    per_copy = t * shape["vocab"] * jnp.dtype(dtype).itemsize
+    low, high = shape["accept_copies"]
+    return max(low, min(high, math.ceil(shape["accept_bytes"] / per_copy)))
 
 
-def accept_inputs(shape: dict, t: int, dtype, seed: int):
-    """Random tree of t nodes, logits under which a random root path is accepted (argmax planted)."""
-    rng = np.random.default_rng(seed)
-    vocab, p = shape["vocab"], shape["path_len"]
-    _, depths, parents = random_tree(rng, t, p - 1, chain=False)
-    tokens = rng.integers(0, vocab, size=t)
-    decoded = rng.integers(0, vocab, size=t)
-    node = int(np.argmax(depths))
-    while node != 0:
-        decoded[parents[node]] = tokens[node]
-        node = int(parents[node])
-    logits = rng.standard_normal((1, t, vocab), np.float32)
-    logits[0, np.arange(t), decoded] = 8.0
-    return (jnp.asarray(logits).astype(dtype), jnp.asarray(tokens[None], jnp.int32),
-            jnp.asarray(parents[None], jnp.int32), jnp.asarray(depths[None], jnp.int32), jnp.ones((1, t), bool))
-
-
-def check_accept(shape: dict, *, interpret: bool, sweep: bool, rounds: int, calls: int) -> list[dict]:
-    records = []
-    p = shape["path_len"]
+def time_accept(shape: dict, ceilings: dict, records: list, save, *, interpret: bool, sweep: bool,
+                rounds: int) -> None:
+    p, vocab = shape["path_len"], shape["vocab"]
     for t in shape["accept_t"]:
-        for dtype in (jnp.bfloat16, jnp.float32):
+        for dtype in (jnp.float32, jnp.bfloat16):
             name = jnp.dtype(dtype).name
-            args = accept_inputs(shape, t, dtype, seed=t)
-            base = dict(kernel="tree_accept", dtype=name, t=t, vocab=shape["vocab"], path_len=p,
-                        bytes_logits=t * shape["vocab"] * jnp.dtype(dtype).itemsize)
-            ref_fn = jax.jit(functools.partial(tac.tree_accept_reference, path_len=p))
-            ref = jax.block_until_ready(ref_fn(*args))
-            decoded_ref = jnp.argmax(args[0], axis=-1)
-            configs = [tac.TreeAcceptConfig()] + (ACCEPT_SWEEP if sweep and dtype == jnp.bfloat16 else [])
-            for config in configs:
-                for variant in ("pallas", "pallas argmax only"):
-                    rec = dict(base, variant=variant, config=repr(config))
+            copies = accept_copies(shape, t, dtype)
+            bytes_ = t * vocab * jnp.dtype(dtype).itemsize + 6 * t * 4
+            floor, bound = floor_seconds(bytes_, 0, ceilings)
+            base = dict(section="accept", kernel="tree_accept", dtype=name, t=t, vocab=vocab, path_len=p,
+                        copies=copies, bytes=bytes_, floor_us=floor * 1e6, bound=bound)
+            here = []
+            try:
+                rng = np.random.default_rng(t)
+                _, depths, parents = random_tree(rng, t, p - 1, chain=False)
+                tokens = rng.integers(0, vocab, size=t)
+                decoded = rng.integers(0, vocab, size=t)
+                node = int(np.argmax(depths))  # plant the root path of the first deepest node
+                while node != 0:
+                    decoded[parents[node]] = tokens[node]
+                    node = int(parents[node])
+                key = jax.random.key(10_000 + t)
+                decoded_dev = jnp.asarray(decoded, jnp.int32)
+                logits = tuple(_plant(normal(jax.random.fold_in(key, i), (1, t, vocab), dtype), decoded_dev)
+                               for i in range(copies))
+                tree = (jnp.asarray(tokens[None], jnp.int32), jnp.asarray(parents[None], jnp.int32),
+                        jnp.asarray(depths[None], jnp.int32), jnp.ones((1, t), bool))
+                args = (logits,) + tree
+                expected_count = int(depths.max()) + 1
+                variants = [("reference (XLA argmax + walk)", "",
+                             functools.partial(tac.tree_accept_reference, path_len=p))]
+                variants += [("pallas", _short(c), functools.partial(tac.tree_accept_pallas, path_len=p, config=c,
+                                                                      interpret=interpret))
+                             for c in [tac.TreeAcceptConfig()] + (ACCEPT_SWEEP if sweep and name == "bfloat16" else [])]
+                reference = None
+                for variant, config, fn in variants:
+                    rec = dict(base, variant=variant, config=config)
                     try:
-                        if variant == "pallas":
-                            fn = jax.jit(functools.partial(tac.tree_accept_pallas, path_len=p, config=config,
-                                                           interpret=interpret))
-                            out = jax.block_until_ready(fn(*args))
-                            rec["exact"] = all(bool((np.asarray(a) == np.asarray(r)).all()) for a, r in zip(out, ref))
-                            rec["count"] = int(out.count[0])
-                            fn_args = args
+                        compiled, rec["compile_s"] = compile_program(accept_program(fn, copies), args)
+                        outs = jax.block_until_ready(compiled(*args))
+                        counts = [int(o.count[0]) for o in outs]
+                        rec["count"] = counts[0]
+                        rec["count_ok"] = all(c == expected_count for c in counts)
+                        if reference is None:
+                            reference = outs
                         else:
-                            fn = jax.jit(functools.partial(tac.greedy_tokens_pallas, config=config,
-                                                           interpret=interpret))
-                            out = jax.block_until_ready(fn(args[0]))
-                            rec["exact"] = bool((np.asarray(out) == np.asarray(decoded_ref)).all())
-                            fn_args = args[:1]
-                        rec.update(us=time_us(fn, fn_args, rounds=rounds, calls=calls), status="ok")
+                            rec["exact"] = all(bool((np.asarray(a) == np.asarray(r)).all())
+                                               for o, ro in zip(outs, reference) for a, r in zip(o, ro))
+                        rec["check_ok"] = rec["count_ok"] and rec.get("exact", True)
+                        seconds, rec["calls"] = time_program(compiled, args, rounds=rounds)
+                        rec.update(us=seconds / copies * 1e6, status="ok")
+                        rec["ratio"] = rec["us"] / rec["floor_us"]
                     except Exception as exc:  # noqa: BLE001
                         rec.update(status="error", error=error_text(exc))
-                    records.append(rec)
-            for variant, fn, fn_args in (("reference", ref_fn, args),
-                                         ("jnp.argmax only", jax.jit(lambda x: jnp.argmax(x, axis=-1)), args[:1])):
-                rec = dict(base, variant=variant, config="")
-                try:
-                    rec.update(us=time_us(fn, fn_args, rounds=rounds, calls=calls), status="ok",
-                               count=int(ref.count[0]) if variant == "reference" else None)
-                except Exception as exc:  # noqa: BLE001
-                    rec.update(status="error", error=error_text(exc))
-                records.append(rec)
-    for rec in records:
-        if rec.get("status") == "ok":
-            rec["tb_per_s"] = rec["bytes_logits"] / (rec["us"] * 1e-6) / 1e12
-    return records
+                    here.append(rec)
+                del logits, args, reference
+            except Exception as exc:  # noqa: BLE001
+                here.append(dict(base, variant="(setup)", config="", status="error",
+                                 error=error_text(exc) + "\n" + traceback.format_exc(limit=5)))
+            records += here
+            save()
+            log(f"accept T={t} {name} x{copies}: floor {floor * 1e6:.1f} us; "
+                + "; ".join(f"{r['variant']} {r['us']:.1f} us{'' if r.get('check_ok') else ' MISMATCH'}"
+                            if r.get("status") == "ok" else f"{r['variant']} {r.get('status')}" for r in here))
 
 
-def print_table(records: list[dict]) -> None:
-    header = f"{'kernel':<15}{'dtype':<9}{'T':>5}  {'variant':<31}{'us':>9}{'TB/s':>7}{'TF/s':>7}  {'check':<14}config"
-    print(header)
-    print("-" * len(header))
+def _short(config) -> str:
+    return repr(config).replace("TreeAttentionConfig", "").replace("TreeAcceptConfig", "")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Report
+
+
+def _cell(rec: dict | None, floor_us: float | None = None) -> str:
+    if rec is None:
+        return "-"
+    if rec.get("status") == "n/a":
+        return "n/a"
+    if rec.get("status") != "ok":
+        return "FAILED"
+    text = f"{rec['us']:.1f}"
+    if floor_us:
+        text += f" ({rec['us'] / floor_us:.2f}x)"
+    if rec.get("check_ok") is False:
+        text += " MISMATCH"
+    return text
+
+
+def summary_markdown(records: list[dict], env: dict) -> str:
+    lines = []
+    ceil = env.get("ceilings") or {}
+    if ceil:
+        lines.append(f"Ceilings measured in this run: copy {ceil['copy_bytes_per_s'] / 1e12:.3g} TB/s, "
+                     f"bf16 matmul {ceil['bf16_flops_per_s'] / 1e12:.3g} TFLOP/s.")
+        lines.append("")
+    att = [r for r in records if r.get("section") == "attention"]
+    if att:
+        lines.append(f"Tree attention, microseconds per layer (median over {env.get('layers')} layers in one "
+                     "program), bf16, batch 1, cache length = S; in brackets: time / floor.")
+        lines.append("")
+        lines.append("| S | T | floor us (bound) | pallas | reference (XLA) | dpa xla | dpa cudnn | "
+                     "pallas vs cudnn | goal <= 1.5x floor | faster than cudnn |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+        points = list(dict.fromkeys((r["s"], r["t"]) for r in att))
+        for s, t in points:
+            rows = [r for r in att if (r["s"], r["t"]) == (s, t)]
+            pick = lambda v: next((r for r in rows if r["variant"] == v), None)  # noqa: E731
+            pallas = next((r for r in rows if r["variant"] == "pallas"), None)  # the default config comes first
+            cudnn = pick("dot_product_attention[cudnn]")
+            floor_us = rows[0]["floor_us"]
+            ok = lambda r: r is not None and r.get("status") == "ok"  # noqa: E731
+            versus = f"{pallas['us'] / cudnn['us']:.2f}x" if ok(pallas) and ok(cudnn) else "-"
+            goal = ("met" if pallas["ratio"] <= 1.5 else "missed") if ok(pallas) else "-"
+            faster = ("yes" if pallas["us"] < cudnn["us"] else "no") if ok(pallas) and ok(cudnn) else "-"
+            lines.append(f"| {s} | {t} | {floor_us:.1f} ({rows[0]['bound']}) | {_cell(pallas, floor_us)} | "
+                         f"{_cell(pick('reference (jnp, XLA)'), floor_us)} | "
+                         f"{_cell(pick('dot_product_attention[xla]'), floor_us)} | {_cell(cudnn, floor_us)} | "
+                         f"{versus} | {goal} | {faster} |")
+        lines.append("")
+    chk = [r for r in records if r.get("section") == "attention check"]
+    if chk:
+        lines.append("Tree attention correctness, batch 2 with rows of lengths "
+                     f"{chk[0]['lengths']} (S={chk[0]['s']}), kernel vs reference at highest precision:")
+        lines.append("")
+        lines.append("| T | dtype | rel err | check |")
+        lines.append("|---|---|---|---|")
+        for r in chk:
+            if r.get("status") == "ok":
+                verdict = "ok" if r["check_ok"] else "MISMATCH"
+                lines.append(f"| {r['t']} | {r['dtype']} | {r['rel_err']:.1e} | {verdict} |")
+            else:
+                lines.append(f"| {r['t']} | {r['dtype']} | - | FAILED |")
+        lines.append("")
+    acc = [r for r in records if r.get("section") == "accept"]
+    if acc:
+        lines.append(f"Tree acceptance (greedy), microseconds per call, V={acc[0]['vocab']}, median over the "
+                     "copies in one program; in brackets: time / floor (logit bytes / copy bandwidth).")
+        lines.append("")
+        lines.append("| T | logits | copies | floor us | pallas (fused) | reference (XLA argmax + walk) | exact |")
+        lines.append("|---|---|---|---|---|---|---|")
+        for t, name in dict.fromkeys((r["t"], r["dtype"]) for r in acc):
+            rows = [r for r in acc if (r["t"], r["dtype"]) == (t, name)]
+            pallas = next((r for r in rows if r["variant"] == "pallas"), None)
+            ref = next((r for r in rows if r["variant"].startswith("reference")), None)
+            floor_us = rows[0]["floor_us"]
+            exact = "yes" if all(r.get("check_ok") for r in rows if r.get("status") == "ok") else "NO"
+            lines.append(f"| {t} | {name} | {rows[0]['copies']} | {floor_us:.1f} | {_cell(pallas, floor_us)} | "
+                         f"{_cell(ref, floor_us)} | {exact} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def print_records(records: list[dict]) -> None:
+    header = (f"{'section':<16}{'dtype':<9}{'S':>6}{'T':>5}  {'variant':<31}{'us':>9}{'floor':>8}{'ratio':>7}"
+              f"  {'check':<14}config")
+    log(header)
+    log("-" * len(header))
     for r in records:
+        head = f"{r['section']:<16}{r.get('dtype', ''):<9}{r.get('s', '-')!s:>6}{r.get('t', 0):>5}  {r['variant']:<31}"
+        if r.get("status") == "n/a":
+            log(f"{head}{'n/a':>9}  {r.get('note', '')}")
+            continue
         if r.get("status") != "ok":
-            first_line = r.get("error", "").splitlines()[0] if r.get("error") else ""
-            print(f"{r['kernel']:<15}{r['dtype']:<9}{r['t']:>5}  {r['variant']:<31}{'FAILED':>9}  {first_line[:120]}")
+            first = r.get("error", "").splitlines()[0] if r.get("error") else ""
+            log(f"{head}{'FAILED':>9}  {first[:120]}")
             continue
         if "rel_err" in r:
-            check = f"rel {r['rel_err']:.1e}"
-        elif "exact" in r:
-            check = "exact" if r["exact"] else "MISMATCH"
+            check = f"rel {r['rel_err']:.1e}" + ("" if r.get("check_ok") else " BAD")
+        elif "check_ok" in r:
+            check = "exact" if r["check_ok"] else "MISMATCH"
         else:
             check = ""
-        tf = f"{r['tflop_per_s']:7.1f}" if "tflop_per_s" in r else " " * 7
-        cfg = r.get("config", "")
-        cfg = cfg.replace("TreeAttentionConfig", "").replace("TreeAcceptConfig", "")
-        print(f"{r['kernel']:<15}{r['dtype']:<9}{r['t']:>5}  {r['variant']:<31}{r['us']:9.1f}{r['tb_per_s']:7.2f}{tf}"
-              f"  {check:<14}{cfg}")
+        us = f"{r['us']:9.1f}" if "us" in r else " " * 9
+        floor = f"{r['floor_us']:8.1f}" if "floor_us" in r else " " * 8
+        ratio = f"{r['ratio']:7.2f}" if "ratio" in r else " " * 7
+        log(f"{head}{us}{floor}{ratio}  {check:<14}{r.get('config', '')}")
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pallas_kernels.gpu_check", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, help="directory for gpu_check.json")
-    parser.add_argument("--quick", action="store_true", help="default configs only (no sweep)")
+    parser.add_argument("--out", required=True, help="directory for gpu_check.json and gpu_check.md")
+    parser.add_argument("--quick", action="store_true",
+                        help="S in {1024, 16384}, T in {1, 257}; checks at T in {1, 65}; acceptance at T in {17, 513}")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, kernels interpreted (runs without a GPU)")
-    parser.add_argument("--rounds", type=int, default=15, help="timing rounds (median taken)")
-    parser.add_argument("--calls", type=int, default=20, help="back-to-back calls per timing round")
-    parser.add_argument("--only", choices=("attention", "accept"), default=None, help="check one kernel only")
+    parser.add_argument("--sweep", action="store_true", help="also time the alternative kernel configs (slow)")
+    parser.add_argument("--only", choices=("attention", "check", "accept"), default=None, help="one section only")
+    parser.add_argument("--s", type=_ints, default=None, help="comma list of cache lengths S (timing grid)")
+    parser.add_argument("--t", type=_ints, default=None, help="comma list of new-token counts T (timing grid)")
+    parser.add_argument("--accept-t", type=_ints, default=None, help="comma list of tree sizes for acceptance")
+    parser.add_argument("--check-t", type=_ints, default=None, help="comma list of T for the correctness check")
+    parser.add_argument("--layers", type=int, default=None, help="layers per timed program (default 36)")
+    parser.add_argument("--rounds", type=int, default=7, help="timing rounds (median taken)")
     args = parser.parse_args(argv)
     # jax >= 0.11 warns on every Triton-lowered pallas_call; the table is what this script is for.
     warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
@@ -298,34 +576,64 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: no GPU (backend {backend!r}); use --smoke for an interpreted run on tiny shapes",
               file=sys.stderr)
         return 2
-    shape = SMOKE if args.smoke else FULL
+    shape = dict(SMOKE if args.smoke else QUICK if args.quick else FULL)
+    for key in ("s", "t", "accept_t", "check_t", "layers"):
+        if getattr(args, key) is not None:
+            shape[key] = getattr(args, key)
     interpret = args.smoke
-    rounds, calls = (2, 2) if args.smoke else (args.rounds, args.calls)
-    sweep = not args.quick
+    rounds = 2 if args.smoke else args.rounds
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+
+    started = time.time()
+    from ddtree_jax.bench import measure_ceilings  # numpy and the standard library only, at import
+
+    ceilings = measure_ceilings(repeats=3 if args.smoke else 10, small=args.smoke)
     env = dict(jax=jax.__version__, python=platform.python_version(), backend=backend,
-               devices=[str(d.device_kind) for d in jax.devices()], smoke=args.smoke, shape=shape,
-               rounds=rounds, calls=calls, kernels_env=os.environ.get("DDTREE_JAX_KERNELS"))
-    print(json.dumps(env))
+               devices=[str(d.device_kind) for d in jax.devices()], smoke=args.smoke, quick=args.quick,
+               sweep=args.sweep, shape=shape, layers=shape["layers"], rounds=rounds,
+               kernels_env=os.environ.get("DDTREE_JAX_KERNELS"), ceilings=ceilings,
+               date=time.strftime("%Y-%m-%d"), argv=list(argv if argv is not None else sys.argv[1:]))
+    log(json.dumps(env))
+    log(f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.3g} TB/s, "
+        f"bf16 matmul {ceilings['bf16_flops_per_s'] / 1e12:.3g} TFLOP/s  [{time.time() - started:.1f} s]")
 
     records: list[dict] = []
-    started = time.time()
-    for name, check in (("attention", check_attention), ("accept", check_accept)):
+    seconds: dict = {}
+    json_path, md_path = out_dir / "gpu_check.json", out_dir / "gpu_check.md"
+
+    def save() -> None:
+        """Write what is measured so far (a run cut short by a time limit keeps its finished points)."""
+        summary = dict(env, seconds=round(time.time() - started, 1), section_seconds=seconds, records=records)
+        json_path.write_text(json.dumps(summary, indent=1, default=str))
+        md_path.write_text(summary_markdown(records, env) + "\n")
+
+    # Correctness first, then the cheap acceptance timing, then the long attention grid (saved point by point).
+    sections = (("check", lambda: check_attention(shape, records, save, interpret=interpret)),
+                ("accept", lambda: time_accept(shape, ceilings, records, save, interpret=interpret,
+                                               sweep=args.sweep, rounds=rounds)),
+                ("attention", lambda: time_attention(shape, ceilings, records, save, interpret=interpret,
+                                                     sweep=args.sweep, rounds=rounds)))
+    for name, run in sections:
         if args.only not in (None, name):
             continue
+        start = time.time()
         try:
-            records += check(shape, interpret=interpret, sweep=sweep, rounds=rounds, calls=calls)
-        except Exception as exc:  # noqa: BLE001 - a broken input builder must not lose the other kernel
-            records.append(dict(kernel=name, dtype="", t=0, variant="(setup)", status="error",
+            run()
+        except Exception as exc:  # noqa: BLE001 - a broken section must not lose the others
+            records.append(dict(section=name, variant="(setup)", status="error",
                                 error=error_text(exc) + "\n" + traceback.format_exc(limit=5)))
-    print_table(records)
-    summary = dict(env, seconds=round(time.time() - started, 1), records=records)
-    path = out_dir / "gpu_check.json"
-    path.write_text(json.dumps(summary, indent=1, default=str))
-    failed = sum(r.get("status") != "ok" for r in records)
-    print(f"wrote {path} ({len(records)} records, {failed} failed, {summary['seconds']} s)")
-    return 0
+        seconds[name] = round(time.time() - start, 1)
+    save()
+    print_records(records)
+    log("")
+    log(summary_markdown(records, env))
+    total = round(time.time() - started, 1)
+    failed = sum(r.get("status") == "error" for r in records)
+    wrong = sum(r.get("check_ok") is False for r in records)
+    log(f"wrote {json_path} and {md_path.name} ({len(records)} records, {failed} failed to run, {wrong} wrong, "
+        f"{total} s; sections {seconds})")
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":

@@ -32,9 +32,14 @@ for step in $steps; do
       ;;
     kernels)
       log kernels
+      # Per-layer timing over issue 5's grid (36 layers in one program) + correctness; not yet run on an H200:
+      # estimated 3-4 min; KERNEL_ARGS=--quick for about a minute. gpu_check.json/.md are rewritten after every
+      # point, so a run cut by the limit keeps what it finished.
       if [ -f pallas_kernels/gpu_check.py ]; then
-        timeout "${KERNEL_LIMIT:-200}" python3 -m pallas_kernels.gpu_check --out "$OUT/kernels" > "$OUT/kernels.log" 2>&1
-        tail -40 "$OUT/kernels.log"
+        # shellcheck disable=SC2086
+        timeout "${KERNEL_LIMIT:-300}" python3 -m pallas_kernels.gpu_check --out "$OUT/kernels" ${KERNEL_ARGS:-} \
+          > "$OUT/kernels.log" 2>&1; echo "rc=$?"
+        tail -48 "$OUT/kernels.log"
       fi
       ;;
     demo_bg)
@@ -54,6 +59,7 @@ for step in $steps; do
       log "bench qwen3-8b"
       timeout "${BENCH_LIMIT:-480}" python3 -m ddtree_jax.bench --shape qwen3-8b --context 2048 \
         --budgets "${BUDGETS:-16,64,256,512}" --modes "${MODES:-ar,dflash,ddtree}" --repeats "${REPEATS:-10}" \
+        --kernels "${KERNELS:-jax,pallas}" \
         --out "$OUT/bench" > "$OUT/bench.log" 2>&1; tail -20 "$OUT/bench.log"
       ;;
   esac
