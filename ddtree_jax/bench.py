@@ -1,13 +1,17 @@
 """`python -m ddtree_jax.bench`: time AR, DFlash and DDTree rounds, by stage, against hardware floors.
 
 Two ways to run:
-- `--shape qwen3-8b` (or qwen3-4b, qwen3-32b, tiny): random bf16 weights of that shape built on the
-  device, a matching random drafter (5 layers, block 16), a cache filled with `--context` tokens. Times
-  per round, separately and in total: draft, tree build, verify, accept, commit, for AR, DFlash and
-  DDTree at `--budgets`. Random weights accept almost nothing, so tokens/s are also projected at a
-  given tau (`--tau`, default the paper's MATH-500 Qwen3-8B values), marked as projected.
+- `--shape qwen3-8b` (or qwen3-4b, qwen3-32b, tiny; the hybrid qwen3.6-27b, tiny-hybrid): random bf16
+  weights of that shape built on the device, a matching random drafter (the published DFlash layout of
+  that target, block 16), a cache filled with `--context` tokens (and, for a hybrid, random recurrent
+  states and conv windows). Times per round, separately and in total: draft, tree build, verify, accept,
+  commit, for AR, DFlash and DDTree at `--budgets`. For a hybrid target every row also gives the bytes of
+  per-node recurrent states that its verify keeps (`recurrent_node_bytes`), which the floor counts. Random
+  weights accept almost nothing, so tokens/s are also projected at a given tau (`--tau`, default the
+  paper's MATH-500 Qwen3-8B values), marked as projected.
 - `--target DIR --drafter DIR --prompts FILE.jsonl`: all modes on real prompts: tau, tokens/s, speedup
-  over AR measured in the same run, and the first greedy divergence from AR.
+  over AR measured in the same run, and the first greedy divergence from AR. With neither `--shape` nor
+  `--target`: the demo pair shipped with the package, on its held-out prompts.
 
 The same run measures copy bandwidth and the bf16 matmul rate; every row prints its floor
 (max(bytes / bandwidth, FLOPs / matmul rate)) and the ratio to it. Warm-up is excluded, times are
@@ -41,7 +45,37 @@ SHAPES = {
                       rope_theta=1e6),
     "tiny": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                  intermediate_size=128, vocab_size=320, tie_word_embeddings=False, rope_theta=1e4),
+    # Hybrid targets (Gated DeltaNet + gated full attention), HF `qwen3_5_text` fields. Qwen3.6-27B's
+    # text_config as research/dflash_qwen.md 5.2 gives it (every field is there; none falls back to
+    # transformers' Qwen3_5TextConfig defaults). M-RoPE with text positions is 1-D RoPE, so mrope_section is
+    # left out; MTP weights are not part of the target.
+    "qwen3.6-27b": dict(model_type="qwen3_5_text", hidden_size=5120, num_hidden_layers=64,
+                        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
+                        intermediate_size=17408, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+                        attn_output_gate=True, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+                        linear_num_key_heads=16, linear_num_value_heads=48, linear_value_head_dim=128,
+                        vocab_size=248320, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                        max_position_embeddings=262144,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}),
+    "tiny-hybrid": dict(model_type="qwen3_5_text"),  # random_checkpoint.tiny_qwen3_5_config as it is
 }
+# The drafter of each shape, as the published DFlash checkpoint for that target lays it out (HF drafter
+# config fields; research/dflash_qwen.md 1.3 and 1.6). Shapes not listed get the Qwen3-8B-DFlash layout
+# (5 full-attention non-causal layers, 32/8 heads of 128, the target's FFN width, block 16).
+DRAFTERS = {
+    # z-lab/Qwen3.6-27B-DFlash: 4 causal sliding-window (2048) layers + 1 non-causal full-attention layer.
+    "qwen3.6-27b": dict(num_hidden_layers=5, layer_types=["sliding_attention"] * 4 + ["full_attention"],
+                        sliding_window=2048, use_sliding_window=True, num_attention_heads=32,
+                        num_key_value_heads=8, head_dim=128, intermediate_size=17408, rope_theta=1e7,
+                        max_position_embeddings=262144, block_size=16, num_target_layers=64,
+                        dflash_config={"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]}),
+    # The same layout in miniature: one causal sliding-window layer (window 8) and one non-causal layer.
+    "tiny-hybrid": dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+                        use_sliding_window=True, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        intermediate_size=128, block_size=16, num_target_layers=4,
+                        dflash_config={"mask_token_id": 319, "target_layer_ids": [0, 3]}),
+}
+SMALL_SHAPES = ("tiny", "tiny-hybrid")  # CPU-sized: small ceiling measurements too
 # The paper's Table 1, MATH-500, Qwen3-8B, T = 0: DFlash tau 7.79; DDTree tau 10.73 at its best budget.
 # Per-budget values are not published; these defaults use the DDTree figure for every budget >= 64 and
 # interpolate below. Override with --tau.
@@ -87,19 +121,17 @@ def measure_ceilings(repeats: int, small: bool) -> dict:
     return {"copy_bytes_per_s": bandwidth, "bf16_flops_per_s": matmul}
 
 
-def _random_pair(shape: str, parallel):
-    """Random bf16 target and drafter of a named shape, initialised on the device."""
-    import jax
+def shape_configs(shape: str) -> tuple[dict, dict]:
+    """HF config dicts (target, drafter) of a named shape."""
+    from ddtree_jax.random_checkpoint import tiny_dflash_config, tiny_qwen3_5_config, tiny_qwen3_config
 
-    from ddtree_jax.config import parse_dflash, parse_qwen3
-    from ddtree_jax.models import dflash, qwen3
-    from ddtree_jax.models.params import ModelParams
-    from ddtree_jax.parallel import param_shardings
-    from ddtree_jax.random_checkpoint import tiny_dflash_config, tiny_qwen3_config
-
-    target_raw = tiny_qwen3_config(**SHAPES[shape])
+    fields = dict(SHAPES[shape])
+    hybrid = fields.get("model_type") == "qwen3_5_text"
+    target_raw = tiny_qwen3_5_config(**fields) if hybrid else tiny_qwen3_config(**fields)
+    if shape in DRAFTERS:
+        return target_raw, tiny_dflash_config(target_raw, **DRAFTERS[shape])
     n_layers = target_raw["num_hidden_layers"]
-    big = shape != "tiny"
+    big = shape not in SMALL_SHAPES
     taps = [1, 9, 17, 25, 33] if n_layers == 36 else sorted({round(1 + i * (n_layers - 4) / 4) for i in range(5)})
     drafter_raw = tiny_dflash_config(
         target_raw, num_hidden_layers=5 if big else 2, layer_types=["full_attention"] * (5 if big else 2),
@@ -107,7 +139,23 @@ def _random_pair(shape: str, parallel):
         intermediate_size=target_raw["intermediate_size"], block_size=16,
         dflash_config={"mask_token_id": target_raw["vocab_size"] - 1,
                        "target_layer_ids": taps if big else [0, n_layers - 1]})
-    t_cfg, d_cfg = parse_qwen3(target_raw), parse_dflash(drafter_raw)
+    return target_raw, drafter_raw
+
+
+def _random_pair(shape: str, parallel):
+    """Random bf16 target (Qwen3, or a Qwen3.5/3.6 hybrid) and drafter of a named shape, initialised on the
+    device."""
+    import jax
+
+    from ddtree_jax.checkpoint import target_module
+    from ddtree_jax.config import TARGET_PARSERS, check_pair, parse_dflash
+    from ddtree_jax.models import dflash
+    from ddtree_jax.models.params import ModelParams
+    from ddtree_jax.parallel import param_shardings
+
+    target_raw, drafter_raw = shape_configs(shape)
+    t_cfg, d_cfg = TARGET_PARSERS[target_raw["model_type"]](target_raw), parse_dflash(drafter_raw)
+    check_pair(t_cfg, d_cfg, where=f"{shape} drafter")
 
     def init(abstract: ModelParams, seed: int) -> ModelParams:
         # One small jitted initialiser per (shape, sharding), not one program for the whole model: XLA
@@ -120,7 +168,7 @@ def _random_pair(shape: str, parallel):
                 jax.random.fold_in(jax.random.key(seed), i))
         return abstract.replace_flat(arrays)
 
-    target = init(qwen3.abstract(t_cfg), 0)
+    target = init(target_module(t_cfg).abstract(t_cfg), 0)
     drafter = init(dflash.abstract(d_cfg, t_cfg.hidden_size), 1)
     return target, drafter
 
@@ -143,13 +191,14 @@ def _param_bytes(params) -> int:
 
 
 def _filled_state(target, drafter, context: int, options, parallel, rounds: int):
-    """A decode state whose caches hold `context` committed tokens of random K/V, with room for `rounds`
-    rounds of full acceptance."""
+    """A decode state whose caches hold `context` committed tokens of random K/V (and, for a hybrid target,
+    random recurrent states and conv windows), with room for `rounds` rounds of full acceptance."""
     import jax
     import jax.numpy as jnp
 
-    from ddtree_jax.engine import DecodeState, RoundTrace
-    from ddtree_jax.models import dflash, qwen3
+    from ddtree_jax.cache import HybridCache, RecurrentState
+    from ddtree_jax.engine import DecodeState, RoundTrace, target_model
+    from ddtree_jax.models import dflash
 
     b = 1
     # Tight capacity: the pure-JAX attention reads every slot (masked), so spare room would be timed too.
@@ -157,16 +206,30 @@ def _filled_state(target, drafter, context: int, options, parallel, rounds: int)
     capacity = -(-(context + rounds * per_round + options.verify_width) // 128) * 128
     dtype = jnp.bfloat16
 
-    def filled(cache, seed: int):
+    def random_like(shape_dtype, sharding, seed: int):
         # One small cached initialiser per shape (a single program that draws every layer's K/V compiled
         # for minutes on the H200).
+        return _random_array(shape_dtype.shape, str(shape_dtype.dtype), False, sharding)(jax.random.key(seed))
+
+    def filled(cache, seed: int):
         sharding = parallel.sharding(parallel.kv_spec(cache.k[0].shape[2]))
-        make = _random_array(cache.k[0].shape, "bfloat16", False, sharding)
-        ks = tuple(make(jax.random.key(seed * 1000 + i)) for i in range(len(cache.k)))
-        vs = tuple(make(jax.random.key(seed * 1000 + 500 + i)) for i in range(len(cache.v)))
+        ks = tuple(random_like(k, sharding, seed * 1000 + i) for i, k in enumerate(cache.k))
+        vs = tuple(random_like(v, sharding, seed * 1000 + 500 + i) for i, v in enumerate(cache.v))
         return dataclasses.replace(cache, k=ks, v=vs, lengths=jnp.full((b,), context, jnp.int32))
 
-    cache = filled(jax.eval_shape(lambda: qwen3.create_cache(target.config, b, capacity, dtype)), 1)
+    def filled_target(cache, seed: int):
+        if not isinstance(cache, HybridCache):
+            return filled(cache, seed)
+        # Recurrent states as the engine lays them out: rows over dp, replicated under tp.
+        state_sharding = parallel.sharding(parallel.batch_spec(4))
+        conv_sharding = parallel.sharding(parallel.batch_spec(3))
+        recurrent = tuple(RecurrentState(state=random_like(r.state, state_sharding, seed * 1000 + 700 + i),
+                                         conv=random_like(r.conv, conv_sharding, seed * 1000 + 900 + i))
+                          for i, r in enumerate(cache.recurrent))
+        return HybridCache(kv=filled(cache.kv, seed), recurrent=recurrent)
+
+    model = target_model(target)
+    cache = filled_target(jax.eval_shape(lambda: model.create_cache(target.config, b, capacity, dtype)), 1)
     draft_cache = None
     if options.mode.needs_drafter:
         draft_cache = filled(jax.eval_shape(lambda: dflash.create_cache(drafter.config, b, capacity, dtype)), 2)
@@ -179,14 +242,20 @@ def _filled_state(target, drafter, context: int, options, parallel, rounds: int)
 
 
 def time_stages(target, drafter, options, context: int, repeats: int, parallel) -> dict:
-    """Median seconds of each stage of one round on a filled cache, and of the whole round."""
+    """Median seconds of each stage of one round on a filled cache, and of the whole round.
+
+    The whole round is the engine's own (`engine.ROUNDS`); the stages are its pieces, each jitted alone, for
+    either target family (the engine's dispatch): on a hybrid target the verify also walks every Gated
+    DeltaNet layer over the tree nodes and keeps each node's state, and the commit installs the deepest
+    accepted node's state and conv window beside the K/V move.
+    """
     import jax
     import jax.numpy as jnp
 
     from ddtree_jax.accept import accept_tree, chain_tree
-    from ddtree_jax.cache import advance, commit_path
-    from ddtree_jax.engine import Mode, ROUNDS
-    from ddtree_jax.models import dflash, qwen3
+    from ddtree_jax.cache import HybridCache, advance, commit_path, commit_recurrent
+    from ddtree_jax.engine import Mode, ROUNDS, _target_forward, target_model
+    from ddtree_jax.models import dflash
     from ddtree_jax.sampling import decode_tokens
     from ddtree_jax.tree import build_tree
 
@@ -221,42 +290,109 @@ def time_stages(target, drafter, options, context: int, repeats: int, parallel) 
     tree = tree_fn(logits, state.last_token)
 
     def verify_fn(t, tr, cache, rng):
-        fwd = qwen3.forward(t, tr.tokens, cache.lengths[:, None] + tr.depths, cache, tr.ancestor,
-                            tap_layers=drafter.config.target_layer_ids, kernels=kernels)
-        return fwd, decode_tokens(qwen3.logits(t, fwd.hidden), rng, options.sampling)
+        # As the engine's verify: a hybrid's recurrent layers walk the tree (parents), keeping every node's state.
+        fwd = _target_forward(t, tr.tokens, cache.lengths[:, None] + tr.depths, cache, tr.ancestor,
+                              tap_layers=drafter.config.target_layer_ids, kernels=kernels, parents=tr.parents)
+        return fwd, decode_tokens(target_model(t).logits(t, fwd.hidden), rng, options.sampling)
 
     verify = jax.jit(verify_fn)
+    out["draft"] = _median_seconds(lambda: draft(drafter, target, block, state.draft_cache), repeats)
+    out["tree"] = _median_seconds(lambda: tree_fn(logits, state.last_token), repeats)
+    # Timed before a verify output is kept: on a hybrid each holds T per-node states of every GDN layer
+    # (tens of GiB at 27B shapes), so two alive at once could run out of memory.
+    out["verify"] = _median_seconds(lambda: verify(target, tree, state.cache, state.rng), repeats)
     fwd, decoded = verify(target, tree, state.cache, state.rng)
     accept = jax.jit(lambda tr, dec: accept_tree(tr, dec, bs))
     acc = accept(tree, decoded)
 
     def commit_fn(d, f, a, draft_cache):
+        # As the engine's commit.
+        hybrid = isinstance(f.cache, HybridCache)
+        kv = f.cache.kv if hybrid else f.cache
         if options.mode is Mode.DDTREE:
-            cache = commit_path(f.cache, a.path, a.count)
+            kv = commit_path(kv, a.path, a.count)
             taps = jnp.take_along_axis(f.taps, a.path[:, :, None], axis=1)
         else:
-            cache, taps = advance(f.cache, a.count), f.taps
+            kv, taps = advance(kv, a.count), f.taps
+        cache = HybridCache(kv=kv, recurrent=tuple(commit_recurrent(r, n, a.path, a.count)
+                                                   for r, n in zip(f.cache.recurrent, f.nodes))) if hybrid else kv
         return cache, dflash.ingest_context(d, taps, a.count, draft_cache)
 
     commit = jax.jit(commit_fn)
-    out["draft"] = _median_seconds(lambda: draft(drafter, target, block, state.draft_cache), repeats)
-    out["tree"] = _median_seconds(lambda: tree_fn(logits, state.last_token), repeats)
-    out["verify"] = _median_seconds(lambda: verify(target, tree, state.cache, state.rng), repeats)
     out["accept"] = _median_seconds(lambda: accept(tree, decoded), repeats)
     out["commit"] = _median_seconds(lambda: commit(drafter, fwd, acc, state.draft_cache), repeats)
     return out
 
 
-def floor_seconds(target, drafter, mode: str, tokens: int, context: int, ceilings: dict) -> float:
-    """max(bytes / bandwidth, FLOPs / matmul rate) for one round: every weight and the cache read once."""
+def _is_hybrid_config(config) -> bool:
+    return getattr(config, "model_type", "qwen3") == "qwen3_5"
+
+
+def recurrent_node_bytes(config, nodes: int, dtype_bytes: int = 2) -> int:
+    """Bytes of the per-node recurrent states that a hybrid target keeps while it verifies `nodes` tokens as a
+    tree (DDTree: B + 1 nodes; DFlash: its chain of block-size nodes; AR keeps none, its one token updates the
+    state in place). For every Gated DeltaNet layer and node (`cache.NodeStates`): the float32 delta-rule
+    state, Hv x Dk x Dv x 4, and the node's conv input, C x dtype_bytes (a node's conv window is its
+    ancestors' inputs, so the inputs are what is kept). 0 for an attention-only target.
+    Qwen3.6-27B: 48 layers x (48 x 128 x 128 x 4 + 10240 x 2) = 144.9 MiB per node."""
+    if not _is_hybrid_config(config):
+        return 0
+    state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+    return nodes * len(config.linear_layers) * (state + config.linear_conv_dim * dtype_bytes)
+
+
+def committed_recurrent_bytes(config, dtype_bytes: int = 2) -> int:
+    """Bytes of a hybrid target's committed recurrent state per sequence: every Gated DeltaNet layer's float32
+    state and its conv window (C x (K - 1) in the weights' dtype). 0 for an attention-only target."""
+    if not _is_hybrid_config(config):
+        return 0
+    state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+    window = config.linear_conv_dim * (config.linear_conv_kernel - 1) * dtype_bytes
+    return len(config.linear_layers) * (state + window)
+
+
+def _param_count(params) -> int:
+    return sum(a.size for a in params.flat().values())
+
+
+def floor_terms(target, drafter, mode: str, tokens: int, context: int, block_size: int = 16) -> dict:
+    """Bytes that one round moves and FLOPs that it does, at least (batch 1, bf16 weights and caches).
+
+    Bytes: every weight read once (the target's actual parameters, plus the drafter's in the speculative
+    modes), the K/V of `context` tokens in each of the target's attention layers (all layers of a Qwen3; the
+    full-attention layers of a hybrid), and on a hybrid the recurrent states: the committed state read and
+    written back, plus, when the verify walks a tree (DFlash/DDTree), every node's state written and the
+    accepted one read back (`recurrent_node_bytes`).
+    FLOPs: 2 x (target parameters, less an untied input embedding) per verified token, attention over the
+    cache, on a hybrid the delta-rule update of every Gated DeltaNet layer per token, and 2 x the drafter's
+    parameters per block slot.
+    """
     cfg = target.config
-    kv_bytes = 2 * cfg.num_layers * context * cfg.num_kv_heads * cfg.head_dim * 2
-    weight_bytes = _param_bytes(target) + (_param_bytes(drafter) if mode != "ar" else 0)
-    flops = 2 * (cfg.num_params() - cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)) * tokens
-    flops += 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * context * tokens  # attention over the cache
-    if mode != "ar":
-        flops += 2 * (_param_bytes(drafter) // 2) * 16  # the drafter's block
-    return max((weight_bytes + kv_bytes) / ceilings["copy_bytes_per_s"], flops / ceilings["bf16_flops_per_s"])
+    hybrid = _is_hybrid_config(cfg)
+    attn_layers = len(cfg.attention_layers) if hybrid else cfg.num_layers
+    speculative = mode != "ar"
+    weight_bytes = _param_bytes(target) + (_param_bytes(drafter) if speculative else 0)
+    kv_bytes = 2 * attn_layers * context * cfg.num_kv_heads * cfg.head_dim * 2
+    recurrent_bytes = 2 * committed_recurrent_bytes(cfg)
+    if speculative:
+        recurrent_bytes += recurrent_node_bytes(cfg, tokens) + recurrent_node_bytes(cfg, 1)
+    embed = cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)
+    flops = 2 * (_param_count(target) - embed) * tokens
+    flops += 4 * attn_layers * cfg.num_heads * cfg.head_dim * context * tokens  # attention over the cache
+    if hybrid:  # decay, read, update and output of a Hv x Dk x Dv state per token and layer
+        flops += 7 * len(cfg.linear_layers) * cfg.linear_num_value_heads * cfg.linear_key_head_dim \
+            * cfg.linear_value_head_dim * tokens
+    if speculative:
+        flops += 2 * _param_count(drafter) * block_size  # the drafter's block
+    return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "recurrent_bytes": recurrent_bytes,
+            "bytes": weight_bytes + kv_bytes + recurrent_bytes, "flops": flops}
+
+
+def floor_seconds(target, drafter, mode: str, tokens: int, context: int, ceilings: dict,
+                  block_size: int = 16) -> float:
+    """max(bytes / bandwidth, FLOPs / matmul rate) for one round (`floor_terms`)."""
+    terms = floor_terms(target, drafter, mode, tokens, context, block_size)
+    return max(terms["bytes"] / ceilings["copy_bytes_per_s"], terms["flops"] / ceilings["bf16_flops_per_s"])
 
 
 def run_shape(args, parallel) -> dict:
@@ -265,7 +401,7 @@ def run_shape(args, parallel) -> dict:
 
     from ddtree_jax.engine import DecodeOptions, Mode
 
-    small = args.shape == "tiny"
+    small = args.shape in SMALL_SHAPES
     start = time.perf_counter()
     ceilings = measure_ceilings(args.repeats, small)
     print(f"ceilings {ceilings}", flush=True)
@@ -279,26 +415,46 @@ def run_shape(args, parallel) -> dict:
     plan = [(mode, budget, k) for mode, budget in modes for k in args.kernels]
     taus = dict(DEFAULT_TAU)
     taus.update(args.tau or {})
+    skipped = []
     for mode, budget, kernels in tqdm(plan, desc="bench", disable=None):
         options = DecodeOptions(mode=Mode(mode), max_new_tokens=4096, block_size=16, budget=budget or 64,
                                 parallel=parallel, kernels=kernels)
-        stages = time_stages(target, drafter, options, args.context, args.repeats, parallel)
         tokens = options.verify_width
-        floor = floor_seconds(target, drafter, mode, tokens, args.context, ceilings)
+        # Per-node recurrent states kept by the verify (hybrid targets; AR updates its state in place).
+        node_bytes = recurrent_node_bytes(target.config, tokens) if mode != "ar" else 0
+        try:
+            stages = time_stages(target, drafter, options, args.context, args.repeats, parallel)
+        except Exception as e:  # noqa: BLE001 - only running out of device memory is survivable
+            if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+                raise
+            # e.g. a large budget on a hybrid: T per-node states of every GDN layer did not fit. Keep going.
+            skipped.append({"mode": mode, "budget": budget, "kernels": kernels, "verify_tokens": tokens,
+                            "recurrent_state_bytes": node_bytes, "error": str(e).splitlines()[0][:300]})
+            print(json.dumps(skipped[-1]), flush=True)
+            continue
+        terms = floor_terms(target, drafter, mode, tokens, args.context, options.block_size)
+        floor = floor_seconds(target, drafter, mode, tokens, args.context, ceilings, options.block_size)
         tau = _projected_tau(taus, mode, budget)
         rows.append({"mode": mode, "budget": budget, "kernels": kernels, "verify_tokens": tokens, **{f"{k}_s": v for k, v in stages.items()},
                      "floor_s": floor, "ratio_to_floor": stages["round"] / floor, "tau_projected": tau,
-                     "tokens_per_s_projected": tau / stages["round"]})
+                     "tokens_per_s_projected": tau / stages["round"],
+                     "recurrent_state_bytes": node_bytes, "recurrent_state_mib": node_bytes / 2**20,
+                     "floor_bytes": terms["bytes"], "floor_recurrent_bytes": terms["recurrent_bytes"],
+                     "floor_flops": terms["flops"]})
         # Progress that survives a cut-short run: one line and a partial JSON per row.
         print(json.dumps({k: v for k, v in rows[-1].items()}), flush=True)
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench.partial.json").write_text(json.dumps({"ceilings": ceilings, "rows": rows}, indent=1))
+        (args.out / "bench.partial.json").write_text(json.dumps({"ceilings": ceilings, "rows": rows,
+                                                                "skipped": skipped}, indent=1))
     for r in rows:
         ar = next((a for a in rows if a["mode"] == "ar" and a["kernels"] == r["kernels"]), None)
         r["round_over_ar_step"] = r["round_s"] / ar["round_s"] if ar else None
     return {"kind": "shape", "shape": args.shape, "context": args.context, "device": str(jax.devices()[0].device_kind),
             "devices": parallel.size, "parallel": parallel.mode, "jax": jax.__version__, "ceilings": ceilings,
-            "target_bytes": _param_bytes(target), "drafter_bytes": _param_bytes(drafter), "rows": rows}
+            "target_bytes": _param_bytes(target), "drafter_bytes": _param_bytes(drafter),
+            "target_config": shape_configs(args.shape)[0], "hybrid": _is_hybrid_config(target.config),
+            "recurrent_committed_bytes": committed_recurrent_bytes(target.config),
+            "recurrent_bytes_per_node": recurrent_node_bytes(target.config, 1), "rows": rows, "skipped": skipped}
 
 
 def _read_prompts(path: Path, tokenizer) -> list[list[int]]:
@@ -364,19 +520,38 @@ def run_checkpoints(args, parallel) -> dict:
             "parallel": parallel.mode, "jax": jax.__version__, "rows": rows}
 
 
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f}" if n >= 2**20 else f"{n / 2**20:.3f}"
+
+
 def markdown(report: dict) -> str:
     if report["kind"] == "shape":
         head = ("| mode | B | kernels | verify tokens | draft ms | tree ms | verify ms | accept ms | commit ms | round ms | "
-                "floor ms | x floor | x AR step | projected tok/s (tau) |\n|" + "---|" * 14 + "\n")
+                "floor ms | x floor | x AR step | projected tok/s (tau) | recurrent state MiB |\n|"
+                + "---|" * 15 + "\n")
         ms = lambda r, k: f"{r[k] * 1e3:.2f}" if k in r else "-"  # noqa: E731
+        hybrid = report.get("hybrid", False)
+        mib = lambda r: _mib(r.get("recurrent_state_bytes", 0)) if hybrid else "-"  # noqa: E731
         lines = [f"| {r['mode']} | {r['budget'] or '-'} | {r.get('kernels', 'jax')} | {r['verify_tokens']} | {ms(r, 'draft_s')} | "
                  f"{ms(r, 'tree_s')} | {ms(r, 'verify_s')} | {ms(r, 'accept_s')} | {ms(r, 'commit_s')} | "
                  f"{ms(r, 'round_s')} | {ms(r, 'floor_s')} | {r['ratio_to_floor']:.2f} | "
-                 f"{r['round_over_ar_step'] or float('nan'):.2f} | {r['tokens_per_s_projected']:.0f} ({r['tau_projected']:.2f}) |"
+                 f"{r['round_over_ar_step'] or float('nan'):.2f} | {r['tokens_per_s_projected']:.0f} ({r['tau_projected']:.2f}) | "
+                 f"{mib(r)} |"
                  for r in report["rows"]]
         c = report["ceilings"]
+        notes = ""
+        if hybrid:
+            notes += (f" Recurrent state MiB: the per-node Gated DeltaNet states (float32) and conv inputs that the "
+                      f"verify keeps, {_mib(report['recurrent_bytes_per_node'])} MiB per node (AR: none, it "
+                      f"updates the committed {_mib(report['recurrent_committed_bytes'])} MiB in place); the "
+                      f"floor counts them written once and the accepted node's read back.")
+        for r in report.get("skipped", []):
+            notes += (f"\n\nNot measured: {r['mode']} B={r['budget'] or '-'} ({r.get('kernels', 'jax')}), "
+                      f"{r['verify_tokens']} verify tokens, {_mib(r['recurrent_state_bytes'])} MiB of node "
+                      f"states: {r['error']}")
         return (head + "\n".join(lines) + f"\n\nMeasured ceilings: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
-                f"bf16 matmul {c['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s. Projected tokens/s = tau / round time.\n")
+                f"bf16 matmul {c['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s. Projected tokens/s = tau / round time."
+                + notes + "\n")
     head = "| mode | B | tau | tokens/s | speedup over AR | first divergence from AR |\n|---|---|---|---|---|---|\n"
     return head + "\n".join(f"| {r['mode']} | {r['budget'] or '-'} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
                             f"{r['speedup_over_ar']:.2f} | {r['first_divergence'] or 'none'} |"
@@ -453,9 +628,14 @@ def main(argv=None) -> int:
         print("error: --budgets takes integers, --kernels a comma list of jax,pallas, --tau KEY=VALUE pairs",
               file=sys.stderr)
         return 2
-    if (args.shape is None) == (args.target is None):
+    if args.shape is not None and args.target is not None:
         print("error: give either --shape NAME or --target DIR --drafter DIR --prompts FILE", file=sys.stderr)
         return 2
+    if args.shape is None and args.target is None:  # the shipped demo pair on its held-out prompts
+        from ddtree_jax.demo_pair import DEMO_NOTE, demo_drafter, demo_prompts, demo_target
+
+        args.target, args.drafter, args.prompts = demo_target(), demo_drafter(), demo_prompts()
+        print(f"note: no --shape or --target given, so this runs the demo pair: {DEMO_NOTE}.", file=sys.stderr)
     from ddtree_jax.checkpoint import CheckpointError
     from ddtree_jax.config import ConfigError
 

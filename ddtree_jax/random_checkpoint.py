@@ -1,8 +1,8 @@
 """Small randomly initialised checkpoints in the Hugging Face layout.
 
-Used by the tests (as fixtures) and, until the embedded demo pair ships, by the commands when no
-`--target` is given. The weights are random, so the text they produce is gibberish; the code paths
-(config parsing, safetensors loading, tokenizer, generation) are the real ones.
+Used by the tests (as fixtures) and by the benchmark's weightless shapes. The weights are random, so the
+text they produce is gibberish; the code paths (config parsing, safetensors loading, tokenizer,
+generation) are the real ones.
 """
 
 from __future__ import annotations
@@ -37,6 +37,39 @@ def tiny_qwen3_config(**overrides) -> dict:
         "attention_bias": False,
         "bos_token_id": 256,
         "eos_token_id": 256,
+        "torch_dtype": "float32",
+    }
+    config.update(overrides)
+    return config
+
+
+def tiny_qwen3_5_config(**overrides) -> dict:
+    """An HF `config.json` dict for a small Qwen3.5/3.6 hybrid (`qwen3_5_text`): 4 layers, three Gated
+    DeltaNet layers then one gated full-attention layer (GQA 4/2, head_dim 16 half rotated), GDN 2 key heads
+    -> 4 value heads of 16, conv kernel 4, untied, vocab 320."""
+    config = {
+        "architectures": ["Qwen3_5ForCausalLM"],
+        "model_type": "qwen3_5_text",
+        "vocab_size": 320,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "attn_output_gate": True,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_value_head_dim": 16,
+        "hidden_act": "silu",
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        "tie_word_embeddings": False,
+        "attention_bias": False,
         "torch_dtype": "float32",
     }
     config.update(overrides)
@@ -90,25 +123,6 @@ def write_random_qwen3(out: str | Path, seed: int = 0, dtype=np.float32, with_to
             byte_tokenizer(tmp, config["vocab_size"])
 
     return atomic_folder(out, write, force=force)
-
-
-DEFAULT_RANDOM_TARGET = dict(num_hidden_layers=4, hidden_size=128, intermediate_size=256, head_dim=32)
-
-
-def default_random_pair(cache_root: str | Path | None = None) -> tuple[Path, Path]:
-    """The random target and drafter the commands use when no `--target` is given; built once, then reused
-    (under $DDTREE_JAX_CACHE or ~/.cache/ddtree_jax). The drafter's mask token is the tokenizer's <|mask|>."""
-    import os
-
-    root = Path(cache_root or os.environ.get("DDTREE_JAX_CACHE", Path.home() / ".cache" / "ddtree_jax"))
-    target, drafter = root / "random-qwen3-tiny-v1", root / "random-dflash-tiny-v1"
-    if not (target / "config.json").exists():
-        write_random_qwen3(target, seed=0, force=True, **DEFAULT_RANDOM_TARGET)
-    if not (drafter / "config.json").exists():
-        target_config = tiny_qwen3_config(**DEFAULT_RANDOM_TARGET)
-        write_random_dflash(drafter, target_config, seed=1, force=True, block_size=8, head_dim=32,
-                            dflash_config={"mask_token_id": 257, "target_layer_ids": [1, 3]})
-    return target, drafter
 
 
 def tiny_dflash_config(target_config: dict, **overrides) -> dict:

@@ -18,7 +18,8 @@ def test_shape_mode_writes_json_table_and_plot(tmp_path, capsys):
         if r["mode"] != "ar":
             assert all(r[f"{k}_s"] > 0 for k in ("draft", "tree", "verify", "accept", "commit"))
     assert report["rows"][3]["verify_tokens"] == 17
-    assert (out / "bench.png").stat().st_size > 1000 and "| ddtree | 16 | 17 |" in (out / "bench.md").read_text()
+    assert (out / "bench.png").stat().st_size > 1000 and "| ddtree | 16 | jax | 17 |" in (out / "bench.md").read_text()
+    assert all(r["recurrent_state_bytes"] == 0 for r in report["rows"]) and not report["hybrid"]
     assert "Measured ceilings" in capsys.readouterr().out
 
 
@@ -43,7 +44,7 @@ def test_projected_tau_and_bad_flags(capsys):
     assert _projected_tau(DEFAULT_TAU, "ddtree", 128) == DEFAULT_TAU[64]
     assert _projected_tau({**DEFAULT_TAU, 128: 11.0}, "ddtree", 128) == 11.0
     assert main(["--shape", "tiny", "--budgets", "x"]) == 2
-    assert main([]) == 2
+    assert main(["--shape", "tiny", "--target", "somewhere"]) == 2  # (no flags at all runs the demo pair)
     assert "give either --shape" in capsys.readouterr().err
 
 
@@ -53,3 +54,65 @@ def test_shape_mode_under_tp(tmp_path):
                  "--devices", "2", "--parallel", "tp", "--out", str(out)]) == 0
     report = json.loads((out / "bench.json").read_text())
     assert report["devices"] == 2 and report["parallel"] == "tp" and len(report["rows"]) == 2
+
+
+def test_hybrid_shape_mode_reports_recurrent_state_bytes(tmp_path):
+    """`--shape tiny-hybrid`: a random Qwen3.5-style target (3 Gated DeltaNet layers + 1 gated attention layer)
+    with a sliding-window + non-causal drafter; every row carries the per-node recurrent states its verify
+    keeps, equal to a hand count from the config and to what the verify forward really returns."""
+    import jax
+    import jax.numpy as jnp
+
+    from ddtree_jax import bench
+    from ddtree_jax.checkpoint import target_module
+    from ddtree_jax.config import parse_qwen3_5
+    from ddtree_jax.engine import causal_mask
+    from ddtree_jax.models import qwen3_5
+
+    out = tmp_path / "out"
+    assert main(["--shape", "tiny-hybrid", "--context", "24", "--modes", "dflash,ddtree", "--budgets", "4",
+                 "--repeats", "1", "--out", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    rows = report["rows"]
+    assert report["hybrid"] and report["skipped"] == []
+    assert [(r["mode"], r["budget"], r["verify_tokens"]) for r in rows] == [("dflash", None, 16), ("ddtree", 4, 5)]
+    for r in rows:
+        assert r["round_s"] > 0 and r["floor_s"] > 0 and r["ratio_to_floor"] == r["round_s"] / r["floor_s"]
+        assert all(r[f"{k}_s"] > 0 for k in ("draft", "tree", "verify", "accept", "commit"))
+
+    # By hand from the config: per node and GDN layer a float32 state Hv x Dk x Dv and a bf16 conv input of
+    # C = 2 * key heads * Dk + Hv * Dv channels; the committed state keeps a conv window of K - 1 inputs.
+    c = report["target_config"]
+    gdn = c["layer_types"].count("linear_attention")
+    state = c["linear_num_value_heads"] * c["linear_key_head_dim"] * c["linear_value_head_dim"] * 4
+    channels = 2 * c["linear_num_key_heads"] * c["linear_key_head_dim"] + \
+        c["linear_num_value_heads"] * c["linear_value_head_dim"]
+    per_node = gdn * (state + channels * 2)
+    assert per_node == 3 * (4 * 16 * 16 * 4 + 128 * 2) == report["recurrent_bytes_per_node"]
+    committed = gdn * (state + channels * (c["linear_conv_kernel_dim"] - 1) * 2)
+    assert report["recurrent_committed_bytes"] == committed
+    for r in rows:
+        assert r["recurrent_state_bytes"] == r["verify_tokens"] * per_node
+        assert r["recurrent_state_mib"] == r["recurrent_state_bytes"] / 2**20
+        # The floor moves them: committed state read and written, node states written, the accepted one read.
+        assert r["floor_recurrent_bytes"] == 2 * committed + (r["verify_tokens"] + 1) * per_node
+        # ... beside every weight once and the K/V of the 24 context tokens in the one full-attention layer.
+        kv = 2 * c["layer_types"].count("full_attention") * 24 * c["num_key_value_heads"] * c["head_dim"] * 2
+        assert r["floor_bytes"] == report["target_bytes"] + report["drafter_bytes"] + kv + r["floor_recurrent_bytes"]
+
+    # The weights counted are the hybrid's own parameters (bf16), and the node states are what the verify returns.
+    cfg = parse_qwen3_5(c)
+    assert report["target_bytes"] == 2 * cfg.num_params()
+    params = target_module(cfg).abstract(cfg)
+    cache = jax.eval_shape(lambda: qwen3_5.create_cache(cfg, 1, 64, jnp.bfloat16))
+    t = 5
+    tokens = jnp.zeros((1, t), jnp.int32)
+    mask = causal_mask(jnp.asarray([t]), t)
+    fwd = jax.eval_shape(lambda p, k: qwen3_5.forward(p, tokens, jnp.arange(t)[None], k, mask,
+                                                       parents=jnp.zeros((1, t), jnp.int32)), params, cache)
+    kept = sum(n.state.size * n.state.dtype.itemsize + n.inputs.size * n.inputs.dtype.itemsize for n in fwd.nodes)
+    assert kept == bench.recurrent_node_bytes(cfg, t) == rows[1]["recurrent_state_bytes"]
+
+    table = (out / "bench.md").read_text()
+    assert "recurrent state MiB |" in table.splitlines()[0]
+    assert "| ddtree | 4 | jax | 5 |" in table and table.splitlines()[3].endswith(f"| {per_node * 5 / 2**20:.3f} |")

@@ -1,6 +1,7 @@
 """Decoding a Qwen3.5/3.6 hybrid target (gated attention + Gated DeltaNet): AR equals transformers' greedy
 `generate`; DFlash and DDTree equal AR token for token, which needs every recurrent layer to walk the tree
-from parent states (a chain-ordered recurrence must break DDTree)."""
+from parent states (a chain-ordered recurrence must break DDTree); at temperature 1 their samples follow the
+target's exact distribution (chi-square), which the chain-ordered recurrence fails."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from ddtree_jax.engine import DecodeOptions, Mode, generate
 from conftest import randomise_qwen3_5
 from ddtree_jax.models import qwen3_5
 from ddtree_jax.random_checkpoint import write_random_dflash
+from ddtree_jax.sampling import SamplingConfig
+from test_dflash_decoding import VOCAB8, chi2_pvalue
 
 torch = pytest.importorskip("torch", reason="PyTorch is not importable (builds the transformers hybrid)")
 
@@ -231,3 +234,86 @@ def test_ddtree_on_two_devices_equals_ar(hybrid_pair, hybrid_ar, mode):
     spec = generate(target, PROMPTS, DecodeOptions(mode=Mode.DDTREE, max_new_tokens=MAX_NEW, block_size=8, budget=16,
                                                    parallel=parallel), drafter=drafter)
     assert spec.output_ids == hybrid_ar
+
+
+# ---- sampling (T > 0): DFlash and DDTree samples follow the hybrid target's own distribution
+
+# Half the Qwen3 tests' 4000: the cost here is the prefill of every row through the chunked delta rule, which
+# on a busy CPU took from 1 to 45 s per 2000 rows. The chain-ordered negative control below is rejected with
+# 1000 samples (p ~1e-11..1e-14 over three seeds), so this size sees a hybrid's state bug;
+# test_dflash_decoding shows the power of the same check against a wrong sampler at 4000.
+SAMPLES = 2000
+
+
+@pytest.fixture(scope="module")
+def hybrid_sampling_pair(tmp_path_factory):
+    """A peaked random hybrid target on an 8-token vocabulary (larger weights: tokens depend strongly on their
+    prefix, through the Gated DeltaNet layers as well as the attention layer), a random drafter, a prompt and
+    the exact p(x1, x2, x3 | prompt) flattened [512] (as test_dflash_decoding.sampling_pair for Qwen3)."""
+    root = tmp_path_factory.mktemp("hybrid_sampling")
+    build_hf_hybrid(root / "t", vocab_size=VOCAB8, seed=5, std=0.4)
+    target = load_target(root / "t", jnp.float32)
+    drafter = load_drafter(write_random_dflash(root / "d", text_config(VOCAB8), seed=6, head_dim=8), target.config,
+                           jnp.float32)
+    prompt = [1, 2, 3]
+    exact = _exact_three_token_distribution(target, prompt).ravel()
+    return target, drafter, prompt, exact / exact.sum()  # renormalised: float32 softmax rounding
+
+
+def _exact_three_token_distribution(target, prompt):
+    """p(x1, x2, x3 | prompt) [v, v, v] float64 from the hybrid target's softmax over every two-token
+    continuation, each sequence run from an empty cache in one forward pass."""
+    import itertools
+
+    seqs = np.array([prompt + [a, b] for a, b in itertools.product(range(VOCAB8), repeat=2)])
+    n, t = seqs.shape
+
+    @jax.jit  # one program: dispatched op by op this took ~25 s on a busy CPU
+    def log_probs(params, tokens):
+        out = qwen3_5.forward(params, tokens, jnp.broadcast_to(jnp.arange(t), (n, t)),
+                              qwen3_5.create_cache(params.config, n, t, jnp.float32),
+                              engine.causal_mask(jnp.full((n,), t), t))
+        return jax.nn.log_softmax(qwen3_5.logits(params, out.hidden), -1)
+
+    logp = np.asarray(log_probs(target, jnp.asarray(seqs)), np.float64)
+    p1 = np.exp(logp[0, t - 3])
+    p2 = np.exp(logp[::VOCAB8, t - 2]).reshape(VOCAB8, VOCAB8)  # rows: x1
+    p3 = np.exp(logp[:, t - 1]).reshape(VOCAB8, VOCAB8, VOCAB8)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def _sample(pair, options, seed, n=SAMPLES):
+    """n samples (x1, x2, x3) [n, 3] and the number of accepted drafts over all rounds."""
+    target, drafter, prompt, _ = pair
+    result = generate(target, [prompt] * n, options, drafter=drafter, seed=seed)
+    accepted = sum(m - 1 for row in result.acceptance_lengths for m in row)
+    return np.array(result.output_ids), accepted
+
+
+def test_dflash_sampling_follows_the_hybrid_distribution(hybrid_sampling_pair):
+    """Chi-square of DFlash samples (x1, x2, x3) at T = 1 against the exact distribution: 512 cells, cells
+    expecting < 5 pooled, alpha 1e-3, fixed seed."""
+    options = DecodeOptions(mode=Mode.DFLASH, max_new_tokens=3, block_size=4, sampling=SamplingConfig(temperature=1.0))
+    samples, accepted = _sample(hybrid_sampling_pair, options, seed=123)
+    assert accepted > 250, "drafts were rarely accepted; the test would not exercise the match rule"
+    assert chi2_pvalue(samples, hybrid_sampling_pair[3]) > 1e-3
+
+
+DDTREE_SAMPLING = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=3, block_size=4, budget=6,
+                                sampling=SamplingConfig(temperature=1.0, top_k=0, top_p=1.0))
+
+
+def test_ddtree_sampling_follows_the_hybrid_distribution(hybrid_sampling_pair):
+    """As the DFlash test, for DDTree (budget 6: branching trees, whose node states must come from their parents,
+    as the negative control below shows)."""
+    samples, accepted = _sample(hybrid_sampling_pair, DDTREE_SAMPLING, seed=321)
+    assert accepted > 500
+    assert chi2_pvalue(samples, hybrid_sampling_pair[3]) > 1e-3
+
+
+def test_chain_ordered_recurrence_fails_the_sampling_check(hybrid_sampling_pair, chain_ordered_recurrence):
+    """Negative control (last in this module: it drops every compilation): with each node starting from the
+    previous node index's state instead of its parent's, DDTree samples no longer follow the target, and the
+    chi-square check above rejects them at p < 1e-6 with 1000 samples."""
+    samples, _ = _sample(hybrid_sampling_pair, DDTREE_SAMPLING, seed=321, n=1000)
+    assert chi2_pvalue(samples, hybrid_sampling_pair[3]) < 1e-6
