@@ -67,26 +67,30 @@ def _build_one(log_probs: jax.Array, root: jax.Array, budget: int) -> DraftTree:
     neg_inf = jnp.float32(-jnp.inf)
     beam_score = jnp.full((budget,), neg_inf).at[:k].set(top_lp[0])
     beam_rank = jnp.zeros((budget,), jnp.int32).at[:k].set(jnp.arange(k, dtype=jnp.int32))
-    beam_parent = jnp.zeros((budget,), jnp.int32)  # index into the previous depth's beam
     beam_lex = jnp.arange(budget, dtype=jnp.int32)  # lexicographic position of each entry in its beam
-    scores, ranks, parents, lexes = [beam_score], [beam_rank], [beam_parent], [beam_lex]
 
-    for d in range(1, depth_limit):
+    def next_depth(carry, lp_d):
+        """One depth: the B best children of the beam; lp_d [K] this depth's top-K log-probs."""
+        beam_score, beam_lex = carry
         # Lay parents out in lexicographic order so flat index order = (parent lex, token rank) order.
         by_lex = jnp.argsort(beam_lex)  # beam index of the entry at each lexicographic position
-        cand = beam_score[by_lex][:, None] + top_lp[d][None, :]  # [B, K]
+        cand = beam_score[by_lex][:, None] + lp_d[None, :]  # [B, K]
         best, flat = jax.lax.top_k(cand.reshape(-1), budget)
-        beam_score = best
-        beam_parent = by_lex[flat // k]
+        beam_parent = by_lex[flat // k]  # index into the previous depth's beam
         beam_rank = (flat % k).astype(jnp.int32)
         beam_lex = jnp.argsort(jnp.argsort(flat)).astype(jnp.int32)  # rank of each entry's flat index
-        scores.append(beam_score)
-        ranks.append(beam_rank)
-        parents.append(beam_parent)
-        lexes.append(beam_lex)
+        return (best, beam_lex), (best, beam_rank, beam_parent, beam_lex)
 
-    score = jnp.stack(scores)  # [L, B]
-    lex = jnp.stack(lexes)
+    # A scan, not a Python loop: the depth step (three sorts and a top-k over B x K) compiles once instead
+    # of L - 1 times (at L = 15 the tree's GPU compile is 4x shorter); with its static trip count XLA runs
+    # the body back to back on the device, no host round trip per depth.
+    _, (scores, ranks, parents, lexes) = jax.lax.scan(next_depth, (beam_score, beam_lex), top_lp[1:])
+
+    def all_depths(depth_1, deeper):  # [B] and [L - 1, B] -> [L, B]
+        return jnp.concatenate([depth_1[None], deeper])
+
+    score = all_depths(beam_score, scores)  # [L, B]
+    lex = all_depths(beam_lex, lexes)
     # Global order over (depth, lex position): put entries at flat index d * B + lex, so lower index =
     # shallower, then lexicographically smaller; top_k's lower-index-first rule does the rest.
     by_lex = jnp.argsort(lex, axis=1)  # [L, B] beam index at each lex position
@@ -95,7 +99,8 @@ def _build_one(log_probs: jax.Array, root: jax.Array, budget: int) -> DraftTree:
     chosen_depth = (flat // budget).astype(jnp.int32)  # 0-based depth index
     chosen_beam = by_lex[chosen_depth, flat % budget]
 
-    rank_all, parent_all = jnp.stack(ranks), jnp.stack(parents)
+    rank_all = all_depths(beam_rank, ranks)
+    parent_all = all_depths(jnp.zeros((budget,), jnp.int32), parents)  # depth 1's parent is the root
     token = top_tok[chosen_depth, rank_all[chosen_depth, chosen_beam]]
     valid = jnp.isfinite(chosen_score)
 
@@ -122,9 +127,14 @@ def ancestor_mask(parents: jax.Array, valid: jax.Array, max_depth: int) -> jax.A
     Example: parents [0, 0, 1, 0] -> row 2 = [1, 1, 1, 0].
     """
     t = parents.shape[0]
-    mask = jnp.eye(t, dtype=bool)
-    current = jnp.arange(t)
+    eye = jnp.eye(t, dtype=bool)
+    nodes = jnp.arange(t)
+    mask, current = eye, nodes
     for _ in range(max_depth):
-        current = parents[current]
-        mask = mask.at[jnp.arange(t), current].set(True)
-    return mask & (valid[:, None] | jnp.eye(t, dtype=bool))
+        # The barrier keeps each level's gather in a kernel of its own. Without it XLA's GPU backend fuses
+        # the chain current = parents[parents[...]] into one kernel whose emitter re-emits each earlier
+        # gather for every later one (exponential in the depth): at depth 15 the DDTree round took minutes
+        # to compile on the H200.
+        current = jax.lax.optimization_barrier(parents[current])
+        mask = mask | (current[:, None] == nodes[None, :])
+    return mask & (valid[:, None] | eye)

@@ -122,6 +122,24 @@ def test_ancestor_mask_literal():
                                          [1, 1, 1, 0, 1]])
 
 
+@pytest.mark.parametrize("max_depth", [0, 1, 3, 15])
+def test_ancestor_mask_walks_max_depth_levels(max_depth):
+    """Random trees (parents precede children), some padding nodes: row i holds i and its ancestors at most
+    max_depth levels up; a padding node sees only itself."""
+    rng = np.random.default_rng(max_depth)
+    t = 40
+    parents = np.array([0] + [int(rng.integers(0, i)) for i in range(1, t)])
+    valid = rng.random(t) > 0.2
+    valid[0] = True
+    mask = np.asarray(ancestor_mask(jnp.asarray(parents), jnp.asarray(valid), max_depth))
+    for i in range(t):
+        expected, j = {i}, i
+        for _ in range(max_depth):
+            j = int(parents[j])
+            expected.add(j)
+        assert set(np.flatnonzero(mask[i]).tolist()) == (expected if valid[i] else {i})
+
+
 def test_batched_rows_are_independent():
     rng = np.random.default_rng(3)
     lp = np.stack([_log_softmax(rng.standard_normal((5, 30))) for _ in range(3)])
