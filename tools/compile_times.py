@@ -1,18 +1,29 @@
 """Lower and compile times (and HLO sizes) of one decoding round and of each of its stages, on abstract inputs.
 
-    python tools/compile_times.py --shape qwen3-8b --budgets 16,64,256 --layers 4,36 [--stages round,tree]
+    PYTHONPATH=. python tools/compile_times.py --shape qwen3-8b --budgets 16,64,256 --layers 4,36 \
+        [--stages round,tree] [--timeout 120]
+    # a CUDA compile without a GPU (needs jax-cuda12-plugin/-pjrt of jax's version installed):
+    JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 PYTHONPATH=. python tools/compile_times.py \
+        --gpu-target-config h200 --timeout 300
 
 Nothing is allocated: parameters, caches and the decode state are `jax.ShapeDtypeStruct`s (the shapes of
 `bench._random_pair` and `bench._filled_state`: batch 1, bf16, a cache of `--context` tokens), and every
-program is AOT-lowered with `jax.jit(f).lower(...)` and compiled with `.compile()` on the default backend,
-so an 8B round compiles on a laptop CPU or shows in seconds on a GPU where the time goes. Per (layers, mode,
-budget, stage) it prints lower and compile seconds, the StableHLO op count of the lowered module and the
-instruction count of the optimised HLO (a Python loop unrolled over layers, depths or nodes shows as op
-counts that grow with it), and the largest constant in the optimised HLO.
+program is AOT-lowered with `jax.jit(f).lower(...)` and compiled with `.compile()` on the default backend
+(or for the `--gpu-target-config` GPU), so an 8B round compiles on a CPU or shows in seconds on a GPU where
+the time goes. Per (layers, mode, budget, stage) it prints lower and compile seconds, the StableHLO op count
+of the lowered module, the instruction count of the optimised HLO and its sort / gather / scatter / while
+ops (a Python loop unrolled over layers, depths or nodes shows as counts that grow with it), and the
+largest constant in the optimised HLO. `--timeout` runs each measurement in a child process and reports
+one that runs past it instead of hanging.
 
 Stages, as `bench.time_stages` jits them: round (the whole `speculative_round`, state donated), draft,
 tree (log_softmax + build_tree, or the chain), verify (target forward + decoding rule), accept, commit
 (commit_path or advance, plus the drafter's `ingest_context`).
+
+What this found (CPU cannot show it: XLA's CPU backend compiled the old round in 10 s): the DDTree round
+did not compile on the GPU because `tree.ancestor_mask`'s 15-level chain `parents[parents[...]]` was fused
+into one kernel whose emitter re-emits every earlier gather for each later one; the tree stage alone ran
+past 240 s at every budget (deviceless H200 compile), 4 s after the fix.
 """
 
 from __future__ import annotations
@@ -151,7 +162,8 @@ _CONSTANT = re.compile(r"= (\w+)\[([\d,]*)\]\S* constant\(")
 
 def _hlo_stats(lowered_text: str, compiled_text: str) -> dict:
     """Op counts of the StableHLO module and the optimised HLO; the largest HLO constant (elements)."""
-    stablehlo_ops = sum(1 for line in lowered_text.splitlines() if re.match(r"^\s*(%\S+ = |\"?stablehlo\.|func\.)", line)
+    stablehlo_ops = sum(1 for line in lowered_text.splitlines()
+                        if re.match(r"^\s*(%\S+ = |\"?stablehlo\.|func\.)", line)
                         and ("stablehlo." in line or "func.call" in line or "chlo." in line))
     hlo_ops = sum(1 for line in compiled_text.splitlines() if re.match(r"^\s*(ROOT )?%?[\w.\-]+ = ", line))
     largest = 0
