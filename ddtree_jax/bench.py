@@ -121,18 +121,25 @@ def measure_ceilings(repeats: int, small: bool) -> dict:
     return {"copy_bytes_per_s": bandwidth, "bf16_flops_per_s": matmul}
 
 
-def shape_configs(shape: str) -> tuple[dict, dict]:
-    """HF config dicts (target, drafter) of a named shape."""
+def shape_configs(shape: str, layers: int | None = None) -> tuple[dict, dict]:
+    """HF config dicts (target, drafter) of a named shape; `layers` cuts the target to that many decoder
+    layers (tools/compile_times.py; Qwen3 shapes only)."""
     from ddtree_jax.random_checkpoint import tiny_dflash_config, tiny_qwen3_5_config, tiny_qwen3_config
 
     fields = dict(SHAPES[shape])
+    if layers:
+        if shape in DRAFTERS:
+            raise ValueError(f"--layers cuts Qwen3 shapes only, not {shape}")
+        fields["num_hidden_layers"] = layers
     hybrid = fields.get("model_type") == "qwen3_5_text"
     target_raw = tiny_qwen3_5_config(**fields) if hybrid else tiny_qwen3_config(**fields)
     if shape in DRAFTERS:
         return target_raw, tiny_dflash_config(target_raw, **DRAFTERS[shape])
     n_layers = target_raw["num_hidden_layers"]
     big = shape not in SMALL_SHAPES
-    taps = [1, 9, 17, 25, 33] if n_layers == 36 else sorted({round(1 + i * (n_layers - 4) / 4) for i in range(5)})
+    # The published drafters' taps at 36 layers; otherwise five spread over the layers (fewer when few).
+    taps = [1, 9, 17, 25, 33] if n_layers == 36 else \
+        sorted({min(n_layers - 1, round(1 + i * max(n_layers - 4, 0) / 4)) for i in range(5)})
     drafter_raw = tiny_dflash_config(
         target_raw, num_hidden_layers=5 if big else 2, layer_types=["full_attention"] * (5 if big else 2),
         num_attention_heads=32 if big else 4, num_key_value_heads=8 if big else 2, head_dim=128 if big else 16,

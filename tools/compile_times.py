@@ -58,24 +58,10 @@ device_description_str: "NVIDIA H200"
 
 def _configs(shape: str, layers: int | None):
     """Parsed target and drafter configs of a bench shape, the target cut to `layers` decoder layers."""
-    from ddtree_jax.bench import SHAPES
+    from ddtree_jax.bench import shape_configs
     from ddtree_jax.config import parse_dflash, parse_qwen3
-    from ddtree_jax.random_checkpoint import tiny_dflash_config, tiny_qwen3_config
 
-    fields = dict(SHAPES[shape])
-    if layers:
-        fields["num_hidden_layers"] = layers
-    target_raw = tiny_qwen3_config(**fields)
-    n = target_raw["num_hidden_layers"]
-    big = shape != "tiny"
-    # bench._random_pair's taps at 36 layers; otherwise five spread over the layers (fewer when n is small).
-    taps = [1, 9, 17, 25, 33] if n == 36 else sorted({min(n - 1, round(1 + i * max(n - 4, 0) / 4)) for i in range(5)})
-    drafter_raw = tiny_dflash_config(
-        target_raw, num_hidden_layers=5 if big else 2, layer_types=["full_attention"] * (5 if big else 2),
-        num_attention_heads=32 if big else 4, num_key_value_heads=8 if big else 2, head_dim=128 if big else 16,
-        intermediate_size=target_raw["intermediate_size"], block_size=16,
-        dflash_config={"mask_token_id": target_raw["vocab_size"] - 1,
-                       "target_layer_ids": taps if big else [0, n - 1]})
+    target_raw, drafter_raw = shape_configs(shape, layers)
     return parse_qwen3(target_raw), parse_dflash(drafter_raw)
 
 
