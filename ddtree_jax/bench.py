@@ -204,7 +204,7 @@ def _filled_state(target, drafter, context: int, options, parallel, rounds: int)
     import jax.numpy as jnp
 
     from ddtree_jax.cache import HybridCache, RecurrentState
-    from ddtree_jax.engine import DecodeState, RoundTrace, target_model
+    from ddtree_jax.engine import target_model
     from ddtree_jax.models import dflash
 
     b = 1
@@ -240,6 +240,17 @@ def _filled_state(target, drafter, context: int, options, parallel, rounds: int)
     draft_cache = None
     if options.mode.needs_drafter:
         draft_cache = filled(jax.eval_shape(lambda: dflash.create_cache(drafter.config, b, capacity, dtype)), 2)
+    return decode_state(cache, draft_cache, options)
+
+
+def decode_state(cache, draft_cache, options):
+    """A batch-1 decode state mid-generation around the given caches (last token 1, nothing done)."""
+    import jax
+    import jax.numpy as jnp
+
+    from ddtree_jax.engine import DecodeState, RoundTrace
+
+    b = 1
     return DecodeState(
         cache=cache, draft_cache=draft_cache, last_token=jnp.ones((b,), jnp.int32),
         output=jnp.zeros((b, options.max_new_tokens), jnp.int32), num_generated=jnp.ones((b,), jnp.int32),

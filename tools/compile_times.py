@@ -70,7 +70,7 @@ def _abstract_state(target, drafter, context: int, options):
     import jax
     import jax.numpy as jnp
 
-    from ddtree_jax.engine import DecodeState, RoundTrace
+    from ddtree_jax.bench import decode_state
     from ddtree_jax.models import dflash, qwen3
 
     b, rounds = 1, 6
@@ -81,12 +81,7 @@ def _abstract_state(target, drafter, context: int, options):
         cache = qwen3.create_cache(target.config, b, capacity, jnp.bfloat16)
         draft_cache = dflash.create_cache(drafter.config, b, capacity, jnp.bfloat16) \
             if options.mode.needs_drafter else None
-        return DecodeState(
-            cache=cache, draft_cache=draft_cache, last_token=jnp.ones((b,), jnp.int32),
-            output=jnp.zeros((b, options.max_new_tokens), jnp.int32), num_generated=jnp.ones((b,), jnp.int32),
-            done=jnp.zeros((b,), bool), round_lengths=jnp.zeros((b, options.max_rounds), jnp.int32),
-            num_rounds=jnp.zeros((b,), jnp.int32), rng=jax.random.key(0), step=jnp.zeros((), jnp.int32),
-            trace=RoundTrace.empty(b, options.verify_width, options.block_size) if options.record_trees else None)
+        return decode_state(cache, draft_cache, options)
 
     return jax.eval_shape(make)
 
