@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import os
 import time
 from typing import Callable, Sequence
 
@@ -36,7 +35,6 @@ from ddtree_jax.models.params import ModelParams
 from ddtree_jax.parallel import Parallel, put, to_host
 from ddtree_jax.sampling import SamplingConfig, decode_tokens
 from ddtree_jax.tree import build_tree
-from pallas_kernels._dispatch import ENV_VAR as KERNELS_ENV_VAR
 from pallas_kernels._dispatch import KERNEL_CHOICES, resolve_kernels
 
 CAPACITY_BUCKET = 128
@@ -447,11 +445,7 @@ def resolve_options(options: DecodeOptions, drafter: ModelParams | None, dtype=N
     where the Pallas attention is many times slower than XLA's on the H200 (910 vs 61 us per call at
     T = 16, docs/kernels.md)."""
     if options.kernels == "auto":
-        kernels = options.kernel_impl
-        if kernels == "pallas" and dtype is not None and jnp.dtype(dtype).itemsize > 2 and not os.environ.get(
-                KERNELS_ENV_VAR):
-            kernels = "jax"
-        options = dataclasses.replace(options, kernels=kernels)
+        options = dataclasses.replace(options, kernels=resolve_kernels(options.kernels, dtype))
     if options.mode.needs_drafter:
         if drafter is None:
             raise ValueError(f"mode {options.mode.value} needs a drafter")

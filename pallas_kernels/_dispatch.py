@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 import jax
+import numpy as np
 
 ENV_VAR = "DDTREE_JAX_KERNELS"
 IMPLEMENTATIONS = ("pallas", "reference")
@@ -39,14 +40,19 @@ def resolve_implementation(implementation: str | None) -> str:
     return implementation
 
 
-def resolve_kernels(kernels: str) -> str:
+def resolve_kernels(kernels: str, dtype=None) -> str:
     """The engine's kernels, "jax" or "pallas". "auto": $DDTREE_JAX_KERNELS if set (pallas; reference or
-    jax), else "pallas" on a GPU and "jax" elsewhere; "jax" and "pallas" are kept as given."""
+    jax), else "pallas" on a GPU for 16-bit compute (`dtype` None or 2 bytes wide) and "jax" otherwise: the
+    float32 Pallas attention is many times slower than XLA's on the H200 (docs/kernels.md). "jax" and
+    "pallas" are kept as given."""
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {kernels!r}")
     if kernels != "auto":
         return kernels
-    return "pallas" if resolve_implementation(None) == "pallas" else "jax"
+    if os.environ.get(ENV_VAR):
+        return "pallas" if resolve_implementation(None) == "pallas" else "jax"
+    wide = dtype is not None and np.dtype(dtype).itemsize > 2
+    return "pallas" if on_gpu() and not wide else "jax"
 
 
 def resolve_interpret(interpret: bool | None) -> bool:
