@@ -22,9 +22,11 @@ table and a plot (time per round against budget, with the floor).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
 import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -105,20 +107,35 @@ def _median_seconds(fn, repeats: int, warmup: int = 2) -> float:
 
 
 def measure_ceilings(repeats: int, small: bool) -> dict:
-    """Copy bandwidth (bytes read + written per second) and bf16 matmul FLOP/s on the default device."""
+    """Memory bandwidth and the bf16 matmul rate of the default device.
+
+    Bandwidth is measured three ways, because XLA's kernels reach different fractions of the hardware
+    rate: `copy` (`a * 2 + 1` over 2 GiB of bf16, bytes read + written), `read` (a float32 sum of the same
+    array, bytes read) and `gemv` (a 1 GiB bf16 matrix times a vector, the matrix's bytes: the access
+    pattern of a batch-1 decode step). `bandwidth_bytes_per_s` is the highest of the three: the floors use
+    it, so that no row can look faster than its floor because one measurement came out low.
+    """
     import jax
     import jax.numpy as jnp
 
     n = 2**22 if small else 2**30  # elements of bf16: 8 MiB or 2 GiB
     x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
     copy = jax.jit(lambda a: a * 2 + 1)
-    bandwidth = 2 * x.nbytes / _median_seconds(lambda: copy(x), repeats)
+    copy_bw = 2 * x.nbytes / _median_seconds(lambda: copy(x), repeats)
+    total = jax.jit(lambda a: jnp.sum(a, dtype=jnp.float32))
+    read_bw = x.nbytes / _median_seconds(lambda: total(x), repeats)
+    shape = (512, 2048) if small else (2**14, 2**15)  # 2 MiB or 1 GiB of bf16
+    w = x[: shape[0] * shape[1]].reshape(shape)
+    v = jax.random.normal(jax.random.key(3), (w.shape[1],), jnp.bfloat16)
+    gemv = jax.jit(lambda m, u: jnp.einsum("oi,i->o", m, u))
+    gemv_bw = w.nbytes / _median_seconds(lambda: gemv(w, v), repeats)
     m = 512 if small else 8192
     a = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
     mm = jax.jit(lambda p, q: p @ q)
     matmul = 2 * m**3 / _median_seconds(lambda: mm(a, b), repeats)
-    return {"copy_bytes_per_s": bandwidth, "bf16_flops_per_s": matmul}
+    return {"bandwidth_bytes_per_s": max(copy_bw, read_bw, gemv_bw), "copy_bytes_per_s": copy_bw,
+            "read_bytes_per_s": read_bw, "gemv_bytes_per_s": gemv_bw, "bf16_flops_per_s": matmul}
 
 
 def shape_configs(shape: str, layers: int | None = None) -> tuple[dict, dict]:
@@ -259,13 +276,32 @@ def decode_state(cache, draft_cache, options):
         trace=RoundTrace.empty(b, options.verify_width, options.block_size) if options.record_trees else None)
 
 
-def time_stages(target, drafter, options, context: int, repeats: int, parallel) -> dict:
-    """Median seconds of each stage of one round on a filled cache, and of the whole round.
+@dataclasses.dataclass
+class RowPrograms:
+    """One bench row, compiled: `programs` maps a stage ("round", "draft", "tree", "verify", "accept",
+    "commit") to (compiled function, its arguments). The round's argument is a filled decode state that it
+    donates (`state` holds the newest; the round's own entry has the weights); the stages' arguments are a second filled state and the outputs of
+    the stages before them, computed once while compiling."""
 
-    The whole round is the engine's own (`engine.ROUNDS`); the stages are its pieces, each jitted alone, for
+    programs: dict
+    state: object = None
+
+
+def _compile(fn, *args, donate: tuple[int, ...] = ()):
+    import jax
+
+    return jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+
+
+def prepare_stages(target, drafter, options, context: int, repeats: int, parallel) -> RowPrograms:
+    """Compile a row's round and, for DFlash and DDTree, each stage of it, on filled caches.
+
+    The whole round is the engine's own (`engine.ROUNDS`); the stages are its pieces, each compiled alone, for
     either target family (the engine's dispatch): on a hybrid target the verify also walks every Gated
     DeltaNet layer over the tree nodes and keeps each node's state, and the commit installs the deepest
-    accepted node's state and conv window beside the K/V move.
+    accepted node's state and conv window beside the K/V move. Runs each stage once (untimed) to get the
+    next stage's inputs, so rows can be prepared in parallel threads (XLA compiles without the GIL) and
+    timed one after another afterwards (`time_stages`).
     """
     import jax
     import jax.numpy as jnp
@@ -278,34 +314,32 @@ def time_stages(target, drafter, options, context: int, repeats: int, parallel) 
     from ddtree_jax.tree import build_tree
 
     rounds = repeats + 2  # _median_seconds' warm-up included
-    # Every array reaches a jitted stage as an argument: one closed over becomes a constant of the
+    # Every array reaches a compiled stage as an argument: one closed over becomes a constant of the
     # program (16 GB of them at 8B, which XLA then tries to constant-fold for minutes).
-    round_fn = jax.jit(lambda t, d, s: ROUNDS[options.mode](t, d, s, options), donate_argnums=2)
-    holder = {"state": _filled_state(target, drafter, context, options, parallel, rounds)}
-
-    def one_round():
-        holder["state"] = round_fn(target, drafter, holder["state"])
-        return holder["state"].step
-
-    out = {"round": _median_seconds(one_round, repeats)}
-    del holder
-    if options.mode is Mode.AR:
-        out["verify"] = out["round"]
-        return out
     state = _filled_state(target, drafter, context, options, parallel, rounds)
+    round_c = _compile(lambda t, d, s: ROUNDS[options.mode](t, d, s, options), target, drafter, state, donate=(2,))
+    row = RowPrograms(programs={"round": (round_c, (target, drafter))}, state=state)
+    if options.mode is Mode.AR:
+        return row
+    stage_state = _filled_state(target, drafter, context, options, parallel, rounds)
     kernels = options.attention_kernels
-
     bs, b = options.block_size, 1
-    block = jnp.concatenate([state.last_token[:, None],
+
+    def stage(name, fn, *args):
+        compiled = _compile(fn, *args)
+        row.programs[name] = (compiled, args)
+        return compiled(*args)
+
+    block = jnp.concatenate([stage_state.last_token[:, None],
                              jnp.full((b, bs - 1), drafter.config.mask_token_id, jnp.int32)], axis=1)
-    draft = jax.jit(lambda d, t, blk, dc: dflash.draft_logits(d, t, blk, dc, kernels))
-    logits = draft(drafter, target, block, state.draft_cache)
+    logits = stage("draft", lambda d, t, blk, dc: dflash.draft_logits(d, t, blk, dc, kernels),
+                   drafter, target, block, stage_state.draft_cache)
     if options.mode is Mode.DDTREE:
-        tree_fn = jax.jit(lambda lg, last: build_tree(jax.nn.log_softmax(lg, -1), last, options.budget))
+        tree_fn = lambda lg, last: build_tree(jax.nn.log_softmax(lg, -1), last, options.budget)  # noqa: E731
     else:
-        tree_fn = jax.jit(lambda lg, last: chain_tree(jnp.concatenate(
-            [last[:, None], jnp.argmax(lg, -1).astype(jnp.int32)], axis=1)))
-    tree = tree_fn(logits, state.last_token)
+        tree_fn = lambda lg, last: chain_tree(jnp.concatenate(  # noqa: E731
+            [last[:, None], jnp.argmax(lg, -1).astype(jnp.int32)], axis=1))
+    tree = stage("tree", tree_fn, logits, stage_state.last_token)
 
     def verify_fn(t, tr, cache, rng):
         # As the engine's verify: a hybrid's recurrent layers walk the tree (parents), keeping every node's state.
@@ -313,15 +347,8 @@ def time_stages(target, drafter, options, context: int, repeats: int, parallel) 
                               tap_layers=drafter.config.target_layer_ids, kernels=kernels, parents=tr.parents)
         return fwd, decode_tokens(target_model(t).logits(t, fwd.hidden), rng, options.sampling)
 
-    verify = jax.jit(verify_fn)
-    out["draft"] = _median_seconds(lambda: draft(drafter, target, block, state.draft_cache), repeats)
-    out["tree"] = _median_seconds(lambda: tree_fn(logits, state.last_token), repeats)
-    # Timed before a verify output is kept: on a hybrid each holds T per-node states of every GDN layer
-    # (tens of GiB at 27B shapes), so two alive at once could run out of memory.
-    out["verify"] = _median_seconds(lambda: verify(target, tree, state.cache, state.rng), repeats)
-    fwd, decoded = verify(target, tree, state.cache, state.rng)
-    accept = jax.jit(lambda tr, dec: accept_tree(tr, dec, bs))
-    acc = accept(tree, decoded)
+    fwd, decoded = stage("verify", verify_fn, target, tree, stage_state.cache, stage_state.rng)
+    acc = stage("accept", lambda tr, dec: accept_tree(tr, dec, bs), tree, decoded)
 
     def commit_fn(d, f, a, draft_cache):
         # As the engine's commit.
@@ -336,9 +363,34 @@ def time_stages(target, drafter, options, context: int, repeats: int, parallel) 
                                                    for r, n in zip(f.cache.recurrent, f.nodes))) if hybrid else kv
         return cache, dflash.ingest_context(d, taps, a.count, draft_cache)
 
-    commit = jax.jit(commit_fn)
-    out["accept"] = _median_seconds(lambda: accept(tree, decoded), repeats)
-    out["commit"] = _median_seconds(lambda: commit(drafter, fwd, acc, state.draft_cache), repeats)
+    stage("commit", commit_fn, drafter, fwd, acc, stage_state.draft_cache)
+    return row
+
+
+def time_stages(row: RowPrograms, repeats: int, trace_dir: Path | None = None) -> dict:
+    """Median seconds of each prepared stage and of the whole round (its state donated call to call).
+    `trace_dir`: also record a profiler trace (with a Perfetto JSON) of three rounds there."""
+    import jax
+
+    round_c, weights = row.programs["round"]
+
+    def one_round():
+        row.state = round_c(*weights, row.state)
+        return row.state.step
+
+    out = {"round": _median_seconds(one_round, repeats)}
+    if trace_dir is not None:
+        try:
+            with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+                for _ in range(3):
+                    jax.block_until_ready(one_round())
+        except Exception as e:  # noqa: BLE001 - a profiler that cannot start costs the trace, not the row
+            print(f"warning: no trace in {trace_dir}: {str(e).splitlines()[0][:200]}", file=sys.stderr)
+    for name, (compiled, args) in row.programs.items():
+        if name != "round":
+            out[name] = _median_seconds(lambda: compiled(*args), repeats)
+    if len(row.programs) == 1:  # AR: the round is its verify
+        out["verify"] = out["round"]
     return out
 
 
@@ -410,7 +462,11 @@ def floor_seconds(target, drafter, mode: str, tokens: int, context: int, ceiling
                   block_size: int = 16) -> float:
     """max(bytes / bandwidth, FLOPs / matmul rate) for one round (`floor_terms`)."""
     terms = floor_terms(target, drafter, mode, tokens, context, block_size)
-    return max(terms["bytes"] / ceilings["copy_bytes_per_s"], terms["flops"] / ceilings["bf16_flops_per_s"])
+    return max(terms["bytes"] / ceilings["bandwidth_bytes_per_s"], terms["flops"] / ceilings["bf16_flops_per_s"])
+
+
+def _out_of_memory(e: Exception) -> bool:
+    return "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
 
 
 def run_shape(args, parallel) -> dict:
@@ -434,22 +490,52 @@ def run_shape(args, parallel) -> dict:
     taus = dict(DEFAULT_TAU)
     taus.update(args.tau or {})
     skipped = []
-    for mode, budget, kernels in tqdm(plan, desc="bench", disable=None):
-        options = DecodeOptions(mode=Mode(mode), max_new_tokens=4096, block_size=16, budget=budget or 64,
-                                parallel=parallel, kernels=kernels)
+    plan_options = [DecodeOptions(mode=Mode(mode), max_new_tokens=4096, block_size=16, budget=budget or 64,
+                                  parallel=parallel, kernels=kernels) for mode, budget, kernels in plan]
+
+    def prepare(options):
+        try:
+            return prepare_stages(target, drafter, options, args.context, args.repeats, parallel)
+        except Exception as e:  # noqa: BLE001 - only running out of device memory is survivable
+            if not _out_of_memory(e):
+                raise
+            return e
+
+    # A hybrid's rows hold tens of GiB of per-node states each: prepare those one at a time, just before
+    # they are timed. Otherwise compile every row first, in parallel threads, then time them one by one (no
+    # two programs on the device at once while timing).
+    workers = 1 if _is_hybrid_config(target.config) else max(1, args.compile_workers)
+    if workers > 1:
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            futures = [pool.submit(prepare, o) for o in plan_options]
+            for _ in tqdm(concurrent.futures.as_completed(futures), total=len(futures), desc="compile",
+                          disable=None):
+                pass
+            prepared = [f.result() for f in futures]
+        print(f"{len(plan)} rows compiled after {time.perf_counter() - start:.0f} s ({workers} threads)", flush=True)
+    for i in tqdm(range(len(plan)), desc="bench", disable=None):
+        (mode, budget, kernels), options = plan[i], plan_options[i]
+        row = prepared[i] if workers > 1 else prepare(options)
+        if workers > 1:
+            prepared[i] = None  # each row's caches and stage outputs go once it is timed
         tokens = options.verify_width
         # Per-node recurrent states kept by the verify (hybrid targets; AR updates its state in place).
         node_bytes = recurrent_node_bytes(target.config, tokens) if mode != "ar" else 0
+        trace = args.trace / f"{mode}{budget or ''}-{kernels}" if args.trace else None
         try:
-            stages = time_stages(target, drafter, options, args.context, args.repeats, parallel)
+            if isinstance(row, Exception):
+                raise row
+            stages = time_stages(row, args.repeats, trace)
         except Exception as e:  # noqa: BLE001 - only running out of device memory is survivable
-            if "RESOURCE_EXHAUSTED" not in str(e) and "out of memory" not in str(e).lower():
+            if not _out_of_memory(e):
                 raise
             # e.g. a large budget on a hybrid: T per-node states of every GDN layer did not fit. Keep going.
             skipped.append({"mode": mode, "budget": budget, "kernels": kernels, "verify_tokens": tokens,
                             "recurrent_state_bytes": node_bytes, "error": str(e).splitlines()[0][:300]})
             print(json.dumps(skipped[-1]), flush=True)
             continue
+        finally:
+            del row
         terms = floor_terms(target, drafter, mode, tokens, args.context, options.block_size)
         floor = floor_seconds(target, drafter, mode, tokens, args.context, ceilings, options.block_size)
         tau = _projected_tau(taus, mode, budget)
@@ -538,6 +624,14 @@ def run_checkpoints(args, parallel) -> dict:
             "parallel": parallel.mode, "jax": jax.__version__, "rows": rows}
 
 
+def ceilings_text(c: dict) -> str:
+    """One sentence with the measured ceilings (`measure_ceilings`)."""
+    tb = lambda k: f"{c[k] / 1e12:.2f}" if k in c else "-"  # noqa: E731
+    return (f"Measured ceilings: bandwidth {tb('bandwidth_bytes_per_s')} TB/s (the highest of copy "
+            f"{tb('copy_bytes_per_s')}, read {tb('read_bytes_per_s')}, gemv {tb('gemv_bytes_per_s')}), "
+            f"bf16 matmul {c['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s.")
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:.1f}" if n >= 2**20 else f"{n / 2**20:.3f}"
 
@@ -567,8 +661,7 @@ def markdown(report: dict) -> str:
             notes += (f"\n\nNot measured: {r['mode']} B={r['budget'] or '-'} ({r.get('kernels', 'jax')}), "
                       f"{r['verify_tokens']} verify tokens, {_mib(r['recurrent_state_bytes'])} MiB of node "
                       f"states: {r['error']}")
-        return (head + "\n".join(lines) + f"\n\nMeasured ceilings: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, "
-                f"bf16 matmul {c['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s. Projected tokens/s = tau / round time."
+        return (head + "\n".join(lines) + f"\n\n{ceilings_text(c)} Projected tokens/s = tau / round time."
                 + notes + "\n")
     head = "| mode | B | tau | tokens/s | speedup over AR | first divergence from AR |\n|---|---|---|---|---|---|\n"
     return head + "\n".join(f"| {r['mode']} | {r['budget'] or '-'} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
@@ -624,6 +717,10 @@ def main(argv=None) -> int:
                    help="comma list of jax,pallas: attention/acceptance implementations timed (--shape only)")
     p.add_argument("--tau", default=None, help="projected tau, e.g. 'dflash=7.8,64=10.7,256=10.7'")
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--compile-workers", type=int, default=min(8, os.cpu_count() or 1),
+                   help="--shape: threads compiling the rows before any is timed (hybrid shapes: 1)")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="--shape: a profiler trace (TensorBoard + Perfetto JSON) of 3 rounds per row, under DIR/ROW")
     p.add_argument("--target", type=Path, default=None)
     p.add_argument("--drafter", type=Path, default=None)
     p.add_argument("--prompts", type=Path, default=None)

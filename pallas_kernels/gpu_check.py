@@ -147,8 +147,8 @@ def all_finite(outs) -> bool:
 
 
 def floor_seconds(bytes_: float, flops: float, ceilings: dict) -> tuple[float, str]:
-    """(floor, which ceiling binds): max(bytes / copy bandwidth, FLOPs / bf16 matmul rate)."""
-    by_bytes = bytes_ / ceilings["copy_bytes_per_s"]
+    """(floor, which ceiling binds): max(bytes / bandwidth, FLOPs / bf16 matmul rate)."""
+    by_bytes = bytes_ / ceilings["bandwidth_bytes_per_s"]
     by_flops = flops / ceilings["bf16_flops_per_s"]
     return (by_bytes, "bandwidth") if by_bytes >= by_flops else (by_flops, "matmul")
 
@@ -460,8 +460,9 @@ def summary_markdown(records: list[dict], env: dict) -> str:
     lines = []
     ceil = env.get("ceilings") or {}
     if ceil:
-        lines.append(f"Ceilings measured in this run: copy {ceil['copy_bytes_per_s'] / 1e12:.3g} TB/s, "
-                     f"bf16 matmul {ceil['bf16_flops_per_s'] / 1e12:.3g} TFLOP/s.")
+        from ddtree_jax.bench import ceilings_text
+
+        lines.append(ceilings_text(ceil).replace("Measured ceilings", "Ceilings measured in this run"))
         lines.append("")
     att = [r for r in records if r.get("section") == "attention"]
     if att:
@@ -586,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     started = time.time()
-    from ddtree_jax.bench import measure_ceilings  # numpy and the standard library only, at import
+    from ddtree_jax.bench import ceilings_text, measure_ceilings  # numpy and the standard library only, at import
 
     ceilings = measure_ceilings(repeats=3 if args.smoke else 10, small=args.smoke)
     env = dict(jax=jax.__version__, python=platform.python_version(), backend=backend,
@@ -595,8 +596,7 @@ def main(argv: list[str] | None = None) -> int:
                kernels_env=os.environ.get("DDTREE_JAX_KERNELS"), ceilings=ceilings,
                date=time.strftime("%Y-%m-%d"), argv=list(argv if argv is not None else sys.argv[1:]))
     log(json.dumps(env))
-    log(f"ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.3g} TB/s, "
-        f"bf16 matmul {ceilings['bf16_flops_per_s'] / 1e12:.3g} TFLOP/s  [{time.time() - started:.1f} s]")
+    log(f"{ceilings_text(ceilings)}  [{time.time() - started:.1f} s]")
 
     records: list[dict] = []
     seconds: dict = {}

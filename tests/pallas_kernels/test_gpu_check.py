@@ -27,6 +27,8 @@ def test_smoke_runs_every_section_and_passes(smoke):
     assert all(r["check_ok"] for r in records if "check_ok" in r)
     ceilings = report["ceilings"]
     assert ceilings["copy_bytes_per_s"] > 0 and ceilings["bf16_flops_per_s"] > 0
+    assert ceilings["bandwidth_bytes_per_s"] == max(ceilings[k] for k in ("copy_bytes_per_s", "read_bytes_per_s",
+                                                                         "gemv_bytes_per_s"))
 
 
 def test_smoke_times_per_layer_against_the_floor(smoke):
@@ -42,7 +44,7 @@ def test_smoke_times_per_layer_against_the_floor(smoke):
     for r in attention:
         assert r["layers"] == shape["layers"] == report["layers"]
         bytes_, flops = gpu_check.attention_cost(shape, r["b"], r["s"], r["t"], "bfloat16")
-        floor = max(bytes_ / report["ceilings"]["copy_bytes_per_s"], flops / report["ceilings"]["bf16_flops_per_s"])
+        floor = max(bytes_ / report["ceilings"]["bandwidth_bytes_per_s"], flops / report["ceilings"]["bf16_flops_per_s"])
         assert r["floor_us"] == pytest.approx(floor * 1e6)
         if r["variant"] == "dot_product_attention[cudnn]":  # no GPU here: not applicable, not failed
             assert r["status"] == "n/a"

@@ -1,0 +1,238 @@
+"""Where a batch-1 decode step loses time against the weight-streaming floor, measured on the GPU.
+
+    PYTHONPATH=. python tools/gpu_probe.py --out DIR [--layers 36] [--tokens 1,16,65] [--smoke]
+
+Three sections, all in one process, each number a median over repeated device-synchronised calls:
+1. Bandwidth ceilings by several methods (`bench.measure_ceilings`: copy, read, gemv; plus a torch
+   device-to-device copy when torch sees the GPU): the floors of the bench use the highest.
+2. The projections of `--layers` Qwen3-8B decoder layers in one program, without attention or norms
+   (x -> q,k,v -> o -> residual -> gate,up -> down -> residual), at T tokens, in several forms:
+   `hf`   separate einsums on HF-layout [out, in] weights (what the models do now);
+   `fused` q|k|v and gate|up concatenated into one weight each (fewer, larger matmuls);
+   `io`   separate einsums on [in, out] weights;
+   `pallas` (T = 1 only) a Triton-lowered Pallas GEMV on [out, in] weights.
+   Each against its floor: the layers' weight bytes over the measured bandwidth.
+3. The output head alone ([151936, 4096] bf16 times T vectors, float32 logits).
+
+Writes probe.json under --out and prints a table. `--smoke` runs tiny shapes (CPU, interpreted Pallas) so
+the tests can run the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import time
+from pathlib import Path
+
+QWEN3_8B = dict(hidden=4096, q=4096, kv=1024, mlp=12288, vocab=151936)
+SMOKE = dict(hidden=64, q=64, kv=32, mlp=128, vocab=320)
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    from ddtree_jax.bench import _median_seconds as median
+
+    return median(fn, repeats)
+
+
+def torch_copy_bandwidth(n_bytes: int = 4 << 30, repeats: int = 10) -> float | None:
+    """Bytes read + written per second of a torch device-to-device copy (None without torch or a GPU)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    src = torch.randn(n_bytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    times.sort()
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n_bytes / times[len(times) // 2]
+
+
+def gemv_pallas(x, w, *, block_n: int = 16, block_k: int = 512, interpret: bool = False):
+    """x [1, K] times w [N, K]^T -> [1, N] in x's dtype (float32 accumulation), one program per `block_n`
+    rows of w, looping over K in `block_k` chunks (Triton lowering)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental import pallas as pl
+
+    n, k = w.shape
+    assert n % block_n == 0 and k % block_k == 0, (w.shape, block_n, block_k)
+
+    def kernel(x_ref, w_ref, o_ref):
+        def body(i, acc):
+            cols = pl.ds(i * block_k, block_k)
+            wk = w_ref[:, cols].astype(jnp.float32)
+            xk = x_ref[0, cols].astype(jnp.float32)
+            return acc + jnp.sum(wk * xk[None, :], axis=1)
+
+        acc = jax.lax.fori_loop(0, k // block_k, body, jnp.zeros((block_n,), jnp.float32))
+        o_ref[0, :] = acc.astype(o_ref.dtype)
+
+    return pl.pallas_call(
+        kernel, grid=(n // block_n,),
+        in_specs=[pl.BlockSpec((1, k), lambda i: (0, 0)), pl.BlockSpec((block_n, k), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((1, block_n), lambda i: (0, i)),
+        out_shape=jax.ShapeDtypeStruct((1, n), x.dtype), interpret=interpret)(x, w)
+
+
+def _layer_weights(shape: dict, layers: int, form: str):
+    import jax
+    import jax.numpy as jnp
+
+    e, q, kv, f = shape["hidden"], shape["q"], shape["kv"], shape["mlp"]
+    parts = {"q": (q, e), "k": (kv, e), "v": (kv, e), "o": (e, q), "gate": (f, e), "up": (f, e), "down": (e, f)}
+    if form == "fused":
+        parts = {"qkv": (q + 2 * kv, e), "o": (e, q), "gate_up": (2 * f, e), "down": (e, f)}
+
+    @functools.lru_cache(maxsize=None)
+    def maker(shp):
+        return jax.jit(lambda key: (jax.random.normal(key, shp, jnp.float32) * 0.02).astype(jnp.bfloat16))
+
+    out = []
+    for layer in range(layers):
+        ws = {}
+        for i, (name, (o, n_in)) in enumerate(parts.items()):
+            shp = (n_in, o) if form == "io" else (o, n_in)
+            ws[name] = maker(shp)(jax.random.key(layer * 16 + i))
+        out.append(ws)
+    return out
+
+
+def _as_hf(weights, shape: dict, form: str):
+    """The same weights in the HF form (split fused matrices, transpose [in, out] ones)."""
+    q, kv, f = shape["q"], shape["kv"], shape["mlp"]
+    out = []
+    for ws in weights:
+        if form == "io":
+            out.append({k: w.T for k, w in ws.items()})
+        else:
+            qkv, gu = ws["qkv"], ws["gate_up"]
+            out.append({"q": qkv[:q], "k": qkv[q:q + kv], "v": qkv[q + kv:], "o": ws["o"], "gate": gu[:f],
+                        "up": gu[f:], "down": ws["down"]})
+    return out
+
+
+def _projections(shape: dict, form: str, interpret: bool):
+    """fn(weights, x [T, e]) -> [T, e]: every layer's projections with residuals, no attention."""
+    import jax
+    import jax.numpy as jnp
+
+    q, kv, f = shape["q"], shape["kv"], shape["mlp"]
+
+    def mm(x, w):
+        if form == "io":
+            return jnp.einsum("ti,io->to", x, w)
+        if form == "pallas":
+            return gemv_pallas(x, w, interpret=interpret, block_k=min(512, w.shape[1]))
+        return jnp.einsum("ti,oi->to", x, w)
+
+    def fn(weights, x):
+        for ws in weights:
+            if form == "fused":
+                qkv = mm(x, ws["qkv"])
+                attn = qkv[:, :q] + jnp.tile(qkv[:, q:q + kv] + qkv[:, q + kv:], (1, q // kv))
+                x = x + mm(attn, ws["o"])
+                g, u = jnp.split(mm(x, ws["gate_up"]), 2, axis=-1)
+            else:
+                attn = mm(x, ws["q"]) + jnp.tile(mm(x, ws["k"]) + mm(x, ws["v"]), (1, q // kv))
+                x = x + mm(attn, ws["o"])
+                g, u = mm(x, ws["gate"]), mm(x, ws["up"])
+            x = x + mm(jax.nn.silu(g) * u, ws["down"])
+        return x
+
+    return jax.jit(fn)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--layers", type=int, default=36)
+    p.add_argument("--tokens", default="1,16,65")
+    p.add_argument("--forms", default="hf,fused,io,pallas")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--smoke", action="store_true")
+    args = p.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    from ddtree_jax.bench import ceilings_text, measure_ceilings
+
+    shape = SMOKE if args.smoke else QWEN3_8B
+    layers = 2 if args.smoke else args.layers
+    interpret = jax.default_backend() != "gpu"
+    report = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "shape": shape, "layers": layers,
+              "date": time.strftime("%Y-%m-%d"), "rows": []}
+    ceilings = measure_ceilings(3 if args.smoke else 10, args.smoke)
+    if not args.smoke:
+        ceilings["torch_copy_bytes_per_s"] = torch_copy_bandwidth()
+    report["ceilings"] = ceilings
+    print(ceilings_text(ceilings), "torch copy:", ceilings.get("torch_copy_bytes_per_s"), flush=True)
+    bandwidth = max(v for k, v in ceilings.items() if k.endswith("bytes_per_s") and v)
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def record(row):
+        report["rows"].append(row)
+        print(json.dumps(row), flush=True)
+        (args.out / "probe.json").write_text(json.dumps(report, indent=1))
+
+    for form in args.forms.split(","):
+        weights = _layer_weights(shape, layers, "hf" if form == "pallas" else form)
+        n_bytes = sum(w.nbytes for ws in weights for w in ws.values())
+        fn = _projections(shape, form, interpret)
+        for t in [int(v) for v in args.tokens.split(",")]:
+            if form == "pallas" and t != 1:
+                continue
+            x = jax.random.normal(jax.random.key(t), (t, shape["hidden"]), jnp.bfloat16)
+            try:
+                seconds = _median_seconds(lambda: fn(weights, x), args.repeats)
+            except Exception as e:  # noqa: BLE001 - a form that does not compile is a finding, not a crash
+                record({"section": "projections", "form": form, "tokens": t, "error": str(e).splitlines()[0][:300]})
+                continue
+            floor = n_bytes / bandwidth
+            extra = {}
+            if form != "hf":  # the same function as the models' form, up to bf16 rounding
+                ref = _projections(shape, "hf", interpret)(weights if form == "pallas" else
+                                                           _as_hf(weights, shape, form), x)
+                got = fn(weights, x)
+                extra["rel_err_vs_hf"] = float(jnp.linalg.norm((got - ref).astype(jnp.float32))
+                                               / jnp.linalg.norm(ref.astype(jnp.float32)))
+            record({"section": "projections", "form": form, "tokens": t, "layers": layers, **extra,
+                    "ms": seconds * 1e3,
+                    "us_per_layer": seconds * 1e6 / layers, "weight_bytes": n_bytes, "floor_ms": floor * 1e3,
+                    "x_floor": seconds / floor, "tb_per_s": n_bytes / seconds / 1e12})
+        del weights
+    head = jax.jit(lambda h, w: jnp.einsum("te,ve->tv", h, w, preferred_element_type=jnp.float32))
+    w = jax.random.normal(jax.random.key(99), (shape["vocab"], shape["hidden"]), jnp.bfloat16)
+    for t in [int(v) for v in args.tokens.split(",")]:
+        h = jax.random.normal(jax.random.key(t), (t, shape["hidden"]), jnp.bfloat16)
+        seconds = _median_seconds(lambda: head(h, w), args.repeats)
+        record({"section": "lm_head", "tokens": t, "ms": seconds * 1e3, "floor_ms": w.nbytes / bandwidth * 1e3,
+                "x_floor": seconds / (w.nbytes / bandwidth), "tb_per_s": w.nbytes / seconds / 1e12})
+    print("\n| section | form | T | ms | floor ms | x floor | TB/s |\n|---|---|---|---|---|---|---|")
+    for r in report["rows"]:
+        if "error" in r:
+            print(f"| {r['section']} | {r.get('form', '-')} | {r['tokens']} | error: {r['error'][:80]} | | | |")
+        else:
+            print(f"| {r['section']} | {r.get('form', '-')} | {r['tokens']} | {r['ms']:.3f} | {r['floor_ms']:.3f} | "
+                  f"{r['x_floor']:.2f} | {r['tb_per_s']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

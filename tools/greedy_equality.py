@@ -1,0 +1,119 @@
+"""Greedy DFlash and DDTree output against AR output, in bf16, with the default kernels (Pallas on a GPU).
+
+    PYTHONPATH=. python tools/greedy_equality.py --shape qwen3-8b [--budgets 16,64] [--max-new-tokens 48]
+    PYTHONPATH=. python tools/greedy_equality.py --target DIR --drafter DIR [--num-prompts 16]   # e.g. the demo pair
+
+Generates greedily with AR, DFlash and DDTree (each budget) from the same prompts, with the same kernels
+(`--kernels`, default `auto`), and prints per mode whether the tokens equal AR's. Where they differ, the
+first differing position is checked for a near-tie: the target is run on the prompt plus AR's tokens before
+that position, and the gap between its two largest logits there is printed (in bf16 the verify pass of
+B + 1 tokens and the AR step of one token round differently, so a tie within a few bf16 steps of the
+logits' size may flip; anything larger is a bug). With `--shape` the weights are random (bench's
+`_random_pair`), so the drafts are rarely accepted and the comparison mostly checks the verify pass's
+arithmetic; real checkpoints (or the demo pair, the default) also exercise acceptance and the commit.
+Exit status 1 if any mode differs at a position that is not a near-tie (`--tie-tolerance`, in logits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def top2_gap(target, prefix: list[int]) -> float:
+    """The gap between the two largest float32 logits of the target's next-token distribution after `prefix`."""
+    import jax
+    import jax.numpy as jnp
+
+    from ddtree_jax.engine import _target_forward, causal_mask, target_model
+
+    model = target_model(target)
+    dtype = target.flat()["model.embed_tokens.weight"].dtype
+    n = len(prefix)
+    cache = model.create_cache(target.config, 1, -(-n // 128) * 128, dtype)
+    tokens = jnp.asarray([prefix], jnp.int32)
+    lengths = jnp.asarray([n], jnp.int32)
+
+    @jax.jit
+    def last_logits(t, tok):
+        out = _target_forward(t, tok, jnp.arange(n, dtype=jnp.int32)[None], cache, causal_mask(lengths, n),
+                              valid=lengths)
+        return model.logits(t, out.hidden[:, -1])[0]
+
+    top = jax.lax.top_k(last_logits(target, tokens), 2)[0]
+    return float(top[0] - top[1])
+
+
+def main(argv=None) -> int:
+    import jax.numpy as jnp
+
+    from ddtree_jax.engine import DecodeOptions, Mode, generate
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", default=None)
+    p.add_argument("--target", type=Path, default=None)
+    p.add_argument("--drafter", type=Path, default=None)
+    p.add_argument("--budgets", default="16,64")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--kernels", default="auto")
+    p.add_argument("--tie-tolerance", type=float, default=0.25,
+                   help="largest top-2 logit gap at a first difference that still counts as a near-tie")
+    p.add_argument("--out", type=Path, default=None, help="write the result as JSON here too")
+    args = p.parse_args(argv)
+
+    if args.shape:
+        from ddtree_jax.bench import _random_pair
+        from ddtree_jax.parallel import Parallel
+
+        target, drafter = _random_pair(args.shape, Parallel())
+        vocab = target.config.vocab_size - 1  # the last row is the drafter's mask token
+        prompts = [[(7 * i + 3 + 13 * r) % vocab for i in range(40 - 3 * r)] for r in range(min(args.num_prompts, 4))]
+        source = f"random {args.shape} weights"
+    else:
+        from ddtree_jax.bench import _read_prompts
+        from ddtree_jax.checkpoint import load_drafter, load_target
+        from ddtree_jax.demo_pair import demo_drafter, demo_prompts, demo_target
+        from ddtree_jax.generate import _load_tokenizer
+
+        t_dir, d_dir = args.target or demo_target(), args.drafter or demo_drafter()
+        target = load_target(t_dir, jnp.bfloat16)
+        drafter = load_drafter(d_dir, target.config, jnp.bfloat16)
+        prompts = _read_prompts(demo_prompts(), _load_tokenizer(t_dir))[:args.num_prompts]
+        source = str(t_dir)
+
+    def run(mode: Mode, budget: int = 64):
+        options = DecodeOptions(mode=mode, max_new_tokens=args.max_new_tokens, budget=budget, kernels=args.kernels)
+        return generate(target, prompts, options, drafter=drafter)
+
+    ar = run(Mode.AR).output_ids
+    report = {"source": source, "kernels": args.kernels, "prompts": len(prompts),
+              "max_new_tokens": args.max_new_tokens, "modes": []}
+    bad = False
+    for mode, budget in [(Mode.DFLASH, None)] + [(Mode.DDTREE, int(b)) for b in args.budgets.split(",") if b]:
+        result = run(mode, budget or 64)
+        first = next(((r, i) for r, (x, y) in enumerate(zip(ar, result.output_ids))
+                      for i, (u, v) in enumerate(zip(x, y)) if u != v), None)
+        entry = {"mode": mode.value, "budget": budget, "equal_to_ar": result.output_ids == ar,
+                 "tau": result.tau, "first_difference": first}
+        if first is not None:
+            r, i = first
+            entry["top2_gap"] = top2_gap(target, list(prompts[r]) + ar[r][:i])
+            entry["near_tie"] = entry["top2_gap"] <= args.tie_tolerance
+            bad |= not entry["near_tie"]
+        elif result.output_ids != ar:  # same prefix, different lengths
+            bad = True
+        report["modes"].append(entry)
+        print(json.dumps(entry), flush=True)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=1))
+    print("all equal to AR" if all(m["equal_to_ar"] for m in report["modes"]) else
+          ("differences only at near-ties" if not bad else "DIFFERENT beyond near-ties"))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
