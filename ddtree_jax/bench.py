@@ -77,7 +77,8 @@ DRAFTERS = {
                         intermediate_size=128, block_size=16, num_target_layers=4,
                         dflash_config={"mask_token_id": 319, "target_layer_ids": [0, 3]}),
 }
-SMALL_SHAPES = ("tiny", "tiny-hybrid")  # CPU-sized: small ceiling measurements too
+SMALL_SHAPES = ("tiny", "tiny-hybrid")
+LOOP_ROUNDS = 8  # rounds per timed call of the device loop (time_stages)  # CPU-sized: small ceiling measurements too
 # The paper's Table 1, MATH-500, Qwen3-8B, T = 0: DFlash tau 7.79; DDTree tau 10.73 at its best budget.
 # Per-budget values are not published; these defaults use the DDTree figure for every budget >= 64 and
 # interpolate below. Override with --tau.
@@ -214,9 +215,10 @@ def _param_bytes(params) -> int:
     return sum(a.size * a.dtype.itemsize for a in params.flat().values())
 
 
-def _filled_state(target, drafter, context: int, options, parallel, rounds: int):
+def _filled_state(target, drafter, context: int, options, parallel, rounds: int, tokens_per_round: int | None = None):
     """A decode state whose caches hold `context` committed tokens of random K/V (and, for a hybrid target,
-    random recurrent states and conv windows), with room for `rounds` rounds of full acceptance."""
+    random recurrent states and conv windows), with room for `rounds` rounds of `tokens_per_round` committed
+    tokens each (default: full acceptance)."""
     import jax
     import jax.numpy as jnp
 
@@ -226,7 +228,7 @@ def _filled_state(target, drafter, context: int, options, parallel, rounds: int)
 
     b = 1
     # Tight capacity: the pure-JAX attention reads every slot (masked), so spare room would be timed too.
-    per_round = options.block_size + 1 if options.mode.needs_drafter else 1
+    per_round = tokens_per_round or (options.block_size + 1 if options.mode.needs_drafter else 1)
     capacity = -(-(context + rounds * per_round + options.verify_width) // 128) * 128
     dtype = jnp.bfloat16
 
@@ -308,7 +310,7 @@ def prepare_stages(target, drafter, options, context: int, repeats: int, paralle
 
     from ddtree_jax.accept import accept_tree, chain_tree
     from ddtree_jax.cache import HybridCache, advance, commit_path, commit_recurrent
-    from ddtree_jax.engine import Mode, ROUNDS, _target_forward, target_model
+    from ddtree_jax.engine import Mode, _target_forward, decode_loop, target_model
     from ddtree_jax.models import dflash
     from ddtree_jax.sampling import decode_tokens
     from ddtree_jax.tree import build_tree
@@ -316,9 +318,14 @@ def prepare_stages(target, drafter, options, context: int, repeats: int, paralle
     rounds = repeats + 2  # _median_seconds' warm-up included
     # Every array reaches a compiled stage as an argument: one closed over becomes a constant of the
     # program (16 GB of them at 8B, which XLA then tries to constant-fold for minutes).
-    state = _filled_state(target, drafter, context, options, parallel, rounds)
-    round_c = _compile(lambda t, d, s: ROUNDS[options.mode](t, d, s, options), target, drafter, state, donate=(2,))
-    row = RowPrograms(programs={"round": (round_c, (target, drafter))}, state=state)
+    # The round runs as generate runs it: inside the device loop (`engine.decode_loop`), `max_steps` rounds
+    # per call. Random weights commit about one token per round (the drafts are rejected), so the loop's
+    # cache leaves room for two per round: the pure-JAX attention reads every slot, spare room would be timed.
+    state = _filled_state(target, drafter, context, options, parallel, rounds * (LOOP_ROUNDS + 1) + LOOP_ROUNDS,
+                          tokens_per_round=2 if options.mode.needs_drafter else 1)
+    loop_c = _compile(lambda t, d, s, n: decode_loop(t, d, s, n, options), target, drafter, state, jnp.int32(1),
+                      donate=(2,))
+    row = RowPrograms(programs={"round": (loop_c, (target, drafter))}, state=state)
     if options.mode is Mode.AR:
         return row
     stage_state = _filled_state(target, drafter, context, options, parallel, rounds)
@@ -368,22 +375,34 @@ def prepare_stages(target, drafter, options, context: int, repeats: int, paralle
 
 
 def time_stages(row: RowPrograms, repeats: int, trace_dir: Path | None = None) -> dict:
-    """Median seconds of each prepared stage and of the whole round (its state donated call to call).
-    `trace_dir`: also record a profiler trace (with a Perfetto JSON) of three rounds there."""
+    """Median seconds of each prepared stage, and of a round in the device loop.
+
+    round: (t(LOOP_ROUNDS rounds in one call) - t(1 round in one call)) / (LOOP_ROUNDS - 1), the time a
+    round adds inside `engine.decode_loop`, as `generate` runs it (the call's dispatch cancelled out);
+    round_call: one round per call, dispatch included (what a caller pays who steps one round at a time).
+    Stages are single calls of programs compiled alone, so each includes its own dispatch.
+    `trace_dir`: also record a profiler trace (with a Perfetto JSON) of one call of LOOP_ROUNDS rounds there.
+    """
     import jax
+    import jax.numpy as jnp
 
-    round_c, weights = row.programs["round"]
+    loop_c, weights = row.programs["round"]
 
-    def one_round():
-        row.state = round_c(*weights, row.state)
-        return row.state.step
+    def rounds_per_call(n: int):
+        steps = jnp.int32(n)
 
-    out = {"round": _median_seconds(one_round, repeats)}
+        def call():
+            row.state = loop_c(*weights, row.state, steps)
+            return row.state.step
+        return call
+
+    out = {"round_call": _median_seconds(rounds_per_call(1), repeats)}
+    many = _median_seconds(rounds_per_call(LOOP_ROUNDS), repeats)
+    out["round"] = max(many - out["round_call"], 0.0) / (LOOP_ROUNDS - 1)
     if trace_dir is not None:
         try:
             with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
-                for _ in range(3):
-                    jax.block_until_ready(one_round())
+                jax.block_until_ready(rounds_per_call(LOOP_ROUNDS)())
         except Exception as e:  # noqa: BLE001 - a profiler that cannot start costs the trace, not the row
             print(f"warning: no trace in {trace_dir}: {str(e).splitlines()[0][:200]}", file=sys.stderr)
     for name, (compiled, args) in row.programs.items():
@@ -639,15 +658,16 @@ def _mib(n: int) -> str:
 def markdown(report: dict) -> str:
     if report["kind"] == "shape":
         head = ("| mode | B | kernels | verify tokens | draft ms | tree ms | verify ms | accept ms | commit ms | round ms | "
-                "floor ms | x floor | x AR step | projected tok/s (tau) | recurrent state MiB |\n|"
-                + "---|" * 15 + "\n")
+                "floor ms | x floor | x AR step | 1 round per call ms | projected tok/s (tau) | recurrent state MiB |\n|"
+                + "---|" * 16 + "\n")
         ms = lambda r, k: f"{r[k] * 1e3:.2f}" if k in r else "-"  # noqa: E731
         hybrid = report.get("hybrid", False)
         mib = lambda r: _mib(r.get("recurrent_state_bytes", 0)) if hybrid else "-"  # noqa: E731
         lines = [f"| {r['mode']} | {r['budget'] or '-'} | {r.get('kernels', 'jax')} | {r['verify_tokens']} | {ms(r, 'draft_s')} | "
                  f"{ms(r, 'tree_s')} | {ms(r, 'verify_s')} | {ms(r, 'accept_s')} | {ms(r, 'commit_s')} | "
                  f"{ms(r, 'round_s')} | {ms(r, 'floor_s')} | {r['ratio_to_floor']:.2f} | "
-                 f"{r['round_over_ar_step'] or float('nan'):.2f} | {r['tokens_per_s_projected']:.0f} ({r['tau_projected']:.2f}) | "
+                 f"{r['round_over_ar_step'] or float('nan'):.2f} | {ms(r, 'round_call_s')} | "
+                 f"{r['tokens_per_s_projected']:.0f} ({r['tau_projected']:.2f}) | "
                  f"{mib(r)} |"
                  for r in report["rows"]]
         c = report["ceilings"]
@@ -661,7 +681,9 @@ def markdown(report: dict) -> str:
             notes += (f"\n\nNot measured: {r['mode']} B={r['budget'] or '-'} ({r.get('kernels', 'jax')}), "
                       f"{r['verify_tokens']} verify tokens, {_mib(r['recurrent_state_bytes'])} MiB of node "
                       f"states: {r['error']}")
-        return (head + "\n".join(lines) + f"\n\n{ceilings_text(c)} Projected tokens/s = tau / round time."
+        return (head + "\n".join(lines) + f"\n\n{ceilings_text(c)} Round: the time a round adds inside the device loop ({LOOP_ROUNDS} rounds per "
+                f"call against 1); stages: each compiled and called alone (dispatch included). Projected tokens/s "
+                f"= tau / round time."
                 + notes + "\n")
     head = "| mode | B | tau | tokens/s | speedup over AR | first divergence from AR |\n|---|---|---|---|---|---|\n"
     return head + "\n".join(f"| {r['mode']} | {r['budget'] or '-'} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "

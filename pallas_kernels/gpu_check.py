@@ -6,13 +6,17 @@
 
 Qwen3-8B shapes, batch 1: 32 query heads, 8 KV heads, head dim 128, vocabulary 151936.
 
-How time is measured (per layer, not per call). One call of a small kernel costs 40-100 us of launch
-and dispatch on an H200 whatever it computes (the K/V of one layer at S=2048 is 8.4 MB, 3 us of HBM
-traffic), so timing single calls says nothing about the kernel. Here every variant runs over L
-layers *inside one jitted program*: L distinct layers' inputs (separate arrays, as in the model, so no
-slice is copied and the caches do not stay in L2: L=36 at S=1024 is 150 MB of K/V, at S=16384 2.4 GB),
-L calls back to back, all outputs returned. Time per layer = median time of the program / L (a few
-programs back to back per round, so dispatch overlaps device work; compilation and a warm-up excluded).
+How time is measured (device time per layer, not per call). A call's host dispatch grows with its
+argument count: for a 36-layer program (about 200 arrays) it is several hundred microseconds on the H200,
+more than the device work of the small points, and it overlaps nothing when the call is timed alone (an
+earlier version of this script divided such call times by L and reported 27 us per layer where a
+profiler trace of the same kernel showed 6.6 us). So every variant runs over L layers *inside one jitted
+program* (L distinct layers' inputs, separate arrays as in the model, so no slice is copied and the caches
+do not stay in L2: L=36 at S=1024 is 150 MB of K/V, at S=16384 2.4 GB), and the program repeats its L
+layers a given number of times in a device loop, each pass's outputs feeding the next pass's queries.
+Each call is timed alone, once with 1 pass and once with R passes (`--repeats`, default 8): time per
+layer = (median t_R - median t_1) / ((R - 1) L), which cancels the dispatch (compilation and a warm-up
+excluded). The loop's own per-pass cost is included, spread over the L layers.
 
 Sections:
 - ceilings: copy bandwidth (2 GiB bf16, `a*2+1`, bytes read + written) and bf16 matmul rate (8192^3),
@@ -114,24 +118,29 @@ def compile_program(fn, args: tuple):
     return compiled, time.perf_counter() - start
 
 
-def time_program(compiled, args: tuple, *, rounds: int, round_seconds: float = 0.025,
-                 max_calls: int = 50) -> tuple[float, int]:
-    """(median seconds per call, calls per round). Each round runs enough back-to-back calls to last about
-    `round_seconds` (at least 2, so dispatch overlaps the device work), then synchronises; one warm-up."""
-    jax.block_until_ready(compiled(*args))
-    start = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    one = time.perf_counter() - start
-    calls = max(2, min(max_calls, math.ceil(round_seconds / max(one, 1e-7))))
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        out = None
-        for _ in range(calls):
-            out = compiled(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / calls)
-    return statistics.median(samples), calls
+def time_program(compiled, args: tuple, units: int, *, rounds: int, repeats: int = 8) -> float:
+    """Device seconds per unit (layer or copy) of a program built by `attention_program`, `dpa_program` or
+    `accept_program`, whose last argument is how many times it runs its units back to back on the device.
+
+    One call costs a host dispatch that grows with its argument count (hundreds of microseconds for the
+    ~200 arrays of a 36-layer program on the H200), more than the device work of small points, so a call's
+    time says little about the kernel. Each call is timed alone (synchronised), with 1 and with `repeats`
+    passes: (median(t_repeats) - median(t_1)) / ((repeats - 1) * units) is the device time of one unit, the
+    dispatch cancelled out. Each pass is one iteration of a device loop, so the loop's per-iteration cost
+    (a few microseconds) is included, spread over the units."""
+    one, many = jnp.int32(1), jnp.int32(repeats)
+    jax.block_until_ready(compiled(*args, one))
+    jax.block_until_ready(compiled(*args, many))
+
+    def median_seconds(n) -> float:
+        samples = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(*args, n))
+            samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    return max(median_seconds(many) - median_seconds(one), 0.0) / ((repeats - 1) * units)
 
 
 def rel_err(out, ref) -> float:
@@ -227,22 +236,46 @@ def dpa_mask(shared: dict, s: int) -> jax.Array:
 
 
 def attention_program(layer_fn, layers: int):
-    def run(q, k_cache, v_cache, k_new, v_new, cache_lengths, new_mask, positions):
-        return tuple(layer_fn(q[i], k_cache[i], v_cache[i], cache_lengths, k_new[i], v_new[i], new_mask, positions)
-                     for i in range(layers))
+    """L layers back to back, `repeats` passes (a device loop; each pass's outputs are the next pass's
+    queries, so no pass can be hoisted or skipped). Returns the last pass's outputs."""
+    def run(q, k_cache, v_cache, k_new, v_new, cache_lengths, new_mask, positions, repeats):
+        def one_pass(_, qs):
+            return tuple(layer_fn(qs[i], k_cache[i], v_cache[i], cache_lengths, k_new[i], v_new[i], new_mask,
+                                  positions).astype(qs[i].dtype) for i in range(layers))
+        return jax.lax.fori_loop(0, repeats, one_pass, tuple(q))
     return run
 
 
 def dpa_program(implementation: str, scale: float, layers: int):
-    def run(q, keys, values, mask):
-        return tuple(jax.nn.dot_product_attention(q[i], keys[i], values[i], None, mask, scale=scale,
-                                                  implementation=implementation) for i in range(layers))
+    def run(q, keys, values, mask, repeats):
+        def one_pass(_, qs):
+            return tuple(jax.nn.dot_product_attention(qs[i], keys[i], values[i], None, mask, scale=scale,
+                                                      implementation=implementation).astype(qs[i].dtype)
+                         for i in range(layers))
+        return jax.lax.fori_loop(0, repeats, one_pass, tuple(q))
     return run
 
 
 def accept_program(accept_fn, copies: int):
-    def run(logits, tokens, parents, depths, valid):
-        return tuple(accept_fn(logits[i], tokens, parents, depths, valid) for i in range(copies))
+    """`copies` acceptances over independent logits, `repeats` passes. Each pass depends on the previous
+    pass's counts (through a term that is always 0, which XLA cannot know), and its logits pass through an
+    optimization barrier with that term, so no part of a pass (the reference's argmax over the logits
+    either) can be hoisted out of the loop. Returns the last pass's outputs."""
+    def run(logits, tokens, parents, depths, valid, repeats):
+        def once(salt):
+            outs = []
+            for i in range(copies):
+                lg, salt_i = jax.lax.optimization_barrier((logits[i], salt))
+                outs.append(accept_fn(lg, tokens + salt_i, parents, depths, valid))
+            return tuple(outs)
+
+        def one_pass(_, carry):
+            outs = once(carry[0])
+            salt = sum(jnp.where(o.count < 0, 1, 0).sum() for o in outs).astype(tokens.dtype)
+            return salt, outs
+
+        init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(once, jnp.zeros((), tokens.dtype)))
+        return jax.lax.fori_loop(0, repeats, one_pass, (jnp.zeros((), tokens.dtype), init))[1]
     return run
 
 
@@ -260,7 +293,7 @@ def attention_cost(shape: dict, b: int, s: int, t: int, dtype) -> tuple[int, int
 
 
 def time_attention(shape: dict, ceilings: dict, records: list, save, *, interpret: bool, sweep: bool, rounds: int,
-                   dtype=jnp.bfloat16) -> None:
+                   repeats: int, dtype=jnp.bfloat16) -> None:
     b, layers, d = shape["b"], shape["layers"], shape["d"]
     scale = d ** -0.5
     name = jnp.dtype(dtype).name
@@ -278,14 +311,14 @@ def time_attention(shape: dict, ceilings: dict, records: list, save, *, interpre
             def run_variant(variant: str, config: str, fn, args, reference=None):
                 rec = dict(base, variant=variant, config=config)
                 try:
-                    compiled, rec["compile_s"] = compile_program(fn, args)
-                    outs = jax.block_until_ready(compiled(*args))
+                    compiled, rec["compile_s"] = compile_program(fn, args + (jnp.int32(1),))
+                    outs = jax.block_until_ready(compiled(*args, jnp.int32(1)))
                     rec["finite"] = all_finite(outs)
                     if reference is not None:
                         rec["rel_err"] = rel_err(outs, reference)
                         rec["check_ok"] = rec["finite"] and rec["rel_err"] <= TOLERANCE[name]
-                    seconds, rec["calls"] = time_program(compiled, args, rounds=rounds)
-                    rec.update(us=seconds / layers * 1e6, status="ok")
+                    seconds = time_program(compiled, args, layers, rounds=rounds, repeats=repeats)
+                    rec.update(us=seconds * 1e6, repeats=repeats, status="ok")
                     rec["ratio"] = rec["us"] / rec["floor_us"]
                 except Exception as exc:  # noqa: BLE001 - record and go on
                     rec.update(status="error", error=error_text(exc))
@@ -368,7 +401,7 @@ def accept_copies(shape: dict, t: int, dtype) -> int:
 
 
 def time_accept(shape: dict, ceilings: dict, records: list, save, *, interpret: bool, sweep: bool,
-                rounds: int) -> None:
+                rounds: int, repeats: int) -> None:
     p, vocab = shape["path_len"], shape["vocab"]
     for t in shape["accept_t"]:
         for dtype in (jnp.float32, jnp.bfloat16):
@@ -405,8 +438,9 @@ def time_accept(shape: dict, ceilings: dict, records: list, save, *, interpret: 
                 for variant, config, fn in variants:
                     rec = dict(base, variant=variant, config=config)
                     try:
-                        compiled, rec["compile_s"] = compile_program(accept_program(fn, copies), args)
-                        outs = jax.block_until_ready(compiled(*args))
+                        compiled, rec["compile_s"] = compile_program(accept_program(fn, copies),
+                                                                     args + (jnp.int32(1),))
+                        outs = jax.block_until_ready(compiled(*args, jnp.int32(1)))
                         counts = [int(o.count[0]) for o in outs]
                         rec["count"] = counts[0]
                         rec["count_ok"] = all(c == expected_count for c in counts)
@@ -416,8 +450,8 @@ def time_accept(shape: dict, ceilings: dict, records: list, save, *, interpret: 
                             rec["exact"] = all(bool((np.asarray(a) == np.asarray(r)).all())
                                                for o, ro in zip(outs, reference) for a, r in zip(o, ro))
                         rec["check_ok"] = rec["count_ok"] and rec.get("exact", True)
-                        seconds, rec["calls"] = time_program(compiled, args, rounds=rounds)
-                        rec.update(us=seconds / copies * 1e6, status="ok")
+                        seconds = time_program(compiled, args, copies, rounds=rounds, repeats=repeats)
+                        rec.update(us=seconds * 1e6, repeats=repeats, status="ok")
                         rec["ratio"] = rec["us"] / rec["floor_us"]
                     except Exception as exc:  # noqa: BLE001
                         rec.update(status="error", error=error_text(exc))
@@ -466,7 +500,8 @@ def summary_markdown(records: list[dict], env: dict) -> str:
         lines.append("")
     att = [r for r in records if r.get("section") == "attention"]
     if att:
-        lines.append(f"Tree attention, microseconds per layer (median over {env.get('layers')} layers in one "
+        lines.append(f"Tree attention, device microseconds per layer ({env.get('layers')} layers per pass, "
+                     f"{env.get('repeats', 1)} passes against 1 in one "
                      "program), bf16, batch 1, cache length = S; in brackets: time / floor.")
         lines.append("")
         lines.append("| S | T | floor us (bound) | pallas | reference (XLA) | dpa xla | dpa cudnn | "
@@ -504,8 +539,9 @@ def summary_markdown(records: list[dict], env: dict) -> str:
         lines.append("")
     acc = [r for r in records if r.get("section") == "accept"]
     if acc:
-        lines.append(f"Tree acceptance (greedy), microseconds per call, V={acc[0]['vocab']}, median over the "
-                     "copies in one program; in brackets: time / floor (logit bytes / copy bandwidth).")
+        lines.append(f"Tree acceptance (greedy), device microseconds per acceptance, V={acc[0]['vocab']} (copies "
+                     f"per pass, {env.get('repeats', 1)} passes against 1 in one program); in brackets: time / "
+                     "floor (logit bytes / bandwidth).")
         lines.append("")
         lines.append("| T | logits | copies | floor us | pallas (fused) | reference (XLA argmax + walk) | exact |")
         lines.append("|---|---|---|---|---|---|---|")
@@ -550,6 +586,14 @@ def print_records(records: list[dict]) -> None:
 # ----------------------------------------------------------------------------------------------------
 
 
+def _sections(text: str) -> tuple[str, ...]:
+    names = tuple(x for x in text.split(",") if x)
+    bad = [x for x in names if x not in ("check", "accept", "attention")]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"expected a comma list of check, accept, attention; got {text!r}")
+    return names
+
+
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
@@ -561,13 +605,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="S in {1024, 16384}, T in {1, 257}; checks at T in {1, 65}; acceptance at T in {17, 513}")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, kernels interpreted (runs without a GPU)")
     parser.add_argument("--sweep", action="store_true", help="also time the alternative kernel configs (slow)")
-    parser.add_argument("--only", choices=("attention", "check", "accept"), default=None, help="one section only")
+    parser.add_argument("--only", type=_sections, default=None,
+                        help="comma list of the sections to run (check, accept, attention; default all)")
     parser.add_argument("--s", type=_ints, default=None, help="comma list of cache lengths S (timing grid)")
     parser.add_argument("--t", type=_ints, default=None, help="comma list of new-token counts T (timing grid)")
     parser.add_argument("--accept-t", type=_ints, default=None, help="comma list of tree sizes for acceptance")
     parser.add_argument("--check-t", type=_ints, default=None, help="comma list of T for the correctness check")
     parser.add_argument("--layers", type=int, default=None, help="layers per timed program (default 36)")
     parser.add_argument("--rounds", type=int, default=7, help="timing rounds (median taken)")
+    parser.add_argument("--repeats", type=int, default=8,
+                        help="device passes of the long program (time per unit = difference to 1 pass)")
     args = parser.parse_args(argv)
     # jax >= 0.11 warns on every Triton-lowered pallas_call; the table is what this script is for.
     warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
@@ -582,7 +629,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, key) is not None:
             shape[key] = getattr(args, key)
     interpret = args.smoke
-    rounds = 2 if args.smoke else args.rounds
+    rounds = 3 if args.smoke else args.rounds
+    repeats = args.repeats
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -592,7 +640,7 @@ def main(argv: list[str] | None = None) -> int:
     ceilings = measure_ceilings(repeats=3 if args.smoke else 10, small=args.smoke)
     env = dict(jax=jax.__version__, python=platform.python_version(), backend=backend,
                devices=[str(d.device_kind) for d in jax.devices()], smoke=args.smoke, quick=args.quick,
-               sweep=args.sweep, shape=shape, layers=shape["layers"], rounds=rounds,
+               sweep=args.sweep, shape=shape, layers=shape["layers"], rounds=rounds, repeats=repeats,
                kernels_env=os.environ.get("DDTREE_JAX_KERNELS"), ceilings=ceilings,
                date=time.strftime("%Y-%m-%d"), argv=list(argv if argv is not None else sys.argv[1:]))
     log(json.dumps(env))
@@ -611,11 +659,11 @@ def main(argv: list[str] | None = None) -> int:
     # Correctness first, then the cheap acceptance timing, then the long attention grid (saved point by point).
     sections = (("check", lambda: check_attention(shape, records, save, interpret=interpret)),
                 ("accept", lambda: time_accept(shape, ceilings, records, save, interpret=interpret,
-                                               sweep=args.sweep, rounds=rounds)),
+                                               sweep=args.sweep, rounds=rounds, repeats=repeats)),
                 ("attention", lambda: time_attention(shape, ceilings, records, save, interpret=interpret,
-                                                     sweep=args.sweep, rounds=rounds)))
+                                                     sweep=args.sweep, rounds=rounds, repeats=repeats)))
     for name, run in sections:
-        if args.only not in (None, name):
+        if args.only is not None and name not in args.only:
             continue
         start = time.time()
         try:

@@ -1,0 +1,80 @@
+"""Summarise the GPU side of the profiler traces that `python -m ddtree_jax.bench --trace DIR` writes.
+
+    python tools/trace_summary.py DIR [--top 12]
+
+For every row folder under DIR (its `perfetto_trace.json.gz`), over the traced rounds: wall time from the
+first kernel's start to the last kernel's end, the sum of kernel times (busy), the gaps between kernels
+(idle = wall - busy), the kernel count, and the kernels grouped by name with their share of the busy time.
+Per round = divided by the number of rounds traced (3 in the bench).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import re
+import sys
+from pathlib import Path
+
+
+def gpu_kernels(path: Path) -> list[tuple[float, float, str]]:
+    """(start us, duration us, name) of every event on the GPU's streams, sorted by start."""
+    data = json.load(gzip.open(path))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                and "GPU" in str(e.get("args", {}).get("name", ""))}
+    out = [(float(e["ts"]), float(e.get("dur", 0.0)), e.get("name", "?")) for e in events
+           if e.get("ph") == "X" and e.get("pid") in gpu_pids]
+    return sorted(out)
+
+
+def family(name: str) -> str:
+    """Kernel names without their numeric suffixes (fusion_123 -> fusion, loop_add_fusion_7 -> loop_add_fusion)."""
+    return re.sub(r"(_\d+)+$", "", re.sub(r"\.\d+", "", name))
+
+
+def summarise(path: Path, rounds: int = 3, top: int = 12) -> dict:
+    kernels = gpu_kernels(path)
+    if not kernels:
+        return {"kernels": 0}
+    wall = kernels[-1][0] + kernels[-1][1] - kernels[0][0]
+    busy = sum(d for _, d, _ in kernels)
+    groups = collections.defaultdict(lambda: [0, 0.0])
+    for _, d, name in kernels:
+        groups[family(name)][0] += 1
+        groups[family(name)][1] += d
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"rounds": rounds, "wall_ms_per_round": wall / rounds / 1e3, "busy_ms_per_round": busy / rounds / 1e3,
+            "idle_ms_per_round": (wall - busy) / rounds / 1e3, "kernels_per_round": len(kernels) / rounds,
+            "top": [{"name": n, "count_per_round": c / rounds, "ms_per_round": t / rounds / 1e3,
+                     "share_of_busy": t / busy} for n, (c, t) in ranked]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("dir", type=Path)
+    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    report = {}
+    for trace in sorted(args.dir.glob("*/**/perfetto_trace.json.gz")):
+        row = trace.relative_to(args.dir).parts[0]
+        report[row] = summarise(trace, top=args.top)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    for row, s in report.items():
+        if not s.get("kernels_per_round"):
+            print(f"{row}: no GPU kernels in the trace")
+            continue
+        print(f"\n{row}: wall {s['wall_ms_per_round']:.2f} ms/round, kernels busy {s['busy_ms_per_round']:.2f}, "
+              f"idle {s['idle_ms_per_round']:.2f}, {s['kernels_per_round']:.0f} kernels/round")
+        for k in s["top"]:
+            print(f"  {k['ms_per_round']:7.3f} ms  {k['share_of_busy']:5.1%}  x{k['count_per_round']:<5.0f} {k['name'][:90]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
