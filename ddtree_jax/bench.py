@@ -13,10 +13,13 @@ Two ways to run:
   over AR measured in the same run, and the first greedy divergence from AR. With neither `--shape` nor
   `--target`: the demo pair shipped with the package, on its held-out prompts.
 
-The same run measures copy bandwidth and the bf16 matmul rate; every row prints its floor
-(max(bytes / bandwidth, FLOPs / matmul rate)) and the ratio to it. Warm-up is excluded, times are
-medians of repeats, each synchronised on the device. Writes a JSON file with every figure, a markdown
-table and a plot (time per round against budget, with the floor).
+The same run measures the memory bandwidth (several ways, the best taken) and the bf16 matmul rate;
+every row prints its floor (max(bytes / bandwidth, FLOPs / matmul rate)) and the ratio to it. A round is
+timed inside the device loop, as `generate` runs it: calls of 8 rounds against calls of 1, so that a
+call's dispatch cancels out (one round per call is reported beside it). Rows are compiled in parallel
+threads before any is timed. Warm-up is excluded, times are medians of repeats, each synchronised on the
+device. Writes a JSON file with every figure, a markdown table and a plot (time per round against
+budget, with the floor); `--trace DIR` adds a profiler trace per row.
 """
 
 from __future__ import annotations
@@ -77,8 +80,8 @@ DRAFTERS = {
                         intermediate_size=128, block_size=16, num_target_layers=4,
                         dflash_config={"mask_token_id": 319, "target_layer_ids": [0, 3]}),
 }
-SMALL_SHAPES = ("tiny", "tiny-hybrid")
-LOOP_ROUNDS = 8  # rounds per timed call of the device loop (time_stages)  # CPU-sized: small ceiling measurements too
+SMALL_SHAPES = ("tiny", "tiny-hybrid")  # CPU-sized: small ceiling measurements too
+LOOP_ROUNDS = 8  # rounds per timed call of the device loop (time_stages)
 # The paper's Table 1, MATH-500, Qwen3-8B, T = 0: DFlash tau 7.79; DDTree tau 10.73 at its best budget.
 # Per-budget values are not published; these defaults use the DDTree figure for every budget >= 64 and
 # interpolate below. Override with --tau.
@@ -110,11 +113,14 @@ def _median_seconds(fn, repeats: int, warmup: int = 2) -> float:
 def measure_ceilings(repeats: int, small: bool) -> dict:
     """Memory bandwidth and the bf16 matmul rate of the default device.
 
-    Bandwidth is measured three ways, because XLA's kernels reach different fractions of the hardware
+    Bandwidth is measured several ways, because XLA's kernels reach different fractions of the hardware
     rate: `copy` (`a * 2 + 1` over 2 GiB of bf16, bytes read + written), `read` (a float32 sum of the same
-    array, bytes read) and `gemv` (a 1 GiB bf16 matrix times a vector, the matrix's bytes: the access
-    pattern of a batch-1 decode step). `bandwidth_bytes_per_s` is the highest of the three: the floors use
-    it, so that no row can look faster than its floor because one measurement came out low.
+    array, bytes read), `gemv` (a 1 GiB bf16 matrix times a vector, the matrix's bytes: the access pattern
+    of a batch-1 decode step) and, where PyTorch sees a CUDA GPU, `torch_copy` (a 4 GiB device-to-device
+    copy timed with CUDA events, bytes read + written: the method the device notes use). On the H200 the
+    three XLA figures came out at 2.4-3.4 TB/s while torch's copy and XLA's own matmul kernels inside a
+    decode step reached 4.1-4.3 TB/s (docs/performance.md). `bandwidth_bytes_per_s` is the highest of them:
+    the floors use it, so that no row can look closer to its floor because one measurement came out low.
     """
     import jax
     import jax.numpy as jnp
@@ -135,8 +141,42 @@ def measure_ceilings(repeats: int, small: bool) -> dict:
     b = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
     mm = jax.jit(lambda p, q: p @ q)
     matmul = 2 * m**3 / _median_seconds(lambda: mm(a, b), repeats)
-    return {"bandwidth_bytes_per_s": max(copy_bw, read_bw, gemv_bw), "copy_bytes_per_s": copy_bw,
-            "read_bytes_per_s": read_bw, "gemv_bytes_per_s": gemv_bw, "bf16_flops_per_s": matmul}
+    out = {"copy_bytes_per_s": copy_bw, "read_bytes_per_s": read_bw, "gemv_bytes_per_s": gemv_bw,
+           "bf16_flops_per_s": matmul}
+    torch_bw = None if small else torch_copy_bandwidth()
+    if torch_bw:
+        out["torch_copy_bytes_per_s"] = torch_bw
+    out["bandwidth_bytes_per_s"] = max(v for k, v in out.items() if k.endswith("bytes_per_s"))
+    return out
+
+
+def torch_copy_bandwidth(n_bytes: int = 4 << 30, repeats: int = 10) -> float | None:
+    """Bytes read + written per second of a PyTorch device-to-device copy timed with CUDA events, or None
+    where PyTorch is missing or sees no CUDA GPU (it then costs nothing but the import attempt)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    try:
+        if not torch.cuda.is_available():
+            return None
+        src = torch.randn(n_bytes // 2, dtype=torch.bfloat16, device="cuda")
+        dst = torch.empty_like(src)
+        for _ in range(3):
+            dst.copy_(src)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(repeats):
+            start.record()
+            dst.copy_(src)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        del src, dst
+        torch.cuda.empty_cache()
+        return 2 * n_bytes / statistics.median(times)
+    except RuntimeError:  # e.g. no device memory left beside JAX's
+        return None
 
 
 def shape_configs(shape: str, layers: int | None = None) -> tuple[dict, dict]:
@@ -280,10 +320,10 @@ def decode_state(cache, draft_cache, options):
 
 @dataclasses.dataclass
 class RowPrograms:
-    """One bench row, compiled: `programs` maps a stage ("round", "draft", "tree", "verify", "accept",
-    "commit") to (compiled function, its arguments). The round's argument is a filled decode state that it
-    donates (`state` holds the newest; the round's own entry has the weights); the stages' arguments are a second filled state and the outputs of
-    the stages before them, computed once while compiling."""
+    """One bench row, compiled: `programs` maps "round" (the device loop) and the stages ("draft", "tree",
+    "verify", "accept", "commit") to (compiled function, its arguments). The loop's entry holds the weights;
+    its decode state, which every call donates, is `state` (the newest). The stages' arguments are a second
+    filled state and the outputs of the stages before them, computed once while compiling."""
 
     programs: dict
     state: object = None
@@ -296,9 +336,10 @@ def _compile(fn, *args, donate: tuple[int, ...] = ()):
 
 
 def prepare_stages(target, drafter, options, context: int, repeats: int, parallel) -> RowPrograms:
-    """Compile a row's round and, for DFlash and DDTree, each stage of it, on filled caches.
+    """Compile a row's device loop and, for DFlash and DDTree, each stage of a round, on filled caches.
 
-    The whole round is the engine's own (`engine.ROUNDS`); the stages are its pieces, each compiled alone, for
+    The loop is the engine's own (`engine.decode_loop`, the rounds of `engine.ROUNDS`, the number of rounds
+    an argument); the stages are a round's pieces, each compiled alone, for
     either target family (the engine's dispatch): on a hybrid target the verify also walks every Gated
     DeltaNet layer over the tree nodes and keeps each node's state, and the commit installs the deepest
     accepted node's state and conv window beside the K/V move. Runs each stage once (untimed) to get the
@@ -647,8 +688,8 @@ def ceilings_text(c: dict) -> str:
     """One sentence with the measured ceilings (`measure_ceilings`)."""
     tb = lambda k: f"{c[k] / 1e12:.2f}" if k in c else "-"  # noqa: E731
     return (f"Measured ceilings: bandwidth {tb('bandwidth_bytes_per_s')} TB/s (the highest of copy "
-            f"{tb('copy_bytes_per_s')}, read {tb('read_bytes_per_s')}, gemv {tb('gemv_bytes_per_s')}), "
-            f"bf16 matmul {c['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s.")
+            f"{tb('copy_bytes_per_s')}, read {tb('read_bytes_per_s')}, gemv {tb('gemv_bytes_per_s')}, torch copy "
+            f"{tb('torch_copy_bytes_per_s')}), bf16 matmul {c['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s.")
 
 
 def _mib(n: int) -> str:

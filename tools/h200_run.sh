@@ -11,6 +11,7 @@
 #   kernels   python -m pallas_kernels.gpu_check (per-layer attention/acceptance timing and checks) -> kernels/
 #   tests     the GPU-marked tests and the greedy DDTree decoding tests, compiled on the GPU
 #   hybrid    python -m ddtree_jax.bench --shape qwen3.6-27b                        -> hybrid/
+#   demo_bg, demo_pack   the demo pair's training in the background, and collecting it in a later call
 # Variables: BENCH_LIMIT, BUDGETS, KERNELS, MODES, REPEATS, KERNEL_LIMIT, KERNEL_ARGS, HYBRID_BUDGETS.
 set -uo pipefail
 export PYTHONPATH="$PWD:$PWD/tests" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
@@ -62,6 +63,22 @@ for step in "$@"; do
       timeout "${HYBRID_LIMIT:-420}" python3 -m ddtree_jax.bench --shape qwen3.6-27b --context 2048 \
         --budgets "${HYBRID_BUDGETS:-16,64,256}" --modes ar,dflash,ddtree --repeats 5 --kernels pallas \
         --out "$OUT/hybrid" 2>&1 | grep -v '^{"mode"'
+      ;;
+    demo_bg)
+      # The demo training (python -m ddtree_jax.train.demo) in its own process session on GPU $DEMO_GPU, so it
+      # outlives this call while the machine stays warm (two-GPU kinds: GPU 1 trains while GPU 0 measures).
+      log "demo training in the background on GPU ${DEMO_GPU:-1}"
+      CUDA_VISIBLE_DEVICES="${DEMO_GPU:-1}" setsid nohup python3 -m ddtree_jax.train.demo --out /tmp/demo \
+        > /tmp/demo.log 2>&1 < /dev/null &
+      ;;
+    demo_pack)
+      # In a later call on the same machine: wait for it (at most $DEMO_WAIT s), split the result into <= 15 MB parts.
+      log "waiting for the demo training"
+      for _ in $(seq "${DEMO_WAIT:-300}"); do [ -f /tmp/demo/summary.json ] && break; sleep 1; done
+      cp /tmp/demo.log "$OUT/demo.log"; tail -5 /tmp/demo.log
+      if [ -f /tmp/demo/summary.json ]; then
+        tar -C /tmp -cf - --exclude=checkpoints demo | split -b 15M - "$OUT/demo.tar.part-"; ls -la "$OUT"
+      fi
       ;;
     *)
       echo "unknown step $step"; exit 2 ;;

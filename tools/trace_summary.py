@@ -4,8 +4,11 @@
 
 For every row folder under DIR (its `perfetto_trace.json.gz`), over the traced rounds: wall time from the
 first kernel's start to the last kernel's end, the sum of kernel times (busy), the gaps between kernels
-(idle = wall - busy), the kernel count, and the kernels grouped by name with their share of the busy time.
-Per round = divided by the number of rounds traced (3 in the bench).
+(idle = wall - busy), the kernel count, the busy time by kind of kernel (matmul, tree attention, sort/top-k,
+...), and the kernels grouped by name with their share of the busy time.
+Per round = divided by the number of rounds traced (`--rounds`: the bench traces one call of its device
+loop, `bench.LOOP_ROUNDS` = 8 rounds). Times come from the profiler, which slows dispatch but not kernels:
+busy time is the figure to compare with the bench's round time.
 """
 
 from __future__ import annotations
@@ -35,7 +38,22 @@ def family(name: str) -> str:
     return re.sub(r"(_\d+)+$", "", re.sub(r"\.\d+", "", name))
 
 
-def summarise(path: Path, rounds: int = 3, top: int = 12) -> dict:
+def category(name: str) -> str:
+    """The kind of a kernel, by its name: matmul (XLA's gemm fusions, cuBLAS's nvjet/cutlass kernels), tree
+    attention or tree accept (the Pallas kernels), sort/top-k (XLA sorts, cub radix sorts, XLA's TopK), or
+    other (every other fusion)."""
+    if name.startswith(("nvjet", "cutlass")) or "gemm" in name:
+        return "matmul"
+    if name.startswith("tree_attention"):
+        return "tree attention"
+    if name.startswith("tree_accept"):
+        return "tree accept"
+    if "sort" in name.lower() or "topk" in name.lower() or name.startswith("void stream_executor::cuda::Run<"):
+        return "sort/top-k"
+    return "other"
+
+
+def summarise(path: Path, rounds: int, top: int = 12) -> dict:
     kernels = gpu_kernels(path)
     if not kernels:
         return {"kernels": 0}
@@ -46,8 +64,14 @@ def summarise(path: Path, rounds: int = 3, top: int = 12) -> dict:
         groups[family(name)][0] += 1
         groups[family(name)][1] += d
     ranked = sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]
+    kinds = collections.defaultdict(lambda: [0, 0.0])
+    for _, d, name in kernels:
+        kinds[category(name)][0] += 1
+        kinds[category(name)][1] += d
     return {"rounds": rounds, "wall_ms_per_round": wall / rounds / 1e3, "busy_ms_per_round": busy / rounds / 1e3,
             "idle_ms_per_round": (wall - busy) / rounds / 1e3, "kernels_per_round": len(kernels) / rounds,
+            "by_kind": {k: {"count_per_round": c / rounds, "ms_per_round": t / rounds / 1e3}
+                        for k, (c, t) in sorted(kinds.items(), key=lambda kv: -kv[1][1])},
             "top": [{"name": n, "count_per_round": c / rounds, "ms_per_round": t / rounds / 1e3,
                      "share_of_busy": t / busy} for n, (c, t) in ranked]}
 
@@ -56,12 +80,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("dir", type=Path)
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--rounds", type=int, default=8, help="rounds in each trace (bench: LOOP_ROUNDS)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     report = {}
     for trace in sorted(args.dir.glob("*/**/perfetto_trace.json.gz")):
         row = trace.relative_to(args.dir).parts[0]
-        report[row] = summarise(trace, top=args.top)
+        report[row] = summarise(trace, args.rounds, top=args.top)
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
@@ -71,6 +96,8 @@ def main(argv=None) -> int:
             continue
         print(f"\n{row}: wall {s['wall_ms_per_round']:.2f} ms/round, kernels busy {s['busy_ms_per_round']:.2f}, "
               f"idle {s['idle_ms_per_round']:.2f}, {s['kernels_per_round']:.0f} kernels/round")
+        print("  by kind: " + ", ".join(f"{k} {v['ms_per_round']:.2f} ms ({v['count_per_round']:.0f})"
+                                        for k, v in s["by_kind"].items()))
         for k in s["top"]:
             print(f"  {k['ms_per_round']:7.3f} ms  {k['share_of_busy']:5.1%}  x{k['count_per_round']:<5.0f} {k['name'][:90]}")
     return 0

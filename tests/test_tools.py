@@ -1,0 +1,98 @@
+"""The measurement tools under tools/ run on CPU and compute what they say they compute."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+import gpu_probe  # noqa: E402
+import greedy_equality  # noqa: E402
+import trace_summary  # noqa: E402
+
+
+def _write_trace(path: Path, kernels: list[tuple[float, float, str]]) -> None:
+    """A Perfetto JSON as jax.profiler writes it: a GPU process with one stream, a host process with noise."""
+    events = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+              {"ph": "M", "pid": 701, "name": "process_name", "args": {"name": "/host:CPU"}},
+              {"ph": "X", "pid": 701, "tid": 5, "ts": 0.0, "dur": 999.0, "name": "PjitFunction(run)"}]
+    events += [{"ph": "X", "pid": 1, "tid": 14, "ts": ts, "dur": dur, "name": name} for ts, dur, name in kernels]
+    path.parent.mkdir(parents=True)
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+def test_trace_summary_counts_gpu_kernels_per_round(tmp_path):
+    # Two rounds: per round a 30-us matmul and two 2-us fusions, 1 us apart; a host event that must not count.
+    kernels = []
+    for start in (0.0, 100.0):
+        kernels += [(start, 30.0, "gemm_fusion_dot_12"), (start + 31, 2.0, "loop_add_fusion_3"),
+                    (start + 34, 2.0, "loop_add_fusion_7")]
+    _write_trace(tmp_path / "ar-pallas" / "plugins" / "profile" / "x" / "perfetto_trace.json.gz", kernels)
+    s = trace_summary.summarise(next(tmp_path.glob("ar-pallas/**/perfetto_trace.json.gz")), rounds=2)
+    assert s["kernels_per_round"] == 3
+    assert s["busy_ms_per_round"] == pytest.approx(34e-3)
+    assert s["wall_ms_per_round"] == pytest.approx(136e-3 / 2)
+    top = {k["name"]: k for k in s["top"]}
+    assert set(top) == {"gemm_fusion_dot", "loop_add_fusion"}  # numeric suffixes grouped
+    assert top["loop_add_fusion"]["count_per_round"] == 2 and top["gemm_fusion_dot"]["share_of_busy"] == pytest.approx(30 / 34)
+    assert s["by_kind"]["matmul"]["ms_per_round"] == pytest.approx(30e-3)
+    assert s["by_kind"]["other"] == {"count_per_round": 2, "ms_per_round": pytest.approx(4e-3)}
+    assert [trace_summary.category(n) for n in ("nvjet_sm90_tss_128x72", "tree_attention_", "sort_44_1", "fusion")] \
+        == ["matmul", "tree attention", "sort/top-k", "other"]
+    assert trace_summary.main([str(tmp_path), "--rounds", "2"]) == 0
+
+
+def test_greedy_equality_on_random_weights(tmp_path):
+    out = tmp_path / "eq.json"
+    assert greedy_equality.main(["--shape", "tiny", "--budgets", "4", "--max-new-tokens", "8", "--num-prompts", "2",
+                                 "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [(m["mode"], m["budget"]) for m in report["modes"]] == [("dflash", None), ("ddtree", 4)]
+    for m in report["modes"]:  # a difference must come with its top-2 gap, and be a near-tie to pass
+        assert m["equal_to_ar"] or (m["first_difference"] is not None and m["near_tie"])
+
+
+def test_top2_gap_is_the_gap_of_the_next_token_logits():
+    import jax
+    import jax.numpy as jnp
+
+    from ddtree_jax.bench import _random_pair
+    from ddtree_jax.engine import DecodeOptions, Mode, generate
+    from ddtree_jax.models import qwen3
+    from ddtree_jax.parallel import Parallel
+
+    target, _ = _random_pair("tiny", Parallel())
+    prefix = [3, 1, 4, 1, 5, 9]
+    gap = greedy_equality.top2_gap(target, prefix)
+    # The same logits through the model's own forward of the whole prefix (jitted too: bf16 rounds by fusion).
+    @jax.jit
+    def last_logits(t, tokens):
+        cache = qwen3.create_cache(target.config, 1, 128, jnp.bfloat16)
+        mask = jnp.tril(jnp.ones((1, len(prefix), len(prefix)), bool))
+        out = qwen3.forward(t, tokens, jnp.arange(len(prefix))[None], cache, mask)
+        return qwen3.logits(t, out.hidden[:, -1])[0]
+
+    logits = last_logits(target, jnp.asarray([prefix], jnp.int32))
+    top = jax.lax.top_k(logits, 2)[0]
+    assert gap == pytest.approx(float(top[0] - top[1]), abs=1e-6) and gap >= 0
+    # ... and the argmax there is what greedy AR emits next.
+    ar = generate(target, [prefix], DecodeOptions(mode=Mode.AR, max_new_tokens=1)).output_ids[0][0]
+    assert ar == int(jnp.argmax(logits))
+
+
+def test_gpu_probe_smoke_forms_agree(tmp_path):
+    assert gpu_probe.main(["--out", str(tmp_path), "--smoke", "--repeats", "2"]) == 0
+    report = json.loads((tmp_path / "probe.json").read_text())
+    rows = [r for r in report["rows"] if r["section"] == "projections"]
+    assert {r["form"] for r in rows} == {"hf", "fused", "io", "pallas"}
+    for r in rows:
+        assert "error" not in r and r["ms"] > 0 and r["x_floor"] == pytest.approx(r["ms"] / r["floor_ms"])
+        if r["form"] != "hf":  # the same function as the models' layout, to bf16 rounding
+            assert r["rel_err_vs_hf"] < 2e-2
+    assert report["ceilings"]["bandwidth_bytes_per_s"] > 0
