@@ -6,7 +6,7 @@ Two ways to run:
   that target, block 16), a cache filled with `--context` tokens (and, for a hybrid, random recurrent
   states and conv windows). Times per round, separately and in total: draft, tree build, verify, accept,
   commit, for AR, DFlash and DDTree at `--budgets`. For a hybrid target every row also gives the bytes of
-  per-node recurrent states that its verify keeps (`recurrent_node_bytes`), which the floor counts. Random
+  per-node recurrent-state vectors that its verify keeps (`recurrent_node_bytes`), which the floor counts. Random
   weights accept almost nothing, so tokens/s are also projected at a given tau (`--tau`, default the
   paper's MATH-500 Qwen3-8B values), marked as projected.
 - `--target DIR --drafter DIR --prompts FILE.jsonl`: all modes on real prompts: tau, tokens/s, speedup
@@ -459,16 +459,17 @@ def _is_hybrid_config(config) -> bool:
 
 
 def recurrent_node_bytes(config, nodes: int, dtype_bytes: int = 2) -> int:
-    """Bytes of the per-node recurrent states that a hybrid target keeps while it verifies `nodes` tokens as a
-    tree (DDTree: B + 1 nodes; DFlash: its chain of block-size nodes; AR keeps none, its one token updates the
-    state in place). For every Gated DeltaNet layer and node (`cache.NodeStates`): the float32 delta-rule
-    state, Hv x Dk x Dv x 4, and the node's conv input, C x dtype_bytes (a node's conv window is its
-    ancestors' inputs, so the inputs are what is kept). 0 for an attention-only target.
-    Qwen3.6-27B: 48 layers x (48 x 128 x 128 x 4 + 10240 x 2) = 144.9 MiB per node."""
+    """Bytes of what a hybrid target keeps per node while it verifies `nodes` tokens as a tree (DDTree: B + 1
+    nodes; DFlash: its chain of block-size nodes; AR keeps none, its one token updates the state in place),
+    for the commit to form the accepted node's state. For every Gated DeltaNet layer and node
+    (`cache.NodeStates`): the float32 key, written value and log decay, Hv x (Dk + Dv + 1) x 4, and the
+    node's conv input, C x dtype_bytes (a node's conv window is its ancestors' inputs). 0 for an
+    attention-only target. Qwen3.6-27B: 48 layers x (48 x 257 x 4 + 10240 x 2) = 3.2 MiB per node (a full
+    Hv x Dk x Dv state per node, as verification kept until 2026-12-01, would be 144.9 MiB)."""
     if not _is_hybrid_config(config):
         return 0
-    state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
-    return nodes * len(config.linear_layers) * (state + config.linear_conv_dim * dtype_bytes)
+    vectors = config.linear_num_value_heads * (config.linear_key_head_dim + config.linear_value_head_dim + 1) * 4
+    return nodes * len(config.linear_layers) * (vectors + config.linear_conv_dim * dtype_bytes)
 
 
 def committed_recurrent_bytes(config, dtype_bytes: int = 2) -> int:
@@ -491,8 +492,8 @@ def floor_terms(target, drafter, mode: str, tokens: int, context: int, block_siz
     Bytes: every weight read once (the target's actual parameters, plus the drafter's in the speculative
     modes), the K/V of `context` tokens in each of the target's attention layers (all layers of a Qwen3; the
     full-attention layers of a hybrid), and on a hybrid the recurrent states: the committed state read and
-    written back, plus, when the verify walks a tree (DFlash/DDTree), every node's state written and the
-    accepted one read back (`recurrent_node_bytes`).
+    written back, plus, when the verify walks a tree (DFlash/DDTree), every node's kept vectors written and
+    read back once (`recurrent_node_bytes`).
     FLOPs: 2 x (target parameters, less an untied input embedding) per verified token, attention over the
     cache, on a hybrid the delta-rule update of every Gated DeltaNet layer per token, and 2 x the drafter's
     parameters per block slot.
@@ -505,7 +506,7 @@ def floor_terms(target, drafter, mode: str, tokens: int, context: int, block_siz
     kv_bytes = 2 * attn_layers * context * cfg.num_kv_heads * cfg.head_dim * 2
     recurrent_bytes = 2 * committed_recurrent_bytes(cfg)
     if speculative:
-        recurrent_bytes += recurrent_node_bytes(cfg, tokens) + recurrent_node_bytes(cfg, 1)
+        recurrent_bytes += 2 * recurrent_node_bytes(cfg, tokens)
     embed = cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)
     flops = 2 * (_param_count(target) - embed) * tokens
     flops += 4 * attn_layers * cfg.num_heads * cfg.head_dim * context * tokens  # attention over the cache
@@ -561,8 +562,8 @@ def run_shape(args, parallel) -> dict:
                 raise
             return e
 
-    # A hybrid's rows hold tens of GiB of per-node states each: prepare those one at a time, just before
-    # they are timed. Otherwise compile every row first, in parallel threads, then time them one by one (no
+    # A hybrid's rows hold large verify outputs (per-node vectors of every GDN layer, 54 GB of weights beside
+    # them at 27B): prepare those one at a time, just before they are timed. Otherwise compile every row first, in parallel threads, then time them one by one (no
     # two programs on the device at once while timing).
     workers = 1 if _is_hybrid_config(target.config) else max(1, args.compile_workers)
     if workers > 1:
@@ -589,7 +590,7 @@ def run_shape(args, parallel) -> dict:
         except Exception as e:  # noqa: BLE001 - only running out of device memory is survivable
             if not _out_of_memory(e):
                 raise
-            # e.g. a large budget on a hybrid: T per-node states of every GDN layer did not fit. Keep going.
+            # e.g. a large budget on a hybrid: what T nodes keep of every GDN layer did not fit. Keep going.
             skipped.append({"mode": mode, "budget": budget, "kernels": kernels, "verify_tokens": tokens,
                             "recurrent_state_bytes": node_bytes, "error": str(e).splitlines()[0][:300]})
             print(json.dumps(skipped[-1]), flush=True)
@@ -714,10 +715,11 @@ def markdown(report: dict) -> str:
         c = report["ceilings"]
         notes = ""
         if hybrid:
-            notes += (f" Recurrent state MiB: the per-node Gated DeltaNet states (float32) and conv inputs that the "
-                      f"verify keeps, {_mib(report['recurrent_bytes_per_node'])} MiB per node (AR: none, it "
-                      f"updates the committed {_mib(report['recurrent_committed_bytes'])} MiB in place); the "
-                      f"floor counts them written once and the accepted node's read back.")
+            notes += (f" Recurrent state MiB: what the verify keeps per node for the commit (every Gated DeltaNet "
+                      f"layer's key, written value and log decay in float32, and the conv input), "
+                      f"{_mib(report['recurrent_bytes_per_node'])} MiB per node (AR: none, it updates the committed "
+                      f"{_mib(report['recurrent_committed_bytes'])} MiB in place); the floor counts them written "
+                      f"and read back once.")
         for r in report.get("skipped", []):
             notes += (f"\n\nNot measured: {r['mode']} B={r['budget'] or '-'} ({r.get('kernels', 'jax')}), "
                       f"{r['verify_tokens']} verify tokens, {_mib(r['recurrent_state_bytes'])} MiB of node "

@@ -140,16 +140,40 @@ def advance_hybrid(cache: HybridCache, counts: jax.Array) -> HybridCache:
 class NodeStates:
     """What one Gated DeltaNet layer leaves per node of a verified tree (T nodes), to install an accepted one.
 
-    Fields:
-      state:  device [b, T, Hv, Dk, Dv] float32, the delta-rule memory after each node (its root path).
-      inputs: device [b, T, C] in the model's dtype, each node's conv input (the in_proj_qkv output).
+    No node's Hv x Dk x Dv state is kept: `path_state` forms the state at the end of any root path from
+    the committed state and these per-node vectors (`qwen3_5.tree_gated_delta_rule`).
 
-    Size per node per layer: Hv * Dk * Dv * 4 + C * itemsize bytes (Qwen3.6-27B: 48 * 128 * 128 * 4 =
-    3 MiB + 10240 * 2 = 20 KiB in bf16).
+    Fields (device):
+      keys:      [b, T, Hv, Dk] float32, the node's L2-normalised key (repeated over value heads).
+      values:    [b, T, Hv, Dv] float32, the value the node writes into the memory (v_new).
+      log_decay: [b, T, Hv] float32, the log decay summed along the node's root path (G).
+      inputs:    [b, T, C] in the model's dtype, the node's conv input (the in_proj_qkv output).
+
+    Size per node per layer: Hv * (Dk + Dv + 1) * 4 + C * itemsize bytes (Qwen3.6-27B: 48 * 257 * 4 =
+    48.2 KiB + 10240 * 2 = 20 KiB in bf16, against 3 MiB for a full state).
     """
 
-    state: jax.Array
+    keys: jax.Array
+    values: jax.Array
+    log_decay: jax.Array
     inputs: jax.Array
+
+
+def path_state(committed: jax.Array, nodes: NodeStates, path: jax.Array, counts: jax.Array) -> jax.Array:
+    """The delta-rule memory after the first `counts[r]` nodes of `path` (a root path, root first).
+
+    committed [b, Hv, Dk, Dv] float32 (the state before the root), path [b, P] node indices, counts [b] >= 1.
+    With d the last node and G its log decay: exp(G_d) S0 + sum over the path's nodes j of
+    exp(G_d - G_j) k_j v_j^T. Returns [b, Hv, Dk, Dv] float32.
+    """
+    rows = jnp.arange(path.shape[0])[:, None]
+    on_path = jnp.arange(path.shape[1])[None, :] < counts[:, None]  # [b, P]
+    deepest = jnp.take_along_axis(path, jnp.maximum(counts - 1, 0)[:, None], axis=1)[:, 0]
+    g_last = nodes.log_decay[rows[:, 0], deepest]  # [b, Hv]
+    g_path = nodes.log_decay[rows, path]  # [b, P, Hv]
+    weight = jnp.where(on_path[..., None], jnp.exp(jnp.where(on_path[..., None], g_last[:, None] - g_path, 0.0)), 0.0)
+    written = jnp.einsum("bph,bphk,bphv->bhkv", weight, nodes.keys[rows, path], nodes.values[rows, path])
+    return jnp.exp(g_last)[..., None, None] * committed + written
 
 
 def commit_recurrent(state: RecurrentState, nodes: NodeStates, path: jax.Array, counts: jax.Array) -> RecurrentState:
@@ -157,12 +181,11 @@ def commit_recurrent(state: RecurrentState, nodes: NodeStates, path: jax.Array, 
 
     path [b, P] node indices by depth (root first, padded with the deepest node), counts [b] accepted
     nodes (>= 1; 0 keeps the committed state, for rows that are done). The recurrent state becomes the
-    deepest accepted node's; the conv window the last K - 1 inputs of [committed window | path inputs].
+    deepest accepted node's (`path_state`); the conv window the last K - 1 inputs of [committed window |
+    path inputs].
     """
-    b = counts.shape[0]
     counts = counts.astype(jnp.int32)
-    deepest = jnp.take_along_axis(path, jnp.maximum(counts - 1, 0)[:, None], axis=1)[:, 0]  # [b]
-    installed = nodes.state[jnp.arange(b), deepest]  # [b, Hv, Dk, Dv]
+    installed = path_state(state.state, nodes, path, jnp.maximum(counts, 1))
     installed = jnp.where((counts > 0)[:, None, None, None], installed, state.state)
     kernel_1 = state.conv.shape[-1]
     along = jnp.take_along_axis(nodes.inputs, path[:, :, None], axis=1)  # [b, P, C]

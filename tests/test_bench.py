@@ -80,22 +80,24 @@ def test_hybrid_shape_mode_reports_recurrent_state_bytes(tmp_path):
         assert r["round_s"] > 0 and r["floor_s"] > 0 and r["ratio_to_floor"] == r["round_s"] / r["floor_s"]
         assert all(r[f"{k}_s"] > 0 for k in ("draft", "tree", "verify", "accept", "commit"))
 
-    # By hand from the config: per node and GDN layer a float32 state Hv x Dk x Dv and a bf16 conv input of
-    # C = 2 * key heads * Dk + Hv * Dv channels; the committed state keeps a conv window of K - 1 inputs.
+    # By hand from the config: per node and GDN layer a float32 key, written value and log decay per value
+    # head, Hv x (Dk + Dv + 1), and a bf16 conv input of C = 2 * key heads * Dk + Hv * Dv channels; the
+    # committed state is a float32 Hv x Dk x Dv state and a conv window of K - 1 inputs.
     c = report["target_config"]
     gdn = c["layer_types"].count("linear_attention")
     state = c["linear_num_value_heads"] * c["linear_key_head_dim"] * c["linear_value_head_dim"] * 4
+    vectors = c["linear_num_value_heads"] * (c["linear_key_head_dim"] + c["linear_value_head_dim"] + 1) * 4
     channels = 2 * c["linear_num_key_heads"] * c["linear_key_head_dim"] + \
         c["linear_num_value_heads"] * c["linear_value_head_dim"]
-    per_node = gdn * (state + channels * 2)
-    assert per_node == 3 * (4 * 16 * 16 * 4 + 128 * 2) == report["recurrent_bytes_per_node"]
+    per_node = gdn * (vectors + channels * 2)
+    assert per_node == 3 * (4 * 33 * 4 + 128 * 2) == report["recurrent_bytes_per_node"]
     committed = gdn * (state + channels * (c["linear_conv_kernel_dim"] - 1) * 2)
     assert report["recurrent_committed_bytes"] == committed
     for r in rows:
         assert r["recurrent_state_bytes"] == r["verify_tokens"] * per_node
         assert r["recurrent_state_mib"] == r["recurrent_state_bytes"] / 2**20
-        # The floor moves them: committed state read and written, node states written, the accepted one read.
-        assert r["floor_recurrent_bytes"] == 2 * committed + (r["verify_tokens"] + 1) * per_node
+        # The floor moves them: committed state read and written, the node vectors written and read back.
+        assert r["floor_recurrent_bytes"] == 2 * committed + 2 * r["verify_tokens"] * per_node
         # ... beside every weight once and the K/V of the 24 context tokens in the one full-attention layer.
         kv = 2 * c["layer_types"].count("full_attention") * 24 * c["num_key_value_heads"] * c["head_dim"] * 2
         assert r["floor_bytes"] == report["target_bytes"] + report["drafter_bytes"] + kv + r["floor_recurrent_bytes"]
@@ -110,7 +112,7 @@ def test_hybrid_shape_mode_reports_recurrent_state_bytes(tmp_path):
     mask = causal_mask(jnp.asarray([t]), t)
     fwd = jax.eval_shape(lambda p, k: qwen3_5.forward(p, tokens, jnp.arange(t)[None], k, mask,
                                                        parents=jnp.zeros((1, t), jnp.int32)), params, cache)
-    kept = sum(n.state.size * n.state.dtype.itemsize + n.inputs.size * n.inputs.dtype.itemsize for n in fwd.nodes)
+    kept = sum(a.size * a.dtype.itemsize for n in fwd.nodes for a in jax.tree.leaves(n))
     assert kept == bench.recurrent_node_bytes(cfg, t) == rows[1]["recurrent_state_bytes"]
 
     table = (out / "bench.md").read_text()

@@ -195,31 +195,36 @@ def test_tree_verify_states_equal_running_each_root_path(hybrid_pair):
     tokens = jnp.asarray([[4, 11, 3, 8, 8, 1, 14, 6]])
     from ddtree_jax.tree import ancestor_mask
 
+    from ddtree_jax.cache import commit_recurrent
+
     mask = ancestor_mask(jnp.asarray(parents), jnp.ones(8, bool), 8)[None]
-    tree_out = qwen3_5.forward(target, tokens, 5 + jnp.asarray(depths)[None], cache, mask,
-                               parents=jnp.asarray(parents)[None])
+    tree_out = jax.jit(lambda t, c: qwen3_5.forward(t, tokens, 5 + jnp.asarray(depths)[None], c, mask,
+                                                    parents=jnp.asarray(parents)[None]))(target, cache)
     assert isinstance(tree_out.cache, HybridCache) and len(tree_out.nodes) == len(config.linear_layers)
+
+    @jax.jit
+    def chain_forward(t, path_tokens, c):  # one compile per path length
+        n = path_tokens.shape[1]
+        return qwen3_5.forward(t, path_tokens, 5 + jnp.arange(n)[None], c, engine.causal_mask(jnp.asarray([n]), n))
+
+    commit = jax.jit(lambda nodes, committed, path, n: [commit_recurrent(c, nd, path, n)
+                                                        for nd, c in zip(nodes, committed)])
     for node in range(8):
         path = [node]
         while path[-1] != 0:
             path.append(int(parents[path[-1]]))
         path = path[::-1]
         n = len(path)
-        chain = qwen3_5.forward(target, tokens[:, path], 5 + jnp.arange(n)[None], cache,
-                                engine.causal_mask(jnp.asarray([n]), n))
+        chain = chain_forward(target, tokens[:, np.array(path)], cache)
         np.testing.assert_allclose(np.asarray(tree_out.hidden[0, node]), np.asarray(chain.hidden[0, -1]),
                                    atol=1e-5, rtol=0, err_msg=f"node {node}")
-        for nodes, rec in zip(tree_out.nodes, chain.cache.recurrent):
-            np.testing.assert_allclose(np.asarray(nodes.state[0, node]), np.asarray(rec.state[0]), atol=1e-5,
-                                       rtol=0, err_msg=f"node {node}")
-        # The conv window after committing this root path equals the chain's.
-        from ddtree_jax.cache import commit_recurrent
-
+        # The state (`cache.path_state`) and conv window after committing this root path equal the chain's.
         path_arr = jnp.asarray([path + [path[-1]] * (8 - n)])
-        for nodes, committed, rec in zip(tree_out.nodes, cache.recurrent, chain.cache.recurrent):
-            got = commit_recurrent(committed, nodes, path_arr, jnp.asarray([n]))
+        for got, rec in zip(commit(tree_out.nodes, cache.recurrent, path_arr, jnp.asarray([n])),
+                            chain.cache.recurrent):
             np.testing.assert_allclose(np.asarray(got.conv), np.asarray(rec.conv), atol=1e-5, rtol=0)
-            np.testing.assert_allclose(np.asarray(got.state), np.asarray(rec.state), atol=1e-5, rtol=0)
+            np.testing.assert_allclose(np.asarray(got.state), np.asarray(rec.state), atol=1e-5, rtol=0,
+                                       err_msg=f"node {node}")
 
 
 @pytest.mark.parametrize("mode", ["dp", "tp"])

@@ -87,7 +87,7 @@ def test_top2_gap_is_the_gap_of_the_next_token_logits():
 
 
 def test_gpu_probe_smoke_forms_agree(tmp_path):
-    assert gpu_probe.main(["--out", str(tmp_path), "--smoke", "--repeats", "2"]) == 0
+    assert gpu_probe.main(["--out", str(tmp_path), "--smoke", "--repeats", "2", "--tokens", "1,16"]) == 0
     report = json.loads((tmp_path / "probe.json").read_text())
     rows = [r for r in report["rows"] if r["section"] == "projections"]
     assert {r["form"] for r in rows} == {"hf", "fused", "io", "pallas"}

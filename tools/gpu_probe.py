@@ -111,7 +111,7 @@ def _projections(shape: dict, form: str, interpret: bool):
     import jax
     import jax.numpy as jnp
 
-    q, kv, f = shape["q"], shape["kv"], shape["mlp"]
+    q, kv = shape["q"], shape["kv"]
 
     def mm(x, w):
         if form == "io":
@@ -169,6 +169,7 @@ def main(argv=None) -> int:
         (args.out / "probe.json").write_text(json.dumps(report, indent=1))
 
     for form in args.forms.split(","):
+        weights = None  # the previous form's layers go before the next are drawn
         weights = _layer_weights(shape, layers, "hf" if form == "pallas" else form)
         n_bytes = sum(w.nbytes for ws in weights for w in ws.values())
         fn = _projections(shape, form, interpret)
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
                     "ms": seconds * 1e3,
                     "us_per_layer": seconds * 1e6 / layers, "weight_bytes": n_bytes, "floor_ms": floor * 1e3,
                     "x_floor": seconds / floor, "tb_per_s": n_bytes / seconds / 1e12})
-        del weights
+    weights = None
     head = jax.jit(lambda h, w: jnp.einsum("te,ve->tv", h, w, preferred_element_type=jnp.float32))
     w = jax.random.normal(jax.random.key(99), (shape["vocab"], shape["hidden"]), jnp.bfloat16)
     for t in [int(v) for v in args.tokens.split(",")]:

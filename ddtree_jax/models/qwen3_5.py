@@ -65,45 +65,55 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state):
 
 
 # Tree verification: a deliberately wrong recurrence order, for one negative test only. When True, node i
-# starts from node i - 1's state (node-index order, as a plain chain would) instead of its parent's.
+# continues from node i - 1 (node-index order, as a plain chain would: its "root path" is every node before
+# it) instead of its parent.
 CHAIN_ORDERED_RECURRENCE_FOR_TESTS = False
 
 
-def tree_gated_delta_rule(q, k, v, g, beta, initial_state, parents, depths):
-    """The gated delta rule over the nodes of a tree (a chain is the tree whose parent of i is i - 1).
+def tree_gated_delta_rule(q, k, v, g, beta, initial_state, visible):
+    """The gated delta rule over the nodes of a tree, all nodes at once (the chunked WY form of
+    `chunk_gated_delta_rule` with the tree's ancestor relation in place of causal order).
 
-    Every node starts from its parent's state; a depth-0 node (the root, or a padding node) starts from
-    `initial_state`. Nodes are visited in index order, so parents must precede their children.
+    Node i's recurrence runs along its root path P(i) (the nodes `visible[i]` marks, itself included),
+    starting from `initial_state`: its state is its parent's advanced over node i. With G_i the log decay
+    summed along P(i) and L_ij = exp(G_i - G_j) for j in P(i) (0 elsewhere), the rows u and w solve
+    (I + strict(diag(beta) K K^T * L)) [u | w] = [diag(beta) V | diag(beta exp(G)) K] (lower triangular in
+    node order, since parents precede children); v_new = u - w S0 is what each node writes, and
+    out = (q exp(G)) S0 + (Q K^T * L) v_new. Node i's state is never formed: it is
+    exp(G_i) S0 + sum over j in P(i) of exp(G_i - G_j) k_j v_new_j^T (`cache.path_state`), so a verify
+    keeps, per node, a key, a value and a log decay instead of a Hv x Dk x Dv state. A chain is the tree whose
+    root paths are prefixes; a padding node that sees only itself starts from `initial_state`.
 
     Args:
       q, k, v, g, beta, initial_state: as `recurrent_gated_delta_rule`, with t = T nodes.
-      parents: [b, T] int parent node index (the root is its own parent); depths: [b, T] int, root 0.
+      visible: [b, T, T] bool, visible[i, j] = node j is on node i's root path (the verify's ancestor mask).
     Returns:
-      out [b, T, H, V] float32 and the state after every node, [b, T, H, K, V] float32 (node i's state is
-      its parent's advanced over node i: the state after the root path up to and including i).
+      out [b, T, H, V] float32, and per node its key k [b, T, H, K], written value v_new [b, T, H, V] and
+      root-path log decay G [b, T, H] (float32), from which `cache.path_state` forms any node's state.
     """
-    b, t = parents.shape
-    rows = jnp.arange(b)
-    chain_ordered = CHAIN_ORDERED_RECURRENCE_FOR_TESTS
-
-    def step(states, x):  # states [T, b, H, K, V]: filled for nodes < i
-        i, q_t, k_t, v_t, g_t, b_t, parent, depth = x
-        if chain_ordered:  # wrong on purpose (tests only): the previous node index, whatever the tree
-            prev, start = states[jnp.maximum(i - 1, 0)], jnp.broadcast_to(i == 0, (b,))
-        else:
-            prev, start = states[parent, rows], depth == 0
-        prev = jnp.where(start[:, None, None, None], initial_state, prev)
-        state = prev * jnp.exp(g_t)[..., None, None]
-        memory = jnp.einsum("bhkv,bhk->bhv", state, k_t)
-        delta = (v_t - memory) * b_t[..., None]
-        state = state + k_t[..., :, None] * delta[..., None, :]
-        states = jax.lax.dynamic_update_index_in_dim(states, state, i, axis=0)
-        return states, jnp.einsum("bhkv,bhk->bhv", state, q_t)
-
-    xs = (jnp.arange(t),) + tuple(jnp.moveaxis(x, 1, 0) for x in (q, k, v, g, beta, parents, depths))
-    init = jnp.zeros((t,) + initial_state.shape, initial_state.dtype)
-    states, out = jax.lax.scan(step, init, xs)
-    return jnp.moveaxis(out, 0, 1), jnp.moveaxis(states, 0, 1)
+    t = k.shape[1]
+    if CHAIN_ORDERED_RECURRENCE_FOR_TESTS:  # wrong on purpose (tests only): every earlier node is an ancestor
+        visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), visible.shape)
+    f32 = jnp.float32
+    q, k, v = (jnp.moveaxis(x, 2, 1) for x in (q, k, v))  # [b, H, T, ...]
+    g, beta = jnp.moveaxis(g, 2, 1), jnp.moveaxis(beta, 2, 1)  # [b, H, T]
+    on_path = visible[:, None]  # [b, 1, T, T]
+    cum = jnp.einsum("bij,bhj->bhi", visible.astype(f32), g)  # G_i
+    # exp only where j is on i's path (elsewhere G_i - G_j can be large and positive).
+    decay = jnp.where(on_path, jnp.exp(jnp.where(on_path, cum[..., :, None] - cum[..., None, :], 0.0)), 0.0)
+    k_beta = k * beta[..., None]
+    strict = on_path & ~jnp.eye(t, dtype=bool)
+    system = jnp.where(strict, jnp.einsum("bhik,bhjk->bhij", k_beta, k) * decay, 0.0) + jnp.eye(t, dtype=f32)
+    rhs = jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(cum)[..., None]], axis=-1)
+    solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+    dv = v.shape[-1]
+    u, w = solved[..., :dv], solved[..., dv:]
+    v_new = u - jnp.einsum("bhtk,bhkv->bhtv", w, initial_state)
+    intra = jnp.einsum("bhik,bhjk->bhij", q, k) * decay
+    out = jnp.einsum("bhtk,bhkv->bhtv", q * jnp.exp(cum)[..., None], initial_state) \
+        + jnp.einsum("bhij,bhjv->bhiv", intra, v_new)
+    back = lambda x: jnp.moveaxis(x, 1, 2)  # noqa: E731 - [b, H, T, ...] -> [b, T, H, ...]
+    return back(out), back(k), back(v_new), back(cum)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size: int = CHUNK):
@@ -244,15 +254,17 @@ class GatedDeltaNet(nnx.Module):
         self.key_head_dim, self.value_head_dim = config.linear_key_head_dim, config.linear_value_head_dim
 
     def __call__(self, x: jax.Array, state: RecurrentState, valid: jax.Array, parents: jax.Array | None = None,
-                 depths: jax.Array | None = None) -> tuple[jax.Array, RecurrentState, NodeStates | None]:
+                 depths: jax.Array | None = None, visible: jax.Array | None = None,
+                 ) -> tuple[jax.Array, RecurrentState, NodeStates | None]:
         """x [b, t, e]; valid [b] int, real tokens per row (the rest are right padding and leave the state
         alone) -> (out [b, t, e], the state advanced over each row's valid tokens, None).
 
-        Tree mode (parents [b, t] and depths [b, t] given; the t tokens are the nodes of a tree hanging
-        below the committed tokens, parents before children): each node's conv window is made of its
-        ancestors' inputs (the committed window above the root) and its recurrence starts from its
-        parent's state (the committed state for depth 0). Returns (out, the committed state unchanged,
-        NodeStates with every node's state and conv input) so that the caller installs an accepted node's.
+        Tree mode (parents [b, t], depths [b, t] and visible [b, t, t], the ancestor mask, given; the t tokens
+        are the nodes of a tree hanging below the committed tokens, parents before children): each node's
+        conv window is made of its ancestors' inputs (the committed window above the root) and its
+        recurrence continues its parent's (the committed state for depth 0; `tree_gated_delta_rule`).
+        Returns (out, the committed state unchanged, NodeStates with what forms any node's state, and every
+        node's conv input) so that the caller installs an accepted node's.
         """
         b, t, _ = x.shape
         kernel = self.conv1d.weight.shape[-1]
@@ -299,9 +311,9 @@ class GatedDeltaNet(nnx.Module):
                                                                        + self.dt_bias[...].astype(f32))
         nodes = None
         if tree:
-            core, node_states = tree_gated_delta_rule(q, k, v, g, beta, state.state, parents, depths)
+            core, keys, values, log_decay = tree_gated_delta_rule(q, k, v, g, beta, state.state, visible)
             new_state = state.state
-            nodes = NodeStates(state=node_states, inputs=pre_conv.astype(state.conv.dtype))
+            nodes = NodeStates(keys=keys, values=values, log_decay=log_decay, inputs=pre_conv.astype(state.conv.dtype))
         else:
             is_valid = jnp.arange(t)[None, :] < valid[:, None]  # [b, t]
             beta, g = jnp.where(is_valid[..., None], beta, 0.0), jnp.where(is_valid[..., None], g, 0.0)
@@ -404,8 +416,10 @@ def forward(
       parents:   None (the tokens extend each row as a chain: a prompt or one decode token), or [b, t] int
                  parent node indices of a verification tree (root = node 0, its own parent; parents precede
                  children; a chain is parents [0, 0, 1, 2, ...]). Then node depths are `positions -
-                 cache.lengths`, `valid` is ignored (every node is real), each Gated DeltaNet layer runs the
-                 tree recurrence (`tree_gated_delta_rule`) and the per-node states come back in `nodes`.
+                 cache.lengths`, `new_mask` must be the tree's ancestor mask (each node's root path, itself
+                 included; a padding node sees only itself), `valid` is ignored (every node is real), each Gated
+                 DeltaNet layer runs the tree recurrence (`tree_gated_delta_rule`) over the root paths, and what
+                 forms each node's state comes back in `nodes` (`cache.path_state`).
     """
     config: Qwen3_5Config = params.config
     model = params.module()
@@ -432,7 +446,8 @@ def forward(
                 new_k[j], new_v[j] = write_pending(kv.k[j], k, lengths), write_pending(kv.v[j], v, lengths)
             else:
                 j = linear_index[i]
-                mixed, new_states[j], nodes[j] = layer.linear_attn(h, cache.recurrent[j], valid, parents, depths)
+                mixed, new_states[j], nodes[j] = layer.linear_attn(h, cache.recurrent[j], valid, parents, depths,
+                                                                   new_mask if parents is not None else None)
             x = x + mixed
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         if i in tap_layers:

@@ -207,6 +207,65 @@ def test_delta_rule_chunked_equals_recurrent_with_padding():
     np.testing.assert_allclose(np.asarray(s_pad), np.asarray(s_50), atol=1e-4, rtol=1e-4)
 
 
+def _random_tree(rng, t: int, max_depth: int, padding: int):
+    """parents, depths, valid of a random tree of t nodes (parents precede children), the last `padding` of
+    them padding nodes (depth 0, parent 0, invalid)."""
+    parents, depths = [0], [0]
+    for _ in range(1, t - padding):
+        parent = int(rng.choice([i for i in range(len(parents)) if depths[i] < max_depth]))
+        parents.append(parent)
+        depths.append(depths[parent] + 1)
+    parents += [0] * padding
+    depths += [0] * padding
+    return np.array(parents), np.array(depths), np.arange(t) < t - padding
+
+
+def test_tree_delta_rule_equals_the_recurrence_along_every_root_path():
+    """The all-nodes-at-once tree rule (WY form with the ancestor mask) against the token-by-token rule run
+    along each node's root path, from a nonzero state: every node's output, and the state that
+    `cache.path_state` forms for it; a padding node starts from the committed state. Rows have different
+    trees; the chain-ordered negative control gives other outputs."""
+    from ddtree_jax.cache import NodeStates, path_state
+    from ddtree_jax.tree import ancestor_mask
+
+    rng = np.random.default_rng(11)
+    b, t, h, dk, dv = 2, 40, 3, 8, 6
+    trees = [_random_tree(rng, t, max_depth=7, padding=p) for p in (0, 3)]
+    parents = jnp.asarray(np.stack([tr[0] for tr in trees]), jnp.int32)
+    visible = jnp.stack([ancestor_mask(parents[r], jnp.asarray(trees[r][2]), t) for r in range(b)])
+    q, k = (jnp.asarray(rng.normal(size=(b, t, h, dk)), jnp.float32) for _ in range(2))
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+    v = jnp.asarray(rng.normal(size=(b, t, h, dv)), jnp.float32)
+    g = jnp.asarray(-rng.uniform(0, 1.5, size=(b, t, h)), jnp.float32)
+    beta = jnp.asarray(rng.uniform(0, 1, size=(b, t, h)), jnp.float32)
+    state = jnp.asarray(rng.normal(size=(b, h, dk, dv)), jnp.float32)
+    out, keys, values, log_decay = qwen3_5.tree_gated_delta_rule(q, k, v, g, beta, state, visible)
+    nodes = NodeStates(keys=keys, values=values, log_decay=log_decay, inputs=jnp.zeros((b, t, 1)))
+    along_path = jax.jit(qwen3_5.recurrent_gated_delta_rule)  # one compile per path length
+    state_of = jax.jit(lambda r, padded, n: path_state(state[r][None], jax.tree.map(lambda a: a[r][None], nodes),
+                                                       padded, n))
+    for r, (par, dep, _) in enumerate(trees):
+        for node in range(t):
+            path = [node]
+            while dep[path[-1]] > 0:
+                path.append(int(par[path[-1]]))
+            path = path[::-1]
+            want_out, want_state = along_path(*(x[r:r + 1, np.array(path)] for x in (q, k, v, g, beta)),
+                                              state[r:r + 1])
+            np.testing.assert_allclose(np.asarray(out[r, node]), np.asarray(want_out[0, -1]), atol=2e-5, rtol=0,
+                                       err_msg=f"row {r} node {node}")
+            padded = jnp.asarray(path + [path[-1]] * (9 - len(path)))[None]
+            got_state = state_of(r, padded, jnp.asarray([len(path)]))
+            np.testing.assert_allclose(np.asarray(got_state[0]), np.asarray(want_state[0]), atol=2e-5, rtol=0,
+                                       err_msg=f"row {r} node {node}")
+    qwen3_5.CHAIN_ORDERED_RECURRENCE_FOR_TESTS = True
+    try:
+        wrong = qwen3_5.tree_gated_delta_rule(q, k, v, g, beta, state, visible)[0]
+    finally:
+        qwen3_5.CHAIN_ORDERED_RECURRENCE_FOR_TESTS = False
+    assert float(jnp.abs(wrong - out).max()) > 1e-2
+
+
 def test_batch_with_unequal_prompt_lengths_matches_rows_alone(params):
     rng = np.random.default_rng(6)
     lengths = [13, 6]
