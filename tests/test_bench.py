@@ -9,7 +9,7 @@ from ddtree_jax.bench import DEFAULT_TAU, _projected_tau, main
 
 def test_shape_mode_writes_json_table_and_plot(tmp_path, capsys):
     out = tmp_path / "out"
-    assert main(["--shape", "tiny", "--context", "32", "--budgets", "4,16", "--repeats", "2", "--out", str(out)]) == 0
+    assert main(["--shape", "tiny", "--context", "32", "--budgets", "4,16", "--repeats", "3", "--out", str(out)]) == 0
     report = json.loads((out / "bench.json").read_text())
     assert [(r["mode"], r["budget"]) for r in report["rows"]] == [("ar", None), ("dflash", None), ("ddtree", 4),
                                                                   ("ddtree", 16)]
