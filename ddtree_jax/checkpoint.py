@@ -76,8 +76,6 @@ def checkpoint_format(path: str | Path) -> str:
 
 def _tensor_files(path: Path) -> dict[str, Path]:
     """Tensor name -> file, from the index (sharded) or the single file's header."""
-    from safetensors import safe_open
-
     index = path / INDEX_FILE
     if index.exists():
         try:

@@ -227,7 +227,6 @@ def run(args: argparse.Namespace) -> dict:
 
 def _write_lines(path: Path, rows: list[dict]) -> None:
     """JSON lines, written to a temporary file and renamed."""
-    import os
     import tempfile
 
     path.parent.mkdir(parents=True, exist_ok=True)
