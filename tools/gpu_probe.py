@@ -33,12 +33,6 @@ QWEN3_8B = dict(hidden=4096, q=4096, kv=1024, mlp=12288, vocab=151936)
 SMOKE = dict(hidden=64, q=64, kv=32, mlp=128, vocab=320)
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    from ddtree_jax.bench import _median_seconds as median
-
-    return median(fn, repeats)
-
-
 def gemv_pallas(x, w, *, block_n: int = 16, block_k: int = 512, interpret: bool = False):
     """x [1, K] times w [N, K]^T -> [1, N] in x's dtype (float32 accumulation), one program per `block_n`
     rows of w, looping over K in `block_k` chunks (Triton lowering)."""
@@ -150,7 +144,7 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from ddtree_jax.bench import ceilings_text, measure_ceilings
+    from ddtree_jax.bench import _median_seconds, ceilings_text, measure_ceilings
 
     shape = SMOKE if args.smoke else QWEN3_8B
     layers = 2 if args.smoke else args.layers

@@ -186,16 +186,22 @@ def test_chunked_prefill_equals_token_by_token_recurrence(params):
         np.testing.assert_allclose(np.asarray(a.conv), np.asarray(b.conv), atol=TOL, rtol=0)
 
 
-def test_delta_rule_chunked_equals_recurrent_with_padding():
-    """The two free functions agree, also from a nonzero state and when trailing tokens have g = beta = 0."""
-    rng = np.random.default_rng(5)
-    b, t, h, dk, dv = 2, 75, 3, 8, 6
+def _delta_rule_inputs(rng, b: int, t: int, h: int, dk: int, dv: int, max_decay: float):
+    """Random float32 q, k (L2-normalised), v, g (log decay in [-max_decay, 0]), beta in [0, 1] and a nonzero
+    state, in that drawing order."""
     q, k = (jnp.asarray(rng.normal(size=(b, t, h, dk)), jnp.float32) for _ in range(2))
     k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
     v = jnp.asarray(rng.normal(size=(b, t, h, dv)), jnp.float32)
-    g = jnp.asarray(-rng.uniform(0, 1, size=(b, t, h)), jnp.float32)
+    g = jnp.asarray(-rng.uniform(0, max_decay, size=(b, t, h)), jnp.float32)
     beta = jnp.asarray(rng.uniform(0, 1, size=(b, t, h)), jnp.float32)
     state = jnp.asarray(rng.normal(size=(b, h, dk, dv)), jnp.float32)
+    return q, k, v, g, beta, state
+
+
+def test_delta_rule_chunked_equals_recurrent_with_padding():
+    """The two free functions agree, also from a nonzero state and when trailing tokens have g = beta = 0."""
+    t = 75
+    q, k, v, g, beta, state = _delta_rule_inputs(np.random.default_rng(5), 2, t, 3, 8, 6, max_decay=1.0)
     out_c, s_c = qwen3_5.chunk_gated_delta_rule(q, k, v, g, beta, state)
     out_r, s_r = qwen3_5.recurrent_gated_delta_rule(q, k, v, g, beta, state)
     np.testing.assert_allclose(np.asarray(out_c), np.asarray(out_r), atol=1e-4, rtol=1e-4)
@@ -233,12 +239,7 @@ def test_tree_delta_rule_equals_the_recurrence_along_every_root_path():
     trees = [_random_tree(rng, t, max_depth=7, padding=p) for p in (0, 3)]
     parents = jnp.asarray(np.stack([tr[0] for tr in trees]), jnp.int32)
     visible = jnp.stack([ancestor_mask(parents[r], jnp.asarray(trees[r][2]), t) for r in range(b)])
-    q, k = (jnp.asarray(rng.normal(size=(b, t, h, dk)), jnp.float32) for _ in range(2))
-    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-    v = jnp.asarray(rng.normal(size=(b, t, h, dv)), jnp.float32)
-    g = jnp.asarray(-rng.uniform(0, 1.5, size=(b, t, h)), jnp.float32)
-    beta = jnp.asarray(rng.uniform(0, 1, size=(b, t, h)), jnp.float32)
-    state = jnp.asarray(rng.normal(size=(b, h, dk, dv)), jnp.float32)
+    q, k, v, g, beta, state = _delta_rule_inputs(rng, b, t, h, dk, dv, max_decay=1.5)
     out, keys, values, log_decay = qwen3_5.tree_gated_delta_rule(q, k, v, g, beta, state, visible)
     nodes = NodeStates(keys=keys, values=values, log_decay=log_decay, inputs=jnp.zeros((b, t, 1)))
     along_path = jax.jit(qwen3_5.recurrent_gated_delta_rule)  # one compile per path length
