@@ -14,8 +14,8 @@ Ties: order is (score desc, depth asc, rank tuple lexicographic asc), where a pr
 the rank of its token among the top-K at each depth. Shallower first keeps the set prefix-closed (a
 child never scores above its parent). `lax.top_k` puts the lower index first among equal values, so
 each step lays its candidates out in that order: beam entries sorted lexicographically by rank tuple,
-then the token rank. The order of the new beam's entries by flat candidate index is then again
-lexicographic, which the next depth uses.
+then the token rank; each new beam is sorted back into flat candidate index order, which is again
+lexicographic, for the next depth.
 
 Nodes come out in (score desc, depth asc, lex) order, so parents precede children; index 0 is the root
 (the bonus token, depth 0). Siblings carry distinct tokens (different ranks at one depth).
@@ -51,53 +51,78 @@ class DraftTree:
     scores: jax.Array
 
 
-def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int) -> DraftTree:
+# Chunk of the two-stage top-k (`chunked_top_k`): on the H200 (tools/topk_probe.py, 2026-12-01) 2048
+# built the tree fastest at B = 64, 256 and 512 for both Qwen vocabularies (0.5 ms less than one lax.top_k
+# at B = 64) and as fast as one lax.top_k at B = 16.
+TOP_K_CHUNK = 2048
+
+
+def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
+               top_k_chunk: int | None = TOP_K_CHUNK) -> DraftTree:
     """log_probs [b, L, v] float32 per-depth draft log-probabilities (depth d + 1 at index d);
-    root_tokens [b] int32; budget B (static). Returns a DraftTree with B + 1 nodes."""
-    return jax.vmap(lambda lp, root: _build_one(lp, root, budget))(log_probs, root_tokens)
+    root_tokens [b] int32; budget B (static); top_k_chunk: every top-k (over the vocabulary, each depth's
+    B x K candidates, the L x B beam entries) in two stages, over chunks of this many entries (`chunked_top_k`, the same
+    result; None: one `lax.top_k` each). Returns a DraftTree with
+    B + 1 nodes."""
+    return jax.vmap(lambda lp, root: _build_one(lp, root, budget, top_k_chunk))(log_probs, root_tokens)
 
 
-def _build_one(log_probs: jax.Array, root: jax.Array, budget: int) -> DraftTree:
+def chunked_top_k(x: jax.Array, k: int, chunk: int | None) -> tuple[jax.Array, jax.Array]:
+    """`lax.top_k(x, k)` over the last axis in two stages, with the same values, indices and tie order.
+
+    x [..., n]; the top min(k, chunk) of every chunk of `chunk` entries (the last one padded with -inf),
+    then the top k of those candidates laid out chunk after chunk. Exact: an entry with fewer than k
+    entries before it in (value desc, index asc) order has fewer than k before it in its chunk; and
+    equal values stay in index order (within a chunk by stage one's rule, across chunks by the layout),
+    so stage two's lower-position-first rule is lax.top_k's lower-index-first. Why: on the GPU one
+    lax.top_k over a vocabulary row lowers to a sort of the whole row; a batch of short rows and a
+    short second row sort faster. Returns (values [..., k], int32 indices [..., k]).
+    """
+    n = x.shape[-1]
+    if chunk is None or n <= chunk or k >= chunk:
+        return jax.lax.top_k(x, k)
+    num_chunks = -(-n // chunk)
+    padded = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, num_chunks * chunk - n)], constant_values=-jnp.inf)
+    values, within = jax.lax.top_k(padded.reshape(*x.shape[:-1], num_chunks, chunk), k)  # [..., C, k]
+    index = within + (jnp.arange(num_chunks, dtype=within.dtype) * chunk)[:, None]
+    flat = x.shape[:-1] + (num_chunks * k,)
+    top_values, at = jax.lax.top_k(values.reshape(flat), k)
+    return top_values, jnp.take_along_axis(index.reshape(flat), at, axis=-1).astype(jnp.int32)
+
+
+def _build_one(log_probs: jax.Array, root: jax.Array, budget: int, top_k_chunk: int | None) -> DraftTree:
     depth_limit, vocab = log_probs.shape
     k = min(budget, vocab)
-    top_lp, top_tok = jax.lax.top_k(log_probs.astype(jnp.float32), k)  # [L, K] each, rank order
+    top_lp, top_tok = chunked_top_k(log_probs.astype(jnp.float32), k, top_k_chunk)  # [L, K], rank order
 
-    # Depth 1: the beam is the top-K tokens (slots K..B-1 empty). Entries are in rank order, which is
-    # also their lexicographic order.
+    # Every depth's beam is kept in lexicographic order (of the entries' rank tuples), so the flat index
+    # order of its B x K children, laid out (parent, token rank), is again lexicographic. Depth 1: the
+    # top-K tokens in rank order (slots K..B-1 empty).
     neg_inf = jnp.float32(-jnp.inf)
     beam_score = jnp.full((budget,), neg_inf).at[:k].set(top_lp[0])
     beam_rank = jnp.zeros((budget,), jnp.int32).at[:k].set(jnp.arange(k, dtype=jnp.int32))
-    beam_lex = jnp.arange(budget, dtype=jnp.int32)  # lexicographic position of each entry in its beam
 
-    def next_depth(carry, lp_d):
+    def next_depth(beam_score, lp_d):
         """One depth: the B best children of the beam; lp_d [K] this depth's top-K log-probs."""
-        beam_score, beam_lex = carry
-        # Lay parents out in lexicographic order so flat index order = (parent lex, token rank) order.
-        by_lex = jnp.argsort(beam_lex)  # beam index of the entry at each lexicographic position
-        cand = beam_score[by_lex][:, None] + lp_d[None, :]  # [B, K]
-        best, flat = jax.lax.top_k(cand.reshape(-1), budget)
-        beam_parent = by_lex[flat // k]  # index into the previous depth's beam
-        beam_rank = (flat % k).astype(jnp.int32)
-        beam_lex = jnp.argsort(jnp.argsort(flat)).astype(jnp.int32)  # rank of each entry's flat index
-        return (best, beam_lex), (best, beam_rank, beam_parent, beam_lex)
+        cand = beam_score[:, None] + lp_d[None, :]  # [B, K]
+        best, flat = chunked_top_k(cand.reshape(-1), budget, top_k_chunk)  # ties: lexicographically first
+        flat, best = jax.lax.sort((flat, best), num_keys=1)  # the new beam, back in lexicographic order
+        return best, (best, (flat % k).astype(jnp.int32), (flat // k).astype(jnp.int32))
 
-    # A scan, not a Python loop: the depth step (three sorts and a top-k over B x K) compiles once instead
+    # A scan, not a Python loop: the depth step (a top-k over B x K and a sort of B) compiles once instead
     # of L - 1 times (at L = 15 the tree's GPU compile is 4x shorter); with its static trip count XLA runs
     # the body back to back on the device, no host round trip per depth.
-    _, (scores, ranks, parents, lexes) = jax.lax.scan(next_depth, (beam_score, beam_lex), top_lp[1:])
+    _, (scores, ranks, parents) = jax.lax.scan(next_depth, beam_score, top_lp[1:])
 
     def all_depths(depth_1, deeper):  # [B] and [L - 1, B] -> [L, B]
         return jnp.concatenate([depth_1[None], deeper])
 
+    # Global order over (depth, lexicographic position): entry (d, i) at flat index d * B + i, so lower
+    # index = shallower, then lexicographically smaller; top_k's lower-index-first rule does the rest.
     score = all_depths(beam_score, scores)  # [L, B]
-    lex = all_depths(beam_lex, lexes)
-    # Global order over (depth, lex position): put entries at flat index d * B + lex, so lower index =
-    # shallower, then lexicographically smaller; top_k's lower-index-first rule does the rest.
-    by_lex = jnp.argsort(lex, axis=1)  # [L, B] beam index at each lex position
-    laid_out = jnp.take_along_axis(score, by_lex, axis=1).reshape(-1)
-    chosen_score, flat = jax.lax.top_k(laid_out, budget)
+    chosen_score, flat = chunked_top_k(score.reshape(-1), budget, top_k_chunk)
     chosen_depth = (flat // budget).astype(jnp.int32)  # 0-based depth index
-    chosen_beam = by_lex[chosen_depth, flat % budget]
+    chosen_beam = (flat % budget).astype(jnp.int32)
 
     rank_all = all_depths(beam_rank, ranks)
     parent_all = all_depths(jnp.zeros((budget,), jnp.int32), parents)  # depth 1's parent is the root

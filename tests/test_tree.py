@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import heapq
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax.tree import ancestor_mask, build_tree
+from ddtree_jax.tree import ancestor_mask, build_tree, chunked_top_k
 
 
 def heap_tree(log_probs: np.ndarray, budget: int) -> set[tuple[int, ...]]:
@@ -148,3 +149,42 @@ def test_batched_rows_are_independent():
         alone = build_tree(jnp.asarray(lp[r:r + 1]), jnp.array([r + 1]), 24)
         for field in ("tokens", "parents", "depths", "valid", "ancestor"):
             np.testing.assert_array_equal(getattr(batched, field)[r], getattr(alone, field)[0])
+
+
+@pytest.mark.parametrize("n,k,chunk", [(1000, 16, 64), (1000, 63, 64), (997, 5, 100), (4096, 64, 512), (50, 7, 8)])
+def test_chunked_top_k_equals_lax_top_k_with_ties_and_minus_inf(n, k, chunk):
+    """Values from a few levels (many ties across and within chunks) and -inf entries: the same values
+    and the same indices in the same order as one lax.top_k."""
+    rng = np.random.default_rng(n + k)
+    x = rng.integers(0, 6, size=(3, 4, n)).astype(np.float32)
+    x[rng.random(x.shape) < 0.3] = -np.inf
+    x[1, 2] = -np.inf  # a row of only -inf: lax.top_k returns its first k indices
+    want_values, want_index = jax.lax.top_k(jnp.asarray(x), k)
+    values, index = jax.jit(chunked_top_k, static_argnums=(1, 2))(jnp.asarray(x), k, chunk)
+    np.testing.assert_array_equal(np.asarray(values), np.asarray(want_values))
+    np.testing.assert_array_equal(np.asarray(index), np.asarray(want_index))
+
+
+def test_chunked_top_k_check_can_fail():
+    """Negative control: the same two stages with the candidates laid out rank-major (all chunks' best,
+    then all chunks' second best, ...) pick the same values but break ties out of index order, which the
+    test above would catch."""
+    x = jnp.asarray(np.random.default_rng(0).integers(0, 3, size=(1, 512)).astype(np.float32))
+    k, chunk = 16, 64
+    values, within = jax.lax.top_k(x.reshape(1, 8, chunk), k)
+    index = (within + jnp.arange(8)[:, None] * chunk).swapaxes(1, 2).reshape(1, -1)
+    top, at = jax.lax.top_k(values.swapaxes(1, 2).reshape(1, -1), k)
+    want_values, want_index = jax.lax.top_k(x, k)
+    np.testing.assert_array_equal(np.asarray(top), np.asarray(want_values))
+    assert not np.array_equal(np.asarray(jnp.take_along_axis(index, at, axis=1)), np.asarray(want_index))
+
+
+@pytest.mark.parametrize("budget", [16, 100])
+def test_tree_with_chunked_vocabulary_top_k_is_the_same_tree(budget):
+    rng = np.random.default_rng(budget)
+    lp = _log_softmax(rng.standard_normal((2, 6, 3000)) * 2)
+    lp[0, :, 100:400] = lp[0, :, 100:101]  # exact ties across chunk borders
+    one = build_tree(jnp.asarray(lp), jnp.array([1, 2]), budget, top_k_chunk=None)
+    two = build_tree(jnp.asarray(lp), jnp.array([1, 2]), budget, top_k_chunk=256)
+    for field in ("tokens", "parents", "depths", "valid", "ancestor", "scores"):
+        np.testing.assert_array_equal(np.asarray(getattr(two, field)), np.asarray(getattr(one, field)))
