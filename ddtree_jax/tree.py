@@ -51,20 +51,22 @@ class DraftTree:
     scores: jax.Array
 
 
-# Chunk of the two-stage top-k (`chunked_top_k`): on the H200 (tools/topk_probe.py, 2026-12-01) 2048
-# built the tree fastest at B = 64, 256 and 512 for both Qwen vocabularies (0.5 ms less than one lax.top_k
-# at B = 64) and as fast as one lax.top_k at B = 16.
-TOP_K_CHUNK = 2048
+def default_top_k_chunk(budget: int) -> int:
+    """Chunk of the two-stage top-k (`chunked_top_k`) for a budget, from the H200 (tools/topk_probe.py,
+    2026-12-01, both Qwen vocabularies): 2048 built the tree fastest at B = 64, 256 and 512 (677 against
+    1217 us for one lax.top_k at B = 64, V = 151936), 16384 at B = 16 (413 against 557 us)."""
+    return 16384 if budget <= 16 else 2048
 
 
 def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
-               top_k_chunk: int | None = TOP_K_CHUNK) -> DraftTree:
+               top_k_chunk: int | None | str = "auto") -> DraftTree:
     """log_probs [b, L, v] float32 per-depth draft log-probabilities (depth d + 1 at index d);
     root_tokens [b] int32; budget B (static); top_k_chunk: every top-k (over the vocabulary, each depth's
-    B x K candidates, the L x B beam entries) in two stages, over chunks of this many entries (`chunked_top_k`, the same
-    result; None: one `lax.top_k` each). Returns a DraftTree with
-    B + 1 nodes."""
-    return jax.vmap(lambda lp, root: _build_one(lp, root, budget, top_k_chunk))(log_probs, root_tokens)
+    B x K candidates, the L x B beam entries) in two stages, over chunks of this many entries
+    (`chunked_top_k`, the same result; "auto": `default_top_k_chunk(B)`; None: one `lax.top_k` each).
+    Returns a DraftTree with B + 1 nodes."""
+    chunk = default_top_k_chunk(budget) if top_k_chunk == "auto" else top_k_chunk
+    return jax.vmap(lambda lp, root: _build_one(lp, root, budget, chunk))(log_probs, root_tokens)
 
 
 def chunked_top_k(x: jax.Array, k: int, chunk: int | None) -> tuple[jax.Array, jax.Array]:

@@ -83,8 +83,10 @@ ATTN_SWEEP = [
     ta.TreeAttentionConfig(block_q=128, num_warps=8),
     ta.TreeAttentionConfig(block_k=32),
     ta.TreeAttentionConfig(block_k=128, num_warps=8),
+    ta.TreeAttentionConfig(block_q=128, block_k=128, num_warps=8),
+    ta.TreeAttentionConfig(block_k=128, num_stages=3),
     ta.TreeAttentionConfig(num_stages=1),
-    ta.TreeAttentionConfig(num_stages=3),
+    ta.TreeAttentionConfig(num_stages=2),
 ]
 ACCEPT_SWEEP = [
     tac.TreeAcceptConfig(block_t=16, block_v=512),
