@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,19 @@ import pytest
 # Tests compare float32 results to 1e-4; keep XLA on CPU from using lower-precision matmuls.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# One persistent XLA compilation cache for the whole run, subprocesses (CLI, notebooks, bench) included:
+# many tests compile the same tiny programs, and on a 2-core machine compiling is most of the suite's
+# time. Entries are keyed by the program and its compile options, so sharing them cannot change a
+# result. DDTREE_JAX_CACHE names the folder (CI gives a fresh one); otherwise a fresh temporary one.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.environ.get("DDTREE_JAX_CACHE") or tempfile.mkdtemp(prefix="ddtree_jax_xla_cache_"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+# On the CPU, LLVM's optimisation level 0 for XLA's generated code: the tests' programs are tiny, so
+# compiling them is what takes the time (about a third less at level 0), and the level changes no result
+# (XLA's CPU backend does not use fast-math: IEEE semantics at every level).
+if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 import jax  # noqa: E402
 
