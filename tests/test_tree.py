@@ -82,8 +82,11 @@ def _log_softmax(x):
     return (x - np.log(np.exp(x).sum(axis=-1, keepdims=True))).astype(np.float32)
 
 
+# Every vocabulary against budgets below, at and above it, at one depth, several depths and the 15 of a
+# block-16 drafter (each case is its own compile, so the grid is thinned at the middle depth).
 CASES = [(vocab, depth, budget) for vocab in (2, 7, 50, 700) for depth in (1, 4, 15)
-         for budget in (1, 2, 3, 16, 64, 512) if not (vocab == 700 and depth == 15 and budget == 512)]
+         for budget in ((2, 16) if depth == 4 else (1, 3, 64, 512))
+         if not (vocab == 700 and depth == 15 and budget == 512)]
 
 
 @pytest.mark.parametrize("vocab,depth,budget", CASES)
