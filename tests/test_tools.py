@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 import gpu_probe  # noqa: E402
 import greedy_equality  # noqa: E402
+import topk_probe  # noqa: E402
 import trace_summary  # noqa: E402
 
 
@@ -96,3 +97,12 @@ def test_gpu_probe_smoke_forms_agree(tmp_path):
         if r["form"] != "hf":  # the same function as the models' layout, to bf16 rounding
             assert r["rel_err_vs_hf"] < 2e-2
     assert report["ceilings"]["bandwidth_bytes_per_s"] > 0
+
+
+def test_topk_probe_times_and_checks_every_chunk(tmp_path):
+    assert topk_probe.main(["--out", str(tmp_path), "--vocab", "300", "--budgets", "4,16", "--chunks", "0,64",
+                            "--depths", "3", "--rounds", "1", "--workers", "2"]) == 0
+    report = json.loads((tmp_path / "topk_probe.json").read_text())
+    assert [(r["budget"], r["chunk"]) for r in report["records"]] == [(4, None), (4, 64), (16, None), (16, 64)]
+    assert all(r["same_tree"] and r["us"] >= 0 for r in report["records"])
+    assert "| 300 | 16 |" in (tmp_path / "topk_probe.md").read_text()
