@@ -563,8 +563,9 @@ def run_shape(args, parallel) -> dict:
             return e
 
     # A hybrid's rows hold large verify outputs (per-node vectors of every GDN layer, 54 GB of weights beside
-    # them at 27B): prepare those one at a time, just before they are timed. Otherwise compile every row first, in parallel threads, then time them one by one (no
-    # two programs on the device at once while timing).
+    # them at 27B): prepare those one at a time, just before they are timed. Otherwise compile every row
+    # first, in parallel threads, then time them one by one (no two programs on the device at once while
+    # timing).
     workers = 1 if _is_hybrid_config(target.config) else max(1, args.compile_workers)
     if workers > 1:
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
