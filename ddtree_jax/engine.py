@@ -424,6 +424,15 @@ def _round_up(n: int, bucket: int) -> int:
     return -(-n // bucket) * bucket
 
 
+def cache_shape(max_prompt_len: int, options: DecodeOptions) -> tuple[int, int]:
+    """(prompt width, cache capacity) in tokens for prompts of up to `max_prompt_len` tokens: the prompt
+    padded to a PROMPT_BUCKET multiple; the cache holds it, `max_new_tokens` and the widest verify call,
+    rounded up to a CAPACITY_BUCKET multiple (so nearby requests share one compiled program). `options`
+    must be resolved (`resolve_options`: block size known)."""
+    width = _round_up(max_prompt_len, PROMPT_BUCKET)
+    return width, _round_up(width + options.max_new_tokens + options.verify_width, CAPACITY_BUCKET)
+
+
 _COMPILED: dict = {}
 
 
@@ -479,8 +488,7 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
         prompts = list(prompts) + [prompts[0]] * (parallel.size - n_prompts % parallel.size)
     b = len(prompts)
     lengths = np.array([len(p) for p in prompts], np.int32)
-    width = _round_up(int(lengths.max()), PROMPT_BUCKET)
-    capacity = _round_up(width + options.max_new_tokens + options.verify_width, CAPACITY_BUCKET)
+    width, capacity = cache_shape(int(lengths.max()), options)
     tokens = np.zeros((b, width), np.int32)
     for r, prompt in enumerate(prompts):
         tokens[r, :len(prompt)] = prompt
