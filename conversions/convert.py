@@ -65,8 +65,8 @@ def max_logit_difference(a: Path, b: Path, seq_len: int = 16, seed: int = 0, tar
 
     from ddtree_jax.checkpoint import CheckpointError, is_drafter, load_drafter, load_target
     from ddtree_jax.config import read_config_json
-    from ddtree_jax.engine import causal_mask
-    from ddtree_jax.models import dflash, qwen3
+    from ddtree_jax.models import dflash, target_family
+    from ddtree_jax.models.contract import ForwardMeta
 
     logits = []
     if is_drafter(read_config_json(a)):
@@ -85,10 +85,10 @@ def max_logit_difference(a: Path, b: Path, seq_len: int = 16, seed: int = 0, tar
     for folder in (a, b):
         params = load_target(folder, jnp.float32)
         tokens = np.random.default_rng(seed).integers(0, params.config.vocab_size, (1, seq_len))
-        cache = qwen3.create_cache(params.config, 1, seq_len, jnp.float32)
-        out = qwen3.forward(params, jnp.asarray(tokens), jnp.arange(seq_len)[None], cache,
-                            causal_mask(jnp.array([seq_len]), seq_len))
-        logits.append(np.asarray(qwen3.logits(params, out.hidden)))
+        family = target_family(params.config)
+        cache = family.create_cache(params.config, 1, seq_len, jnp.float32)
+        out = family.forward(params, jnp.asarray(tokens), ForwardMeta.prompt(jnp.array([seq_len]), seq_len), cache)
+        logits.append(np.asarray(family.logits(params, out.hidden)))
     return float(np.abs(logits[0] - logits[1]).max())
 
 

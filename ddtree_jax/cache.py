@@ -53,8 +53,11 @@ def write_pending(layer_cache: jax.Array, rows: jax.Array, lengths: jax.Array) -
     return jax.vmap(one_row)(layer_cache, rows, lengths)
 
 
-def advance(cache: KVCache, counts: jax.Array) -> KVCache:
-    """Commit the first `counts[r]` pending rows of each row r (counts [b] int)."""
+def advance(cache: "KVCache | HybridCache", counts: jax.Array) -> "KVCache | HybridCache":
+    """Commit the first `counts[r]` pending K/V rows of each row r (counts [b] int). A hybrid's recurrent
+    states need nothing: a chain-mode forward has already advanced them over its valid tokens."""
+    if isinstance(cache, HybridCache):
+        return dataclasses.replace(cache, kv=advance(cache.kv, counts))
     return dataclasses.replace(cache, lengths=cache.lengths + counts.astype(jnp.int32))
 
 
@@ -130,11 +133,6 @@ class HybridCache:
         return self.kv.capacity
 
 
-def advance_hybrid(cache: HybridCache, counts: jax.Array) -> HybridCache:
-    """Commit the first `counts[r]` pending K/V rows of each row r; recurrent states are already advanced."""
-    return dataclasses.replace(cache, kv=advance(cache.kv, counts))
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class NodeStates:
@@ -192,11 +190,3 @@ def commit_recurrent(state: RecurrentState, nodes: NodeStates, path: jax.Array, 
     full = jnp.concatenate([jnp.swapaxes(state.conv, 1, 2), along.astype(state.conv.dtype)], axis=1)
     window = jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, kernel_1, axis=0))(full, counts)
     return RecurrentState(state=installed, conv=jnp.swapaxes(window, 1, 2))
-
-
-def commit_hybrid_path(cache: HybridCache, nodes: tuple[NodeStates, ...], path: jax.Array,
-                       counts: jax.Array) -> HybridCache:
-    """Keep an accepted tree path of a hybrid target: K/V rows as `commit_path`, each Gated DeltaNet layer's
-    state and conv window as `commit_recurrent`."""
-    return HybridCache(kv=commit_path(cache.kv, path, counts),
-                       recurrent=tuple(commit_recurrent(s, n, path, counts) for s, n in zip(cache.recurrent, nodes)))

@@ -25,7 +25,7 @@ import numpy as np
 
 from ddtree_jax.config import (DRAFTER_ARCHITECTURE, check_pair, load_drafter_config, load_target_config,
                                read_config_json)
-from ddtree_jax.models import dflash, qwen3, qwen3_5
+from ddtree_jax.models import dflash, target_family
 from ddtree_jax.models.params import ModelParams
 from ddtree_jax.parallel import Parallel, param_shardings, put
 
@@ -213,11 +213,6 @@ def tied_extras(config) -> dict[str, str]:
 # target does not use (HF's Qwen3_5ForCausalLM ignores them too); every other tensor is checked strictly.
 TEXT_PREFIXES = {"qwen3_5": "model.language_model."}
 IGNORED_PREFIXES = {"qwen3_5": ("model.visual.", "mtp."), "qwen3_5_text": ("mtp.",)}
-
-
-def target_module(config):
-    """The model module (`qwen3` or `qwen3_5`) of a parsed target config."""
-    return qwen3_5 if getattr(config, "model_type", None) == "qwen3_5" else qwen3
 
 
 def stored_layout(config, names) -> tuple[dict[str, str], tuple[str, ...]]:
@@ -417,7 +412,7 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, progress: bool = False,
     path = Path(path)
     checkpoint_format(path)
     config = load_target_config(path)
-    abstract = target_module(config).abstract(config, dtype or jnp.float32)
+    abstract = target_family(config).abstract(config, dtype or jnp.float32)
     return _load(path, abstract, dtype, tied_extras(config), progress, parallel)
 
 
@@ -452,7 +447,7 @@ def read_arrays(path: str | Path, progress: bool = False) -> tuple[dict[str, np.
         abstract, tied = dflash.abstract(config, fc[1] // len(config.target_layer_ids), jnp.float32), {}
     else:
         config = load_target_config(path)
-        abstract, tied = target_module(config).abstract(config, jnp.float32), tied_extras(config)
+        abstract, tied = target_family(config).abstract(config, jnp.float32), tied_extras(config)
     expected = _expected_shapes(abstract)
     if fmt == "hf":
         bar = _progress_bar(f"reading {path.name}") if progress else None

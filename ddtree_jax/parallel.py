@@ -86,6 +86,24 @@ class Parallel:
         return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
 
+def constrain_cache(cache, parallel: Parallel):
+    """Pin a cache's layout inside jit: K/V heads over the tp axis, rows over the dp axis; a hybrid's
+    recurrent states rows over dp (replicated under tp). None and single-device caches pass through."""
+    from ddtree_jax.cache import HybridCache, KVCache, RecurrentState
+
+    if cache is None or parallel.mesh is None:
+        return cache
+    if isinstance(cache, HybridCache):
+        recurrent = tuple(RecurrentState(state=parallel.constrain(r.state, parallel.batch_spec(4)),
+                                         conv=parallel.constrain(r.conv, parallel.batch_spec(3)))
+                          for r in cache.recurrent)
+        return HybridCache(kv=constrain_cache(cache.kv, parallel), recurrent=recurrent)
+    spec = parallel.kv_spec(cache.k[0].shape[2])
+    return KVCache(k=tuple(parallel.constrain(k, spec) for k in cache.k),
+                   v=tuple(parallel.constrain(v, spec) for v in cache.v),
+                   lengths=parallel.constrain(cache.lengths, parallel.batch_spec(1)))
+
+
 def make_parallel(devices: int = 1, mode: str = "tp") -> Parallel:
     """A one-axis mesh over the first `devices` devices (all processes' devices under jax.distributed)."""
     if devices == 1 and mode != "dp":

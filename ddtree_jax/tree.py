@@ -5,20 +5,22 @@ highest-scoring prefixes (score = sum of the log-probs along the prefix) is pref
 optimal draft tree; Lemma 1: only the top-K tokens per depth matter, K = min(B, V). Algorithm 1 finds
 it with a heap on the host. Here the same set is built on device with fixed shapes:
 
-1. Per depth d, keep the beam of the B best depth-d prefixes (a depth-d prefix in the global top-B is in
-   the top-B of its depth, and its parent is in the top-B of depth d - 1): candidates are beam(d - 1)
-   x top-K tokens at depth d, B x K scores, of which `lax.top_k` keeps B.
+1. Per depth d, the beam of the B best depth-d prefixes, sorted best first (a depth-d prefix in the
+   global top-B is in the top-B of its depth, and its parent is in the top-B of depth d - 1). Its
+   children are (beam entry i, token rank j) with score beam[i] + lp_d[j]. Only the pairs with
+   (i + 1)(j + 1) <= B can be among the B best: every (i', j') with i' <= i and j' <= j scores at least
+   as much and comes first on ties, and there are (i + 1)(j + 1) - 1 of them. That is about B ln B
+   candidates (280 at B = 64, 3.4k at B = 512) instead of B x K; one sort orders them.
 2. The global top-B over the L x B beam entries.
 
 Ties: order is (score desc, depth asc, rank tuple lexicographic asc), where a prefix's rank tuple lists
-the rank of its token among the top-K at each depth. Shallower first keeps the set prefix-closed (a
-child never scores above its parent). `lax.top_k` puts the lower index first among equal values, so
-each step lays its candidates out in that order: beam entries sorted lexicographically by rank tuple,
-then the token rank; each new beam is sorted back into flat candidate index order, which is again
-lexicographic, for the next depth.
+the rank of its token among the top-K at each depth (the order in which Algorithm 1's heap pops). Shallower
+first keeps the set prefix-closed (a child never scores above its parent). Each beam carries every entry's
+lexicographic rank among its depth, so a child's lexicographic key is (parent's rank, token rank).
 
 Nodes come out in (score desc, depth asc, lex) order, so parents precede children; index 0 is the root
-(the bonus token, depth 0). Siblings carry distinct tokens (different ranks at one depth).
+(the bonus token, depth 0). Siblings carry distinct tokens (different ranks at one depth). The ancestor
+mask comes from each beam entry's ancestors (carried down the depths), not from walking parent pointers.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @jax.tree_util.register_dataclass
@@ -92,44 +95,65 @@ def chunked_top_k(x: jax.Array, k: int, chunk: int | None) -> tuple[jax.Array, j
     return top_values, jnp.take_along_axis(index.reshape(flat), at, axis=-1).astype(jnp.int32)
 
 
+def candidate_pairs(budget: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(i, j) int32 [C] of every child (beam entry i, token rank j) that can be among a depth's B best:
+    (i + 1)(j + 1) <= B, i < B, j < K; in (i, j) order. Example, B = 4, K = 4: i = [0 0 0 0 1 1 2 3],
+    j = [0 1 2 3 0 1 0 0]."""
+    pairs = [(i, j) for i in range(budget) for j in range(min(k, budget // (i + 1)))]
+    i, j = np.array(pairs, np.int32).T
+    return i, j
+
+
 def _build_one(log_probs: jax.Array, root: jax.Array, budget: int, top_k_chunk: int | None) -> DraftTree:
     depth_limit, vocab = log_probs.shape
     k = min(budget, vocab)
     top_lp, top_tok = chunked_top_k(log_probs.astype(jnp.float32), k, top_k_chunk)  # [L, K], rank order
+    pair_i, pair_j = (jnp.asarray(x) for x in candidate_pairs(budget, k))
 
-    # Every depth's beam is kept in lexicographic order (of the entries' rank tuples), so the flat index
-    # order of its B x K children, laid out (parent, token rank), is again lexicographic. Depth 1: the
-    # top-K tokens in rank order (slots K..B-1 empty).
+    # Depth 1: the top-K tokens in rank order, which is best first with ties in lexicographic order
+    # (slots K..B-1 empty). Carried per beam entry: score, lexicographic rank among its depth, and the beam
+    # position of its ancestor at every depth (its own at its depth).
     neg_inf = jnp.float32(-jnp.inf)
+    positions = jnp.arange(budget, dtype=jnp.int32)
     beam_score = jnp.full((budget,), neg_inf).at[:k].set(top_lp[0])
-    beam_rank = jnp.zeros((budget,), jnp.int32).at[:k].set(jnp.arange(k, dtype=jnp.int32))
+    beam_lex = positions
+    beam_anc = jnp.zeros((budget, depth_limit), jnp.int32).at[:, 0].set(positions)
 
-    def next_depth(beam_score, lp_d):
-        """One depth: the B best children of the beam; lp_d [K] this depth's top-K log-probs."""
-        cand = beam_score[:, None] + lp_d[None, :]  # [B, K]
-        best, flat = chunked_top_k(cand.reshape(-1), budget, top_k_chunk)  # ties: lexicographically first
-        flat, best = jax.lax.sort((flat, best), num_keys=1)  # the new beam, back in lexicographic order
-        return best, (best, (flat % k).astype(jnp.int32), (flat // k).astype(jnp.int32))
+    def next_depth(carry, x):
+        """One depth: the B best children of the beam, best first; lp_d [K] this depth's top-K log-probs."""
+        beam_score, beam_lex, beam_anc = carry
+        lp_d, d = x
+        score = beam_score[pair_i] + lp_d[pair_j]  # [C], summed left to right as Algorithm 1 does
+        lex = beam_lex[pair_i] * k + pair_j  # a child's lexicographic key: (parent's rank, token rank)
+        neg, lex, parent, rank = jax.lax.sort((-score, lex, pair_i, pair_j), num_keys=2)
+        score, lex, parent, rank = -neg[:budget], lex[:budget], parent[:budget], rank[:budget]
+        # The new beam's lexicographic ranks among itself (its keys are distinct).
+        new_lex = jnp.sum(lex[None, :] < lex[:, None], axis=1).astype(jnp.int32)
+        anc = beam_anc[parent].at[:, d].set(positions)
+        return (score, new_lex, anc), (score, rank, parent, anc)
 
-    # A scan, not a Python loop: the depth step (a top-k over B x K and a sort of B) compiles once instead
-    # of L - 1 times (at L = 15 the tree's GPU compile is 4x shorter); with its static trip count XLA runs
-    # the body back to back on the device, no host round trip per depth.
-    _, (scores, ranks, parents) = jax.lax.scan(next_depth, beam_score, top_lp[1:])
+    # A scan, not a Python loop: the depth step compiles once instead of L - 1 times; with its static trip
+    # count XLA runs the body back to back on the device, no host round trip per depth.
+    depths_1 = jnp.arange(1, depth_limit, dtype=jnp.int32)
+    _, (scores, ranks, parents, ancs) = jax.lax.scan(next_depth, (beam_score, beam_lex, beam_anc),
+                                                     (top_lp[1:], depths_1))
 
-    def all_depths(depth_1, deeper):  # [B] and [L - 1, B] -> [L, B]
+    def all_depths(depth_1, deeper):  # [B, ...] and [L - 1, B, ...] -> [L, B, ...]
         return jnp.concatenate([depth_1[None], deeper])
 
-    # Global order over (depth, lexicographic position): entry (d, i) at flat index d * B + i, so lower
-    # index = shallower, then lexicographically smaller; top_k's lower-index-first rule does the rest.
+    # Global order over (depth, position in the depth's best-first beam): entry (d, i) at flat index
+    # d * B + i, so lower index = shallower, then (within a depth, among equal scores) lexicographically
+    # smaller; top_k's lower-index-first rule does the rest.
     score = all_depths(beam_score, scores)  # [L, B]
     chosen_score, flat = chunked_top_k(score.reshape(-1), budget, top_k_chunk)
     chosen_depth = (flat // budget).astype(jnp.int32)  # 0-based depth index
     chosen_beam = (flat % budget).astype(jnp.int32)
-
-    rank_all = all_depths(beam_rank, ranks)
-    parent_all = all_depths(jnp.zeros((budget,), jnp.int32), parents)  # depth 1's parent is the root
-    token = top_tok[chosen_depth, rank_all[chosen_depth, chosen_beam]]
     valid = jnp.isfinite(chosen_score)
+
+    rank_all = all_depths(positions, ranks)
+    parent_all = all_depths(jnp.zeros((budget,), jnp.int32), parents)  # depth 1's parent is the root
+    anc_all = all_depths(beam_anc, ancs)  # [L, B, L]
+    token = top_tok[chosen_depth, rank_all[chosen_depth, chosen_beam]]
 
     # Node index of every (depth, beam entry) that was chosen: node = 1 + position in chosen order.
     node_of = jnp.full((depth_limit, budget), -1, jnp.int32).at[chosen_depth, chosen_beam].set(
@@ -137,14 +161,23 @@ def _build_one(log_probs: jax.Array, root: jax.Array, budget: int, top_k_chunk: 
     parent_beam = parent_all[chosen_depth, chosen_beam]
     parent_node = jnp.where(chosen_depth == 0, 0, node_of[jnp.maximum(chosen_depth - 1, 0), parent_beam])
     parent_node = jnp.where(valid, parent_node, 0)
+    # The node ids of every chosen node's ancestors, depth by depth (prefix-closed: all are chosen); -1 below
+    # the node's own depth.
+    levels = jnp.arange(depth_limit, dtype=jnp.int32)
+    anc_node = node_of[levels[None, :], anc_all[chosen_depth, chosen_beam]]  # [B, L]
+    anc_node = jnp.where((levels[None, :] <= chosen_depth[:, None]) & valid[:, None], anc_node, -1)
 
     tokens = jnp.concatenate([root[None].astype(jnp.int32), token.astype(jnp.int32)])
     parents_out = jnp.concatenate([jnp.zeros((1,), jnp.int32), parent_node])
     depths = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.where(valid, chosen_depth + 1, 0)])
     valid_out = jnp.concatenate([jnp.ones((1,), bool), valid])
     scores_out = jnp.concatenate([jnp.zeros((1,), jnp.float32), chosen_score])
-    return DraftTree(tokens=tokens, parents=parents_out, depths=depths, valid=valid_out,
-                     ancestor=ancestor_mask(parents_out, valid_out, depth_limit), scores=scores_out)
+    nodes = jnp.arange(budget + 1, dtype=jnp.int32)
+    # ancestor[n, m]: m is the root, n itself, or one of n's ancestors (a padding node: only itself).
+    on_path = (anc_node[:, :, None] == nodes[None, None, :]).any(axis=1) | (nodes[None, :] == 0)  # [B, T]
+    ancestor = jnp.concatenate([(nodes == 0)[None], on_path & valid[:, None]]) | jnp.eye(budget + 1, dtype=bool)
+    return DraftTree(tokens=tokens, parents=parents_out, depths=depths, valid=valid_out, ancestor=ancestor,
+                     scores=scores_out)
 
 
 def ancestor_mask(parents: jax.Array, valid: jax.Array, max_depth: int) -> jax.Array:

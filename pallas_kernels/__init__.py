@@ -1,12 +1,17 @@
 """Pallas GPU kernels (Triton lowering), each beside its plain-jnp reference and a dispatcher.
 
 - `pallas_kernels.tree_attention`: tree-masked attention over the committed KV cache plus the new
-  tokens (the contract of `ddtree_jax.models.layers.cached_attention`); `tree_attention(...)` dispatches.
+  tokens; `tree_attention(..., implementation=)` is the one entry the models call.
 - `pallas_kernels.tree_accept`: greedy tree acceptance (argmax over the vocabulary per node, then the
-  vectorised walk; the contract of `ddtree_jax.accept.accept_tree`); `tree_accept(...)` dispatches.
-- `python -m pallas_kernels.gpu_check --out DIR`: correctness and timing on a GPU at Qwen3-8B shapes.
+  vectorised walk); `tree_accept(..., implementation=)` is the one entry the engine calls, and
+  `tree_walk` the walk it shares with every other decoding rule.
 
 A dispatcher runs the kernel on a GPU and the reference elsewhere; `implementation=` or the
-environment variable DDTREE_JAX_KERNELS=pallas|reference overrides (see `_dispatch`). Kernels never
-import the models. Submodules are not imported here, so importing the package stays cheap.
+environment variable DDTREE_JAX_KERNELS=pallas|reference overrides (`resolve_implementation`). Kernels
+import nothing from the application. Submodules are not imported here, so importing the package stays
+cheap. GPU checks and timing live outside the package, in `tools/kernel_check.py`.
 """
+
+from pallas_kernels._dispatch import ENV_VAR, on_gpu, resolve_implementation
+
+__all__ = ["ENV_VAR", "on_gpu", "resolve_implementation"]

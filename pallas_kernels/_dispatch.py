@@ -5,8 +5,8 @@ variable (`pallas`, or `reference` with its alias `jax`), then the backend (Pall
 reference elsewhere). The choice is made when the caller is traced, so a jitted function keeps the
 implementation it was compiled with.
 
-The engine's own option (`ddtree_jax.engine.DecodeOptions.kernels`: "auto", "jax" or "pallas") resolves
-through `resolve_kernels` below, by the same rule: "auto" is the variable if set, else the backend.
+The package's public names for callers (`pallas_kernels.ENV_VAR`, `resolve_implementation`, `on_gpu`)
+are re-exported by `pallas_kernels/__init__.py`; the rest of this module is the kernels' own plumbing.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import numpy as np
 
 ENV_VAR = "DDTREE_JAX_KERNELS"
 IMPLEMENTATIONS = ("pallas", "reference")
-ALIASES = {"jax": "reference"}  # the engine's name for the plain-JAX path
-KERNEL_CHOICES = ("auto", "jax", "pallas")  # the engine's option (DecodeOptions.kernels, --kernels)
+ALIASES = {"jax": "reference"}  # the application's name for the plain-JAX path
 
 
 def on_gpu() -> bool:
@@ -38,21 +37,6 @@ def resolve_implementation(implementation: str | None) -> str:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{source}={implementation!r}: expected one of {', '.join(IMPLEMENTATIONS)}")
     return implementation
-
-
-def resolve_kernels(kernels: str, dtype=None) -> str:
-    """The engine's kernels, "jax" or "pallas". "auto": $DDTREE_JAX_KERNELS if set (pallas; reference or
-    jax), else "pallas" on a GPU for 16-bit compute (`dtype` None or 2 bytes wide) and "jax" otherwise: the
-    float32 Pallas attention is many times slower than XLA's on the H200 (docs/kernels.md). "jax" and
-    "pallas" are kept as given."""
-    if kernels not in KERNEL_CHOICES:
-        raise ValueError(f"kernels must be one of {', '.join(KERNEL_CHOICES)}, got {kernels!r}")
-    if kernels != "auto":
-        return kernels
-    if os.environ.get(ENV_VAR):
-        return "pallas" if resolve_implementation(None) == "pallas" else "jax"
-    wide = dtype is not None and np.dtype(dtype).itemsize > 2
-    return "pallas" if on_gpu() and not wide else "jax"
 
 
 def resolve_interpret(interpret: bool | None) -> bool:

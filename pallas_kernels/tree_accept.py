@@ -177,8 +177,13 @@ def _merge_argmax(maxes, idxs, t: int) -> jax.Array:
     return jnp.take_along_axis(idxs[:, :, :t], best_split[None], axis=0)[0]
 
 
-def _walk(decoded, tokens, parents, depths, valid, path_len: int) -> Accepted:
-    """Vectorised walk by pointer doubling. All [b, t] int32 (valid bool); see the module docstring."""
+def tree_walk(decoded, tokens, parents, depths, valid, *, path_len: int) -> Accepted:
+    """The acceptance walk for any decoding rule, vectorised by pointer doubling (see the module docstring).
+
+    decoded [b, t] int32 the target's token at every node (argmax, or a sample per node); tokens, parents,
+    depths [b, t] int32 and valid [b, t] bool the tree; path_len P (static) bounds the path. A node is
+    accepted iff every node on its root path carries the token its parent's decoded token asks for.
+    Returns Accepted. The engine runs it for sampled tokens; `tree_accept_pallas` after its argmax."""
     b, t = tokens.shape
     parent_token = jnp.take_along_axis(decoded, parents, axis=1)
     ok = ((tokens == parent_token) & valid).at[:, 0].set(True)  # the root (bonus) is always accepted
@@ -235,8 +240,8 @@ def tree_accept_pallas(logits, tokens, parents, depths, valid, *, path_len: int,
     """The Pallas argmax plus the pointer-doubling walk; arguments and result as `tree_accept_reference`."""
     _check_tree(logits, tokens, parents, depths, valid, path_len)
     decoded = greedy_tokens_pallas(logits, config=config, interpret=interpret, debug=debug)
-    return _walk(decoded, tokens.astype(jnp.int32), parents.astype(jnp.int32), depths.astype(jnp.int32),
-                 valid.astype(bool), path_len)
+    return tree_walk(decoded, tokens.astype(jnp.int32), parents.astype(jnp.int32), depths.astype(jnp.int32),
+                     valid.astype(bool), path_len=path_len)
 
 
 def tree_accept(logits, tokens, parents, depths, valid, *, path_len: int, implementation: str | None = None,

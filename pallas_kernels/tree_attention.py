@@ -53,7 +53,7 @@ class TreeAttentionConfig:
                 program per streaming multiprocessor (never more chunks than key blocks).
     num_warps, num_stages: Triton's warps per program and software-pipelining depth. Three stages:
                 the fastest of the swept configs on the H200 at S = 4096 and T = 16, 65 and 257
-                (2026-12-01, `python -m pallas_kernels.gpu_check --sweep`: 10-24% less than two).
+                (2026-12-01, `python tools/kernel_check.py --sweep`: 10-24% less than two).
     """
 
     block_q: int = 64

@@ -138,3 +138,16 @@ def random_target(tmp_path_factory) -> Path:
 
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+def chain_ordered(tree_rule):
+    """A deliberately wrong version of a tree recurrence (`qwen3_5.tree_gated_delta_rule`), for negative
+    controls: node i continues from node i - 1 (node-index order, as a plain chain would: its "root path" is
+    every node before it) instead of its parent."""
+    import jax.numpy as jnp
+
+    def wrong(q, k, v, g, beta, initial_state, visible):
+        t = visible.shape[-1]
+        return tree_rule(q, k, v, g, beta, initial_state, jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)),
+                                                                           visible.shape))
+    return wrong

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ddtree_jax.bench import DEFAULT_TAU, _projected_tau, main
+from ddtree_jax.bench import DEFAULT_TAU, main, projected_tau
 
 
 def test_shape_mode_writes_json_table_and_plot(tmp_path, capsys):
@@ -18,7 +18,7 @@ def test_shape_mode_writes_json_table_and_plot(tmp_path, capsys):
         if r["mode"] != "ar":
             assert all(r[f"{k}_s"] > 0 for k in ("draft", "tree", "verify", "accept", "commit"))
     assert report["rows"][3]["verify_tokens"] == 17
-    assert (out / "bench.png").stat().st_size > 1000 and "| ddtree | 16 | jax | 17 |" in (out / "bench.md").read_text()
+    assert (out / "bench.png").stat().st_size > 1000 and "| ddtree | 16 | jax | 1 | 32 | 17 |" in (out / "bench.md").read_text()
     assert all(r["recurrent_state_bytes"] == 0 for r in report["rows"]) and not report["hybrid"]
     assert "Measured ceilings" in capsys.readouterr().out
 
@@ -34,15 +34,16 @@ def test_checkpoint_mode_reports_speedup_and_divergence(tmp_path):
                  "--max-new-tokens", "12", "--dtype", "float32", "--out", str(out)]) == 0
     rows = json.loads((out / "bench.json").read_text())["rows"]
     assert [(r["mode"], r["budget"]) for r in rows] == [("ar", None), ("dflash", None), ("ddtree", 4)]
-    assert rows[0]["speedup_over_ar"] == 1.0 and rows[0]["tau"] == 1.0
+    assert [r["tokens"] for r in rows] == [24, 24, 24]  # 2 prompts x 12 tokens, no EOS in this vocabulary
+    assert rows[0]["tau"] == 1.0  # AR commits one token per round
     assert rows[1]["tau"] == 4.0 and rows[2]["tau"] == 4.0  # the hand-built pair accepts every draft
     assert all(r["first_divergence"] is None for r in rows)
 
 
 def test_projected_tau_and_bad_flags(capsys):
-    assert _projected_tau(DEFAULT_TAU, "dflash", None) == 7.79
-    assert _projected_tau(DEFAULT_TAU, "ddtree", 128) == DEFAULT_TAU[64]
-    assert _projected_tau({**DEFAULT_TAU, 128: 11.0}, "ddtree", 128) == 11.0
+    assert projected_tau(DEFAULT_TAU, "dflash", None) == 7.79
+    assert projected_tau(DEFAULT_TAU, "ddtree", 128) == DEFAULT_TAU[64]
+    assert projected_tau({**DEFAULT_TAU, 128: 11.0}, "ddtree", 128) == 11.0
     assert main(["--shape", "tiny", "--budgets", "x"]) == 2
     assert main(["--shape", "tiny", "--target", "somewhere"]) == 2  # (no flags at all runs the demo pair)
     assert "give either --shape" in capsys.readouterr().err
@@ -63,11 +64,10 @@ def test_hybrid_shape_mode_reports_recurrent_state_bytes(tmp_path):
     import jax
     import jax.numpy as jnp
 
-    from ddtree_jax import bench
-    from ddtree_jax.checkpoint import target_module
     from ddtree_jax.config import parse_qwen3_5
-    from ddtree_jax.engine import causal_mask
+    from ddtree_jax.measure import costs
     from ddtree_jax.models import qwen3_5
+    from ddtree_jax.models.contract import ForwardMeta
 
     out = tmp_path / "out"
     assert main(["--shape", "tiny-hybrid", "--context", "24", "--modes", "dflash,ddtree", "--budgets", "4",
@@ -105,16 +105,16 @@ def test_hybrid_shape_mode_reports_recurrent_state_bytes(tmp_path):
     # The weights counted are the hybrid's own parameters (bf16), and the node states are what the verify returns.
     cfg = parse_qwen3_5(c)
     assert report["target_bytes"] == 2 * cfg.num_params()
-    params = target_module(cfg).abstract(cfg)
+    params = qwen3_5.abstract(cfg)
     cache = jax.eval_shape(lambda: qwen3_5.create_cache(cfg, 1, 64, jnp.bfloat16))
     t = 5
     tokens = jnp.zeros((1, t), jnp.int32)
-    mask = causal_mask(jnp.asarray([t]), t)
-    fwd = jax.eval_shape(lambda p, k: qwen3_5.forward(p, tokens, jnp.arange(t)[None], k, mask,
-                                                       parents=jnp.zeros((1, t), jnp.int32)), params, cache)
+    meta = ForwardMeta.tree(jnp.zeros((1,), jnp.int32), jnp.zeros((1, t), jnp.int32), jnp.zeros((1, t), jnp.int32),
+                            jnp.tril(jnp.ones((1, t, t), bool)))
+    fwd = jax.eval_shape(lambda p, k: qwen3_5.forward(p, tokens, meta, k), params, cache)
     kept = sum(a.size * a.dtype.itemsize for n in fwd.nodes for a in jax.tree.leaves(n))
-    assert kept == bench.recurrent_node_bytes(cfg, t) == rows[1]["recurrent_state_bytes"]
+    assert kept == costs.recurrent_node_bytes(cfg, t) == rows[1]["recurrent_state_bytes"]
 
     table = (out / "bench.md").read_text()
     assert "recurrent state MiB |" in table.splitlines()[0]
-    assert "| ddtree | 4 | jax | 5 |" in table and table.splitlines()[3].endswith(f"| {per_node * 5 / 2**20:.3f} |")
+    assert "| ddtree | 4 | jax | 1 | 24 | 5 |" in table and table.splitlines()[3].endswith(f"| {per_node * 5 / 2**20:.3f} |")

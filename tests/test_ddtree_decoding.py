@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from ddtree_jax.checkpoint import load_drafter, load_target
-from ddtree_jax.engine import DecodeOptions, Mode, causal_mask, decode_loop, generate, prefill, resolve_options
+from ddtree_jax.engine import DecodeOptions, Mode, decode_loop, generate, prefill, resolve_options
+from ddtree_jax.models.contract import ForwardMeta
 from ddtree_jax.models import dflash, qwen3
 from ddtree_jax.random_checkpoint import tiny_qwen3_config, write_random_dflash, write_random_qwen3
 from ddtree_jax.sampling import SamplingConfig
@@ -69,7 +70,7 @@ def _full_pass(target, drafter, tokens, length):
     """One uncached target pass over tokens [WIDTH] (valid up to length): next-token argmax after the last
     valid token, and the drafter's context K/V built from scratch from the taps of every valid token."""
     cache = qwen3.create_cache(target.config, 1, WIDTH, jnp.float32)
-    out = qwen3.forward(target, tokens[None], jnp.arange(WIDTH)[None], cache, causal_mask(length[None], WIDTH),
+    out = qwen3.forward(target, tokens[None], ForwardMeta.prompt(length[None], WIDTH), cache,
                         tap_layers=drafter.config.target_layer_ids)
     nxt = jnp.argmax(qwen3.logits(target, out.hidden[0, length - 1]))
     draft_cache = dflash.ingest_context(drafter, out.taps, length[None],

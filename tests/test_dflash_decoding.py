@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from ddtree_jax.checkpoint import load_drafter, load_target
-from ddtree_jax.engine import DecodeOptions, Mode, causal_mask, generate
+from ddtree_jax.engine import DecodeOptions, Mode, generate
+from ddtree_jax.models.contract import ForwardMeta
 from ddtree_jax.models import qwen3
 from ddtree_jax.random_checkpoint import tiny_qwen3_config, write_random_dflash, write_random_qwen3
 from ddtree_jax.sampling import SamplingConfig
@@ -72,8 +73,7 @@ def _exact_three_token_distribution(target, prompt, vocab):
     seqs = np.array([prompt + [a, b] for a, b in itertools.product(range(vocab), repeat=2)])
     n, t = seqs.shape
     cache = qwen3.create_cache(target.config, n, t, jnp.float32)
-    out = qwen3.forward(target, jnp.asarray(seqs), jnp.broadcast_to(jnp.arange(t), (n, t)), cache,
-                        causal_mask(jnp.full((n,), t), t))
+    out = qwen3.forward(target, jnp.asarray(seqs), ForwardMeta.prompt(jnp.full((n,), t), t), cache)
     logp = np.asarray(jax.nn.log_softmax(qwen3.logits(target, out.hidden), -1), np.float64)
     p1 = np.exp(logp[0, t - 3])
     p2 = np.exp(logp[::vocab, t - 2]).reshape(vocab, vocab)  # rows: x1

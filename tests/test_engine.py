@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from ddtree_jax.checkpoint import load_target
-from ddtree_jax.engine import DecodeOptions, DecodeState, _emit, causal_mask, generate
+from ddtree_jax.engine import DecodeOptions, DecodeState, generate
+from ddtree_jax.models.contract import causal_mask
+from ddtree_jax.round import _emit
 from ddtree_jax.sampling import SamplingConfig
 
 

@@ -11,11 +11,12 @@ import numpy as np
 import pytest
 
 from ddtree_jax import engine
-from ddtree_jax.cache import HybridCache
+from ddtree_jax.cache import HybridCache, advance
 from ddtree_jax.checkpoint import load_drafter, load_target
 from ddtree_jax.engine import DecodeOptions, Mode, generate
-from conftest import randomise_qwen3_5
+from conftest import chain_ordered, randomise_qwen3_5
 from ddtree_jax.models import qwen3_5
+from ddtree_jax.models.contract import ForwardMeta
 from ddtree_jax.random_checkpoint import write_random_dflash
 from ddtree_jax.sampling import SamplingConfig
 from test_dflash_decoding import VOCAB8, chi2_pvalue
@@ -153,9 +154,9 @@ def chain_ordered_recurrence(monkeypatch):
         engine._COMPILED.clear()
 
     fresh()
-    monkeypatch.setattr(qwen3_5, "CHAIN_ORDERED_RECURRENCE_FOR_TESTS", True)
+    monkeypatch.setattr(qwen3_5, "tree_gated_delta_rule", chain_ordered(qwen3_5.tree_gated_delta_rule))
     yield
-    monkeypatch.setattr(qwen3_5, "CHAIN_ORDERED_RECURRENCE_FOR_TESTS", False)
+    monkeypatch.undo()
     fresh()
 
 
@@ -188,8 +189,8 @@ def test_tree_verify_states_equal_running_each_root_path(hybrid_pair):
     config = target.config
     prompt = jnp.asarray([[5, 1, 7, 2, 9]])
     cache = qwen3_5.create_cache(config, 1, 32, jnp.float32)
-    out = qwen3_5.forward(target, prompt, jnp.arange(5)[None], cache, engine.causal_mask(jnp.asarray([5]), 5))
-    cache = engine._advance(out.cache, jnp.asarray([5]))
+    out = qwen3_5.forward(target, prompt, ForwardMeta.prompt(jnp.asarray([5]), 5), cache)
+    cache = advance(out.cache, jnp.asarray([5]))
     parents = np.array([0, 0, 0, 1, 2, 3, 3, 5])  # root; two children; grandchildren; a depth-4 branch
     depths = np.array([0, 1, 1, 2, 2, 3, 3, 4])
     tokens = jnp.asarray([[4, 11, 3, 8, 8, 1, 14, 6]])
@@ -198,14 +199,16 @@ def test_tree_verify_states_equal_running_each_root_path(hybrid_pair):
     from ddtree_jax.cache import commit_recurrent
 
     mask = ancestor_mask(jnp.asarray(parents), jnp.ones(8, bool), 8)[None]
-    tree_out = jax.jit(lambda t, c: qwen3_5.forward(t, tokens, 5 + jnp.asarray(depths)[None], c, mask,
-                                                    parents=jnp.asarray(parents)[None]))(target, cache)
+    meta = ForwardMeta.tree(cache.lengths, jnp.asarray(parents)[None], jnp.asarray(depths)[None], mask)
+    tree_out = jax.jit(lambda t, c: qwen3_5.forward(t, tokens, meta, c))(target, cache)
     assert isinstance(tree_out.cache, HybridCache) and len(tree_out.nodes) == len(config.linear_layers)
 
     @jax.jit
     def chain_forward(t, path_tokens, c):  # one compile per path length
         n = path_tokens.shape[1]
-        return qwen3_5.forward(t, path_tokens, 5 + jnp.arange(n)[None], c, engine.causal_mask(jnp.asarray([n]), n))
+        return qwen3_5.forward(t, path_tokens, ForwardMeta(positions=5 + jnp.arange(n)[None],
+                                                           new_mask=jnp.tril(jnp.ones((1, n, n), bool)),
+                                                           valid=jnp.asarray([n])), c)
 
     commit = jax.jit(lambda nodes, committed, path, n: [commit_recurrent(c, nd, path, n)
                                                         for nd, c in zip(nodes, committed)])
@@ -275,9 +278,8 @@ def _exact_three_token_distribution(target, prompt):
 
     @jax.jit  # one program: dispatched op by op this took ~25 s on a busy CPU
     def log_probs(params, tokens):
-        out = qwen3_5.forward(params, tokens, jnp.broadcast_to(jnp.arange(t), (n, t)),
-                              qwen3_5.create_cache(params.config, n, t, jnp.float32),
-                              engine.causal_mask(jnp.full((n,), t), t))
+        out = qwen3_5.forward(params, tokens, ForwardMeta.prompt(jnp.full((n,), t), t),
+                              qwen3_5.create_cache(params.config, n, t, jnp.float32))
         return jax.nn.log_softmax(qwen3_5.logits(params, out.hidden), -1)
 
     logp = np.asarray(log_probs(target, jnp.asarray(seqs)), np.float64)

@@ -8,8 +8,10 @@ import pytest
 
 from ddtree_jax.checkpoint import load_drafter, load_target
 from ddtree_jax.engine import DecodeOptions, Mode, generate
+from ddtree_jax.models.contract import Kernels, Runtime
 from ddtree_jax.parallel import make_parallel
 from ddtree_jax.random_checkpoint import tiny_qwen3_config, write_random_dflash, write_random_qwen3
+from pallas_kernels import ENV_VAR
 
 
 def test_ddtree_with_pallas_kernels_matches_jax(tmp_path):
@@ -37,7 +39,7 @@ def test_pallas_attention_under_tp_shard_map_matches_one_device(tmp_path):
                       drafter=load_drafter(d_dir, target.config, jnp.float32))
     parallel = make_parallel(2, "tp")
     options = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=8, budget=6, kernels="pallas", parallel=parallel)
-    assert options.attention_kernels == ("pallas", parallel.mesh)
+    assert options.runtime == Runtime(Kernels.PALLAS, parallel.mesh)
     target = load_target(t_dir, jnp.float32, parallel=parallel)
     tp = generate(target, prompts, options, drafter=load_drafter(d_dir, target.config, jnp.float32, parallel=parallel))
     assert tp.output_ids == single.output_ids and tp.acceptance_lengths == single.acceptance_lengths
@@ -48,25 +50,24 @@ def test_pallas_attention_under_tp_shard_map_matches_one_device(tmp_path):
 
 def test_auto_kernels_resolve_to_jax_on_cpu(monkeypatch):
     from ddtree_jax.engine import resolve_options
-    from pallas_kernels._dispatch import ENV_VAR
 
     monkeypatch.delenv(ENV_VAR, raising=False)
     assert jax.default_backend() == "cpu"
     options = DecodeOptions(mode=Mode.DDTREE)
-    assert options.kernels == "auto" and options.kernel_impl == "jax" and options.attention_kernels == "jax"
+    assert options.kernels == "auto" and options.runtime == Runtime(Kernels.JAX, None)
     pinned = resolve_options(DecodeOptions(), None)
     assert pinned.kernels == "jax"  # compiled programs are keyed on what runs, not on "auto"
     for forced in ("jax", "pallas"):
-        assert DecodeOptions(kernels=forced).kernel_impl == forced
+        assert DecodeOptions(kernels=forced).runtime.kernels is Kernels(forced)
     # The environment variable of the kernel dispatchers overrides "auto" only.
     monkeypatch.setenv(ENV_VAR, "pallas")
-    assert DecodeOptions().kernel_impl == "pallas" and DecodeOptions(kernels="jax").kernel_impl == "jax"
+    assert DecodeOptions().runtime.pallas and not DecodeOptions(kernels="jax").runtime.pallas
     for value in ("reference", "jax"):
         monkeypatch.setenv(ENV_VAR, value)
-        assert DecodeOptions().kernel_impl == "jax" and DecodeOptions(kernels="pallas").kernel_impl == "pallas"
+        assert not DecodeOptions().runtime.pallas and DecodeOptions(kernels="pallas").runtime.pallas
     monkeypatch.setenv(ENV_VAR, "triton")
     with pytest.raises(ValueError, match=ENV_VAR):
-        DecodeOptions().kernel_impl
+        DecodeOptions().runtime
     with pytest.raises(ValueError, match="'cuda'"):
         DecodeOptions(kernels="cuda")
 
@@ -74,15 +75,15 @@ def test_auto_kernels_resolve_to_jax_on_cpu(monkeypatch):
 def test_auto_kernels_on_a_gpu_keep_float32_on_the_jax_path(monkeypatch):
     import jax.numpy as jnp
 
+    import pallas_kernels
     from ddtree_jax.engine import resolve_options
-    from pallas_kernels import _dispatch
 
-    monkeypatch.delenv(_dispatch.ENV_VAR, raising=False)
-    monkeypatch.setattr(_dispatch, "on_gpu", lambda: True)
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.setattr(pallas_kernels, "on_gpu", lambda: True)
     assert resolve_options(DecodeOptions(), None, jnp.bfloat16).kernels == "pallas"
     assert resolve_options(DecodeOptions(), None, jnp.float32).kernels == "jax"  # Pallas f32 attention is slow
     assert resolve_options(DecodeOptions(kernels="pallas"), None, jnp.float32).kernels == "pallas"
-    monkeypatch.setenv(_dispatch.ENV_VAR, "pallas")
+    monkeypatch.setenv(ENV_VAR, "pallas")
     assert resolve_options(DecodeOptions(), None, jnp.float32).kernels == "pallas"
 
 
@@ -100,11 +101,10 @@ def test_pallas_kernels_on_gpu_are_lossless(tmp_path, monkeypatch):
     """On a GPU the default ("auto") is the Pallas path for 16-bit weights. Greedy DFlash and DDTree
     (budgets 16, 64) with the Pallas kernels give AR's tokens (float32, kernels forced: "auto" keeps
     float32 on the pure-JAX path), and Pallas AR gives the pure-JAX AR's tokens."""
-    from pallas_kernels._dispatch import ENV_VAR
     from test_dflash_decoding import PROMPTS
 
     monkeypatch.delenv(ENV_VAR, raising=False)
-    assert DecodeOptions().kernel_impl == "pallas"
+    assert DecodeOptions().runtime.pallas
     target = load_target(write_random_qwen3(tmp_path / "t", seed=2, with_tokenizer=False, vocab_size=16), jnp.float32)
     drafter = load_drafter(write_random_dflash(tmp_path / "d", tiny_qwen3_config(vocab_size=16), seed=3),
                            target.config, jnp.float32)

@@ -63,20 +63,20 @@ def test_top2_gap_is_the_gap_of_the_next_token_logits():
     import jax
     import jax.numpy as jnp
 
-    from ddtree_jax.bench import _random_pair
     from ddtree_jax.engine import DecodeOptions, Mode, generate
+    from ddtree_jax.measure.workload import random_pair
     from ddtree_jax.models import qwen3
+    from ddtree_jax.models.contract import ForwardMeta
     from ddtree_jax.parallel import Parallel
 
-    target, _ = _random_pair("tiny", Parallel())
+    target, _ = random_pair("tiny", Parallel())
     prefix = [3, 1, 4, 1, 5, 9]
     gap = greedy_equality.top2_gap(target, prefix)
     # The same logits through the model's own forward of the whole prefix (jitted too: bf16 rounds by fusion).
     @jax.jit
     def last_logits(t, tokens):
         cache = qwen3.create_cache(target.config, 1, 128, jnp.bfloat16)
-        mask = jnp.tril(jnp.ones((1, len(prefix), len(prefix)), bool))
-        out = qwen3.forward(t, tokens, jnp.arange(len(prefix))[None], cache, mask)
+        out = qwen3.forward(t, tokens, ForwardMeta.prompt(jnp.asarray([len(prefix)]), len(prefix)), cache)
         return qwen3.logits(t, out.hidden[:, -1])[0]
 
     logits = last_logits(target, jnp.asarray([prefix], jnp.int32))

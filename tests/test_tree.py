@@ -1,4 +1,5 @@
-"""The device tree builder against a straightforward heap implementation of the paper's Algorithm 1."""
+"""The device tree builder against a straightforward heap implementation of the paper's Algorithm 1: the same
+prefixes in the same node order (the heap's pop order), ties included."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ import pytest
 from ddtree_jax.tree import ancestor_mask, build_tree, chunked_top_k
 
 
-def heap_tree(log_probs: np.ndarray, budget: int) -> set[tuple[int, ...]]:
+def heap_tree(log_probs: np.ndarray, budget: int) -> list[tuple[int, ...]]:
     """Algorithm 1: best-first over rank tuples; pop B times, push the next sibling and the first child.
+    Returns the popped prefixes (as token tuples) in pop order.
 
     Ties pop in (depth, rank tuple) order. Scores are summed in float32 left to right, as on device.
     """
@@ -41,15 +43,16 @@ def heap_tree(log_probs: np.ndarray, budget: int) -> set[tuple[int, ...]]:
         if depth < depth_limit:
             child = ranks + (0,)
             heapq.heappush(heap, (-score(child), depth + 1, child))
-    return set(chosen)
+    return chosen
 
 
-def device_tree_paths(log_probs: np.ndarray, budget: int) -> set[tuple[int, ...]]:
+def device_tree_paths(log_probs: np.ndarray, budget: int) -> list[tuple[int, ...]]:
+    """The prefix of every valid non-root node, in node order, after checking the tree's invariants."""
     tree = build_tree(jnp.asarray(log_probs)[None], jnp.array([7]), budget)
     tokens, parents, depths, valid, anc = (np.asarray(x[0]) for x in (tree.tokens, tree.parents, tree.depths,
                                                                        tree.valid, tree.ancestor))
     assert tokens[0] == 7 and parents[0] == 0 and depths[0] == 0
-    paths = set()
+    paths = []
     for i in range(1, budget + 1):
         if not valid[i]:
             assert anc[i].sum() == 1 and anc[i, i]
@@ -61,7 +64,7 @@ def device_tree_paths(log_probs: np.ndarray, budget: int) -> set[tuple[int, ...]
             j = parents[j]
         path = tuple(reversed(path))
         assert list(np.flatnonzero(anc[i])) == sorted(_ancestors(parents, i))
-        paths.add(path)
+        paths.append(path)
     # Siblings carry distinct tokens.
     for p in set(parents[1:][valid[1:]]):
         kids = tokens[1:][(parents[1:] == p) & valid[1:]]

@@ -6,8 +6,8 @@
     JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 PYTHONPATH=. python tools/compile_times.py \
         --gpu-target-config h200 --timeout 300
 
-Nothing is allocated: parameters, caches and the decode state are `jax.ShapeDtypeStruct`s (the shapes of
-`bench._random_pair` and `bench._filled_state`: batch 1, bf16, a cache of `--context` tokens), and every
+Nothing is allocated: parameters, caches and the decode state are `jax.ShapeDtypeStruct`s (the shapes the
+benchmark builds, `measure.workload`: batch 1, bf16, a cache of `--context` tokens), and every
 program is AOT-lowered with `jax.jit(f).lower(...)` and compiled with `.compile()` on the default backend
 (or for the `--gpu-target-config` GPU), so an 8B round compiles on a CPU or shows in seconds on a GPU where
 the time goes. Per (layers, mode, budget, stage) it prints lower and compile seconds, the StableHLO op count
@@ -16,9 +16,9 @@ ops (a Python loop unrolled over layers, depths or nodes shows as counts that gr
 largest constant in the optimised HLO. `--timeout` runs each measurement in a child process and reports
 one that runs past it instead of hanging.
 
-Stages, as `bench.time_stages` jits them: round (the whole `speculative_round`, state donated), draft,
-tree (log_softmax + build_tree, or the chain), verify (target forward + decoding rule), accept, commit
-(commit_path or advance, plus the drafter's `ingest_context`).
+Stages: round (the whole round, state donated) and the round's own stage functions (`round.STAGES`: draft,
+tree, verify, accept, commit), as the benchmark compiles them (`measure.workload.stage_programs`); any target
+family, the hybrid shapes included.
 
 What this found (CPU cannot show it: XLA's CPU backend compiled the old round in 10 s): the DDTree round
 did not compile on the GPU because `tree.ancestor_mask`'s 15-level chain `parents[parents[...]]` was fused
@@ -57,84 +57,30 @@ device_description_str: "NVIDIA H200"
 
 
 def _configs(shape: str, layers: int | None):
-    """Parsed target and drafter configs of a bench shape, the target cut to `layers` decoder layers."""
-    from ddtree_jax.bench import shape_configs
-    from ddtree_jax.config import parse_dflash, parse_qwen3
+    """Parsed target and drafter configs of a named shape, the target cut to `layers` decoder layers."""
+    from ddtree_jax.config import TARGET_PARSERS, parse_dflash
+    from ddtree_jax.shapes import shape_configs
 
     target_raw, drafter_raw = shape_configs(shape, layers)
-    return parse_qwen3(target_raw), parse_dflash(drafter_raw)
+    return TARGET_PARSERS[target_raw["model_type"]](target_raw), parse_dflash(drafter_raw)
 
 
-def _abstract_state(target, drafter, context: int, options):
-    """ShapeDtypeStructs of `bench._filled_state`'s decode state (same capacity rule, 6 rounds of room)."""
+def _stage_programs(target, drafter, context: int, options) -> dict:
+    """{stage: (function, abstract args, static kwargs, donate_argnums)}: the whole round (state donated)
+    and the round's own stage functions (`measure.workload.stage_programs`, `round.STAGES`) on the decode
+    state the benchmark builds (`measure.workload.empty_state`, 6 rounds of room), shapes only."""
     import jax
-    import jax.numpy as jnp
 
-    from ddtree_jax.bench import decode_state
-    from ddtree_jax.models import dflash, qwen3
+    from ddtree_jax import round as rnd
+    from ddtree_jax.measure import workload
 
-    b, rounds = 1, 6
-    per_round = options.block_size + 1 if options.mode.needs_drafter else 1
-    capacity = -(-(context + rounds * per_round + options.verify_width) // 128) * 128
-
-    def make():
-        cache = qwen3.create_cache(target.config, b, capacity, jnp.bfloat16)
-        draft_cache = dflash.create_cache(drafter.config, b, capacity, jnp.bfloat16) \
-            if options.mode.needs_drafter else None
-        return decode_state(cache, draft_cache, options)
-
-    return jax.eval_shape(make)
-
-
-def _stage_programs(target, drafter, state, options):
-    """{stage: (function, abstract args, donate_argnums)} as bench.time_stages jits them."""
-    import jax
-    import jax.numpy as jnp
-
-    from ddtree_jax.accept import accept_tree, chain_tree
-    from ddtree_jax.cache import advance, commit_path
-    from ddtree_jax.engine import ROUNDS, Mode
-    from ddtree_jax.models import dflash, qwen3
-    from ddtree_jax.sampling import decode_tokens
-    from ddtree_jax.tree import build_tree
-
-    kernels = options.attention_kernels
-    bs, b = options.block_size, state.last_token.shape[0]
-    programs = {"round": (lambda t, d, s: ROUNDS[options.mode](t, d, s, options), (target, drafter, state), (2,))}
-    if options.mode is Mode.AR:
-        return programs
-    block = jax.ShapeDtypeStruct((b, bs), jnp.int32)
-    programs["draft"] = (lambda d, t, blk, dc: dflash.draft_logits(d, t, blk, dc, kernels),
-                         (drafter, target, block, state.draft_cache), ())
-    logits = jax.eval_shape(*programs["draft"][:1], *programs["draft"][1])
-    if options.mode is Mode.DDTREE:
-        tree_fn = lambda lg, last: build_tree(jax.nn.log_softmax(lg, -1), last, options.budget)  # noqa: E731
-    else:
-        tree_fn = lambda lg, last: chain_tree(jnp.concatenate(  # noqa: E731
-            [last[:, None], jnp.argmax(lg, -1).astype(jnp.int32)], axis=1))
-    programs["tree"] = (tree_fn, (logits, state.last_token), ())
-    tree = jax.eval_shape(tree_fn, logits, state.last_token)
-
-    def verify_fn(t, tr, cache, rng):
-        fwd = qwen3.forward(t, tr.tokens, cache.lengths[:, None] + tr.depths, cache, tr.ancestor,
-                            tap_layers=drafter.config.target_layer_ids, kernels=kernels)
-        return fwd, decode_tokens(qwen3.logits(t, fwd.hidden), rng, options.sampling)
-
-    programs["verify"] = (verify_fn, (target, tree, state.cache, state.rng), ())
-    fwd, decoded = jax.eval_shape(verify_fn, target, tree, state.cache, state.rng)
-    accept_fn = lambda tr, dec: accept_tree(tr, dec, bs)  # noqa: E731
-    programs["accept"] = (accept_fn, (tree, decoded), ())
-    acc = jax.eval_shape(accept_fn, tree, decoded)
-
-    def commit_fn(d, f, a, draft_cache):
-        if options.mode is Mode.DDTREE:
-            cache = commit_path(f.cache, a.path, a.count)
-            taps = jnp.take_along_axis(f.taps, a.path[:, :, None], axis=1)
-        else:
-            cache, taps = advance(f.cache, a.count), f.taps
-        return cache, dflash.ingest_context(d, taps, a.count, draft_cache)
-
-    programs["commit"] = (commit_fn, (drafter, fwd, acc, state.draft_cache), (1,))
+    state = jax.eval_shape(lambda: workload.empty_state(target.config, drafter.config, context, options, 6))
+    programs = {"round": (rnd.ROUNDS[options.mode], (target, drafter, state), {"options": options}, (2,))}
+    if options.mode.needs_drafter:
+        stages = workload.stage_programs(target, drafter, state, options,
+                                         lambda name, fn, args, static: jax.eval_shape(
+                                             lambda *a: fn(*a, **static), *args))
+        programs.update({name: (fn, args, static, ()) for name, (fn, args, static) in stages.items()})
     return programs
 
 
@@ -186,15 +132,16 @@ def gpu_topology_device(target_config: str):
     return topologies.get_topology_desc("", "cuda", topology="1x1x1", target_config=text).devices[0]
 
 
-def measure(fn, args, donate=(), compile_=True, device=None) -> dict:
+def measure(fn, args, static=None, donate=(), compile_=True, device=None) -> dict:
     import jax
 
+    static = static or {}
+    jitted = jax.jit(fn, static_argnames=tuple(static), donate_argnums=donate)
     start = time.perf_counter()
     if device is None:
-        lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
+        lowered = jitted.lower(*args, **static)
     else:
-        lowered = jax.jit(fn, donate_argnums=donate).trace(*_on_device(args, device)).lower(
-            lowering_platforms=("cuda",))
+        lowered = jitted.trace(*_on_device(args, device), **static).lower(lowering_platforms=("cuda",))
     lower_s = time.perf_counter() - start
     text = lowered.as_text()
     out = {"lower_s": round(lower_s, 2)}
@@ -245,7 +192,7 @@ def main(argv=None) -> int:
     import warnings
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shape", default="qwen3-8b", help="a bench.SHAPES name")
+    p.add_argument("--shape", default="qwen3-8b", help="a ddtree_jax.shapes.SHAPES name")
     p.add_argument("--budgets", default="16,64,256", help="DDTree budgets, comma-separated")
     p.add_argument("--layers", default="", help="target decoder layer counts, comma-separated (default: the shape's)")
     p.add_argument("--modes", default="dflash,ddtree", help="comma-separated of ar, dflash, ddtree")
@@ -264,7 +211,7 @@ def main(argv=None) -> int:
     import jax
 
     from ddtree_jax.engine import DecodeOptions, Mode
-    from ddtree_jax.models import dflash, qwen3
+    from ddtree_jax.models import dflash, target_family
 
     budgets = [int(x) for x in args.budgets.split(",") if x]
     stages = [s for s in args.stages.split(",") if s]
@@ -280,20 +227,19 @@ def main(argv=None) -> int:
     layer_counts = [int(x) for x in args.layers.split(",") if x] or [None]
     for n_layers in layer_counts:
         t_cfg, d_cfg = _configs(args.shape, n_layers)
-        target, drafter = qwen3.abstract(t_cfg), dflash.abstract(d_cfg, t_cfg.hidden_size)
+        target, drafter = target_family(t_cfg).abstract(t_cfg), dflash.abstract(d_cfg, t_cfg.hidden_size)
         plan = [(m, None) for m in modes if m != "ddtree"] + [("ddtree", b) for b in budgets if "ddtree" in modes]
         for mode, budget in plan:
             options = DecodeOptions(mode=Mode(mode), max_new_tokens=4096, block_size=16, budget=budget or 64,
                                     kernels=args.kernels)
-            programs = _stage_programs(target, drafter, _abstract_state(target, drafter, args.context, options),
-                                       options)
+            programs = _stage_programs(target, drafter, args.context, options)
             for stage in (s for s in stages if s in programs):
                 if args.timeout:
                     row = _isolated(args, t_cfg.num_layers, mode, budget, stage)
                 else:
-                    fn, fn_args, donate = programs[stage]
+                    fn, fn_args, static, donate = programs[stage]
                     row = {"layers": t_cfg.num_layers, "mode": mode, "budget": budget, "stage": stage,
-                           **measure(fn, fn_args, donate, not args.lower_only, device)}
+                           **measure(fn, fn_args, static, donate, not args.lower_only, device)}
                 _print_row(row, args.json)
     return 0
 

@@ -3,7 +3,7 @@
     PYTHONPATH=. python tools/gpu_probe.py --out DIR [--layers 36] [--tokens 1,16,65] [--smoke]
 
 Three sections, all in one process, each number a median over repeated device-synchronised calls:
-1. Bandwidth ceilings by several methods (`bench.measure_ceilings`: copy, read, gemv and a torch
+1. Bandwidth ceilings by several methods (`measure.ceilings.measure_ceilings`: copy, read, gemv and a torch
    device-to-device copy when torch sees the GPU): the floors of the bench use the highest.
 2. The projections of `--layers` Qwen3-8B decoder layers in one program, without attention or norms
    (x -> q,k,v -> o -> residual -> gate,up -> down -> residual), at T tokens, in several forms:
@@ -144,7 +144,8 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from ddtree_jax.bench import _median_seconds, ceilings_text, measure_ceilings
+    from ddtree_jax.measure.ceilings import ceilings_text, measure_ceilings
+    from ddtree_jax.measure.timing import median_seconds
 
     shape = SMOKE if args.smoke else QWEN3_8B
     layers = 2 if args.smoke else args.layers
@@ -172,7 +173,7 @@ def main(argv=None) -> int:
                 continue
             x = jax.random.normal(jax.random.key(t), (t, shape["hidden"]), jnp.bfloat16)
             try:
-                seconds = _median_seconds(lambda: fn(weights, x), args.repeats)
+                seconds = median_seconds(lambda: fn(weights, x), args.repeats)
             except Exception as e:  # noqa: BLE001 - a form that does not compile is a finding, not a crash
                 record({"section": "projections", "form": form, "tokens": t, "error": str(e).splitlines()[0][:300]})
                 continue
@@ -193,7 +194,7 @@ def main(argv=None) -> int:
     w = jax.random.normal(jax.random.key(99), (shape["vocab"], shape["hidden"]), jnp.bfloat16)
     for t in [int(v) for v in args.tokens.split(",")]:
         h = jax.random.normal(jax.random.key(t), (t, shape["hidden"]), jnp.bfloat16)
-        seconds = _median_seconds(lambda: head(h, w), args.repeats)
+        seconds = median_seconds(lambda: head(h, w), args.repeats)
         record({"section": "lm_head", "tokens": t, "ms": seconds * 1e3, "floor_ms": w.nbytes / bandwidth * 1e3,
                 "x_floor": seconds / (w.nbytes / bandwidth), "tb_per_s": w.nbytes / seconds / 1e12})
     print("\n| section | form | T | ms | floor ms | x floor | TB/s |\n|---|---|---|---|---|---|---|")

@@ -27,20 +27,19 @@ def top2_gap(target, prefix: list[int]) -> float:
     import jax
     import jax.numpy as jnp
 
-    from ddtree_jax.engine import _target_forward, causal_mask, target_model
+    from ddtree_jax.models import target_family
+    from ddtree_jax.models.contract import ForwardMeta
 
-    model = target_model(target)
+    family = target_family(target.config)
     dtype = target.flat()["model.embed_tokens.weight"].dtype
     n = len(prefix)
-    cache = model.create_cache(target.config, 1, -(-n // 128) * 128, dtype)
+    cache = family.create_cache(target.config, 1, -(-n // 128) * 128, dtype)
     tokens = jnp.asarray([prefix], jnp.int32)
-    lengths = jnp.asarray([n], jnp.int32)
 
     @jax.jit
     def last_logits(t, tok):
-        out = _target_forward(t, tok, jnp.arange(n, dtype=jnp.int32)[None], cache, causal_mask(lengths, n),
-                              valid=lengths)
-        return model.logits(t, out.hidden[:, -1])[0]
+        out = family.forward(t, tok, ForwardMeta.prompt(jnp.asarray([n], jnp.int32), n), cache)
+        return family.logits(t, out.hidden[:, -1])[0]
 
     top = jax.lax.top_k(last_logits(target, tokens), 2)[0]
     return float(top[0] - top[1])
@@ -65,23 +64,22 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     if args.shape:
-        from ddtree_jax.bench import _random_pair
+        from ddtree_jax.measure.workload import random_pair
         from ddtree_jax.parallel import Parallel
 
-        target, drafter = _random_pair(args.shape, Parallel())
+        target, drafter = random_pair(args.shape, Parallel())
         vocab = target.config.vocab_size - 1  # the last row is the drafter's mask token
         prompts = [[(7 * i + 3 + 13 * r) % vocab for i in range(40 - 3 * r)] for r in range(min(args.num_prompts, 4))]
         source = f"random {args.shape} weights"
     else:
-        from ddtree_jax.bench import _read_prompts
+        from ddtree_jax.bench import load_tokenizer, read_prompts
         from ddtree_jax.checkpoint import load_drafter, load_target
         from ddtree_jax.demo_pair import demo_drafter, demo_prompts, demo_target
-        from ddtree_jax.generate import _load_tokenizer
 
         t_dir, d_dir = args.target or demo_target(), args.drafter or demo_drafter()
         target = load_target(t_dir, jnp.bfloat16)
         drafter = load_drafter(d_dir, target.config, jnp.bfloat16)
-        prompts = _read_prompts(demo_prompts(), _load_tokenizer(t_dir))[:args.num_prompts]
+        prompts = read_prompts(demo_prompts(), load_tokenizer(t_dir))[:args.num_prompts]
         source = str(t_dir)
 
     def run(mode: Mode, budget: int = 64):

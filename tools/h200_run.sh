@@ -8,7 +8,7 @@
 #   bench     python -m ddtree_jax.bench --shape qwen3-8b (AR, DFlash, DDTree 16..512; pallas and jax),
 #             with a profiler trace of every row                                   -> bench/, traces.tar
 #   equality  tools/greedy_equality.py in bf16 with the default kernels: random 8B weights, the demo pair
-#   kernels   python -m pallas_kernels.gpu_check (per-layer attention/acceptance timing and checks) -> kernels/
+#   kernels   tools/kernel_check.py (per-layer attention/acceptance timing and checks) -> kernels/
 #   tests     the GPU-marked tests and the greedy DDTree decoding tests, compiled on the GPU
 #   hybrid    python -m ddtree_jax.bench --shape qwen3.6-27b                        -> hybrid/
 #   demo_bg, demo_pack   the demo pair's training in the background, and collecting it in a later call
@@ -48,7 +48,7 @@ for step in "$@"; do
     kernels)
       log kernels
       # shellcheck disable=SC2086
-      timeout "${KERNEL_LIMIT:-300}" python3 -m pallas_kernels.gpu_check --out "$OUT/kernels" ${KERNEL_ARGS:-} \
+      timeout "${KERNEL_LIMIT:-300}" python3 tools/kernel_check.py --out "$OUT/kernels" ${KERNEL_ARGS:-} \
         > /tmp/kernels.log 2>&1; echo "rc=$?"
       tail -60 /tmp/kernels.log
       ;;

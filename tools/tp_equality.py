@@ -18,7 +18,7 @@ import sys
 def main(argv=None) -> int:
     import jax
 
-    from ddtree_jax.bench import _random_pair
+    from ddtree_jax.measure.workload import random_pair
     from ddtree_jax.engine import DecodeOptions, Mode, generate
     from ddtree_jax.parallel import Parallel, make_parallel
 
@@ -32,7 +32,7 @@ def main(argv=None) -> int:
 
     results = {}
     for name, parallel in (("single", Parallel()), (args.parallel, make_parallel(args.devices, args.parallel))):
-        target, drafter = _random_pair(args.shape, parallel)
+        target, drafter = random_pair(args.shape, parallel)
         vocab = target.config.vocab_size - 1  # the last row is the drafter's mask token
         prompts = [[(7 * i + 3) % vocab for i in range(40)], [(11 * i + 5) % vocab for i in range(23)]]
         for mode in Mode:

@@ -25,6 +25,7 @@ from flax import nnx
 from ddtree_jax.cache import KVCache, advance, write_pending
 from ddtree_jax.config import DFlashConfig
 from ddtree_jax.models import qwen3
+from ddtree_jax.models.contract import Runtime
 from ddtree_jax.models.layers import Linear, RMSNorm, apply_rope, cached_attention, rope_cos_sin
 from ddtree_jax.models.params import ModelParams, abstract_params, random_params
 
@@ -94,7 +95,7 @@ def block_mask(batch: int, block_size: int, causal: bool) -> jax.Array:
 
 
 def draft_hidden(params: ModelParams, target: ModelParams, block_tokens: jax.Array, cache: KVCache,
-                 kernels: str = "jax") -> jax.Array:
+                 runtime: Runtime = Runtime()) -> jax.Array:
     """Run the block over the cached context; block_tokens [b, bs] at positions `cache.lengths + i`.
 
     Returns the final-normed hidden states [b, bs, e] of every block slot (slot 0 included).
@@ -115,13 +116,13 @@ def draft_hidden(params: ModelParams, target: ModelParams, block_tokens: jax.Arr
             v = attn.v_proj(x).reshape(b, bs, -1, d)
             out = cached_attention(q, cache.k[i], cache.v[i], cache.lengths, k, v,
                                    block_mask(b, bs, config.layer_causal[i]), positions,
-                                   scale=d ** -0.5, sliding_window=config.layer_windows[i], kernels=kernels)
+                                   scale=d ** -0.5, sliding_window=config.layer_windows[i], runtime=runtime)
             h = h + attn.o_proj(out.reshape(b, bs, -1))
             h = h + layer.mlp(layer.post_attention_layernorm(h))
     return model.norm(h)
 
 
 def draft_logits(params: ModelParams, target: ModelParams, block_tokens: jax.Array, cache: KVCache,
-                 kernels: str = "jax") -> jax.Array:
+                 runtime: Runtime = Runtime()) -> jax.Array:
     """float32 logits [b, bs - 1, v] for block slots 1 .. bs - 1 through the target's lm_head."""
-    return qwen3.logits(target, draft_hidden(params, target, block_tokens, cache, kernels)[:, 1:])
+    return qwen3.logits(target, draft_hidden(params, target, block_tokens, cache, runtime)[:, 1:])

@@ -15,8 +15,11 @@ from flax import nnx
 
 from ddtree_jax.cache import KVCache, write_pending
 from ddtree_jax.config import Qwen3Config
+from ddtree_jax.models.contract import ForwardMeta, ForwardOut, Runtime
 from ddtree_jax.models.layers import Embedding, Linear, RMSNorm, SwiGLU, apply_rope, cached_attention, rope_cos_sin
 from ddtree_jax.models.params import ModelParams, abstract_params, random_params
+
+RECURRENT = False  # attention only: the cache is a KVCache
 
 
 class Attention(nnx.Module):
@@ -32,17 +35,17 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(d, config.rms_norm_eps, "head_dim", dtype=dtype)
         self.head_dim = d
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, cache_lengths, new_mask, positions, sliding_window,
-                 kernels: str = "jax"):
-        """x [b, t, e] -> (out [b, t, e], k_new [b, t, n, d], v_new [b, t, n, d])."""
+    def __call__(self, x, cos, sin, k_cache, v_cache, cache_lengths, meta: ForwardMeta, *,
+                 sliding_window: int | None, runtime: Runtime):
+        """x [b, t, e], cos/sin [b, t, d] -> (out [b, t, e], k_new [b, t, n, d], v_new [b, t, n, d])."""
         b, t, _ = x.shape
         d = self.head_dim
         q = self.q_norm(self.q_proj(x).reshape(b, t, -1, d))
         k = self.k_norm(self.k_proj(x).reshape(b, t, -1, d))
         v = self.v_proj(x).reshape(b, t, -1, d)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = cached_attention(q, k_cache, v_cache, cache_lengths, k, v, new_mask, positions,
-                               scale=d ** -0.5, sliding_window=sliding_window, kernels=kernels)
+        out = cached_attention(q, k_cache, v_cache, cache_lengths, k, v, meta.new_mask, meta.positions,
+                               scale=d ** -0.5, sliding_window=sliding_window, runtime=runtime)
         return self.o_proj(out.reshape(b, t, -1)), k, v
 
 
@@ -68,18 +71,6 @@ class Qwen3ForCausalLM(nnx.Module):
             self.lm_head = Linear(config.hidden_size, config.vocab_size, ("vocab", "embed"), dtype=dtype, rngs=rngs)
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class ForwardOut:
-    """hidden: [b, t, e] after the final norm; taps: [b, t, len(tap_layers) * e] (outputs of the tapped
-    decoder layers, concatenated in the order asked; HF `hidden_states[l + 1]`), or None; cache: the input
-    cache with the new tokens' K/V written as pending rows (lengths unchanged)."""
-
-    hidden: jax.Array
-    taps: jax.Array | None
-    cache: KVCache
-
-
 def build(config: Qwen3Config, dtype=jnp.bfloat16):
     return lambda rngs: Qwen3ForCausalLM(config, dtype=dtype, rngs=rngs)
 
@@ -96,40 +87,25 @@ def create_cache(config: Qwen3Config, batch: int, capacity: int, dtype) -> KVCac
     return KVCache.create(config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim, dtype)
 
 
-def forward(
-    params: ModelParams,
-    tokens: jax.Array,
-    positions: jax.Array,
-    cache: KVCache,
-    new_mask: jax.Array,
-    tap_layers: tuple[int, ...] = (),
-    kernels: str = "jax",
-) -> ForwardOut:
-    """Run the target on new tokens.
+def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: KVCache, *,
+            tap_layers: tuple[int, ...] = (), runtime: Runtime = Runtime()) -> ForwardOut:
+    """Run the target on new tokens (the family contract, `models/contract.py`).
 
-    Args:
-      tokens:    [b, t] int token ids.
-      positions: [b, t] int positions (RoPE and sliding window); `length + i` for a prompt or a chain,
-                 `start + depth` for tree nodes.
-      cache:     committed K/V; every new token sees all committed slots of its row.
-      new_mask:  [b, t, t] bool, which new tokens each new token sees (see `cached_attention`).
-      tap_layers: decoder layer ids whose outputs to return (static).
-      kernels:   "jax" or "pallas" attention (static; see `cached_attention`).
+    tokens [b, t] int; meta: positions and the new tokens' mask (`valid` and `parents` do not matter to an
+    attention-only model: every token sees the committed cache and the new tokens its mask allows);
+    cache: committed K/V; tap_layers: decoder layer ids whose outputs to return (static).
     """
     config: Qwen3Config = params.config
     model = params.module()
-    for layer_id in tap_layers:
-        if not 0 <= layer_id < config.num_layers:
-            raise ValueError(f"tap layer {layer_id} is outside 0..{config.num_layers - 1}")
+    check_tap_layers(tap_layers, config.num_layers)
     x = model.model.embed_tokens(tokens)
-    cos, sin = rope_cos_sin(positions, jnp.asarray(config.rope.inv_freq(config.head_dim)))
+    cos, sin = rope_cos_sin(meta.positions, jnp.asarray(config.rope.inv_freq(config.head_dim)))
     new_k, new_v, taps = [], [], {}
     for i, layer in enumerate(model.model.layers):
         with jax.named_scope(f"layer_{i}"):
-            attn_out, k, v = layer.self_attn(
-                layer.input_layernorm(x), cos, sin, cache.k[i], cache.v[i], cache.lengths, new_mask, positions,
-                config.sliding_windows[i], kernels,
-            )
+            attn_out, k, v = layer.self_attn(layer.input_layernorm(x), cos, sin, cache.k[i], cache.v[i],
+                                             cache.lengths, meta, sliding_window=config.sliding_windows[i],
+                                             runtime=runtime)
             x = x + attn_out
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         new_k.append(write_pending(cache.k[i], k, cache.lengths))
@@ -139,6 +115,12 @@ def forward(
     hidden = model.model.norm(x)
     tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1) if tap_layers else None
     return ForwardOut(hidden=hidden, taps=tapped, cache=dataclasses.replace(cache, k=tuple(new_k), v=tuple(new_v)))
+
+
+def check_tap_layers(tap_layers: tuple[int, ...], num_layers: int) -> None:
+    for layer_id in tap_layers:
+        if not 0 <= layer_id < num_layers:
+            raise ValueError(f"tap layer {layer_id} is outside 0..{num_layers - 1}")
 
 
 def logits(params: ModelParams, hidden: jax.Array) -> jax.Array:

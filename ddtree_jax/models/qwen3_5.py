@@ -28,9 +28,11 @@ from flax import nnx
 from ddtree_jax.cache import HybridCache, KVCache, NodeStates, RecurrentState, write_pending
 from ddtree_jax.config import FULL_ATTENTION, Qwen3_5Config
 from ddtree_jax.models import qwen3
-from ddtree_jax.models.layers import Embedding, Linear, SwiGLU, _param, apply_rope, cached_attention, rope_cos_sin
+from ddtree_jax.models.contract import ForwardMeta, ForwardOut, Runtime
+from ddtree_jax.models.layers import Embedding, Linear, SwiGLU, param, apply_rope, cached_attention, rope_cos_sin
 from ddtree_jax.models.params import ModelParams, abstract_params, random_params
 
+RECURRENT = True  # the cache is a HybridCache: K/V beside a recurrent state per Gated DeltaNet layer
 CHUNK = 64  # tokens per chunk of the chunked (WY) delta rule, as HF
 
 
@@ -64,12 +66,6 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state):
     return jnp.moveaxis(out, 0, 1), state
 
 
-# Tree verification: a deliberately wrong recurrence order, for one negative test only. When True, node i
-# continues from node i - 1 (node-index order, as a plain chain would: its "root path" is every node before
-# it) instead of its parent.
-CHAIN_ORDERED_RECURRENCE_FOR_TESTS = False
-
-
 def tree_gated_delta_rule(q, k, v, g, beta, initial_state, visible):
     """The gated delta rule over the nodes of a tree, all nodes at once (the chunked WY form of
     `chunk_gated_delta_rule` with the tree's ancestor relation in place of causal order).
@@ -92,8 +88,6 @@ def tree_gated_delta_rule(q, k, v, g, beta, initial_state, visible):
       root-path log decay G [b, T, H] (float32), from which `cache.path_state` forms any node's state.
     """
     t = k.shape[1]
-    if CHAIN_ORDERED_RECURRENCE_FOR_TESTS:  # wrong on purpose (tests only): every earlier node is an ancestor
-        visible = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), visible.shape)
     f32 = jnp.float32
     q, k, v = (jnp.moveaxis(x, 2, 1) for x in (q, k, v))  # [b, H, T, ...]
     g, beta = jnp.moveaxis(g, 2, 1), jnp.moveaxis(beta, 2, 1)  # [b, H, T]
@@ -172,7 +166,7 @@ class ZeroCenteredRMSNorm(nnx.Module):
     """HF `Qwen3_5RMSNorm`: `x / rms(x) * (1 + w)` in float32, then cast to x's dtype (weight init 0)."""
 
     def __init__(self, dim: int, eps: float, axis_name: str = "embed", *, dtype):
-        self.weight = _param(None, (dim,), dtype, (axis_name,), "zeros")
+        self.weight = param(None, (dim,), dtype, (axis_name,), "zeros")
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -185,7 +179,7 @@ class GatedRMSNorm(nnx.Module):
     """HF `Qwen3_5RMSNormGated`: `w * (x / rms(x)) * silu(z)` per head (weight init 1)."""
 
     def __init__(self, dim: int, eps: float, *, dtype):
-        self.weight = _param(None, (dim,), dtype, ("linear_head_dim",), "ones")
+        self.weight = param(None, (dim,), dtype, ("linear_head_dim",), "ones")
         self.eps = eps
 
     def __call__(self, x: jax.Array, z: jax.Array) -> jax.Array:
@@ -199,7 +193,7 @@ class DepthwiseConv(nnx.Module):
     """HF `nn.Conv1d(C, C, K, groups=C, bias=False)`: weight [C, 1, K]."""
 
     def __init__(self, channels: int, kernel: int, *, dtype, rngs):
-        self.weight = _param(rngs, (channels, 1, kernel), dtype, ("linear_conv", None, None), "normal")
+        self.weight = param(rngs, (channels, 1, kernel), dtype, ("linear_conv", None, None), "normal")
 
 
 class GatedAttention(nnx.Module):
@@ -220,8 +214,8 @@ class GatedAttention(nnx.Module):
         r = self.rotary_dim
         return jnp.concatenate([apply_rope(x[..., :r], cos, sin), x[..., r:]], axis=-1)
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, cache_lengths, new_mask, positions, kernels: str = "jax"):
-        """x [b, t, e] -> (out [b, t, e], k_new [b, t, n, d], v_new [b, t, n, d])."""
+    def __call__(self, x, cos, sin, k_cache, v_cache, cache_lengths, meta: ForwardMeta, *, runtime: Runtime):
+        """x [b, t, e], cos/sin [b, t, rotary_dim] -> (out [b, t, e], k_new [b, t, n, d], v_new [b, t, n, d])."""
         b, t, _ = x.shape
         d = self.head_dim
         q_gate = self.q_proj(x).reshape(b, t, -1, 2 * d)
@@ -229,8 +223,8 @@ class GatedAttention(nnx.Module):
         q = self._rope(self.q_norm(q), cos, sin)
         k = self._rope(self.k_norm(self.k_proj(x).reshape(b, t, -1, d)), cos, sin)
         v = self.v_proj(x).reshape(b, t, -1, d)
-        out = cached_attention(q, k_cache, v_cache, cache_lengths, k, v, new_mask, positions,
-                               scale=d ** -0.5, kernels=kernels)
+        out = cached_attention(q, k_cache, v_cache, cache_lengths, k, v, meta.new_mask, meta.positions,
+                               scale=d ** -0.5, runtime=runtime)
         out = out.reshape(b, t, -1) * jax.nn.sigmoid(gate)
         return self.o_proj(out), k, v
 
@@ -246,8 +240,8 @@ class GatedDeltaNet(nnx.Module):
         self.in_proj_b = Linear(e, hv, ("linear_heads", "embed"), dtype=dtype, rngs=rngs)
         self.in_proj_a = Linear(e, hv, ("linear_heads", "embed"), dtype=dtype, rngs=rngs)
         self.conv1d = DepthwiseConv(conv, config.linear_conv_kernel, dtype=dtype, rngs=rngs)
-        self.A_log = _param(None, (hv,), dtype, ("linear_heads",), "zeros")
-        self.dt_bias = _param(None, (hv,), dtype, ("linear_heads",), "ones")
+        self.A_log = param(None, (hv,), dtype, ("linear_heads",), "zeros")
+        self.dt_bias = param(None, (hv,), dtype, ("linear_heads",), "ones")
         self.norm = GatedRMSNorm(config.linear_value_head_dim, config.rms_norm_eps, dtype=dtype)
         self.out_proj = Linear(config.linear_value_dim, e, ("embed", "linear_value"), dtype=dtype, rngs=rngs)
         self.key_dim, self.value_dim = config.linear_key_dim, config.linear_value_dim
@@ -352,22 +346,6 @@ class Qwen3_5ForCausalLM(nnx.Module):
 # Functional API
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class ForwardOut:
-    """hidden: [b, t, e] after the final norm; taps: [b, t, len(tap_layers) * e] (outputs of the tapped
-    decoder layers in the order asked; HF `hidden_states[l + 1]`), or None; cache: K/V of the new tokens
-    written as pending rows (lengths unchanged) and every recurrent state advanced over the valid tokens;
-    nodes: None, or in tree mode (`parents` given) one NodeStates per Gated DeltaNet layer (config.linear_layers
-    order) with every node's state and conv input, the cache's recurrent states then being left as committed
-    (`cache.commit_hybrid_path` installs the accepted node's)."""
-
-    hidden: jax.Array
-    taps: jax.Array | None
-    cache: HybridCache
-    nodes: tuple[NodeStates, ...] | None = None
-
-
 def build(config: Qwen3_5Config, dtype=jnp.bfloat16):
     return lambda rngs: Qwen3_5ForCausalLM(config, dtype=dtype, rngs=rngs)
 
@@ -390,51 +368,30 @@ def create_cache(config: Qwen3_5Config, batch: int, capacity: int, dtype) -> Hyb
     return HybridCache(kv=kv, recurrent=recurrent)
 
 
-def forward(
-    params: ModelParams,
-    tokens: jax.Array,
-    positions: jax.Array,
-    cache: HybridCache,
-    new_mask: jax.Array,
-    tap_layers: tuple[int, ...] = (),
-    valid: jax.Array | None = None,
-    kernels: str = "jax",
-    parents: jax.Array | None = None,
-) -> ForwardOut:
-    """Run the target on new tokens, which extend each row's committed sequence as a chain.
+def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: HybridCache, *,
+            tap_layers: tuple[int, ...] = (), runtime: Runtime = Runtime()) -> ForwardOut:
+    """Run the target on new tokens (the family contract, `models/contract.py`).
 
-    Args:
-      tokens:    [b, t] int token ids.
-      positions: [b, t] int positions (RoPE); `length + i`.
-      cache:     committed K/V and recurrent states.
-      new_mask:  [b, t, t] bool, which new tokens each new token sees in the attention layers (causal for
-                 a prompt or a chain, the ancestor mask for a tree; see `cached_attention`).
-      tap_layers: decoder layer ids whose outputs to return (static).
-      valid:     [b] int, real tokens per row (a prefix; the rest is right padding that leaves the recurrent
-                 states alone); default all t.
-      kernels:   "jax" or "pallas" attention (static; see `cached_attention`).
-      parents:   None (the tokens extend each row as a chain: a prompt or one decode token), or [b, t] int
-                 parent node indices of a verification tree (root = node 0, its own parent; parents precede
-                 children; a chain is parents [0, 0, 1, 2, ...]). Then node depths are `positions -
-                 cache.lengths`, `new_mask` must be the tree's ancestor mask (each node's root path, itself
-                 included; a padding node sees only itself), `valid` is ignored (every node is real), each Gated
-                 DeltaNet layer runs the tree recurrence (`tree_gated_delta_rule`) over the root paths, and what
-                 forms each node's state comes back in `nodes` (`cache.path_state`).
+    tokens [b, t] int; cache: committed K/V and recurrent states; tap_layers: decoder layer ids whose outputs
+    to return (static). meta: positions and the attention layers' mask of the new tokens, and:
+    - chain mode (`meta.parents` None): the tokens extend each row's committed sequence; `meta.valid` real
+      tokens per row (the rest is right padding that leaves the recurrent states alone). The returned cache
+      has every recurrent state advanced over the valid tokens.
+    - tree mode (`meta.parents` given, `meta.new_mask` the tree's ancestor mask, node depths =
+      `positions - cache.lengths`): each Gated DeltaNet layer runs the tree recurrence
+      (`tree_gated_delta_rule`) over every node's root path; the returned cache keeps the committed
+      recurrent states and `ForwardOut.nodes` has what forms any node's state (`cache.commit_recurrent`).
     """
     config: Qwen3_5Config = params.config
     model = params.module()
-    b, t = tokens.shape
-    for layer_id in tap_layers:
-        if not 0 <= layer_id < config.num_layers:
-            raise ValueError(f"tap layer {layer_id} is outside 0..{config.num_layers - 1}")
-    valid = jnp.full((b,), t, jnp.int32) if valid is None else valid.astype(jnp.int32)
+    qwen3.check_tap_layers(tap_layers, config.num_layers)
     x = model.model.embed_tokens(tokens)
-    cos, sin = rope_cos_sin(positions, jnp.asarray(config.rope.inv_freq(config.rotary_dim)))
+    cos, sin = rope_cos_sin(meta.positions, jnp.asarray(config.rope.inv_freq(config.rotary_dim)))
     kv, lengths = cache.kv, cache.kv.lengths
     new_k, new_v, new_states, taps = list(kv.k), list(kv.v), list(cache.recurrent), {}
     nodes = [None] * len(cache.recurrent)
-    depths = None if parents is None else (positions - lengths[:, None]).astype(jnp.int32)
-    parents = None if parents is None else parents.astype(jnp.int32)
+    tree = meta.is_tree
+    depths = (meta.positions - lengths[:, None]).astype(jnp.int32) if tree else None
     attn_index = {layer: j for j, layer in enumerate(config.attention_layers)}
     linear_index = {layer: j for j, layer in enumerate(config.linear_layers)}
     for i, layer in enumerate(model.model.layers):
@@ -442,12 +399,12 @@ def forward(
             h = layer.input_layernorm(x)
             if i in attn_index:
                 j = attn_index[i]
-                mixed, k, v = layer.self_attn(h, cos, sin, kv.k[j], kv.v[j], lengths, new_mask, positions, kernels)
+                mixed, k, v = layer.self_attn(h, cos, sin, kv.k[j], kv.v[j], lengths, meta, runtime=runtime)
                 new_k[j], new_v[j] = write_pending(kv.k[j], k, lengths), write_pending(kv.v[j], v, lengths)
             else:
                 j = linear_index[i]
-                mixed, new_states[j], nodes[j] = layer.linear_attn(h, cache.recurrent[j], valid, parents, depths,
-                                                                   new_mask if parents is not None else None)
+                mixed, new_states[j], nodes[j] = layer.linear_attn(
+                    h, cache.recurrent[j], meta.valid, meta.parents, depths, meta.new_mask if tree else None)
             x = x + mixed
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         if i in tap_layers:
@@ -455,7 +412,7 @@ def forward(
     hidden = model.model.norm(x)
     tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1) if tap_layers else None
     new_cache = HybridCache(kv=dataclasses.replace(kv, k=tuple(new_k), v=tuple(new_v)), recurrent=tuple(new_states))
-    return ForwardOut(hidden=hidden, taps=tapped, cache=new_cache, nodes=None if parents is None else tuple(nodes))
+    return ForwardOut(hidden=hidden, taps=tapped, cache=new_cache, nodes=tuple(nodes) if tree else None)
 
 
 # lm_head (or the tied embedding) has the same names as in qwen3.

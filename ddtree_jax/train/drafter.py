@@ -52,7 +52,7 @@ import numpy as np
 
 from ddtree_jax.cache import KVCache
 from ddtree_jax.config import DFlashConfig, Qwen3Config, parse_dflash
-from ddtree_jax.engine import causal_mask
+from ddtree_jax.models.contract import ForwardMeta
 from ddtree_jax.models import dflash, qwen3
 from ddtree_jax.models.params import ModelParams
 from ddtree_jax.train import common, corpus
@@ -193,9 +193,8 @@ def target_taps(target: ModelParams, tokens: jax.Array, lengths: jax.Array, laye
     """[b, L, len(ids) * e] outputs of the frozen target's tapped layers (HF hidden_states[l + 1])."""
     b, L = tokens.shape
     dtype = target.flat()["model.embed_tokens.weight"].dtype
-    positions = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32), (b, L))
-    out = qwen3.forward(target, tokens, positions, qwen3.create_cache(target.config, b, L, dtype),
-                        causal_mask(lengths, L), tap_layers=layer_ids)
+    out = qwen3.forward(target, tokens, ForwardMeta.prompt(lengths, L), qwen3.create_cache(target.config, b, L, dtype),
+                        tap_layers=layer_ids)
     return jax.lax.stop_gradient(out.taps)
 
 

@@ -32,7 +32,7 @@ import ml_dtypes
 import numpy as np
 
 from ddtree_jax.config import Qwen3Config, parse_qwen3
-from ddtree_jax.engine import causal_mask
+from ddtree_jax.models.contract import ForwardMeta
 from ddtree_jax.models import qwen3
 from ddtree_jax.models.params import ModelParams
 from ddtree_jax.train import common, corpus
@@ -125,8 +125,7 @@ def lm_loss(params: ModelParams, tokens: jax.Array) -> jax.Array:
     b, t = inputs.shape
     dtype = params.flat()["model.embed_tokens.weight"].dtype
     cache = qwen3.create_cache(params.config, b, t, dtype)
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    out = qwen3.forward(params, inputs, positions, cache, causal_mask(jnp.full((b,), t, jnp.int32), t))
+    out = qwen3.forward(params, inputs, ForwardMeta.prompt(jnp.full((b,), t, jnp.int32), t), cache)
     logits = qwen3.logits(params, out.hidden)  # float32 [b, t, v]
     picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
     return jnp.mean(jax.nn.logsumexp(logits, axis=-1) - picked)

@@ -8,7 +8,7 @@ import pytest
 
 from ddtree_jax.checkpoint import load_target
 from ddtree_jax.models import qwen3
-from ddtree_jax.engine import causal_mask
+from ddtree_jax.models.contract import ForwardMeta
 from ddtree_jax.cache import advance
 
 torch = pytest.importorskip("torch", reason="PyTorch is not importable (the transformers parity oracle)")
@@ -40,12 +40,12 @@ def test_prefill_and_32_decode_steps_match_transformers(hf_qwen3):
 
     cache = qwen3.create_cache(params.config, 1, 64, jnp.float32)
     t = prompt.shape[1]
-    res = qwen3.forward(params, jnp.asarray(prompt), jnp.arange(t)[None], cache, causal_mask(jnp.array([t]), t))
+    res = qwen3.forward(params, jnp.asarray(prompt), ForwardMeta.prompt(jnp.array([t]), t), cache)
     np.testing.assert_allclose(np.asarray(qwen3.logits(params, res.hidden)), hf_prefill, atol=TOL, rtol=0)
     cache = advance(res.cache, jnp.array([t]))
     for i in range(32):
-        res = qwen3.forward(params, jnp.asarray(follow[:, i:i + 1]), cache.lengths[:, None], cache,
-                            jnp.ones((1, 1, 1), bool))
+        res = qwen3.forward(params, jnp.asarray(follow[:, i:i + 1]), ForwardMeta.step(cache.lengths, jnp.array([True])),
+                            cache)
         cache = advance(res.cache, jnp.array([1]))
         np.testing.assert_allclose(np.asarray(qwen3.logits(params, res.hidden))[:, 0], hf_steps[i], atol=TOL, rtol=0,
                                    err_msg=f"decode step {i}")
@@ -59,7 +59,7 @@ def test_hidden_state_taps_follow_hf_indexing(hf_qwen3):
         hs = hf(torch.tensor(ids), output_hidden_states=True).hidden_states
     layers = tuple(range(params.config.num_layers - 1))  # HF's last entry has the final norm applied
     cache = qwen3.create_cache(params.config, 1, 16, jnp.float32)
-    res = qwen3.forward(params, jnp.asarray(ids), jnp.arange(9)[None], cache, causal_mask(jnp.array([9]), 9),
+    res = qwen3.forward(params, jnp.asarray(ids), ForwardMeta.prompt(jnp.array([9]), 9), cache,
                         tap_layers=layers[::-1])
     e = params.config.hidden_size
     for j, layer in enumerate(layers[::-1]):
@@ -78,8 +78,7 @@ def test_batch_with_unequal_prompt_lengths_matches_rows_run_alone(hf_qwen3):
         tokens[r, :len(p)] = p
     cache = qwen3.create_cache(params.config, 3, 32, jnp.float32)
     valid = jnp.array(lengths)
-    res = qwen3.forward(params, jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(width), (3, width)), cache,
-                        causal_mask(valid, width))
+    res = qwen3.forward(params, jnp.asarray(tokens), ForwardMeta.prompt(valid, width), cache)
     ours = np.asarray(qwen3.logits(params, res.hidden))
     for r, p in enumerate(prompts):
         np.testing.assert_allclose(ours[r, :len(p)], _hf_logits(hf, p[None])[0], atol=TOL, rtol=0, err_msg=f"row {r}")

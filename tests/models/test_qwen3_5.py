@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax.cache import RecurrentState, advance_hybrid
+from ddtree_jax.cache import RecurrentState, advance
 from ddtree_jax.checkpoint import load_target
 from ddtree_jax.config import ConfigError, Qwen3_5Config, parse_qwen3_5
-from ddtree_jax.engine import causal_mask
+from ddtree_jax.models.contract import ForwardMeta
 from ddtree_jax.models import qwen3_5
-from conftest import randomise_qwen3_5
+from conftest import chain_ordered, randomise_qwen3_5
 
 torch = pytest.importorskip("torch", reason="PyTorch is not importable (the transformers parity oracle)")
 
@@ -57,9 +57,8 @@ def params(hf_qwen3_5):
 def _prefill_jit(params, tokens, valid, capacity, taps):
     b, t = tokens.shape
     cache = qwen3_5.create_cache(params.config, b, capacity, jnp.float32)
-    res = qwen3_5.forward(params, tokens, jnp.broadcast_to(jnp.arange(t), (b, t)), cache, causal_mask(valid, t),
-                          tap_layers=taps, valid=valid)
-    return res, advance_hybrid(res.cache, valid)
+    res = qwen3_5.forward(params, tokens, ForwardMeta.prompt(valid, t), cache, tap_layers=taps)
+    return res, advance(res.cache, valid)
 
 
 def _prefill(params, tokens: np.ndarray, lengths=None, capacity: int = 128, taps=()):
@@ -71,8 +70,8 @@ def _prefill(params, tokens: np.ndarray, lengths=None, capacity: int = 128, taps
 
 @jax.jit
 def _step_jit(params, cache, token):
-    res = qwen3_5.forward(params, token[:, None], cache.lengths[:, None], cache, jnp.ones((token.shape[0], 1, 1), bool))
-    return res, advance_hybrid(res.cache, jnp.ones((token.shape[0],), jnp.int32))
+    res = qwen3_5.forward(params, token[:, None], ForwardMeta.step(cache.lengths, jnp.ones(token.shape, bool)), cache)
+    return res, advance(res.cache, jnp.ones((token.shape[0],), jnp.int32))
 
 
 def _step(params, cache, token):
@@ -146,8 +145,7 @@ def test_bfloat16_runs_with_float32_states(hf_qwen3_5):
     bf16 = load_target(hf_qwen3_5[0], jnp.bfloat16)
     ids = np.random.default_rng(10).integers(0, VOCAB, size=(2, 7))
     cache = qwen3_5.create_cache(bf16.config, 2, 16, jnp.bfloat16)
-    res = qwen3_5.forward(bf16, jnp.asarray(ids), jnp.broadcast_to(jnp.arange(7), (2, 7)), cache,
-                          causal_mask(jnp.array([7, 4]), 7), valid=jnp.array([7, 4]))
+    res = qwen3_5.forward(bf16, jnp.asarray(ids), ForwardMeta.prompt(jnp.array([7, 4]), 7), cache)
     assert res.hidden.dtype == jnp.bfloat16
     assert res.cache.recurrent[0].state.dtype == jnp.float32 and res.cache.recurrent[0].conv.dtype == jnp.bfloat16
     assert np.isfinite(np.asarray(qwen3_5.logits(bf16, res.hidden))).all()
@@ -259,11 +257,7 @@ def test_tree_delta_rule_equals_the_recurrence_along_every_root_path():
             got_state = state_of(r, padded, jnp.asarray([len(path)]))
             np.testing.assert_allclose(np.asarray(got_state[0]), np.asarray(want_state[0]), atol=2e-5, rtol=0,
                                        err_msg=f"row {r} node {node}")
-    qwen3_5.CHAIN_ORDERED_RECURRENCE_FOR_TESTS = True
-    try:
-        wrong = qwen3_5.tree_gated_delta_rule(q, k, v, g, beta, state, visible)[0]
-    finally:
-        qwen3_5.CHAIN_ORDERED_RECURRENCE_FOR_TESTS = False
+    wrong = chain_ordered(qwen3_5.tree_gated_delta_rule)(q, k, v, g, beta, state, visible)[0]
     assert float(jnp.abs(wrong - out).max()) > 1e-2
 
 

@@ -1,5 +1,6 @@
-"""Greedy tree acceptance: the argmax kernel against jnp.argmax, the kernel path and the reference against
-`ddtree_jax.accept.accept_tree`, and literal little trees with their expected paths.
+"""Greedy tree acceptance: the argmax kernel against jnp.argmax; the kernel path (argmax + `tree_walk`, the walk
+the engine runs for every decoding rule, through `ddtree_jax.accept.accept_tree`) against the independent
+reference (ancestor matrix), and both against literal little trees with their expected paths.
 
 Every kernel test class runs interpreted on CPU and compiled on a GPU (marked `gpu`, skipped without one).
 """
@@ -18,7 +19,7 @@ import pytest
 from ddtree_jax.accept import accept_tree
 from ddtree_jax.tree import DraftTree, ancestor_mask
 from pallas_kernels import tree_accept as tac
-from pallas_kernels._dispatch import ENV_VAR
+from pallas_kernels import ENV_VAR
 
 INTERPRET = [pytest.param(True, id="interpret"), pytest.param(False, id="compiled", marks=pytest.mark.gpu)]
 

@@ -1,9 +1,9 @@
 """Compile the kernels for sm_90 on a machine without a GPU, and report their resources (a development aid).
 
     pip install triton            # not a project dependency; 3.9 was used here
-    python -m pallas_kernels.triton_offline [--quick]
+    python tools/triton_offline.py [--quick]
 
-For each kernel at the gpu_check shapes and configs: jax lowers the Pallas kernel to Triton IR (as it
+For each kernel at the kernel_check shapes and configs: jax lowers the Pallas kernel to Triton IR (as it
 does on a GPU), the pip `triton` compiles that IR for compute capability 9.0, and `cuobjdump` (shipped
 with triton) reads the cubin's registers, spill stack and shared memory, from which programs per SM
 follow. This catches Triton compile errors and shared-memory overflows before spending device time;
@@ -27,7 +27,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from pallas_kernels import gpu_check  # noqa: E402
+import kernel_check  # noqa: E402
 from pallas_kernels import tree_accept as tac  # noqa: E402
 from pallas_kernels import tree_attention as ta  # noqa: E402
 
@@ -82,18 +82,18 @@ def resources(ir_text: str, num_warps: int, num_stages: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pallas_kernels.triton_offline", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python tools/triton_offline.py", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="default configs only")
     args = parser.parse_args(argv)
     if importlib.util.find_spec("triton") is None:
         print("error: needs the `triton` package (pip install triton)", file=sys.stderr)
         return 2
-    shape = gpu_check.FULL
+    shape = kernel_check.FULL
     sds = jax.ShapeDtypeStruct
     b, hq, n, d, s = (shape[k] for k in ("b", "hq", "n", "d", "s"))
     jobs = []
     for dtype in (jnp.bfloat16, jnp.float32):
-        configs = [ta.TreeAttentionConfig()] + ([] if args.quick or dtype == jnp.float32 else gpu_check.ATTN_SWEEP)
+        configs = [ta.TreeAttentionConfig()] + ([] if args.quick or dtype == jnp.float32 else kernel_check.ATTN_SWEEP)
         for t in shape["attn_t"]:
             attn_args = [sds((b, t, hq, d), dtype), sds((b, s, n, d), dtype), sds((b, s, n, d), dtype),
                          sds((b,), jnp.int32), sds((b, t, n, d), dtype), sds((b, t, n, d), dtype),
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             for config in configs:
                 fn = functools.partial(ta.tree_attention_pallas, scale=d ** -0.5, config=config)
                 jobs.append((f"tree_attention {jnp.dtype(dtype).name} T={t}", config, fn, attn_args))
-        configs = [tac.TreeAcceptConfig()] + ([] if args.quick or dtype == jnp.float32 else gpu_check.ACCEPT_SWEEP)
+        configs = [tac.TreeAcceptConfig()] + ([] if args.quick or dtype == jnp.float32 else kernel_check.ACCEPT_SWEEP)
         for t in shape["accept_t"]:
             acc_args = [sds((1, t, shape["vocab"]), dtype)]
             for config in configs:
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             print(label, resources(triton_ir(fn, fn_args), config.num_warps, config.num_stages), flush=True)
         except Exception as exc:  # noqa: BLE001 - report and go on
-            print(label, "FAILED", gpu_check.error_text(exc, 400).replace("\n", " | "), flush=True)
+            print(label, "FAILED", kernel_check.error_text(exc, 400).replace("\n", " | "), flush=True)
     return 0
 
 

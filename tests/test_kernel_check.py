@@ -1,21 +1,26 @@
-"""`python -m pallas_kernels.gpu_check --smoke`: the GPU check script on tiny shapes, kernels interpreted on CPU."""
+"""`python tools/kernel_check.py --smoke`: the kernel check script on tiny shapes, kernels interpreted on CPU."""
 
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import jax
 import pytest
 
-from pallas_kernels import gpu_check
 from pallas_kernels import tree_attention as ta
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+import kernel_check  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpu_check")
-    rc = gpu_check.main(["--out", str(out), "--smoke"])
-    return rc, json.loads((out / "gpu_check.json").read_text()), (out / "gpu_check.md").read_text()
+    out = tmp_path_factory.mktemp("kernel_check")
+    rc = kernel_check.main(["--out", str(out), "--smoke"])
+    return rc, json.loads((out / "kernel_check.json").read_text()), (out / "kernel_check.md").read_text()
 
 
 def test_smoke_runs_every_section_and_passes(smoke):
@@ -41,11 +46,14 @@ def test_smoke_times_per_layer_against_the_floor(smoke):
             variants = {r["variant"] for r in attention if (r["s"], r["t"]) == (s, t)}
             assert variants == {"pallas", "reference (jnp, XLA)", "dot_product_attention[xla]",
                                 "dot_product_attention[cudnn]"}
+    # The cost of one smoke point written out (b 1, 4 query / 2 KV heads of 16, bf16), S = 64, T = 5: K/V cache
+    # 2 * 64 * 2 * 16 * 2 = 8192 bytes, q + out + new K/V 5 * (2 * 4 + 2 * 2) * 16 * 2 = 1920, mask 25;
+    # FLOPs 4 * 4 * 16 * 5 * (64 + 5) = 88320.
+    assert kernel_check.attention_cost(shape, 1, 64, 5, "bfloat16") == (8192 + 1920 + 25, 88320)
+    bandwidth, rate = report["ceilings"]["bandwidth_bytes_per_s"], report["ceilings"]["bf16_flops_per_s"]
     for r in attention:
         assert r["layers"] == shape["layers"] == report["layers"]
-        bytes_, flops = gpu_check.attention_cost(shape, r["b"], r["s"], r["t"], "bfloat16")
-        floor = max(bytes_ / report["ceilings"]["bandwidth_bytes_per_s"], flops / report["ceilings"]["bf16_flops_per_s"])
-        assert r["floor_us"] == pytest.approx(floor * 1e6)
+        assert r["floor_us"] == pytest.approx(max(r["bytes"] / bandwidth, r["flops"] / rate) * 1e6)
         if r["variant"] == "dot_product_attention[cudnn]":  # no GPU here: not applicable, not failed
             assert r["status"] == "n/a"
         else:
@@ -63,12 +71,12 @@ def test_a_wrong_kernel_fails_the_check(tmp_path, monkeypatch):
         return ta.tree_attention_reference(*args, scale=1.5 * scale, **kwargs)
 
     monkeypatch.setattr(ta, "tree_attention_pallas", wrong)
-    assert gpu_check.main(["--out", str(tmp_path), "--smoke", "--only", "check"]) == 1
-    records = json.loads((tmp_path / "gpu_check.json").read_text())["records"]
+    assert kernel_check.main(["--out", str(tmp_path), "--smoke", "--only", "check"]) == 1
+    records = json.loads((tmp_path / "kernel_check.json").read_text())["records"]
     assert records and all(r["check_ok"] is False for r in records)
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="checks the refusal without a GPU")
 def test_refuses_without_gpu_unless_smoke(tmp_path, capsys):
-    assert gpu_check.main(["--out", str(tmp_path)]) == 2
+    assert kernel_check.main(["--out", str(tmp_path)]) == 2
     assert "--smoke" in capsys.readouterr().err

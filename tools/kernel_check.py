@@ -1,8 +1,8 @@
 """GPU check of the Pallas kernels: correctness against the references, and time per layer against the floor.
 
-    python -m pallas_kernels.gpu_check --out DIR            # the full grid (issue 5), a few minutes on an H200
-    python -m pallas_kernels.gpu_check --out DIR --quick    # a corner of the grid, about a minute
-    python -m pallas_kernels.gpu_check --out DIR --smoke    # tiny shapes, kernels interpreted: runs on a CPU
+    python tools/kernel_check.py --out DIR            # the full grid (issue 5), a few minutes on an H200
+    python tools/kernel_check.py --out DIR --quick    # a corner of the grid, about a minute
+    python tools/kernel_check.py --out DIR --smoke    # tiny shapes, kernels interpreted: runs on a CPU
 
 Qwen3-8B shapes, batch 1: 32 query heads, 8 KV heads, head dim 128, vocabulary 151936.
 
@@ -20,7 +20,7 @@ excluded). The loop's own per-pass cost is included, spread over the L layers.
 
 Sections:
 - ceilings: copy bandwidth (2 GiB bf16, `a*2+1`, bytes read + written) and bf16 matmul rate (8192^3),
-  measured in the same run by `ddtree_jax.bench.measure_ceilings`.
+  measured in the same run by `ddtree_jax.measure.ceilings.measure_ceilings`.
 - attention (timing): S in {1024, 4096, 16384} (cache length == S) x T in {1, 16, 65, 257} (a chain for
   T=16, random trees of depth <= 15 otherwise), bf16: the Pallas kernel, the jnp reference under XLA,
   and `jax.nn.dot_product_attention` with implementation "xla" and "cudnn" on cache and new tokens
@@ -35,7 +35,7 @@ Sections:
   floor = logit bytes / copy bandwidth.
 cuDNN's attention takes only bf16/fp16: any other dtype is recorded as "n/a", not as a failure.
 A variant that fails to lower or run is recorded with its error and the script goes on. Writes
-DIR/gpu_check.json (every record) and DIR/gpu_check.md (the summary tables); exit status 1 if a
+DIR/kernel_check.json (every record) and DIR/kernel_check.md (the summary tables); exit status 1 if a
 correctness check failed.
 """
 
@@ -58,6 +58,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax.measure import costs
+from ddtree_jax.measure.ceilings import ceilings_text, measure_ceilings
+from ddtree_jax.measure.timing import in_loop_seconds
 from pallas_kernels import tree_accept as tac
 from pallas_kernels import tree_attention as ta
 
@@ -75,7 +78,7 @@ SMOKE = dict(b=1, hq=4, n=2, d=16, vocab=300, path_len=4, layers=2,
              accept_t=(5, 17), accept_bytes=0, accept_copies=(2, 2))
 
 # Alternatives to the kernels' defaults, timed with --sweep (bf16 only); offline compiles
-# (pallas_kernels.triton_offline) put all of them within sm_90's shared memory.
+# (tools/triton_offline.py) put all of them within sm_90's shared memory.
 ATTN_SWEEP = [
     ta.TreeAttentionConfig(block_q=16),
     ta.TreeAttentionConfig(block_q=32),
@@ -122,27 +125,10 @@ def compile_program(fn, args: tuple):
 
 def time_program(compiled, args: tuple, units: int, *, rounds: int, repeats: int = 8) -> float:
     """Device seconds per unit (layer or copy) of a program built by `attention_program`, `dpa_program` or
-    `accept_program`, whose last argument is how many times it runs its units back to back on the device.
-
-    One call costs a host dispatch that grows with its argument count (hundreds of microseconds for the
-    ~200 arrays of a 36-layer program on the H200), more than the device work of small points, so a call's
-    time says little about the kernel. Each call is timed alone (synchronised), with 1 and with `repeats`
-    passes: (median(t_repeats) - median(t_1)) / ((repeats - 1) * units) is the device time of one unit, the
-    dispatch cancelled out. Each pass is one iteration of a device loop, so the loop's per-iteration cost
-    (a few microseconds) is included, spread over the units."""
-    one, many = jnp.int32(1), jnp.int32(repeats)
-    jax.block_until_ready(compiled(*args, one))
-    jax.block_until_ready(compiled(*args, many))
-
-    def median_seconds(n) -> float:
-        samples = []
-        for _ in range(rounds):
-            start = time.perf_counter()
-            jax.block_until_ready(compiled(*args, n))
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
-
-    return max(median_seconds(many) - median_seconds(one), 0.0) / ((repeats - 1) * units)
+    `accept_program`, whose last argument is how many times it runs its units back to back on the device:
+    `measure.timing.in_loop_seconds` over `rounds` calls of 1 and of `repeats` passes, divided by the units
+    (a 36-layer program's dispatch is hundreds of microseconds, more than the device work of small points)."""
+    return in_loop_seconds(lambda n: compiled(*args, jnp.int32(n)), rounds, iterations=repeats)[0] / units
 
 
 def rel_err(out, ref) -> float:
@@ -155,13 +141,6 @@ def rel_err(out, ref) -> float:
 
 def all_finite(outs) -> bool:
     return all(bool(np.isfinite(np.asarray(o, np.float32)).all()) for o in outs)
-
-
-def floor_seconds(bytes_: float, flops: float, ceilings: dict) -> tuple[float, str]:
-    """(floor, which ceiling binds): max(bytes / bandwidth, FLOPs / bf16 matmul rate)."""
-    by_bytes = bytes_ / ceilings["bandwidth_bytes_per_s"]
-    by_flops = flops / ceilings["bf16_flops_per_s"]
-    return (by_bytes, "bandwidth") if by_bytes >= by_flops else (by_flops, "matmul")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -286,12 +265,8 @@ def accept_program(accept_fn, copies: int):
 
 
 def attention_cost(shape: dict, b: int, s: int, t: int, dtype) -> tuple[int, int]:
-    """(bytes, FLOPs) of one layer: K/V cache read, q and k/v new read, output written, int8 mask; dense FLOPs."""
-    hq, n, d = shape["hq"], shape["n"], shape["d"]
-    item = jnp.dtype(dtype).itemsize
-    kv_cache = 2 * b * s * n * d * item
-    tree = b * t * (2 * hq + 2 * n) * d * item + b * t * t
-    return kv_cache + tree, 4 * b * hq * d * t * (s + t)
+    """(bytes, FLOPs) of one layer's tree attention (`measure.costs.attention_cost`)."""
+    return costs.attention_cost(b, s, t, shape["hq"], shape["n"], shape["d"], jnp.dtype(dtype).itemsize)
 
 
 def time_attention(shape: dict, ceilings: dict, records: list, save, *, interpret: bool, sweep: bool, rounds: int,
@@ -304,7 +279,7 @@ def time_attention(shape: dict, ceilings: dict, records: list, save, *, interpre
         for t in shape["t"]:
             point_start = time.perf_counter()
             bytes_, flops = attention_cost(shape, b, s, t, dtype)
-            floor, bound = floor_seconds(bytes_, flops, ceilings)
+            floor, bound = costs.floor(bytes_, flops, ceilings)
             base = dict(section="attention", kernel="tree_attention", dtype=name, s=s, length=s, t=t, b=b,
                         hq=shape["hq"], n=shape["n"], d=d, layers=layers, bytes=bytes_, flops=flops,
                         floor_us=floor * 1e6, bound=bound)
@@ -410,7 +385,7 @@ def time_accept(shape: dict, ceilings: dict, records: list, save, *, interpret: 
             name = jnp.dtype(dtype).name
             copies = accept_copies(shape, t, dtype)
             bytes_ = t * vocab * jnp.dtype(dtype).itemsize + 6 * t * 4
-            floor, bound = floor_seconds(bytes_, 0, ceilings)
+            floor, bound = costs.floor(bytes_, 0, ceilings)
             base = dict(section="accept", kernel="tree_accept", dtype=name, t=t, vocab=vocab, path_len=p,
                         copies=copies, bytes=bytes_, floor_us=floor * 1e6, bound=bound)
             here = []
@@ -496,7 +471,6 @@ def summary_markdown(records: list[dict], env: dict) -> str:
     lines = []
     ceil = env.get("ceilings") or {}
     if ceil:
-        from ddtree_jax.bench import ceilings_text
 
         lines.append(ceilings_text(ceil).replace("Measured ceilings", "Ceilings measured in this run"))
         lines.append("")
@@ -601,8 +575,8 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m pallas_kernels.gpu_check", description=__doc__.split("\n")[0])
-    parser.add_argument("--out", required=True, help="directory for gpu_check.json and gpu_check.md")
+    parser = argparse.ArgumentParser(prog="python tools/kernel_check.py", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True, help="directory for kernel_check.json and kernel_check.md")
     parser.add_argument("--quick", action="store_true",
                         help="S in {1024, 16384}, T in {1, 257}; checks at T in {1, 65}; acceptance at T in {17, 513}")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, kernels interpreted (runs without a GPU)")
@@ -637,7 +611,6 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     started = time.time()
-    from ddtree_jax.bench import ceilings_text, measure_ceilings  # numpy and the standard library only, at import
 
     ceilings = measure_ceilings(repeats=3 if args.smoke else 10, small=args.smoke)
     env = dict(jax=jax.__version__, python=platform.python_version(), backend=backend,
@@ -650,7 +623,7 @@ def main(argv: list[str] | None = None) -> int:
 
     records: list[dict] = []
     seconds: dict = {}
-    json_path, md_path = out_dir / "gpu_check.json", out_dir / "gpu_check.md"
+    json_path, md_path = out_dir / "kernel_check.json", out_dir / "kernel_check.md"
 
     def save() -> None:
         """Write what is measured so far (a run cut short by a time limit keeps its finished points)."""

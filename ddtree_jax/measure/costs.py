@@ -1,0 +1,91 @@
+"""The cost model: the least time a round (or a kernel) can take on a device, from its bytes and FLOPs.
+
+A floor is max(bytes / bandwidth, FLOPs / bf16 matmul rate), with the ceilings measured on the same device
+in the same run (`measure.ceilings`). Every ratio "x floor" in the benchmark, the kernel check and the docs
+comes from here.
+"""
+
+from __future__ import annotations
+
+from ddtree_jax.models import is_recurrent
+
+
+def floor(bytes_: float, flops: float, ceilings: dict) -> tuple[float, str]:
+    """(seconds, which ceiling binds: "bandwidth" or "matmul") = max(bytes / bandwidth, FLOPs / matmul rate)."""
+    by_bytes = bytes_ / ceilings["bandwidth_bytes_per_s"]
+    by_flops = flops / ceilings["bf16_flops_per_s"]
+    return (by_bytes, "bandwidth") if by_bytes >= by_flops else (by_flops, "matmul")
+
+
+def param_bytes(params) -> int:
+    return sum(a.size * a.dtype.itemsize for a in params.flat().values())
+
+
+def param_count(params) -> int:
+    return sum(a.size for a in params.flat().values())
+
+
+def recurrent_node_bytes(config, nodes: int, dtype_bytes: int = 2) -> int:
+    """Bytes of what a hybrid target keeps per node while it verifies `nodes` tokens as a tree (DDTree: B + 1
+    nodes; DFlash: its chain of block-size nodes; AR keeps none, its one token updates the state in place),
+    for the commit to form the accepted node's state. For every Gated DeltaNet layer and node
+    (`cache.NodeStates`): the float32 key, written value and log decay, Hv x (Dk + Dv + 1) x 4, and the
+    node's conv input, C x dtype_bytes (a node's conv window is its ancestors' inputs). 0 for an
+    attention-only target. Qwen3.6-27B: 48 layers x (48 x 257 x 4 + 10240 x 2) = 3.2 MiB per node (a full
+    Hv x Dk x Dv state per node, as verification kept until 2026-12-01, would be 144.9 MiB)."""
+    if not is_recurrent(config):
+        return 0
+    vectors = config.linear_num_value_heads * (config.linear_key_head_dim + config.linear_value_head_dim + 1) * 4
+    return nodes * len(config.linear_layers) * (vectors + config.linear_conv_dim * dtype_bytes)
+
+
+def committed_recurrent_bytes(config, dtype_bytes: int = 2) -> int:
+    """Bytes of a hybrid target's committed recurrent state per sequence: every Gated DeltaNet layer's float32
+    state and its conv window (C x (K - 1) in the weights' dtype). 0 for an attention-only target."""
+    if not is_recurrent(config):
+        return 0
+    state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+    window = config.linear_conv_dim * (config.linear_conv_kernel - 1) * dtype_bytes
+    return len(config.linear_layers) * (state + window)
+
+
+def floor_terms(target, drafter, mode: str, tokens: int, context: int, block_size: int = 16, batch: int = 1) -> dict:
+    """Bytes that one round moves and FLOPs that it does, at least (`batch` rows, bf16 weights and caches).
+
+    Bytes: every weight read once (the target's actual parameters, plus the drafter's in the speculative
+    modes), the K/V of `context` tokens in each of the target's attention layers (all layers of a Qwen3; the
+    full-attention layers of a hybrid), and on a hybrid the recurrent states: the committed state read and
+    written back, plus, when the verify walks a tree (DFlash/DDTree), every node's kept vectors written and
+    read back once (`recurrent_node_bytes`).
+    FLOPs: 2 x (target parameters, less an untied input embedding) per verified token, attention over the
+    cache, on a hybrid the delta-rule update of every Gated DeltaNet layer per token, and 2 x the drafter's
+    parameters per block slot. Everything but the weights scales with the rows.
+    """
+    cfg = target.config
+    hybrid = is_recurrent(cfg)
+    attn_layers = len(cfg.attention_layers) if hybrid else cfg.num_layers
+    speculative = mode != "ar"
+    weight_bytes = param_bytes(target) + (param_bytes(drafter) if speculative else 0)
+    kv_bytes = batch * 2 * attn_layers * context * cfg.num_kv_heads * cfg.head_dim * 2
+    recurrent_bytes = batch * 2 * committed_recurrent_bytes(cfg)
+    if speculative:
+        recurrent_bytes += batch * 2 * recurrent_node_bytes(cfg, tokens)
+    embed = cfg.vocab_size * cfg.hidden_size * (0 if cfg.tie_word_embeddings else 1)
+    flops = 2 * (param_count(target) - embed) * tokens
+    flops += 4 * attn_layers * cfg.num_heads * cfg.head_dim * context * tokens  # attention over the cache
+    if hybrid:  # decay, read, update and output of a Hv x Dk x Dv state per token and layer
+        flops += 7 * len(cfg.linear_layers) * cfg.linear_num_value_heads * cfg.linear_key_head_dim \
+            * cfg.linear_value_head_dim * tokens
+    if speculative:
+        flops += 2 * param_count(drafter) * block_size  # the drafter's block
+    flops *= batch
+    return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "recurrent_bytes": recurrent_bytes,
+            "bytes": weight_bytes + kv_bytes + recurrent_bytes, "flops": flops}
+
+
+def attention_cost(b: int, s: int, t: int, hq: int, n: int, d: int, itemsize: int) -> tuple[int, int]:
+    """(bytes, FLOPs) of one tree-attention call: the K/V cache read, q and the new K/V read, the output
+    written, the int8 mask; dense FLOPs (scores and values over s + t keys)."""
+    kv_cache = 2 * b * s * n * d * itemsize
+    tree = b * t * (2 * hq + 2 * n) * d * itemsize + b * t * t
+    return kv_cache + tree, 4 * b * hq * d * t * (s + t)

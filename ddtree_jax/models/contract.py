@@ -1,0 +1,157 @@
+"""The contract every target family meets, and the static runtime choices of a model call.
+
+A target family (`qwen3`, `qwen3_5`; looked up by `models.target_family(config)`) is a module with
+
+    abstract(config, dtype) -> ModelParams            shapes only, the target of a checkpoint load
+    create_cache(config, batch, capacity, dtype)       an empty cache (KVCache, or HybridCache)
+    forward(params, tokens, meta, cache, *, tap_layers=(), runtime=Runtime()) -> ForwardOut
+    logits(params, hidden) -> float32 logits
+    RECURRENT: bool                                    True where the cache holds recurrent states
+
+The model never owns the cache or the loop: `forward` takes the committed cache and returns it with the
+new tokens' K/V written as pending rows (lengths unchanged); the round decides what to keep
+(`ddtree_jax.cache`). `ForwardMeta` says where the new tokens sit and what they see, for a prompt, one
+decode token or a verification tree alike, so every family's forward reads the same arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_kernels
+
+
+class Kernels(str, enum.Enum):
+    """Which implementation runs tree attention and greedy tree acceptance: the Pallas kernels
+    (`pallas_kernels/`, interpreted where there is no GPU) or their pure-JAX references."""
+
+    JAX = "jax"
+    PALLAS = "pallas"
+
+
+KERNEL_CHOICES = ("auto", "jax", "pallas")  # DecodeOptions.kernels and --kernels
+
+
+def resolve_kernels(choice: str, dtype=None) -> Kernels:
+    """The kernels a choice means here. "auto": $DDTREE_JAX_KERNELS if set (`pallas`; `reference` or
+    `jax`), else Pallas on a GPU for 16-bit compute (`dtype` None or 2 bytes wide) and pure JAX otherwise:
+    the float32 Pallas attention is many times slower than XLA's on the H200 (docs/kernels.md). "jax" and
+    "pallas" are kept as given."""
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {', '.join(map(repr, KERNEL_CHOICES))}, got {choice!r}")
+    if choice != "auto":
+        return Kernels(choice)
+    if os.environ.get(pallas_kernels.ENV_VAR):
+        return Kernels.PALLAS if pallas_kernels.resolve_implementation(None) == "pallas" else Kernels.JAX
+    wide = dtype is not None and np.dtype(dtype).itemsize > 2
+    return Kernels.PALLAS if pallas_kernels.on_gpu() and not wide else Kernels.JAX
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """Static choices of a traced model call (hashable: part of every compilation key).
+
+    kernels: `Kernels.JAX` or `Kernels.PALLAS` (resolved, never "auto").
+    tp_mesh: the tensor-parallel mesh whose "model" axis splits the heads; the Pallas attention then runs
+             under `shard_map` on each device's heads (XLA partitions the pure-JAX path itself). None on
+             one device and under data parallelism.
+    """
+
+    kernels: Kernels = Kernels.JAX
+    tp_mesh: jax.sharding.Mesh | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "kernels", Kernels(self.kernels))
+
+    @property
+    def pallas(self) -> bool:
+        return self.kernels is Kernels.PALLAS
+
+
+def causal_mask(valid: jax.Array, t: int) -> jax.Array:
+    """[b, t, t] bool: token i sees tokens j <= i of its row; a padding token (i >= valid[r]) sees only itself.
+
+    Example, t = 3, valid = [2]:  [[1,0,0], [1,1,0], [0,0,1]].
+    """
+    i = jnp.arange(t)[:, None]
+    j = jnp.arange(t)[None, :]
+    is_valid = i[None] < valid[:, None, None]
+    return (j <= i)[None] & (is_valid | (i == j)[None])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ForwardMeta:
+    """Where the t new tokens of a forward sit and what they see (device arrays).
+
+    Fields:
+      positions: [b, t] int32, RoPE positions (and sliding windows): `length + i` for a prompt or a chain,
+                 `length + depth` for tree nodes.
+      new_mask:  [b, t, t] bool, which new tokens each new token sees besides the committed cache: causal
+                 for a prompt, the ancestor mask for a tree (a padding token sees only itself).
+      valid:     [b] int32, real tokens per row, a prefix (the rest is right padding, which leaves recurrent
+                 states alone). Ignored in tree mode, where every node is real.
+      parents:   None (the tokens extend each row as a chain), or [b, t] int32 parent node indices of a
+                 verification tree (node 0 the root, its own parent; parents precede children): recurrent
+                 layers then run along every node's root path and return per-node records
+                 (`ForwardOut.nodes`).
+    Worked example, a prompt of lengths [3, 2] padded to t = 3 on an empty cache: positions [[0 1 2],
+    [0 1 2]], valid [3 2], row 1's token 2 sees only itself.
+    """
+
+    positions: jax.Array
+    new_mask: jax.Array
+    valid: jax.Array
+    parents: jax.Array | None = None
+
+    @classmethod
+    def prompt(cls, lengths: jax.Array, t: int) -> "ForwardMeta":
+        """Right-padded prompts of `lengths` [b] tokens on an empty cache."""
+        b = lengths.shape[0]
+        positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        return cls(positions=positions, new_mask=causal_mask(lengths, t), valid=lengths.astype(jnp.int32))
+
+    @classmethod
+    def step(cls, cache_lengths: jax.Array, running: jax.Array) -> "ForwardMeta":
+        """One token per row after the committed ones; rows not `running` [b] bool leave recurrent states alone."""
+        b = cache_lengths.shape[0]
+        return cls(positions=cache_lengths[:, None].astype(jnp.int32), new_mask=jnp.ones((b, 1, 1), bool),
+                   valid=running.astype(jnp.int32))
+
+    @classmethod
+    def tree(cls, cache_lengths: jax.Array, parents: jax.Array, depths: jax.Array,
+             ancestor: jax.Array) -> "ForwardMeta":
+        """The nodes of a draft tree hanging below each row's committed tokens (`tree.DraftTree` fields)."""
+        b, t = parents.shape
+        return cls(positions=(cache_lengths[:, None] + depths).astype(jnp.int32), new_mask=ancestor,
+                   valid=jnp.full((b,), t, jnp.int32), parents=parents.astype(jnp.int32))
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ForwardOut:
+    """What a target's forward returns.
+
+    hidden: [b, t, e] after the final norm.
+    taps:   [b, t, len(tap_layers) * e], the outputs of the tapped decoder layers concatenated in the order
+            asked (HF `hidden_states[l + 1]`), or None.
+    cache:  the input cache with the new tokens' K/V written as pending rows (lengths unchanged); a hybrid's
+            recurrent states advanced over the valid tokens (chain mode) or left as committed (tree mode).
+    nodes:  tree mode on a recurrent family: one `cache.NodeStates` per recurrent layer, from which
+            `cache.commit_recurrent` installs an accepted node's state; None otherwise.
+    """
+
+    hidden: jax.Array
+    taps: jax.Array | None
+    cache: object
+    nodes: tuple | None = None

@@ -1,0 +1,371 @@
+"""One decode round, top to bottom, and the on-device loop over rounds.
+
+A speculative round (DFlash or DDTree) is five stages, each a public function of device arrays that the
+round composes and that the benchmark and the tools compile and time as they are (`STAGES`):
+
+    draft   the drafter reads its cached context and the block [bonus, mask x (bs - 1)]: logits [b, bs - 1, v]
+    tree    DDTree: the B most probable prefixes under those marginals (`tree.build_tree`); DFlash: the
+            chain of per-position argmaxes (`accept.chain_tree`)
+    verify  the target runs every node in one pass (node at position start + depth, seeing the committed
+            cache and its own ancestors): logits per node, hidden taps, pending K/V (and a hybrid's
+            per-node recurrent records)
+    accept  the target's decoding rule at every node and the walk to the deepest agreeing node: path,
+            count, the tokens the round emits (greedy on the Pallas kernels: one fused kernel)
+    commit  the accepted nodes' K/V move into place, a hybrid's recurrent state becomes the deepest
+            accepted node's, and the accepted taps become the drafter's next context
+
+An AR round is the verify of one token (`ar_round`). `decode_loop` runs rounds in a `lax.while_loop`
+until every row is done or a step limit is reached; the host side (`engine.generate`) compiles it once
+per shape and donates the state, so caches update in place.
+
+Letters (the package glossary, `ddtree_jax/__init__.py`): b rows, T tree nodes (B + 1 for DDTree, bs for
+DFlash, 1 for AR), P path slots (the block size), v vocabulary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax
+import jax.numpy as jnp
+
+from ddtree_jax import cache as kv
+from ddtree_jax.accept import Accepted, accept_tree, chain_tree
+from ddtree_jax.models import dflash, target_family
+from ddtree_jax.models.contract import KERNEL_CHOICES, ForwardMeta, ForwardOut, Kernels, Runtime, resolve_kernels
+from ddtree_jax.models.params import ModelParams
+from ddtree_jax.parallel import Parallel, constrain_cache
+from ddtree_jax.sampling import SamplingConfig, decode_tokens
+from ddtree_jax.tree import DraftTree, build_tree
+from pallas_kernels.tree_accept import tree_accept
+
+
+class Mode(str, enum.Enum):
+    AR = "ar"
+    DFLASH = "dflash"
+    DDTREE = "ddtree"
+
+    @property
+    def needs_drafter(self) -> bool:
+        return self is not Mode.AR
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+    """Static choices of one generation call (hashable: part of the compilation key).
+
+    block_size: drafter block (bonus + bs - 1 drafts); 0 takes the drafter's own.
+    budget: DDTree tree nodes besides the root (B); the target verifies B + 1 tokens per round.
+    kernels: "auto" (the Pallas kernels on a GPU for 16-bit weights, pure JAX elsewhere;
+      $DDTREE_JAX_KERNELS overrides), "jax" or "pallas" (`models.contract.resolve_kernels`);
+      `engine.resolve_options` pins "auto" before compiling, so a compiled program is keyed on what it runs.
+    """
+
+    mode: Mode = Mode.AR
+    max_new_tokens: int = 64
+    sampling: SamplingConfig = SamplingConfig()
+    eos_ids: tuple[int, ...] = ()  # empty: never stop on a token
+    block_size: int = 0
+    budget: int = 64
+    record_trees: bool = False  # keep each round's tree and accepted path in the state (--save-trees)
+    parallel: Parallel = Parallel()  # device layout (parallel.py)
+    kernels: str = "auto"
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.mode.needs_drafter and self.block_size == 1:
+            raise ValueError(f"block_size must be >= 2 for {self.mode.value}, got {self.block_size}")
+        if self.mode is Mode.DDTREE and self.budget < 1:
+            raise ValueError(f"budget must be >= 1, got {self.budget}")
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels must be one of {', '.join(map(repr, KERNEL_CHOICES))}, got {self.kernels!r}")
+
+    @property
+    def runtime(self) -> Runtime:
+        """What the models and the accept stage receive: the kernel implementation, and under tp the mesh
+        the Pallas attention's `shard_map` splits heads over."""
+        tp_mesh = self.parallel.mesh if self.parallel.mode == "tp" else None
+        return Runtime(kernels=resolve_kernels(self.kernels), tp_mesh=tp_mesh)
+
+    @property
+    def verify_width(self) -> int:
+        """Tokens the target verifies per round (the widest call after prefill)."""
+        return {Mode.AR: 1, Mode.DFLASH: self.block_size, Mode.DDTREE: self.budget + 1}[self.mode]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Everything the loop carries, all on device.
+
+    Fields:
+      cache:          target cache (KVCache; HybridCache for a recurrent family); `lengths` counts the tokens
+                      fed to the target.
+      draft_cache:    drafter context K/V (same lengths as `cache` between rounds), or None for AR.
+      last_token:     [b] int32, newest emitted token (not yet fed to the target).
+      output:         [b, max_new] int32, emitted tokens (prompt excluded); valid up to num_generated.
+      num_generated:  [b] int32.
+      done:           [b] bool, row emitted EOS or reached max_new.
+      round_lengths:  [b, max_new] int32, tokens committed per round (bonus included); 0 = no round.
+      num_rounds:     [b] int32, rounds in which the row was still running.
+      rng:            PRNG key (sampling).
+      step:           [] int32, rounds run (all rows).
+      trace:          the last round's tree and accepted path (RoundTrace), when options.record_trees.
+    """
+
+    cache: kv.KVCache | kv.HybridCache
+    draft_cache: kv.KVCache | None
+    last_token: jax.Array
+    output: jax.Array
+    num_generated: jax.Array
+    done: jax.Array
+    round_lengths: jax.Array
+    num_rounds: jax.Array
+    rng: jax.Array
+    step: jax.Array
+    trace: "RoundTrace | None" = None
+
+    @classmethod
+    def start(cls, cache, draft_cache, last_token: jax.Array, rng: jax.Array, options: DecodeOptions,
+              num_generated: jax.Array | None = None) -> "DecodeState":
+        """A state around the given caches with nothing emitted yet (or `num_generated` tokens counted)."""
+        b = last_token.shape[0]
+        return cls(cache=cache, draft_cache=draft_cache, last_token=last_token,
+                   output=jnp.zeros((b, options.max_new_tokens), jnp.int32),
+                   num_generated=jnp.zeros((b,), jnp.int32) if num_generated is None else num_generated,
+                   done=jnp.zeros((b,), bool), round_lengths=jnp.zeros((b, options.max_new_tokens), jnp.int32),
+                   num_rounds=jnp.zeros((b,), jnp.int32), rng=rng, step=jnp.zeros((), jnp.int32),
+                   trace=RoundTrace.empty(b, options.verify_width, options.block_size)
+                   if options.record_trees else None)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RoundTrace:
+    """One round's draft tree and what was accepted (device; T tree nodes, P = block size).
+
+    start [b] position of the root; tree.* [b, T]; path [b, P] accepted node indices by depth; count [b]."""
+
+    start: jax.Array
+    tokens: jax.Array
+    parents: jax.Array
+    depths: jax.Array
+    valid: jax.Array
+    path: jax.Array
+    count: jax.Array
+
+    @classmethod
+    def empty(cls, batch: int, nodes: int, path_len: int) -> "RoundTrace":
+        z = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
+        return cls(start=z(batch), tokens=z(batch, nodes), parents=z(batch, nodes), depths=z(batch, nodes),
+                   valid=jnp.zeros((batch, nodes), bool), path=z(batch, path_len), count=z(batch))
+
+
+# ----------------------------------------------------------------------------------------------------
+# The stages of a speculative round
+
+
+def draft(drafter: ModelParams, target: ModelParams, last_token: jax.Array, draft_cache: kv.KVCache,
+          options: DecodeOptions) -> jax.Array:
+    """The drafter's block [bonus, mask x (bs - 1)] over its cached context: float32 logits [b, bs - 1, v]."""
+    b, bs = last_token.shape[0], options.block_size
+    block = jnp.concatenate([last_token[:, None], jnp.full((b, bs - 1), drafter.config.mask_token_id, jnp.int32)],
+                            axis=1)
+    return dflash.draft_logits(drafter, target, block, draft_cache, options.runtime)
+
+
+def propose(logits: jax.Array, last_token: jax.Array, options: DecodeOptions) -> DraftTree:
+    """The tree to verify, rooted at each row's bonus `last_token` [b]: DDTree's B most probable prefixes
+    under the drafter's marginals (T = B + 1 nodes), or DFlash's chain of argmaxes (T = bs)."""
+    if options.mode is Mode.DDTREE:
+        return build_tree(jax.nn.log_softmax(logits, axis=-1), last_token, options.budget)
+    drafts = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return chain_tree(jnp.concatenate([last_token[:, None], drafts], axis=1))
+
+
+def verify(target: ModelParams, tree: DraftTree, cache, tap_layers: tuple[int, ...],
+           options: DecodeOptions) -> tuple[ForwardOut, jax.Array]:
+    """The target over every node of the tree at once: (its ForwardOut, float32 logits [b, T, v]).
+
+    Node i sits at position `cache.lengths + depth_i` and sees the committed cache and its own root path;
+    a recurrent family runs each node from its parent's state (a chain too: the same code path)."""
+    family = target_family(target.config)
+    meta = ForwardMeta.tree(cache.lengths, tree.parents, tree.depths, tree.ancestor)
+    out = family.forward(target, tree.tokens, meta, cache, tap_layers=tap_layers, runtime=options.runtime)
+    return out, family.logits(target, out.hidden)
+
+
+def accept(tree: DraftTree, node_logits: jax.Array, key: jax.Array, options: DecodeOptions) -> Accepted:
+    """The target's decoding rule at every node, then the walk to the deepest node whose whole root path
+    agrees. Greedy on the Pallas kernels: one fused kernel reads the [b, T, v] logits once for the argmax
+    and walks (`pallas_kernels.tree_accept`); under tp the logits are split over the vocabulary, so XLA's
+    sharded argmax does that step. Otherwise `sampling.decode_tokens` (argmax, or an independent sample
+    per node) and the same walk."""
+    runtime, bs = options.runtime, options.block_size
+    if runtime.pallas and options.sampling.greedy and runtime.tp_mesh is None:
+        return tree_accept(node_logits, tree.tokens, tree.parents, tree.depths, tree.valid, path_len=bs,
+                           implementation="pallas")
+    return accept_tree(tree, decode_tokens(node_logits, key, options.sampling), bs)
+
+
+def commit(drafter: ModelParams, out: ForwardOut, acc: Accepted, counts: jax.Array, draft_cache: kv.KVCache,
+           options: DecodeOptions):
+    """Keep the accepted path (`counts` [b] nodes per row; 0 for rows that are done): returns (target cache,
+    drafter cache). The accepted nodes' pending K/V rows move to slots [start, start + count) (a chain's are
+    already there), a recurrent family installs the deepest accepted node's state and conv window, and the
+    accepted nodes' taps become the drafter's next context rows."""
+    hybrid = out.nodes is not None
+    target_kv = out.cache.kv if hybrid else out.cache
+    if options.mode is Mode.DDTREE:
+        target_kv = kv.commit_path(target_kv, acc.path, counts)
+        taps = jnp.take_along_axis(out.taps, acc.path[:, :, None], axis=1)
+    else:  # a chain's path is 0, 1, 2, ...: its rows are in place
+        target_kv, taps = kv.advance(target_kv, counts), out.taps
+    cache = target_kv
+    if hybrid:
+        cache = kv.HybridCache(kv=target_kv, recurrent=tuple(kv.commit_recurrent(r, n, acc.path, counts)
+                                                             for r, n in zip(out.cache.recurrent, out.nodes)))
+    draft_cache = dflash.ingest_context(drafter, taps, counts, draft_cache)
+    return constrain_cache(cache, options.parallel), constrain_cache(draft_cache, options.parallel)
+
+
+# The stages in round order; the benchmark and tools/compile_times.py compile and time these objects.
+STAGES = {"draft": draft, "tree": propose, "verify": verify, "accept": accept, "commit": commit}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Rounds
+
+
+def speculative_round(target: ModelParams, drafter: ModelParams, state: DecodeState,
+                      options: DecodeOptions) -> DecodeState:
+    """One DFlash or DDTree round: draft once, verify every drafted token in one target pass, keep the
+    longest path on which the target's own decoding rule agrees, plus the target's next token.
+
+    Chain example, bs = 4: bonus x, drafts [d1 d2 d3], decoded post = [p0 p1 p2 p3]; d1 == p0,
+    d2 == p1, d3 != p2 gives path [0 1 2], count 3; the cache keeps [x d1 d2], the round emits
+    [p0 p1 p2] = [d1 d2 p2], and p2 is the next bonus. At temperature > 0 every node gets an independent
+    sample of the target's rule (sample-and-match), so every emitted token is an exact sample given its
+    prefix.
+    """
+    running = ~state.done
+    start = state.cache.lengths
+    with jax.named_scope("draft"):
+        logits = draft(drafter, target, state.last_token, state.draft_cache, options)
+    with jax.named_scope("tree"):
+        tree = propose(logits, state.last_token, options)
+    with jax.named_scope("verify"):
+        out, node_logits = verify(target, tree, state.cache, drafter.config.target_layer_ids, options)
+    rng, key = jax.random.split(state.rng)
+    with jax.named_scope("accept"):
+        acc = accept(tree, node_logits, key, options)
+        counts = jnp.where(running, acc.count, 0)
+    with jax.named_scope("commit"):
+        cache, draft_cache = commit(drafter, out, acc, counts, state.draft_cache, options)
+    trace = RoundTrace(start=start, tokens=tree.tokens, parents=tree.parents, depths=tree.depths,
+                       valid=tree.valid, path=acc.path, count=counts) if options.record_trees else None
+    state = dataclasses.replace(state, cache=cache, draft_cache=draft_cache, rng=rng, trace=trace)
+    return _record_round(_emit(state, acc.tokens, counts, options), counts, running)
+
+
+def ar_round(target: ModelParams, drafter: None, state: DecodeState, options: DecodeOptions) -> DecodeState:
+    """Feed each row's last token to the target and emit the next one (a done row's state stays put)."""
+    running = ~state.done
+    family = target_family(target.config)
+    with jax.named_scope("verify"):
+        out = family.forward(target, state.last_token[:, None], ForwardMeta.step(state.cache.lengths, running),
+                             state.cache, runtime=options.runtime)
+        logits = family.logits(target, out.hidden[:, 0])
+    counts = running.astype(jnp.int32)
+    cache = constrain_cache(kv.advance(out.cache, counts), options.parallel)
+    rng, key = jax.random.split(state.rng)
+    token = decode_tokens(logits, key, options.sampling)
+    state = dataclasses.replace(state, cache=cache, rng=rng)
+    return _record_round(_emit(state, token[:, None], counts, options), counts, running)
+
+
+ROUNDS = {Mode.AR: ar_round, Mode.DFLASH: speculative_round, Mode.DDTREE: speculative_round}
+
+
+def decode_loop(target: ModelParams, drafter: ModelParams | None, state: DecodeState, max_steps: jax.Array,
+                options: DecodeOptions) -> DecodeState:
+    """Run rounds until every row is done or `max_steps` more rounds have run (all on device)."""
+    round_fn = ROUNDS[options.mode]
+    stop_at = state.step + max_steps
+
+    def cond(s: DecodeState):
+        return (~s.done).any() & (s.step < stop_at)
+
+    return jax.lax.while_loop(cond, lambda s: round_fn(target, drafter, s, options), state)
+
+
+def prefill(target: ModelParams, drafter: ModelParams | None, tokens: jax.Array, prompt_lengths: jax.Array,
+            rng: jax.Array, *, capacity: int, options: DecodeOptions) -> DecodeState:
+    """Run the prompt (right-padded tokens [b, p], lengths [b]), fill the drafter's context cache, and emit
+    each row's first token."""
+    b, p = tokens.shape
+    dtype = target.flat()["model.embed_tokens.weight"].dtype
+    family = target_family(target.config)
+    cache = constrain_cache(family.create_cache(target.config, b, capacity, dtype), options.parallel)
+    taps = drafter.config.target_layer_ids if drafter is not None else ()
+    out = family.forward(target, tokens, ForwardMeta.prompt(prompt_lengths, p), cache, tap_layers=taps,
+                         runtime=options.runtime)
+    cache = kv.advance(out.cache, prompt_lengths)
+    draft_cache = None
+    if drafter is not None:
+        draft_cache = dflash.ingest_context(drafter, out.taps, prompt_lengths, constrain_cache(
+            dflash.create_cache(drafter.config, b, capacity, dtype), options.parallel))
+    last_hidden = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
+    rng, key = jax.random.split(rng)
+    first = decode_tokens(family.logits(target, last_hidden), key, options.sampling)
+    state = DecodeState.start(cache, draft_cache, first, rng, options)
+    return _emit(state, first[:, None], jnp.ones((b,), jnp.int32), options)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Bookkeeping shared by the rounds
+
+
+def _is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
+    if not eos_ids:
+        return jnp.zeros(tokens.shape, bool)
+    return jnp.isin(tokens, jnp.asarray(eos_ids, jnp.int32))
+
+
+def _emit(state: DecodeState, tokens: jax.Array, counts: jax.Array, options: DecodeOptions) -> DecodeState:
+    """Append up to `tokens.shape[1]` tokens per row (the first `counts[r]`), stopping rows at EOS or max_new.
+
+    tokens [b, w] int32, counts [b] int32 (0 for rows already done). A row that meets EOS keeps the EOS and
+    drops what follows it in the same round. Example: counts [3], tokens [[a EOS c]] -> emits [a EOS], done.
+    """
+    b, w = tokens.shape
+    max_new = options.max_new_tokens
+    offsets = jnp.arange(w)[None, :]
+    eos_at = _is_eos(tokens, options.eos_ids) & (offsets < counts[:, None])
+    first_eos = jnp.where(eos_at.any(-1), jnp.argmax(eos_at, axis=-1) + 1, w)
+    kept = jnp.minimum(jnp.minimum(counts, first_eos), max_new - state.num_generated)
+    kept = jnp.where(state.done, 0, kept)
+    slots = state.num_generated[:, None] + offsets
+    write = offsets < kept[:, None]
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, w))
+    output = state.output.at[rows, jnp.where(write, slots, max_new)].set(tokens, mode="drop")
+    num_generated = state.num_generated + kept
+    hit_eos = (eos_at & write).any(-1)
+    done = state.done | hit_eos | (num_generated >= max_new)
+    last = jnp.take_along_axis(tokens, jnp.maximum(kept - 1, 0)[:, None], axis=1)[:, 0]
+    return dataclasses.replace(state, output=output, num_generated=num_generated, done=done,
+                               last_token=jnp.where(kept > 0, last, state.last_token))
+
+
+def _record_round(state: DecodeState, counts: jax.Array, running: jax.Array) -> DecodeState:
+    b = counts.shape[0]
+    idx = jnp.where(running, state.num_rounds, state.round_lengths.shape[1])
+    round_lengths = state.round_lengths.at[jnp.arange(b), idx].set(counts, mode="drop")
+    return dataclasses.replace(state, round_lengths=round_lengths, num_rounds=state.num_rounds + running,
+                               step=state.step + 1)
+
+
+__all__ = ["Mode", "DecodeOptions", "DecodeState", "RoundTrace", "Kernels", "STAGES", "draft", "propose", "verify",
+           "accept", "commit", "speculative_round", "ar_round", "ROUNDS", "decode_loop", "prefill"]
