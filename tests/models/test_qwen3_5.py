@@ -96,7 +96,7 @@ def test_config_parses_both_model_types(hf_qwen3_5):
 
 @pytest.mark.parametrize("change, field", [
     (dict(layer_types=["linear_attention", "sliding_attention", "full_attention", "linear_attention"]), "layer_types"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), "rope_parameters"),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 2.0}), "rope_parameters"),
     (dict(linear_num_value_heads=3), "linear_num_value_heads"),
     (dict(attn_output_gate=False), "attn_output_gate"),
     (dict(rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.1}), "partial_rotary_factor"),
