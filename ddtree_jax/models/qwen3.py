@@ -122,7 +122,7 @@ def forward(
         if not 0 <= layer_id < config.num_layers:
             raise ValueError(f"tap layer {layer_id} is outside 0..{config.num_layers - 1}")
     x = model.model.embed_tokens(tokens)
-    cos, sin = rope_cos_sin(positions, jnp.asarray(config.rope.inv_freq(config.head_dim)))
+    cos, sin = rope_cos_sin(positions, config.rope, config.head_dim)
     new_k, new_v, taps = [], [], {}
     for i, layer in enumerate(model.model.layers):
         with jax.named_scope(f"layer_{i}"):

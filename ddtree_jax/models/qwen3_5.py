@@ -429,7 +429,7 @@ def forward(
             raise ValueError(f"tap layer {layer_id} is outside 0..{config.num_layers - 1}")
     valid = jnp.full((b,), t, jnp.int32) if valid is None else valid.astype(jnp.int32)
     x = model.model.embed_tokens(tokens)
-    cos, sin = rope_cos_sin(positions, jnp.asarray(config.rope.inv_freq(config.rotary_dim)))
+    cos, sin = rope_cos_sin(positions, config.rope, config.rotary_dim)
     kv, lengths = cache.kv, cache.kv.lengths
     new_k, new_v, new_states, taps = list(kv.k), list(kv.v), list(cache.recurrent), {}
     nodes = [None] * len(cache.recurrent)
