@@ -35,13 +35,13 @@ class RopeConfig:
     theta: float
     rope_type: str = "default"  # one of SUPPORTED_ROPE_TYPES
     factor: float = 1.0  # linear, yarn, llama3: how many times longer the context than in pre-training
-    original_max_position_embeddings: int = 1  # yarn, llama3: the pre-training context, in tokens
+    original_max_position_embeddings: int = 0  # yarn, llama3: the pre-training context, in tokens
     attention_factor: float = 1.0  # cos and sin are multiplied by it (yarn's mscale, 1 for other types)
-    beta_fast: float = 32.0  # yarn: dims turning more than this often in the original context keep their
-    beta_slow: float = 1.0  # frequency, less than beta_slow are divided by factor, a linear ramp between
-    truncate: bool = True  # yarn: round that ramp's ends outwards to whole dims
+    beta_fast: float = 32.0  # yarn: pairs turning more often than this in the original context are kept,
+    beta_slow: float = 1.0  # yarn: pairs turning less often than this are divided by factor, a ramp between
+    truncate: bool = True  # yarn: round the ramp's ends outwards to whole pairs
     low_freq_factor: float = 1.0  # llama3: wavelengths above original / low_freq_factor are divided by factor,
-    high_freq_factor: float = 4.0  # below original / high_freq_factor kept, smoothly interpolated between
+    high_freq_factor: float = 4.0  # llama3: below original / high_freq_factor kept, a smooth blend between
 
     def inv_freq(self, rotary_dim: int) -> np.ndarray:
         """[rotary_dim // 2] float32 inverse frequencies (radians per position), in transformers' float32
@@ -71,7 +71,7 @@ class RopeConfig:
         if low == high:
             high += 0.001  # as transformers: no division by zero
         ramp = np.clip((np.arange(rotary_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
-        kept = 1 - ramp  # the share of pair i's original frequency
+        kept = 1 - ramp  # the share of pair i's original frequency (1 - (1 - ramp), as transformers rounds it)
         return (1.0 / (self.factor * base)) * (1 - kept) + (1.0 / base) * kept
 
     def _llama3(self, inv: np.ndarray) -> np.ndarray:
