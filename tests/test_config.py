@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from conftest import requires_torch
 from ddtree_jax.config import ConfigError, RopeConfig, load_target_config, parse_dflash, parse_qwen3, parse_qwen3_5
 from ddtree_jax.random_checkpoint import tiny_dflash_config, tiny_qwen3_5_config, tiny_qwen3_config
+from conftest import requires_torch
 
 
 def test_qwen3_8b_shapes():
@@ -89,8 +89,6 @@ def test_rope_frequencies_and_attention_factor_match_transformers(case):
     """Our inverse frequencies equal transformers' to float32 rounding (`pow` may round one ulp apart), and
     the factor on cos/sin exactly; each YaRN and llama3 case keeps some frequencies, divides some by
     `factor` and blends some, so every branch of the formulas is compared."""
-    import logging
-
     from transformers import Qwen3_5TextConfig, Qwen3Config
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -100,7 +98,6 @@ def test_rope_frequencies_and_attention_factor_match_transformers(case):
     ours = parse(raw)
     dim = getattr(ours, "rotary_dim", ours.head_dim)
     hf_fields = {k: v for k, v in raw.items() if k not in ("architectures", "torch_dtype", "model_type")}
-    logging.getLogger("transformers").setLevel(logging.ERROR)  # the card's factor mismatch warns
     hf_config = (Qwen3_5TextConfig if family == "qwen3_5" else Qwen3Config)(**hf_fields)
     want_inv, want_factor = ROPE_INIT_FUNCTIONS[ours.rope.rope_type](hf_config)
     inv = ours.rope.inv_freq(dim)
@@ -131,14 +128,16 @@ def test_sliding_window_layers_follow_hf_rules():
     (dict(attention_bias=True), "field 'attention_bias'"),
     (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4}),
      "field 'rope_parameters': rope_type 'dynamic' is not supported (supported: default, linear, yarn, llama3)"),
-    (dict(rope_scaling={"type": "longrope", "factor": 4}), "field 'rope_scaling': rope_type 'longrope' is not supported"),
+    (dict(rope_scaling={"type": "longrope", "factor": 4}),
+     "field 'rope_scaling': rope_type 'longrope' is not supported"),
     (dict(rope_scaling={"rope_type": "linear"}), "rope_scaling: field 'factor': missing"),
     (dict(rope_scaling={"rope_type": "yarn", "original_max_position_embeddings": 64}), "field 'factor': missing"),
     (dict(rope_scaling=dict(YARN, truncate="yes")), "field 'truncate': expected true or false, found 'yes'"),
     (dict(rope_scaling=dict(YARN, beta_fast="x")), "field 'beta_fast': expected a finite number, found 'x'"),
     (dict(rope_scaling=dict(YARN, partial_rotary_factor=0.5)),
      "rope_scaling: field 'partial_rotary_factor': expected 1 (this model rotates whole heads), found 0.5"),
-    (dict(rope_scaling={k: v for k, v in LLAMA3.items() if k != "low_freq_factor"}), "field 'low_freq_factor': missing"),
+    (dict(rope_scaling={k: v for k, v in LLAMA3.items() if k != "low_freq_factor"}),
+     "field 'low_freq_factor': missing"),
     (dict(rope_scaling=dict(LLAMA3, high_freq_factor=1.0)),
      "field 'high_freq_factor': expected more than low_freq_factor=1.0, found 1.0"),
     (dict(layer_types=["full_attention"]), "field 'layer_types': expected a list of 2 entries"),
