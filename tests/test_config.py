@@ -9,7 +9,7 @@ import pytest
 
 from ddtree_jax.config import ConfigError, RopeConfig, load_target_config, parse_dflash, parse_qwen3, parse_qwen3_5
 from ddtree_jax.random_checkpoint import tiny_dflash_config, tiny_qwen3_5_config, tiny_qwen3_config
-from conftest import requires_torch
+from conftest import LLAMA3_ROPE_SCALING as LLAMA3, YARN_ROPE_SCALING as YARN, requires_torch
 
 
 def test_qwen3_8b_shapes():
@@ -31,9 +31,6 @@ def test_rope_parameters_and_legacy_fields_agree():
     np.testing.assert_allclose(linear.rope.inv_freq(16), base.inv_freq(16) / 4)
 
 
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 64}
 PARSERS = {"qwen3": (parse_qwen3, tiny_qwen3_config), "qwen3_5": (parse_qwen3_5, tiny_qwen3_5_config),
            "dflash": (parse_dflash, lambda **kw: tiny_dflash_config(tiny_qwen3_config(), **kw))}
 
@@ -71,9 +68,7 @@ ROPE_CASES = {
     "yarn_attention_factor": ("qwen3", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 8.0,
                                                              "attention_factor": 0.9,
                                                              "original_max_position_embeddings": 100})),
-    "yarn_partial_rotary": ("qwen3_5", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
-                                                             "original_max_position_embeddings": 64,
-                                                             "partial_rotary_factor": 0.5})),
+    "yarn_partial_rotary": ("qwen3_5", dict(rope_parameters=dict(YARN, rope_theta=1e4, partial_rotary_factor=0.5))),
     "yarn_drafter_legacy": ("dflash", dict(rope_scaling={"type": "yarn", "factor": 4.0,
                                                          "original_max_position_embeddings": 64}, rope_theta=100.0)),
     "llama3_3_1": ("qwen3", dict(rope_scaling=dict(LLAMA3, original_max_position_embeddings=8192),

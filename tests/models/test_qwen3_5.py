@@ -16,7 +16,7 @@ from ddtree_jax.checkpoint import load_target
 from ddtree_jax.config import ConfigError, Qwen3_5Config, parse_qwen3_5
 from ddtree_jax.engine import causal_mask
 from ddtree_jax.models import qwen3_5
-from conftest import randomise_qwen3_5
+from conftest import YARN_ROPE_SCALING, randomise_qwen3_5
 
 torch = pytest.importorskip("torch", reason="PyTorch is not importable (the transformers parity oracle)")
 
@@ -37,8 +37,7 @@ TEXT_CONFIG = dict(
 
 # YaRN over the half-rotated heads (rotary dim 8: one frequency kept, one blended, two divided by 4), with
 # max_position_embeddings 512 disagreeing with 4 x 64 as Qwen's published configs do.
-YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "factor": 4.0,
-             "original_max_position_embeddings": 64}
+YARN_ROPE = dict(YARN_ROPE_SCALING, rope_theta=10000.0, partial_rotary_factor=0.5)
 
 
 def _save_hf_model(folder, **changes):
