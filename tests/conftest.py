@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import tempfile
@@ -89,7 +90,7 @@ def build_hf_qwen3(folder: Path, seed: int = 0, **overrides) -> Path:
 
     from ddtree_jax.random_checkpoint import byte_tokenizer, tiny_qwen3_config
 
-    raw = tiny_qwen3_config(**overrides)
+    raw = copy.deepcopy(tiny_qwen3_config(**overrides))  # transformers fills rope dicts in place
     raw.pop("architectures")
     raw.pop("torch_dtype")
     torch.manual_seed(seed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -89,7 +90,7 @@ def test_rope_frequencies_and_attention_factor_match_transformers(case):
 
     family, changes = ROPE_CASES[case]
     parse, tiny = PARSERS[family]
-    raw = tiny(**changes)
+    raw = tiny(**copy.deepcopy(changes))  # transformers fills rope dicts in place
     ours = parse(raw)
     dim = getattr(ours, "rotary_dim", ours.head_dim)
     hf_fields = {k: v for k, v in raw.items() if k not in ("architectures", "torch_dtype", "model_type")}

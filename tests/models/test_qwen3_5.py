@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -46,7 +47,8 @@ def _save_hf_model(folder, **changes):
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(0)
-    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**dict(TEXT_CONFIG, **changes))).float().eval()
+    config = copy.deepcopy(dict(TEXT_CONFIG, **changes))  # transformers fills rope dicts in place
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**config)).float().eval()
     randomise_qwen3_5(model)
     model.save_pretrained(str(folder))
     return folder, model
