@@ -13,30 +13,77 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 
 class ConfigError(ValueError):
     """A config file is missing, unreadable, or holds a value this project cannot run."""
 
 
+# transformers' RoPE types that are static rewrites of the inverse frequencies; "dynamic" and "longrope"
+# change them with the sequence length and are refused.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn", "llama3")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-    """Rotary position embedding, as HF `rope_parameters` (or legacy `rope_theta` + `rope_scaling`)."""
+    """Rotary position embedding as transformers computes it (`modeling_rope_utils`): inverse frequencies
+    rewritten once by the rope type, and a factor on cos and sin. Fields are transformers'
+    `rope_parameters` with its defaults filled in (`parse_rope`); a field only its types read is 1 otherwise.
+    """
 
     theta: float
-    rope_type: str = "default"  # "default" | "linear"
-    factor: float = 1.0  # linear: positions are divided by `factor`
+    rope_type: str = "default"  # one of SUPPORTED_ROPE_TYPES
+    factor: float = 1.0  # linear, yarn, llama3: how many times longer the context than in pre-training
+    original_max_position_embeddings: int = 0  # yarn, llama3: the pre-training context, in tokens
+    attention_factor: float = 1.0  # cos and sin are multiplied by it (yarn's mscale, 1 for other types)
+    beta_fast: float = 32.0  # yarn: pairs turning more often than this in the original context are kept,
+    beta_slow: float = 1.0  # yarn: pairs turning less often than this are divided by factor, a ramp between
+    truncate: bool = True  # yarn: round the ramp's ends outwards to whole pairs
+    low_freq_factor: float = 1.0  # llama3: wavelengths above original / low_freq_factor are divided by factor,
+    high_freq_factor: float = 4.0  # llama3: below original / high_freq_factor kept, a smooth blend between
 
-    def inv_freq(self, rotary_dim: int):
-        """[rotary_dim // 2] float64 numpy inverse frequencies, HF's formula."""
-        import numpy as np
-
-        inv = 1.0 / (self.theta ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / rotary_dim))
+    def inv_freq(self, rotary_dim: int) -> np.ndarray:
+        """[rotary_dim // 2] float32 inverse frequencies (radians per position), in transformers' float32
+        arithmetic, operation for operation (numpy's float32 `pow` may round one ulp from torch's)."""
+        base = self.theta ** (np.arange(0, rotary_dim, 2, dtype=np.float32) / rotary_dim)
+        inv = 1.0 / base
         if self.rope_type == "linear":
-            inv = inv / self.factor
-        return inv.astype(np.float32)
+            return inv / self.factor
+        if self.rope_type == "yarn":
+            return self._yarn(rotary_dim, base)
+        if self.rope_type == "llama3":
+            return self._llama3(inv)
+        return inv
 
+    def _yarn(self, rotary_dim: int, base: np.ndarray) -> np.ndarray:
+        """YaRN (arXiv 2309.00071): dim pair i keeps its frequency where it turns more than beta_fast times in
+        the original context, is divided by `factor` where it turns less than beta_slow times, and blends
+        linearly between (the ramp runs over pair indices from `low` to `high`)."""
+        def pair_turning(rotations: float) -> float:  # the (fractional) pair index turning `rotations` times
+            return rotary_dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi)) \
+                / (2 * math.log(self.theta))
 
-SUPPORTED_ROPE_TYPES = ("default", "linear")
+        low, high = pair_turning(self.beta_fast), pair_turning(self.beta_slow)
+        if self.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, rotary_dim - 1)
+        if low == high:
+            high += 0.001  # as transformers: no division by zero
+        ramp = np.clip((np.arange(rotary_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+        kept = 1 - ramp  # the share of pair i's original frequency (1 - (1 - ramp), as transformers rounds it)
+        return (1.0 / (self.factor * base)) * (1 - kept) + (1.0 / base) * kept
+
+    def _llama3(self, inv: np.ndarray) -> np.ndarray:
+        """Llama 3.1: long wavelengths divided by `factor`, short ones kept, a smooth blend between."""
+        original = self.original_max_position_embeddings
+        wavelength = 2 * math.pi / inv
+        long_edge, short_edge = original / self.low_freq_factor, original / self.high_freq_factor
+        scaled = np.where(wavelength > long_edge, inv / self.factor, inv)
+        smooth = (original / wavelength - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = ~(wavelength < short_edge) & ~(wavelength > long_edge)
+        return np.where(medium, smoothed, scaled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,26 +182,92 @@ class _Fields:
         return tuple(values)
 
 
-def parse_rope(f: _Fields) -> RopeConfig:
-    """RoPE from `rope_parameters` (transformers >= 5) or `rope_theta` + `rope_scaling` (older files)."""
-    params = f.raw.get("rope_parameters")
-    field = "rope_parameters"
-    if params is None:
-        params = dict(f.raw.get("rope_scaling") or {})
-        field = "rope_scaling"
-        params.setdefault("rope_theta", f.raw.get("rope_theta", 10000.0))
+def parse_attention_shape(f: _Fields) -> dict[str, int]:
+    """The attention shape of every model here, under the config dataclasses' field names: hidden_size,
+    num_heads, num_kv_heads (default: num_heads, which it must divide) and head_dim (default:
+    hidden_size // num_heads)."""
+    hidden = f.int("hidden_size")
+    heads = f.int("num_attention_heads")
+    kv_heads = f.int("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise f.fail("num_key_value_heads", f"{kv_heads} does not divide num_attention_heads={heads}")
+    return dict(hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=f.int("head_dim", hidden // heads))
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature for a context `factor` times longer: 0.1 mscale ln(factor) + 1."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def parse_rope(f: _Fields, head_dim: int, partial_rotary_default: float | None = None) -> tuple[RopeConfig, int]:
+    """RoPE as transformers reads it, and the number of dims of each head it rotates (even).
+
+    The parameters are `rope_scaling` if set (transformers prefers it), else `rope_parameters`; `rope_theta`
+    and `partial_rotary_factor` are read there, else at the top level; the type is `rope_type`, else `type`,
+    else "default"; `original_max_position_embeddings` defaults to `max_position_embeddings`. A YaRN
+    `factor` that disagrees with max_position_embeddings / original_max_position_embeddings is used as
+    given, as transformers does (with a warning; published Qwen3 configs disagree).
+    `partial_rotary_default`: the share of each head rotated when the config does not say (Qwen3.5: 0.25);
+    None for families that rotate whole heads (transformers' Qwen3 ignores `partial_rotary_factor` for
+    default RoPE and cannot run another value with the other types, so that is refused).
+    """
+    field = "rope_scaling" if f.raw.get("rope_scaling") else "rope_parameters"
+    params = f.raw.get(field) or {}
     if not isinstance(params, dict):
         raise f.fail(field, f"expected an object, found {params!r}")
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise f.fail(
-            field,
-            f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})",
-        )
+        raise f.fail(field, f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     sub = _Fields(params, f"{f.where}: {field}")
-    theta = sub.float("rope_theta", 10000.0)
-    factor = sub.float("factor") if rope_type == "linear" else 1.0
-    return RopeConfig(theta=theta, rope_type=rope_type, factor=factor)
+
+    def inside_else_top(name: str) -> _Fields:  # a value inside the rope object wins over the top level's
+        return sub if name in params else f
+
+    theta = inside_else_top("rope_theta").float("rope_theta", 10000.0)
+    fraction_fields = inside_else_top("partial_rotary_factor")
+    if partial_rotary_default is not None:
+        fraction = fraction_fields.float("partial_rotary_factor", partial_rotary_default)
+        if fraction > 1:
+            raise fraction_fields.fail("partial_rotary_factor", f"expected a number in (0, 1], found {fraction}")
+        rotary_dim = int(head_dim * fraction)
+        if rotary_dim < 2 or rotary_dim % 2:
+            raise fraction_fields.fail("partial_rotary_factor", f"{fraction} x head_dim {head_dim} = {rotary_dim} "
+                                       "rotary dims; expected an even number >= 2 (RoPE rotates pairs)")
+    else:
+        fraction = fraction_fields.float("partial_rotary_factor", 1.0)
+        if rope_type != "default" and fraction != 1:
+            raise fraction_fields.fail("partial_rotary_factor", f"expected 1 (this model rotates whole heads), "
+                                       f"found {fraction}")
+        rotary_dim = head_dim
+        if head_dim % 2:
+            raise f.fail("head_dim", f"expected an even number (RoPE rotates pairs), found {head_dim}")
+
+    if rope_type == "default":
+        return RopeConfig(theta=theta), rotary_dim
+    factor = sub.float("factor")
+    if rope_type == "linear":
+        return RopeConfig(theta=theta, rope_type=rope_type, factor=factor), rotary_dim
+    original = sub.int("original_max_position_embeddings", f.int("max_position_embeddings", 32768))
+    if rope_type == "llama3":
+        low, high = sub.float("low_freq_factor"), sub.float("high_freq_factor")
+        if high <= low:
+            raise sub.fail("high_freq_factor", f"expected more than low_freq_factor={low}, found {high}")
+        return RopeConfig(theta=theta, rope_type=rope_type, factor=factor, original_max_position_embeddings=original,
+                          low_freq_factor=low, high_freq_factor=high), rotary_dim
+    # yarn. transformers reads beta_fast, beta_slow, mscale and mscale_all_dim as `.get(name) or default`.
+    if params.get("attention_factor") is not None:
+        attention_factor = sub.float("attention_factor")
+    elif params.get("mscale") and params.get("mscale_all_dim"):
+        attention_factor = _yarn_mscale(factor, sub.float("mscale")) / _yarn_mscale(factor, sub.float("mscale_all_dim"))
+    else:
+        attention_factor = _yarn_mscale(factor)
+    return RopeConfig(
+        theta=theta, rope_type=rope_type, factor=factor, original_max_position_embeddings=original,
+        attention_factor=attention_factor,
+        beta_fast=sub.float("beta_fast") if params.get("beta_fast") else 32.0,
+        beta_slow=sub.float("beta_slow") if params.get("beta_slow") else 1.0,
+        truncate=sub.bool("truncate", True),
+    ), rotary_dim
 
 
 def parse_qwen3(raw: dict[str, Any], where: str = "config.json") -> Qwen3Config:
@@ -168,14 +281,8 @@ def parse_qwen3(raw: dict[str, Any], where: str = "config.json") -> Qwen3Config:
     if raw.get("attention_bias", False):
         raise f.fail("attention_bias", "biased q/k/v/o projections are not supported (expected false)")
 
-    hidden = f.int("hidden_size")
-    heads = f.int("num_attention_heads")
-    kv_heads = f.int("num_key_value_heads", heads)
-    if heads % kv_heads:
-        raise f.fail("num_key_value_heads", f"{kv_heads} does not divide num_attention_heads={heads}")
-    head_dim = f.int("head_dim", hidden // heads)
-    if head_dim % 2:
-        raise f.fail("head_dim", f"expected an even number (RoPE rotates pairs), found {head_dim}")
+    shape = parse_attention_shape(f)
+    rope, _ = parse_rope(f, shape["head_dim"])
     num_layers = f.int("num_hidden_layers")
 
     layer_types = raw.get("layer_types")
@@ -194,15 +301,12 @@ def parse_qwen3(raw: dict[str, Any], where: str = "config.json") -> Qwen3Config:
     windows = tuple(window if kind == "sliding_attention" else None for kind in layer_types)
 
     return Qwen3Config(
+        **shape,
         vocab_size=f.int("vocab_size"),
-        hidden_size=hidden,
         intermediate_size=f.int("intermediate_size"),
         num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
         rms_norm_eps=f.float("rms_norm_eps", 1e-6),
-        rope=parse_rope(f),
+        rope=rope,
         tie_word_embeddings=f.bool("tie_word_embeddings", False),
         sliding_windows=windows,
         max_position_embeddings=f.int("max_position_embeddings", 32768),
@@ -299,7 +403,7 @@ def parse_qwen3_5(raw: dict[str, Any], where: str = "config.json") -> Qwen3_5Con
     """Build a `Qwen3_5Config` from a `qwen3_5` (fields inside `text_config`) or `qwen3_5_text` config dict.
 
     M-RoPE with identical text positions for its three sections is ordinary 1-D RoPE, so `mrope_section`
-    and `mrope_interleaved` are accepted and ignored; other rope types are refused.
+    and `mrope_interleaved` are accepted and ignored; the rope types are `parse_rope`'s.
     """
     top = _Fields(raw, where)
     model_type = raw.get("model_type")
@@ -324,12 +428,8 @@ def parse_qwen3_5(raw: dict[str, Any], where: str = "config.json") -> Qwen3_5Con
     if not attn_output_gate:
         raise f.fail("attn_output_gate", "false is not supported (HF Qwen3.5 attention always has the output gate)")
 
-    hidden = f.int("hidden_size")
-    heads = f.int("num_attention_heads")
-    kv_heads = f.int("num_key_value_heads", heads)
-    if heads % kv_heads:
-        raise f.fail("num_key_value_heads", f"{kv_heads} does not divide num_attention_heads={heads}")
-    head_dim = f.int("head_dim", hidden // heads)
+    shape = parse_attention_shape(f)
+    rope, rotary_dim = parse_rope(f, shape["head_dim"], partial_rotary_default=0.25)
     num_layers = f.int("num_hidden_layers")
 
     layer_types = text.get("layer_types")
@@ -342,30 +442,6 @@ def parse_qwen3_5(raw: dict[str, Any], where: str = "config.json") -> Qwen3_5Con
         if kind not in (LINEAR_ATTENTION, FULL_ATTENTION):
             raise f.fail("layer_types", f"entry {i} is {kind!r}; expected {LINEAR_ATTENTION!r} or {FULL_ATTENTION!r}")
 
-    params = text.get("rope_parameters")
-    field = "rope_parameters"
-    if params is None:
-        params = dict(text.get("rope_scaling") or {})
-        field = "rope_scaling"
-        params.setdefault("rope_theta", text.get("rope_theta", 10000.0))
-    if not isinstance(params, dict):
-        raise f.fail(field, f"expected an object, found {params!r}")
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise f.fail(field, f"rope_type {rope_type!r} is not supported for qwen3_5 (supported: default, with or "
-                            "without mrope_section for text-only positions)")
-    sub = _Fields(params, f"{f.where}: {field}")
-    theta = sub.float("rope_theta", 10000.0)
-    # transformers >= 5 keeps partial_rotary_factor inside rope_parameters; older files at top level.
-    factor_fields = sub if "partial_rotary_factor" in params else f
-    factor = factor_fields.float("partial_rotary_factor", 0.25)
-    if factor > 1:
-        raise factor_fields.fail("partial_rotary_factor", f"expected a number in (0, 1], found {factor}")
-    rotary_dim = int(head_dim * factor)
-    if rotary_dim < 2 or rotary_dim % 2:
-        raise factor_fields.fail("partial_rotary_factor", f"{factor} x head_dim {head_dim} = {rotary_dim} rotary "
-                                                          "dims; expected an even number >= 2 (RoPE rotates pairs)")
-
     k_heads = f.int("linear_num_key_heads", 16)
     v_heads = f.int("linear_num_value_heads", 32)
     if v_heads % k_heads:
@@ -375,15 +451,12 @@ def parse_qwen3_5(raw: dict[str, Any], where: str = "config.json") -> Qwen3_5Con
     tie = top.bool("tie_word_embeddings", False) if "tie_word_embeddings" in raw and model_type == "qwen3_5" \
         else f.bool("tie_word_embeddings", False)
     return Qwen3_5Config(
+        **shape,
         vocab_size=f.int("vocab_size"),
-        hidden_size=hidden,
         intermediate_size=f.int("intermediate_size"),
         num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
         rms_norm_eps=f.float("rms_norm_eps", 1e-6),
-        rope=RopeConfig(theta=theta),
+        rope=rope,
         rotary_dim=rotary_dim,
         tie_word_embeddings=tie,
         layer_types=tuple(layer_types),
@@ -497,14 +570,8 @@ def parse_dflash(raw: dict[str, Any], where: str = "config.json") -> DFlashConfi
             isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layer_ids):
         raise sub.fail("target_layer_ids", f"expected a non-empty list of layer indices, found {layer_ids!r}")
 
-    hidden = f.int("hidden_size")
-    heads = f.int("num_attention_heads")
-    kv_heads = f.int("num_key_value_heads", heads)
-    if heads % kv_heads:
-        raise f.fail("num_key_value_heads", f"{kv_heads} does not divide num_attention_heads={heads}")
-    head_dim = f.int("head_dim", hidden // heads)
-    if head_dim % 2:
-        raise f.fail("head_dim", f"expected an even number (RoPE rotates pairs), found {head_dim}")
+    shape = parse_attention_shape(f)
+    rope, _ = parse_rope(f, shape["head_dim"])
     num_layers = f.int("num_hidden_layers")
     layer_types = raw.get("layer_types") or ["full_attention"] * num_layers
     if not isinstance(layer_types, list) or len(layer_types) != num_layers:
@@ -525,14 +592,11 @@ def parse_dflash(raw: dict[str, Any], where: str = "config.json") -> DFlashConfi
     if num_target_layers is not None:
         num_target_layers = f.int("num_target_layers")
     return DFlashConfig(
-        hidden_size=hidden,
+        **shape,
         intermediate_size=f.int("intermediate_size"),
         num_layers=num_layers,
-        num_heads=heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
         rms_norm_eps=f.float("rms_norm_eps", 1e-6),
-        rope=parse_rope(f),
+        rope=rope,
         vocab_size=f.int("vocab_size"),
         block_size=block_size,
         mask_token_id=mask_token_id,

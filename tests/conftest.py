@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import tempfile
@@ -62,13 +63,23 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip_gpu)
 
 
-# Configurations the parity tests run on: GQA untied, tied, MHA, sliding-window layers, linear RoPE scaling.
+# RoPE scaling on a 64-token original context, so that a 16-dim head keeps some frequencies, divides some by
+# the factor and blends some. YaRN in the older `rope_scaling` spelling of Qwen3's model cards (factor 4),
+# with max_position_embeddings disagreeing (4096, not 4 x 64), as on the cards.
+YARN_ROPE_SCALING = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+LLAMA3_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 64}
+
+# Configurations the parity tests run on: GQA untied, tied, MHA, sliding-window layers, YaRN and llama3 RoPE.
+# Linear scaling (llama3's long wavelengths) runs the same model code; its frequencies are checked against
+# transformers' in tests/test_config.py.
 HF_VARIANTS = {
     "gqa_untied": dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
     "gqa8_tied": dict(num_attention_heads=8, num_key_value_heads=1, tie_word_embeddings=True, head_dim=8),
     "mha": dict(num_attention_heads=4, num_key_value_heads=4, tie_word_embeddings=False),
     "sliding": dict(use_sliding_window=True, sliding_window=5, max_window_layers=1, num_hidden_layers=3),
-    "rope_linear": dict(rope_parameters={"rope_type": "linear", "rope_theta": 5000.0, "factor": 2.0}),
+    "rope_yarn": dict(rope_scaling=YARN_ROPE_SCALING),
+    "rope_llama3": dict(rope_scaling=LLAMA3_ROPE_SCALING),
 }
 
 
@@ -79,7 +90,7 @@ def build_hf_qwen3(folder: Path, seed: int = 0, **overrides) -> Path:
 
     from ddtree_jax.random_checkpoint import byte_tokenizer, tiny_qwen3_config
 
-    raw = tiny_qwen3_config(**overrides)
+    raw = copy.deepcopy(tiny_qwen3_config(**overrides))  # transformers fills rope dicts in place
     raw.pop("architectures")
     raw.pop("torch_dtype")
     torch.manual_seed(seed)

@@ -79,8 +79,8 @@ def test_wrong_model_type(target):
 
 
 def test_unsupported_rope_scaling(target):
-    _edit_config(target, rope_scaling={"rope_type": "yarn", "factor": 4.0})
-    with pytest.raises(ConfigError, match=r"field 'rope_scaling': rope_type 'yarn' is not supported"):
+    _edit_config(target, rope_scaling={"rope_type": "dynamic", "factor": 4.0})
+    with pytest.raises(ConfigError, match=r"field 'rope_scaling': rope_type 'dynamic' is not supported"):
         load_target(target)
 
 

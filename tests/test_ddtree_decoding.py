@@ -16,6 +16,7 @@ from ddtree_jax.models.contract import ForwardMeta
 from ddtree_jax.models import dflash, qwen3
 from ddtree_jax.random_checkpoint import tiny_qwen3_config, write_random_dflash, write_random_qwen3
 from ddtree_jax.sampling import SamplingConfig
+from conftest import YARN_ROPE_SCALING
 from test_dflash_decoding import PROMPTS, _eos_inside_an_accepted_round, chi2_pvalue, sampling_pair
 from test_tree import heap_tree
 
@@ -46,6 +47,21 @@ def test_greedy_equals_ar(pair16, ar_outputs, budget, block_size):
     assert all(1 <= n <= block_size for n in lengths)
     if budget >= 16:  # most rounds accept a draft, so path commits are exercised
         assert np.mean(lengths) > 1.5
+
+
+@pytest.mark.parametrize("mode", [Mode.DFLASH, Mode.DDTREE])
+def test_greedy_with_a_yarn_drafter_equals_ar(pair16, ar_outputs, tmp_path, mode):
+    """pair16's drafter weights with YaRN RoPE in the older `rope_scaling` spelling (as Qwen3.6 drafters
+    carry it): DFlash and DDTree still give AR's tokens, and drafts are accepted."""
+    target = pair16[0]
+    folder = write_random_dflash(tmp_path / "d", tiny_qwen3_config(vocab_size=16), seed=3,
+                                 rope_scaling=YARN_ROPE_SCALING)
+    drafter = load_drafter(folder, target.config, jnp.float32)
+    assert drafter.config.rope.rope_type == "yarn"
+    spec = generate(target, PROMPTS, DecodeOptions(mode=mode, max_new_tokens=40, block_size=4, budget=16),
+                    drafter=drafter)
+    assert spec.output_ids == ar_outputs
+    assert max(n for row in spec.acceptance_lengths for n in row) >= 2
 
 
 def test_eos_inside_an_accepted_path_stops_like_ar(pair16):

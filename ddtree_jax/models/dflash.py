@@ -59,10 +59,6 @@ def create_cache(config: DFlashConfig, batch: int, capacity: int, dtype) -> KVCa
     return KVCache.create(config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim, dtype)
 
 
-def _inv_freq(config: DFlashConfig) -> jax.Array:
-    return jnp.asarray(config.rope.inv_freq(config.head_dim))
-
-
 def ingest_context(params: ModelParams, taps: jax.Array, counts: jax.Array, cache: KVCache) -> KVCache:
     """Project new context rows into every layer's K/V and commit them.
 
@@ -77,7 +73,7 @@ def ingest_context(params: ModelParams, taps: jax.Array, counts: jax.Array, cach
     b, c, _ = taps.shape
     ctx = model.hidden_norm(model.fc(taps.astype(cache.k[0].dtype)))
     positions = cache.lengths[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
-    cos, sin = rope_cos_sin(positions, _inv_freq(config))
+    cos, sin = rope_cos_sin(positions, config.rope, config.head_dim)
     new_k, new_v = [], []
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
@@ -105,7 +101,7 @@ def draft_hidden(params: ModelParams, target: ModelParams, block_tokens: jax.Arr
     b, bs = block_tokens.shape
     h = target.module().model.embed_tokens(block_tokens).astype(cache.k[0].dtype)
     positions = cache.lengths[:, None] + jnp.arange(bs, dtype=jnp.int32)[None, :]
-    cos, sin = rope_cos_sin(positions, _inv_freq(config))
+    cos, sin = rope_cos_sin(positions, config.rope, config.head_dim)
     d = config.head_dim
     for i, layer in enumerate(model.layers):
         with jax.named_scope(f"draft_layer_{i}"):

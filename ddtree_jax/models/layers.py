@@ -17,6 +17,8 @@ from jax.sharding import PartitionSpec as P
 from ddtree_jax.models.contract import Runtime
 from pallas_kernels.tree_attention import tree_attention
 
+from ddtree_jax.config import RopeConfig
+
 NORMAL_STD = 0.02
 
 
@@ -78,11 +80,12 @@ class SwiGLU(nnx.Module):
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def rope_cos_sin(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """positions [b, t] int, inv_freq [d/2] -> cos, sin [b, t, d] float32 (halves repeated, neox style)."""
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+def rope_cos_sin(positions: jax.Array, rope: RopeConfig, rotary_dim: int) -> tuple[jax.Array, jax.Array]:
+    """positions [b, t] int -> cos, sin [b, t, rotary_dim] float32 (halves repeated, neox style), both times
+    the rope's attention factor (YaRN's; 1 otherwise), as transformers scales them."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(rope.inv_freq(rotary_dim))
     angles = jnp.concatenate([angles, angles], axis=-1)
-    return jnp.cos(angles), jnp.sin(angles)
+    return jnp.cos(angles) * rope.attention_factor, jnp.sin(angles) * rope.attention_factor
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:

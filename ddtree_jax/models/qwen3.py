@@ -99,7 +99,7 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: KV
     model = params.module()
     check_tap_layers(tap_layers, config.num_layers)
     x = model.model.embed_tokens(tokens)
-    cos, sin = rope_cos_sin(meta.positions, jnp.asarray(config.rope.inv_freq(config.head_dim)))
+    cos, sin = rope_cos_sin(meta.positions, config.rope, config.head_dim)
     new_k, new_v, taps = [], [], {}
     for i, layer in enumerate(model.model.layers):
         with jax.named_scope(f"layer_{i}"):

@@ -386,7 +386,7 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: Hy
     model = params.module()
     qwen3.check_tap_layers(tap_layers, config.num_layers)
     x = model.model.embed_tokens(tokens)
-    cos, sin = rope_cos_sin(meta.positions, jnp.asarray(config.rope.inv_freq(config.rotary_dim)))
+    cos, sin = rope_cos_sin(meta.positions, config.rope, config.rotary_dim)
     kv, lengths = cache.kv, cache.kv.lengths
     new_k, new_v, new_states, taps = list(kv.k), list(kv.v), list(cache.recurrent), {}
     nodes = [None] * len(cache.recurrent)

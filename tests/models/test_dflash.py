@@ -12,6 +12,7 @@ import pytest
 from ddtree_jax.checkpoint import load_drafter, load_target
 from ddtree_jax.models import dflash, qwen3
 from ddtree_jax.random_checkpoint import tiny_qwen3_config, write_random_dflash, write_random_qwen3
+from conftest import YARN_ROPE_SCALING
 
 
 # ---- float64 reference, written from the reference drafter's description, sharing no code with the package
@@ -21,12 +22,33 @@ def _rms(x, w, eps=1e-6):
     return w * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
-def _rope(x, pos, theta):
-    """x [t, heads, d], pos [t]: neox half rotation over the full head dim."""
-    d = x.shape[-1]
+def _rope_frequencies(cfg, d):
+    """Inverse frequencies [d/2] and the cos/sin scale, from `rope_theta` and an optional YaRN `rope_scaling`
+    (written from transformers' `_compute_yarn_parameters`: pair i keeps its frequency below pair `low`, is
+    divided by `factor` above `high`, linear between; low/high are where a pair turns 32 and 1 times in the
+    original context, rounded outwards; cos and sin scale by 0.1 ln(factor) + 1)."""
+    theta, scaling = cfg["rope_theta"], cfg.get("rope_scaling")
     inv = 1.0 / theta ** (np.arange(0, d, 2) / d)
+    if not scaling:
+        return inv, 1.0
+    assert scaling["rope_type"] == "yarn"
+    assert set(scaling) == {"rope_type", "factor", "original_max_position_embeddings"}  # the defaults below
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+
+    def turning(turns):  # the (fractional) pair index that turns `turns` times in the original context
+        return d * np.log(original / (turns * 2 * np.pi)) / (2 * np.log(theta))
+
+    low, high = max(np.floor(turning(32)), 0), min(np.ceil(turning(1)), d - 1)
+    assert low < high
+    scaled = np.clip((np.arange(d // 2) - low) / (high - low), 0, 1)  # 0: kept, 1: divided by factor
+    return inv * (1 - scaled) + inv / factor * scaled, 0.1 * np.log(factor) + 1
+
+
+def _rope(x, pos, inv, scale):
+    """x [t, heads, d], pos [t]: neox half rotation over the full head dim, cos and sin times `scale`."""
+    d = x.shape[-1]
     ang = pos[:, None] * inv[None, :]
-    cos, sin = np.cos(np.concatenate([ang, ang], -1))[:, None], np.sin(np.concatenate([ang, ang], -1))[:, None]
+    cos, sin = (scale * f(np.concatenate([ang, ang], -1))[:, None] for f in (np.cos, np.sin))
     rot = np.concatenate([-x[..., d // 2:], x[..., :d // 2]], -1)
     return x * cos + rot * sin
 
@@ -35,7 +57,7 @@ def reference_draft_logits(w, tw, cfg, taps, block, start):
     """w/tw: drafter/target weights (float64 dicts); taps [start, F]: context rows for positions 0..start-1;
     block [bs] token ids at positions start..start+bs-1. Returns [bs-1, v]."""
     d, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    theta = cfg["rope_theta"]
+    inv, scale = _rope_frequencies(cfg, d)
     layer_types = cfg["layer_types"]
     window = cfg["sliding_window"] if cfg.get("use_sliding_window") else None
     ctx = _rms(taps @ w["fc.weight"].T, w["hidden_norm.weight"])
@@ -53,7 +75,7 @@ def reference_draft_logits(w, tw, cfg, taps, block, start):
         kv_in = np.concatenate([ctx, x])
         k = _rms((kv_in @ w[p + "self_attn.k_proj.weight"].T).reshape(-1, nkv, d), w[p + "self_attn.k_norm.weight"])
         v = (kv_in @ w[p + "self_attn.v_proj.weight"].T).reshape(-1, nkv, d)
-        q, k = _rope(q, qpos, theta), _rope(k, kpos, theta)
+        q, k = _rope(q, qpos, inv, scale), _rope(k, kpos, inv, scale)
         allowed = np.ones((bs, len(kpos)), bool)
         if causal:
             allowed &= kpos[None, :] <= qpos[:, None]
@@ -82,6 +104,7 @@ DRAFTER_VARIANTS = {
     "noncausal_sliding": dict(layer_types=["full_attention", "sliding_attention"], sliding_window=3,
                               use_sliding_window=True, is_causal=False),
     "all_causal": dict(is_causal=True, block_size=6),
+    "yarn_rope_scaling": dict(rope_scaling=YARN_ROPE_SCALING),
 }
 
 
@@ -117,6 +140,10 @@ def test_drafter_matches_float64_reference(tmp_path, variant):
         n = first[r] + second[r]
         ref = reference_draft_logits(w, tw, cfg, taps[r, :n].astype(np.float64), blocks[r], n)
         np.testing.assert_allclose(ours[r], ref, atol=1e-5, rtol=0, err_msg=f"row {r}")
+        if "rope_scaling" in cfg:  # negative control: YaRN moves the reference far beyond the tolerance
+            plain = reference_draft_logits(w, tw, dict(cfg, rope_scaling=None), taps[r, :n].astype(np.float64),
+                                           blocks[r], n)
+            assert np.abs(plain - ref).max() > 1e-3
 
 
 def test_wrong_semantics_are_caught_by_the_reference(tmp_path):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ddtree_jax.checkpoint import load_target
+from ddtree_jax.config import RopeConfig
 from ddtree_jax.models import qwen3
 from ddtree_jax.models.contract import ForwardMeta
 from ddtree_jax.cache import advance
@@ -49,6 +52,30 @@ def test_prefill_and_32_decode_steps_match_transformers(hf_qwen3):
         cache = advance(res.cache, jnp.array([1]))
         np.testing.assert_allclose(np.asarray(qwen3.logits(params, res.hidden))[:, 0], hf_steps[i], atol=TOL, rtol=0,
                                    err_msg=f"decode step {i}")
+
+
+@pytest.mark.parametrize("hf_qwen3", ["rope_yarn", "rope_llama3"], indirect=True)
+def test_scaled_rope_parity_is_not_vacuous(hf_qwen3):
+    """Negative control for the YaRN and llama3 variants: the same weights with plain RoPE, or YaRN without
+    its attention factor on cos/sin, miss transformers' logits by far more than the tolerance."""
+    folder, hf = hf_qwen3
+    params = load_target(folder, jnp.float32)
+    ids = np.random.default_rng(5).integers(0, 256, size=(1, 11))  # the prefill test's shapes: no new compiles
+    want = _hf_logits(hf, ids)
+
+    def logits_with(rope: RopeConfig) -> np.ndarray:
+        p = dataclasses.replace(params, config=dataclasses.replace(params.config, rope=rope))
+        cache = qwen3.create_cache(p.config, 1, 64, jnp.float32)
+        res = qwen3.forward(p, jnp.asarray(ids), ForwardMeta.prompt(jnp.array([11]), 11), cache)
+        return np.asarray(qwen3.logits(p, res.hidden))
+
+    rope = params.config.rope
+    np.testing.assert_allclose(logits_with(rope), want, atol=TOL, rtol=0)
+    wrong = [RopeConfig(theta=rope.theta)]  # plain RoPE
+    if rope.rope_type == "yarn":
+        wrong.append(dataclasses.replace(rope, attention_factor=1.0))  # YaRN's frequencies, cos/sin unscaled
+    for bad in wrong:
+        assert np.abs(logits_with(bad) - want).max() > 100 * TOL, bad
 
 
 def test_hidden_state_taps_follow_hf_indexing(hf_qwen3):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import json
@@ -16,7 +17,7 @@ from ddtree_jax.checkpoint import load_target
 from ddtree_jax.config import ConfigError, Qwen3_5Config, parse_qwen3_5
 from ddtree_jax.models.contract import ForwardMeta
 from ddtree_jax.models import qwen3_5
-from conftest import chain_ordered, randomise_qwen3_5
+from conftest import YARN_ROPE_SCALING, chain_ordered, randomise_qwen3_5
 
 torch = pytest.importorskip("torch", reason="PyTorch is not importable (the transformers parity oracle)")
 
@@ -35,22 +36,41 @@ TEXT_CONFIG = dict(
 )
 
 
-@pytest.fixture(scope="module")
-def hf_qwen3_5(tmp_path_factory):
-    """(folder, torch model): a random Qwen3_5ForCausalLM saved as a `qwen3_5_text` checkpoint."""
+# YaRN over the half-rotated heads (rotary dim 8: one frequency kept, one blended, two divided by 4), with
+# max_position_embeddings 512 disagreeing with 4 x 64 as Qwen's published configs do.
+YARN_ROPE = dict(YARN_ROPE_SCALING, rope_theta=10000.0, partial_rotary_factor=0.5)
+
+
+def _save_hf_model(folder, **changes):
+    """(folder, torch model): a random Qwen3_5ForCausalLM (TEXT_CONFIG with `changes`) saved as a
+    `qwen3_5_text` checkpoint."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(0)
-    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TEXT_CONFIG)).float().eval()
+    config = copy.deepcopy(dict(TEXT_CONFIG, **changes))  # transformers fills rope dicts in place
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**config)).float().eval()
     randomise_qwen3_5(model)
-    folder = tmp_path_factory.mktemp("hf_qwen3_5")
     model.save_pretrained(str(folder))
     return folder, model
 
 
 @pytest.fixture(scope="module")
+def hf_qwen3_5(tmp_path_factory):
+    return _save_hf_model(tmp_path_factory.mktemp("hf_qwen3_5"))
+
+
+@pytest.fixture(scope="module")
 def params(hf_qwen3_5):
     return load_target(hf_qwen3_5[0], jnp.float32)
+
+
+@pytest.fixture(scope="module", params=["rope_default", "rope_yarn"])
+def hf_and_params(request, hf_qwen3_5, params, tmp_path_factory):
+    """(torch model, our params) for the default model, and for the same weights with YARN_ROPE."""
+    if request.param == "rope_default":
+        return hf_qwen3_5[1], params
+    folder, hf = _save_hf_model(tmp_path_factory.mktemp("hf_qwen3_5_yarn"), rope_parameters=YARN_ROPE)
+    return hf, load_target(folder, jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "taps"))
@@ -95,7 +115,7 @@ def test_config_parses_both_model_types(hf_qwen3_5):
 
 @pytest.mark.parametrize("change, field", [
     (dict(layer_types=["linear_attention", "sliding_attention", "full_attention", "linear_attention"]), "layer_types"),
-    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}), "rope_parameters"),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "factor": 2.0}), "rope_parameters"),
     (dict(linear_num_value_heads=3), "linear_num_value_heads"),
     (dict(attn_output_gate=False), "attn_output_gate"),
     (dict(rope_parameters={"rope_theta": 1e4, "partial_rotary_factor": 0.1}), "partial_rotary_factor"),
@@ -109,8 +129,8 @@ def test_config_errors_name_the_file_and_field(change, field):
         parse_qwen3_5({"model_type": "qwen3_5", "text_config": raw}, "cfg.json")
 
 
-def test_prefill_and_32_decode_steps_match_transformers(hf_qwen3_5, params):
-    _, hf = hf_qwen3_5
+def test_prefill_and_32_decode_steps_match_transformers(hf_and_params):
+    hf, params = hf_and_params
     rng = np.random.default_rng(0)
     prompt = rng.integers(0, VOCAB, size=(1, 11))
     follow = rng.integers(0, VOCAB, size=(1, 32))
@@ -151,10 +171,10 @@ def test_bfloat16_runs_with_float32_states(hf_qwen3_5):
     assert np.isfinite(np.asarray(qwen3_5.logits(bf16, res.hidden))).all()
 
 
-def test_greedy_tokens_equal_transformers_generate(hf_qwen3_5, params):
+def test_greedy_tokens_equal_transformers_generate(hf_and_params):
     from transformers import GenerationConfig
 
-    _, hf = hf_qwen3_5
+    hf, params = hf_and_params
     prompt = np.random.default_rng(3).integers(0, VOCAB, size=(1, 9))
     n = 24
     with torch.no_grad():
