@@ -10,12 +10,15 @@ Three sections, all in one process, each number a median over repeated device-sy
    `hf`   separate einsums on HF-layout [out, in] weights (what the models do now);
    `fused` q|k|v and gate|up concatenated into one weight each (fewer, larger matmuls);
    `io`   separate einsums on [in, out] weights;
-   `pallas` (T = 1 only) a Triton-lowered Pallas GEMV on [out, in] weights.
+   `stream`, `stream_fused` the weight-streaming Pallas matmul (`pallas_kernels.stream_matmul`) on the hf or
+   fused weights, for every T.
    Each against its floor: the layers' weight bytes over the measured bandwidth.
 3. The output head alone ([151936, 4096] bf16 times T vectors, float32 logits).
 
-Each figure is one call of the program timed alone, so it includes the call's dispatch (about 1 ms for the
-~250 arguments of 36 layers on the H200, see docs/performance.md): compare forms with that in mind.
+Projections are timed in a device loop (`measure.timing.in_loop_seconds`: 4 passes over the layers against 1,
+each layer's input RMS-normalised so that values stay finite), so the call's dispatch cancels out; the head is
+one call timed alone (dispatch included). Run it under different XLA_FLAGS with `--label` to compare XLA's
+matmul choices.
 Writes probe.json under --out and prints a table. `--smoke` runs tiny shapes (CPU, interpreted Pallas) so
 the tests can run the script.
 """
@@ -25,39 +28,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 QWEN3_8B = dict(hidden=4096, q=4096, kv=1024, mlp=12288, vocab=151936)
 SMOKE = dict(hidden=64, q=64, kv=32, mlp=128, vocab=320)
-
-
-def gemv_pallas(x, w, *, block_n: int = 16, block_k: int = 512, interpret: bool = False):
-    """x [1, K] times w [N, K]^T -> [1, N] in x's dtype (float32 accumulation), one program per `block_n`
-    rows of w, looping over K in `block_k` chunks (Triton lowering)."""
-    import jax
-    import jax.numpy as jnp
-    from jax.experimental import pallas as pl
-
-    n, k = w.shape
-    assert n % block_n == 0 and k % block_k == 0, (w.shape, block_n, block_k)
-
-    def kernel(x_ref, w_ref, o_ref):
-        def body(i, acc):
-            cols = pl.ds(i * block_k, block_k)
-            wk = w_ref[:, cols].astype(jnp.float32)
-            xk = x_ref[0, cols].astype(jnp.float32)
-            return acc + jnp.sum(wk * xk[None, :], axis=1)
-
-        acc = jax.lax.fori_loop(0, k // block_k, body, jnp.zeros((block_n,), jnp.float32))
-        o_ref[0, :] = acc.astype(o_ref.dtype)
-
-    return pl.pallas_call(
-        kernel, grid=(n // block_n,),
-        in_specs=[pl.BlockSpec((1, k), lambda i: (0, 0)), pl.BlockSpec((block_n, k), lambda i: (i, 0))],
-        out_specs=pl.BlockSpec((1, block_n), lambda i: (0, i)),
-        out_shape=jax.ShapeDtypeStruct((1, n), x.dtype), interpret=interpret)(x, w)
 
 
 def _layer_weights(shape: dict, layers: int, form: str):
@@ -91,7 +68,9 @@ def _as_hf(weights, shape: dict, form: str):
     q, kv, f = shape["q"], shape["kv"], shape["mlp"]
     out = []
     for ws in weights:
-        if form == "io":
+        if form == "stream":
+            out.append(ws)
+        elif form == "io":
             out.append({k: w.T for k, w in ws.items()})
         else:
             qkv, gu = ws["qkv"], ws["gate_up"]
@@ -105,18 +84,22 @@ def _projections(shape: dict, form: str, interpret: bool):
     import jax
     import jax.numpy as jnp
 
+    from pallas_kernels.stream_matmul import StreamMatmulConfig, stream_matmul_pallas
+
     q, kv = shape["q"], shape["kv"]
 
     def mm(x, w):
         if form == "io":
             return jnp.einsum("ti,io->to", x, w)
-        if form == "pallas":
-            return gemv_pallas(x, w, interpret=interpret, block_k=min(512, w.shape[1]))
+        if form in ("stream", "stream_fused"):
+            config = StreamMatmulConfig(block_k=min(128, w.shape[1]), block_n=min(64, w.shape[0]))
+            return stream_matmul_pallas(x, w, config=config, interpret=interpret)
         return jnp.einsum("ti,oi->to", x, w)
 
-    def fn(weights, x):
+    def layers(weights, x):
         for ws in weights:
-            if form == "fused":
+            x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32)), -1, keepdims=True) + 1e-6).astype(x.dtype)
+            if form in ("fused", "stream_fused"):
                 qkv = mm(x, ws["qkv"])
                 attn = qkv[:, :q] + jnp.tile(qkv[:, q:q + kv] + qkv[:, q + kv:], (1, q // kv))
                 x = x + mm(attn, ws["o"])
@@ -128,6 +111,11 @@ def _projections(shape: dict, form: str, interpret: bool):
             x = x + mm(jax.nn.silu(g) * u, ws["down"])
         return x
 
+    def fn(weights, x, passes):
+        # `passes` times over the layers in one device loop (each pass feeds the next), so that
+        # `in_loop_seconds` cancels the call's dispatch.
+        return jax.lax.fori_loop(0, passes, lambda _, h: layers(weights, h), x)
+
     return jax.jit(fn)
 
 
@@ -135,8 +123,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--layers", type=int, default=36)
-    p.add_argument("--tokens", default="1,16,65")
-    p.add_argument("--forms", default="hf,fused,io,pallas")
+    p.add_argument("--tokens", default="1,16,17,32,64,65,128")
+    p.add_argument("--forms", default="hf,fused,stream,stream_fused")
+    p.add_argument("--no-ceilings", action="store_true", help="skip the ceilings (floors then use --bandwidth)")
+    p.add_argument("--bandwidth", type=float, default=4.25e12, help="bytes/s for the floors with --no-ceilings")
+    p.add_argument("--label", default="", help="a name for this run (e.g. the XLA_FLAGS variant), in every row")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--smoke", action="store_true")
     args = p.parse_args(argv)
@@ -145,16 +136,20 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     from ddtree_jax.measure.ceilings import ceilings_text, measure_ceilings
-    from ddtree_jax.measure.timing import median_seconds
+    from ddtree_jax.measure.timing import in_loop_seconds, median_seconds
 
     shape = SMOKE if args.smoke else QWEN3_8B
     layers = 2 if args.smoke else args.layers
     interpret = jax.default_backend() != "gpu"
     report = {"jax": jax.__version__, "device": str(jax.devices()[0].device_kind), "shape": shape, "layers": layers,
               "date": time.strftime("%Y-%m-%d"), "rows": []}
-    ceilings = measure_ceilings(3 if args.smoke else 10, args.smoke)
+    ceilings = ({"bandwidth_bytes_per_s": args.bandwidth} if args.no_ceilings
+                else measure_ceilings(3 if args.smoke else 10, args.smoke))
     report["ceilings"] = ceilings
-    print(ceilings_text(ceilings), flush=True)
+    report["label"] = args.label
+    report["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+    if not args.no_ceilings:
+        print(ceilings_text(ceilings), flush=True)
     bandwidth = ceilings["bandwidth_bytes_per_s"]
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -165,30 +160,29 @@ def main(argv=None) -> int:
 
     for form in args.forms.split(","):
         weights = None  # the previous form's layers go before the next are drawn
-        weights = _layer_weights(shape, layers, "hf" if form == "pallas" else form)
+        weights = _layer_weights(shape, layers, "fused" if form == "stream_fused" else
+                                 "hf" if form == "stream" else form)
         n_bytes = sum(w.nbytes for ws in weights for w in ws.values())
         fn = _projections(shape, form, interpret)
         for t in [int(v) for v in args.tokens.split(",")]:
-            if form == "pallas" and t != 1:
-                continue
             x = jax.random.normal(jax.random.key(t), (t, shape["hidden"]), jnp.bfloat16)
             try:
-                seconds = median_seconds(lambda: fn(weights, x), args.repeats)
+                seconds = in_loop_seconds(lambda n: fn(weights, x, jnp.int32(n)), args.repeats, iterations=4)[0]
             except Exception as e:  # noqa: BLE001 - a form that does not compile is a finding, not a crash
                 record({"section": "projections", "form": form, "tokens": t, "error": str(e).splitlines()[0][:300]})
                 continue
             floor = n_bytes / bandwidth
             extra = {}
             if form != "hf":  # the same function as the models' form, up to bf16 rounding
-                ref = _projections(shape, "hf", interpret)(weights if form == "pallas" else
-                                                           _as_hf(weights, shape, form), x)
-                got = fn(weights, x)
+                ref = _projections(shape, "hf", interpret)(weights if form == "stream" else
+                                                           _as_hf(weights, shape, form), x, jnp.int32(1))
+                got = fn(weights, x, jnp.int32(1))
                 extra["rel_err_vs_hf"] = float(jnp.linalg.norm((got - ref).astype(jnp.float32))
                                                / jnp.linalg.norm(ref.astype(jnp.float32)))
-            record({"section": "projections", "form": form, "tokens": t, "layers": layers, **extra,
+            record({"section": "projections", "form": form, "label": args.label, "tokens": t, "layers": layers, **extra,
                     "ms": seconds * 1e3,
                     "us_per_layer": seconds * 1e6 / layers, "weight_bytes": n_bytes, "floor_ms": floor * 1e3,
-                    "x_floor": seconds / floor, "tb_per_s": n_bytes / seconds / 1e12})
+                    "x_floor": seconds / floor, "tb_per_s": n_bytes / max(seconds, 1e-12) / 1e12})
     weights = None
     head = jax.jit(lambda h, w: jnp.einsum("te,ve->tv", h, w, preferred_element_type=jnp.float32))
     w = jax.random.normal(jax.random.key(99), (shape["vocab"], shape["hidden"]), jnp.bfloat16)

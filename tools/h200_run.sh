@@ -11,6 +11,10 @@
 #   kernels   tools/kernel_check.py (per-layer attention/acceptance timing and checks) -> kernels/
 #   tests     the GPU-marked tests and the greedy DDTree decoding tests, compiled on the GPU
 #   hybrid    python -m ddtree_jax.bench --shape qwen3.6-27b                        -> hybrid/
+#   bench_ab  the bench (qwen3-8b, $AB_BUDGETS, pallas) at a baseline tree ($BASELINE, e.g. a `git archive` of an
+#             older commit, carried) and at this one, with traces of this one's rows summarised -> ab/
+#   tree      tools/topk_probe.py: the tree build (and its vocabulary top-k) against $BASELINE's tree.py -> tree/
+#   matmul    tools/gpu_probe.py projections at T = 1..128 under each of $MATMUL_VARIANTS (XLA_FLAGS) -> matmul/
 #   demo_bg, demo_pack   the demo pair's training in the background, and collecting it in a later call
 # Variables: BENCH_LIMIT, BUDGETS, KERNELS, MODES, REPEATS, KERNEL_LIMIT, KERNEL_ARGS, HYBRID_BUDGETS.
 set -uo pipefail
@@ -63,6 +67,41 @@ for step in "$@"; do
       timeout "${HYBRID_LIMIT:-420}" python3 -m ddtree_jax.bench --shape qwen3.6-27b --context 2048 \
         --budgets "${HYBRID_BUDGETS:-16,64,256}" --modes ar,dflash,ddtree --repeats 5 --kernels pallas \
         --out "$OUT/hybrid" 2>&1 | grep -v '^{"mode"'
+      ;;
+    bench_ab)
+      log "bench A/B: ${BASELINE:?} then this tree"
+      for side in baseline current; do
+        dir="$PWD"; [ "$side" = baseline ] && dir="$BASELINE"
+        trace=""; [ "$side" = current ] && trace="--trace /tmp/ab_traces"
+        # shellcheck disable=SC2086
+        (cd "$dir" && PYTHONPATH="$dir" timeout "${AB_LIMIT:-200}" python3 -m ddtree_jax.bench --shape qwen3-8b \
+          --context 2048 --budgets "${AB_BUDGETS:-16,64}" --modes ar,dflash,ddtree --repeats 10 --kernels pallas \
+          $trace --out "$OUT/ab/$side" 2>&1 | grep -v '^{"mode"' | tail -12)
+      done
+      timeout 60 python3 tools/trace_summary.py /tmp/ab_traces --top 8 2>&1 | tail -60
+      ;;
+    tree)
+      log "tree build against ${BASELINE:?}"
+      timeout "${TREE_LIMIT:-150}" python3 tools/topk_probe.py --out "$OUT/tree" --vocab 151936 \
+        --budgets 16,64,256,512 --baseline "$BASELINE/ddtree_jax/tree.py" 2>&1 | grep -v '^{'
+      ;;
+    matmul)
+      log "matmul forms and XLA variants"
+      mkdir -p "$OUT/matmul"
+      first=1
+      for variant in ${MATMUL_VARIANTS:-default}; do
+        case "$variant" in
+          default) flags="" ;;
+          cublas) flags="--xla_gpu_enable_triton_gemm=false" ;;
+          cublaslt) flags="--xla_gpu_enable_cublaslt=true" ;;
+          exhaustive) flags="--xla_gpu_exhaustive_tiling_search=true" ;;
+          *) flags="$variant" ;;
+        esac
+        extra="--no-ceilings"; [ $first = 1 ] && extra=""; first=0
+        # shellcheck disable=SC2086
+        XLA_FLAGS="$flags" timeout "${MATMUL_LIMIT:-120}" python3 tools/gpu_probe.py --out "$OUT/matmul/$variant" \
+          --label "$variant" --forms "${MATMUL_FORMS:-hf,fused,stream}" $extra 2>&1 | grep '^|' | grep -v lm_head
+      done
       ;;
     demo_bg)
       # The demo training (python -m ddtree_jax.train.demo) in its own process session on GPU $DEMO_GPU, so it

@@ -1,20 +1,23 @@
-"""Device time of the draft-tree build with one `lax.top_k` per site against the two-stage `chunked_top_k`.
+"""Device time of the draft-tree build, and of its vocabulary top-k alone, against a baseline implementation.
 
 For each vocabulary size, budget B and chunk: `build_tree(log_softmax(logits), roots, B, chunk)` on
-[1, L, V] float32 drafter logits, timed in a device loop (`pallas_kernels.gpu_check.time_program`: 8
-passes against 1 in one call, so the call's dispatch cancels out; each pass depends on the previous one
-through an optimization barrier, so nothing is hoisted). Every chunked tree is checked against the
-unchunked one on the same device (tokens, parents, depths, valid, scores equal). Writes topk_probe.json
-and topk_probe.md under --out.
+[1, L, V] float32 drafter logits, timed in a device loop (`measure.timing.in_loop_seconds`: 8 passes
+against 1 in one call, so the call's dispatch cancels out; each pass depends on the previous one through an
+optimization barrier, so nothing is hoisted). `vocab top-k` times the first step alone (the top K = min(B, V)
+of every depth's vocabulary, `tree.chunked_top_k`). With `--baseline FILE` (another version's tree.py, e.g.
+`git show REV:ddtree_jax/tree.py > old_tree.py`) that version's build is timed beside it and every tree is
+checked equal to it (tokens, parents, depths, valid, scores, ancestor mask); without, chunked trees are
+checked against the unchunked one. Writes topk_probe.json and topk_probe.md under --out.
 
     python tools/topk_probe.py --out DIR [--vocab 151936,248320] [--budgets 16,64,256,512]
-                               [--chunks 0,2048,4096,8192,16384]      (0: one lax.top_k)
+                               [--chunks auto] [--baseline old_tree.py]      (chunk 0: one lax.top_k)
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import importlib.util
 import json
 import sys
 import time
@@ -26,13 +29,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ddtree_jax.tree import build_tree  # noqa: E402
-from pallas_kernels.gpu_check import compile_program, time_program  # noqa: E402
+from ddtree_jax import tree as current  # noqa: E402
+from ddtree_jax.measure.timing import in_loop_seconds  # noqa: E402
+from ddtree_jax.measure.workload import compile_program  # noqa: E402
 
-FIELDS = ("tokens", "parents", "depths", "valid", "scores")
+FIELDS = ("tokens", "parents", "depths", "valid", "scores", "ancestor")
 
 
-def tree_program(budget: int, chunk: int | None):
+def tree_program(build_tree, budget: int, chunk):
     """(logits [1, L, V] f32, roots [1] i32, passes) -> the last pass's tree fields."""
     def run(logits, roots, passes):
         def once(salt):
@@ -40,13 +44,41 @@ def tree_program(budget: int, chunk: int | None):
             tree = build_tree(jax.nn.log_softmax(lg + s, axis=-1), roots, budget, chunk)
             return tuple(getattr(tree, f) for f in FIELDS)
 
-        def one_pass(_, carry):
-            outs = once(carry[0])
-            return jnp.where(outs[0][0, 1] < 0, 1.0, 0.0).astype(jnp.float32), outs
-
-        init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(once, jnp.float32(0)))
-        return jax.lax.fori_loop(0, passes, one_pass, (jnp.float32(0), init))[1]
+        return _passes(once, passes)
     return run
+
+
+def top_k_program(budget: int, chunk):
+    """(logits, roots, passes) -> the last pass's per-depth top-K values and indices (the build's first step)."""
+    def run(logits, roots, passes):
+        def once(salt):
+            lg, s = jax.lax.optimization_barrier((logits, salt))
+            k = min(budget, lg.shape[-1])
+            return current.chunked_top_k(jax.nn.log_softmax(lg + s, axis=-1),
+                                         k, current.default_top_k_chunk(budget) if chunk == "auto" else chunk)
+
+        return _passes(once, passes)
+    return run
+
+
+def _passes(once, passes):
+    def one_pass(_, carry):
+        outs = once(carry[0])
+        return jnp.where(jax.tree.leaves(outs)[0].ravel()[0] < -1e30, 1.0, 0.0).astype(jnp.float32), outs
+
+    init = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(once, jnp.float32(0)))
+    return jax.lax.fori_loop(0, passes, one_pass, (jnp.float32(0), init))[1]
+
+
+def load_tree_module(path: Path):
+    spec = importlib.util.spec_from_file_location("baseline_tree", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _chunks(text: str) -> list:
+    return [c if c == "auto" else (int(c) or None) for c in text.split(",") if c.strip()]
 
 
 def _ints(text: str) -> list[int]:
@@ -58,13 +90,19 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--vocab", default="151936,248320")
     p.add_argument("--budgets", default="16,64,256,512")
-    p.add_argument("--chunks", default="0,2048,4096,8192,16384")
+    p.add_argument("--chunks", default="auto", help="comma list: auto, 0 (one lax.top_k) or a chunk size")
+    p.add_argument("--baseline", type=Path, default=None, help="another version's tree.py, timed and compared")
     p.add_argument("--depths", type=int, default=15, help="L: the drafter's block size - 1")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--workers", type=int, default=8, help="compile threads")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    points = [(v, b, c or None) for v in _ints(args.vocab) for b in _ints(args.budgets) for c in _ints(args.chunks)]
+    impls = {"current": current.build_tree}
+    if args.baseline:
+        impls["baseline"] = load_tree_module(args.baseline).build_tree
+    chunks = _chunks(args.chunks)
+    points = [(v, b, c, impl) for v in _ints(args.vocab) for b in _ints(args.budgets) for c in chunks
+              for impl in [*impls, "vocab top-k"]]
     inputs = {}
     for v in _ints(args.vocab):
         logits = 2.0 * jax.random.normal(jax.random.key(v), (1, args.depths, v), jnp.float32)
@@ -73,40 +111,52 @@ def main(argv=None) -> int:
     start = time.perf_counter()
 
     def build(point):
-        v, b, c = point
-        compiled, seconds = compile_program(tree_program(b, c), (*inputs[v], jnp.int32(1)))
-        return point, compiled, seconds
+        v, b, c, impl = point
+        program = top_k_program(b, c) if impl == "vocab top-k" else tree_program(impls[impl], b, c)
+        t0 = time.perf_counter()
+        compiled = compile_program(program, (*inputs[v], jnp.int32(1)))
+        return point, compiled, time.perf_counter() - t0
 
     with concurrent.futures.ThreadPoolExecutor(args.workers) as pool:
         programs = {point: (compiled, s) for point, compiled, s in pool.map(build, points)}
     print(f"{len(points)} programs compiled in {time.perf_counter() - start:.0f} s", flush=True)
 
-    records, plain = [], {}
-    for v, b, c in points:
-        compiled, compile_s = programs[(v, b, c)]
-        seconds = time_program(compiled, (*inputs[v],), 1, rounds=args.rounds)
-        outs = [np.asarray(x) for x in compiled(*inputs[v], jnp.int32(1))]
-        if c is None:
-            plain[(v, b)] = outs
-        same = all(np.array_equal(a, r) for a, r in zip(outs, plain[(v, b)]))
-        records.append(dict(vocab=v, budget=b, chunk=c, us=seconds * 1e6, compile_s=compile_s, same_tree=same))
-        print(f"V={v} B={b} chunk={c}: {seconds * 1e6:.1f} us  same tree: {same}", flush=True)
+    # Every tree is compared with the baseline's at the same point, or (no baseline) with the first chunk's.
+    def reference_key(v, b, c):
+        return (v, b, c) if args.baseline else (v, b, chunks[0])
 
-    lines = ["| V | B | " + " | ".join(f"chunk {c or 'none'}" for c in _ints(args.chunks)) + " |",
-             "|---|---|" + "---|" * len(_ints(args.chunks))]
+    records, trees = [], {}
+    for v, b, c, impl in points:
+        compiled, compile_s = programs[(v, b, c, impl)]
+        seconds = in_loop_seconds(lambda n: compiled(*inputs[v], jnp.int32(n)), args.rounds)[0]
+        records.append(dict(vocab=v, budget=b, chunk=c, impl=impl, us=seconds * 1e6, compile_s=compile_s))
+        if impl != "vocab top-k":
+            trees[(v, b, c, impl)] = [np.asarray(x) for x in compiled(*inputs[v], jnp.int32(1))]
+    for r in records:
+        if r["impl"] != "vocab top-k":
+            ref = trees[(*reference_key(r["vocab"], r["budget"], r["chunk"]), "baseline" if args.baseline else "current")]
+            r["same_tree"] = all(np.array_equal(a, b) for a, b in zip(trees[(r["vocab"], r["budget"], r["chunk"],
+                                                                             r["impl"])], ref))
+        print(json.dumps(r), flush=True)
+
+    names = [*impls, "vocab top-k"]
+    lines = ["| V | B | chunk | " + " | ".join(f"{n} us" for n in names) + " |", "|---|---|---|" + "---|" * len(names)]
     for v in _ints(args.vocab):
         for b in _ints(args.budgets):
-            cells = [f"{r['us']:.1f}" + ("" if r["same_tree"] else " (DIFFERENT)")
-                     for r in records if r["vocab"] == v and r["budget"] == b]
-            lines.append(f"| {v} | {b} | " + " | ".join(cells) + " |")
+            for c in chunks:
+                cells = []
+                for n in names:
+                    r = next(r for r in records if (r["vocab"], r["budget"], r["chunk"], r["impl"]) == (v, b, c, n))
+                    cells.append(f"{r['us']:.1f}" + ("" if r.get("same_tree", True) else " (DIFFERENT)"))
+                lines.append(f"| {v} | {b} | {c or 'none'} | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     print(table)
     report = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, depths=args.depths,
-                  date=time.strftime("%Y-%m-%d"), argv=sys.argv[1:], records=records)
+                  date=time.strftime("%Y-%m-%d"), argv=sys.argv[1:] if argv is None else argv, records=records)
     (args.out / "topk_probe.json").write_text(json.dumps(report, indent=1))
     (args.out / "topk_probe.md").write_text(f"Tree build, device us per round (L = {args.depths}, batch 1)\n\n"
                                            + table + "\n")
-    return 0 if all(r["same_tree"] for r in records) else 1
+    return 0 if all(r.get("same_tree", True) for r in records) else 1
 
 
 if __name__ == "__main__":
