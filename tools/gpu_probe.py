@@ -79,7 +79,7 @@ def _as_hf(weights, shape: dict, form: str):
     return out
 
 
-def _projections(shape: dict, form: str, interpret: bool):
+def _projections(shape: dict, form: str, interpret: bool, stream_config: str = "64x128x4x4"):
     """fn(weights, x [T, e]) -> [T, e]: every layer's projections with residuals, no attention."""
     import jax
     import jax.numpy as jnp
@@ -92,7 +92,9 @@ def _projections(shape: dict, form: str, interpret: bool):
         if form == "io":
             return jnp.einsum("ti,io->to", x, w)
         if form in ("stream", "stream_fused"):
-            config = StreamMatmulConfig(block_k=min(128, w.shape[1]), block_n=min(64, w.shape[0]))
+            bn, bk, warps, stages = (int(v) for v in stream_config.split("x"))
+            config = StreamMatmulConfig(block_n=min(bn, w.shape[0]), block_k=min(bk, w.shape[1]), num_warps=warps,
+                                        num_stages=stages)
             return stream_matmul_pallas(x, w, config=config, interpret=interpret)
         return jnp.einsum("ti,oi->to", x, w)
 
@@ -127,6 +129,8 @@ def main(argv=None) -> int:
     p.add_argument("--forms", default="hf,fused,stream,stream_fused")
     p.add_argument("--no-ceilings", action="store_true", help="skip the ceilings (floors then use --bandwidth)")
     p.add_argument("--bandwidth", type=float, default=4.25e12, help="bytes/s for the floors with --no-ceilings")
+    p.add_argument("--stream-configs", default="64x128x4x4",
+                   help="the streaming forms' configs, block_n x block_k x warps x stages, comma list (one row each)")
     p.add_argument("--label", default="", help="a name for this run (e.g. the XLA_FLAGS variant), in every row")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--smoke", action="store_true")
@@ -163,13 +167,15 @@ def main(argv=None) -> int:
         weights = _layer_weights(shape, layers, "fused" if form == "stream_fused" else
                                  "hf" if form == "stream" else form)
         n_bytes = sum(w.nbytes for ws in weights for w in ws.values())
-        fn = _projections(shape, form, interpret)
-        for t in [int(v) for v in args.tokens.split(",")]:
+        for stream_config, t in [(c, int(v)) for c in (args.stream_configs.split(",") if form.startswith("stream")
+                                                         else [""]) for v in args.tokens.split(",")]:
+            fn = _projections(shape, form, interpret, stream_config or "64x128x4x4")
             x = jax.random.normal(jax.random.key(t), (t, shape["hidden"]), jnp.bfloat16)
             try:
                 seconds = in_loop_seconds(lambda n: fn(weights, x, jnp.int32(n)), args.repeats, iterations=4)[0]
             except Exception as e:  # noqa: BLE001 - a form that does not compile is a finding, not a crash
-                record({"section": "projections", "form": form, "tokens": t, "error": str(e).splitlines()[0][:300]})
+                record({"section": "projections", "form": form + (f"[{stream_config}]" if stream_config else ""),
+                        "tokens": t, "error": str(e).splitlines()[0][:300]})
                 continue
             floor = n_bytes / bandwidth
             extra = {}
@@ -179,7 +185,8 @@ def main(argv=None) -> int:
                 got = fn(weights, x, jnp.int32(1))
                 extra["rel_err_vs_hf"] = float(jnp.linalg.norm((got - ref).astype(jnp.float32))
                                                / jnp.linalg.norm(ref.astype(jnp.float32)))
-            record({"section": "projections", "form": form, "label": args.label, "tokens": t, "layers": layers, **extra,
+            record({"section": "projections", "form": form + (f"[{stream_config}]" if stream_config else ""),
+                    "label": args.label, "tokens": t, "layers": layers, **extra,
                     "ms": seconds * 1e3,
                     "us_per_layer": seconds * 1e6 / layers, "weight_bytes": n_bytes, "floor_ms": floor * 1e3,
                     "x_floor": seconds / floor, "tb_per_s": n_bytes / max(seconds, 1e-12) / 1e12})

@@ -14,7 +14,8 @@
 #   bench_ab  the bench (qwen3-8b, $AB_BUDGETS, pallas) at a baseline tree ($BASELINE, e.g. a `git archive` of an
 #             older commit, carried) and at this one, with traces of this one's rows summarised -> ab/
 #   tree      tools/topk_probe.py: the tree build (and its vocabulary top-k) against $BASELINE's tree.py -> tree/
-#   matmul    tools/gpu_probe.py projections at T = 1..128 under each of $MATMUL_VARIANTS (XLA_FLAGS) -> matmul/
+#   matmul    tools/gpu_probe.py projections at T = 1..128 ($MATMUL_FORMS, streaming configs in $MATMUL_ARGS), and the
+#             hf form under each further XLA_FLAGS variant of $MATMUL_VARIANTS             -> matmul/
 #   demo_bg, demo_pack   the demo pair's training in the background, and collecting it in a later call
 # Variables: BENCH_LIMIT, BUDGETS, KERNELS, MODES, REPEATS, KERNEL_LIMIT, KERNEL_ARGS, HYBRID_BUDGETS.
 set -uo pipefail
@@ -99,8 +100,9 @@ for step in "$@"; do
         esac
         extra="--no-ceilings"; [ $first = 1 ] && extra=""; first=0
         # shellcheck disable=SC2086
+        forms="${MATMUL_FORMS:-hf,fused,stream}"; [ "$variant" != default ] && forms=hf
         XLA_FLAGS="$flags" timeout "${MATMUL_LIMIT:-120}" python3 tools/gpu_probe.py --out "$OUT/matmul/$variant" \
-          --label "$variant" --forms "${MATMUL_FORMS:-hf,fused,stream}" $extra 2>&1 | grep '^|' | grep -v lm_head
+          --label "$variant" --forms "$forms" $extra ${MATMUL_ARGS:-} 2>&1 | grep '^|' | grep -v lm_head
       done
       ;;
     demo_bg)
