@@ -8,6 +8,7 @@ tests/models/test_qwen3_float64.py."""
 from __future__ import annotations
 
 import functools
+import json
 import re
 
 import jax
@@ -139,3 +140,20 @@ def test_pallas_attention_multiplies_float32_at_full_precision(dtype, surroundin
     found = _kernel_dot_precisions(jaxpr)
     assert len(found) == 4  # scores and values, over the cache and over the new tokens
     assert set(found) == {(expected, expected)}
+
+
+def test_generate_cli_records_the_resolved_precision(random_target, capsys):
+    """`--matmul-precision` reaches the options and the JSON says what ran: "auto" is "highest" in float32;
+    "default" runs too, with the same tokens on a CPU (which computes float32 fully either way)."""
+    from ddtree_jax.generate import main, parse_args
+
+    assert parse_args([]).matmul_precision == "auto"
+    with pytest.raises(SystemExit):
+        parse_args(["--matmul-precision", "tf32"])
+    reports = {}
+    for flag in ("auto", "default"):
+        assert main(["--target", str(random_target), "--prompt-ids", "1,2,3", "--mode", "ar", "--json",
+                     "--max-new-tokens", "4", "--dtype", "float32", "--matmul-precision", flag]) == 0
+        reports[flag] = json.loads(capsys.readouterr().out)
+    assert reports["auto"]["matmul_precision"] == "highest" and reports["default"]["matmul_precision"] == "default"
+    assert reports["auto"]["output_ids"] == reports["default"]["output_ids"]
