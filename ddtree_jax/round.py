@@ -46,7 +46,7 @@ from pallas_kernels.tree_accept import tree_accept
 
 
 # Matmul precision of a decode: "auto" (`engine.resolve_options`: "highest" for a float32 target, "default"
-# otherwise), or one of JAX's names, applied to every dot of target and drafter (`traced_at_precision`).
+# otherwise), or one of JAX's names, applied to every dot of target and drafter (`at_matmul_precision`).
 MATMUL_PRECISIONS = ("auto", "default", "high", "highest")
 
 
@@ -71,7 +71,7 @@ class DecodeOptions:
       `engine.resolve_options` pins "auto" before compiling, so a compiled program is keyed on what it runs.
     matmul_precision: the precision of every matmul and einsum of target and drafter (JAX's
       `default_matmul_precision` while the round's entry points trace): "highest" is full float32 (on a
-      GPU, no TF32), "default" lets XLA round float32 inputs to TF32 on a GPU (exact on a CPU), "high" in
+      GPU, no TF32), "default" lets XLA round float32 inputs to TF32 on a GPU (a CPU stays float32), "high" in
       between; "auto" is pinned by `engine.resolve_options` ("highest" for a float32 target, "default"
       otherwise); left "auto", JAX's own default applies. The Pallas attention multiplies float32 inputs at
       full precision whatever this says.

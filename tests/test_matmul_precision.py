@@ -42,18 +42,6 @@ def _dot_precisions(hlo: str) -> list[str]:
     return found
 
 
-@pytest.fixture(scope="module")
-def tiny_abstract_pair():
-    """Shapes only (lowering needs no values): the "tiny" target and drafter in float32."""
-    from ddtree_jax.config import parse_dflash, parse_qwen3
-    from ddtree_jax.models import dflash, qwen3
-    from ddtree_jax.shapes import shape_configs
-
-    target_raw, drafter_raw = shape_configs("tiny")
-    t_cfg, d_cfg = parse_qwen3(target_raw), parse_dflash(drafter_raw)
-    return qwen3.abstract(t_cfg, jnp.float32), dflash.abstract(d_cfg, t_cfg.hidden_size, jnp.float32)
-
-
 def _lowered_programs(target, drafter, options: DecodeOptions) -> dict[str, str]:
     """StableHLO text of every entry point of a round, as the engine and the benchmark compile them:
     prefill, the decode loop, and each stage of `round.STAGES` alone (AR: no drafter, no stages)."""
