@@ -54,9 +54,10 @@ def _out_of_memory(e: Exception) -> bool:
 
 def run_shape(args, parallel) -> dict:
     import jax
+    import jax.numpy as jnp
     from tqdm import tqdm
 
-    from ddtree_jax.engine import DecodeOptions, Mode
+    from ddtree_jax.engine import DecodeOptions, Mode, resolve_options
     from ddtree_jax.measure import costs, workload
     from ddtree_jax.measure.ceilings import measure_ceilings
     from ddtree_jax.models import is_recurrent
@@ -64,7 +65,8 @@ def run_shape(args, parallel) -> dict:
     start = time.perf_counter()
     ceilings = measure_ceilings(args.repeats, args.shape in SMALL_SHAPES)
     print(f"ceilings {ceilings}", flush=True)
-    target, drafter = workload.random_pair(args.shape, parallel)
+    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
+    target, drafter = workload.random_pair(args.shape, parallel, dtype)
     jax.block_until_ready(target.flat())
     print(f"random weights ready after {time.perf_counter() - start:.0f} s", flush=True)
     hybrid = is_recurrent(target.config)
@@ -74,8 +76,10 @@ def run_shape(args, parallel) -> dict:
     plan = [(mode, budget, kernels, batch, context) for batch in args.batch for context in args.context
             for mode, budget in modes for kernels in args.kernels]
     taus = {**DEFAULT_TAU, **(args.tau or {})}
-    plan_options = [DecodeOptions(mode=Mode(mode), max_new_tokens=4096, block_size=16, budget=budget or 64,
-                                  parallel=parallel, kernels=kernels) for mode, budget, kernels, _, _ in plan]
+    plan_options = [resolve_options(DecodeOptions(mode=Mode(mode), max_new_tokens=4096, block_size=16,
+                                                  budget=budget or 64, parallel=parallel, kernels=kernels,
+                                                  matmul_precision=args.matmul_precision), drafter, dtype)
+                    for mode, budget, kernels, _, _ in plan]
 
     def prepare(i):
         try:
@@ -144,7 +148,8 @@ def run_shape(args, parallel) -> dict:
         r["round_over_ar_step"] = r["round_s"] / ar["round_s"] if ar else None
     return {"kind": "shape", "shape": args.shape, "context": args.context, "batch": args.batch,
             "device": str(jax.devices()[0].device_kind), "devices": parallel.size, "parallel": parallel.mode,
-            "jax": jax.__version__, "ceilings": ceilings,
+            "jax": jax.__version__, "ceilings": ceilings, "dtype": args.dtype,
+            "matmul_precision": plan_options[0].matmul_precision if plan_options else None,
             "target_bytes": costs.param_bytes(target), "drafter_bytes": costs.param_bytes(drafter),
             "target_config": shape_configs(args.shape)[0], "hybrid": hybrid,
             "recurrent_committed_bytes": costs.committed_recurrent_bytes(target.config),
@@ -188,7 +193,7 @@ def run_checkpoints(args, parallel) -> dict:
     from tqdm import tqdm
 
     from ddtree_jax.checkpoint import load_drafter, load_target
-    from ddtree_jax.engine import DecodeOptions, Mode, generate
+    from ddtree_jax.engine import DecodeOptions, Mode, generate, resolve_options
 
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     target = load_target(args.target, dtype, parallel=parallel)
@@ -199,7 +204,7 @@ def run_checkpoints(args, parallel) -> dict:
     rows, reference = [], None
     for mode, budget in tqdm(plan, desc="bench", disable=None):
         options = DecodeOptions(mode=Mode(mode), max_new_tokens=args.max_new_tokens, budget=budget or 64,
-                                parallel=parallel)
+                                parallel=parallel, matmul_precision=args.matmul_precision)
         generate(target, prompts[:1], options, drafter=drafter)  # warm-up (compilation)
         results = [generate(target, [p], options, drafter=drafter) for p in prompts]
         outputs = [r.output_ids[0] for r in results]
@@ -221,7 +226,8 @@ def run_checkpoints(args, parallel) -> dict:
         r["speedup_over_ar"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
     return {"kind": "checkpoints", "target": str(args.target), "drafter": str(args.drafter),
             "prompts": len(prompts), "device": str(jax.devices()[0].device_kind), "devices": parallel.size,
-            "parallel": parallel.mode, "jax": jax.__version__, "rows": rows}
+            "parallel": parallel.mode, "jax": jax.__version__, "dtype": args.dtype,
+            "matmul_precision": resolve_options(options, drafter, dtype).matmul_precision, "rows": rows}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -349,7 +355,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=8, help="--target: the first N prompts of the file")
     p.add_argument("--max-new-tokens", type=int, default=128, help="--target: tokens generated per prompt")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
-                   help="--target: weights and activations")
+                   help="weights, activations and caches")
+    p.add_argument("--matmul-precision", choices=["auto", "default", "high", "highest"], default="auto",
+                   help="as generate's: auto is highest for float32 (no TF32), default for bfloat16")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for bench.json, bench.md, bench.png")
     add_parallel_args(p)
     return p.parse_args(argv)

@@ -91,12 +91,16 @@ def _compiled(name: str, fn: Callable, args: tuple, static: dict, donate: tuple[
 
 
 def resolve_options(options: DecodeOptions, drafter: ModelParams | None, dtype=None) -> DecodeOptions:
-    """Fill in what the drafter decides (block size) and what "auto" kernels mean here, and check that the mode
-    has what it needs. `dtype`: the target's compute dtype; "auto" keeps the pure-JAX path for float32,
-    where the Pallas attention is many times slower than XLA's on the H200 (910 vs 61 us per call at
-    T = 16, docs/kernels.md)."""
+    """Fill in what the drafter decides (block size) and what "auto" kernels and matmul precision mean here,
+    and check that the mode has what it needs. `dtype`: the target's compute dtype; "auto" kernels keep the
+    pure-JAX path for float32, where the Pallas attention is many times slower than XLA's on the H200 (910
+    vs 61 us per call at T = 16, docs/kernels.md); "auto" precision is "highest" for float32 (a GPU would
+    otherwise round its matmul inputs to TF32) and "default" otherwise (16-bit runs as before)."""
     if options.kernels == "auto":
         options = dataclasses.replace(options, kernels=resolve_kernels(options.kernels, dtype).value)
+    if options.matmul_precision == "auto":
+        float32 = dtype is not None and np.dtype(dtype) == np.float32
+        options = dataclasses.replace(options, matmul_precision="highest" if float32 else "default")
     if options.mode.needs_drafter:
         if drafter is None:
             raise ValueError(f"mode {options.mode.value} needs a drafter")

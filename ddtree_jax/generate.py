@@ -2,8 +2,8 @@
 
 Streams text to the terminal, or prints one JSON object with `--json`:
   {"mode", "output_ids", "text" (with a tokenizer), "acceptance_lengths", "tau", "new_tokens",
-   "decode_seconds", "tokens_per_second"}, plus "block_size" and "acceptance_histogram" for dflash and
-  ddtree, and "budget" for ddtree.
+   "decode_seconds", "tokens_per_second", "matmul_precision" (as resolved)}, plus "block_size" and
+  "acceptance_histogram" for dflash and ddtree, and "budget" for ddtree.
 Bad input (missing or corrupt checkpoint, unknown token ids, ...) prints one `error:` line and exits 2.
 """
 
@@ -51,6 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="attention and acceptance: auto (the Pallas kernels on a GPU, pure JAX elsewhere; "
                         "$DDTREE_JAX_KERNELS=pallas|jax overrides auto), pure JAX, or the Pallas kernels "
                         "(interpreted without a GPU)")
+    p.add_argument("--matmul-precision", choices=["auto", "default", "high", "highest"], default="auto",
+                   help="precision of every matmul: highest is true float32 (on a GPU, no TF32), default lets a "
+                        "GPU round float32 inputs to TF32 (faster, not exact), high in between; auto: highest "
+                        "for --dtype float32, default for bfloat16 (CPUs compute float32 fully either way)")
     add_parallel_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--stream-every", type=int, default=8, help="rounds per device call when streaming")
@@ -129,7 +133,7 @@ def run(args: argparse.Namespace) -> dict:
 
     from ddtree_jax.checkpoint import load_drafter, load_target
     from ddtree_jax.config import check_pair, generation_eos_ids, load_drafter_config, load_target_config
-    from ddtree_jax.engine import DecodeOptions, Mode, generate
+    from ddtree_jax.engine import DecodeOptions, Mode, generate, resolve_options
     from ddtree_jax.demo_pair import DEMO_NOTE, demo_drafter, demo_target
     from ddtree_jax.sampling import SamplingConfig
 
@@ -174,7 +178,8 @@ def run(args: argparse.Namespace) -> dict:
     eos = () if args.ignore_eos else tuple(dict.fromkeys(params.config.eos_token_ids + generation_eos_ids(folder)))
     options = DecodeOptions(mode=mode, max_new_tokens=args.max_new_tokens, sampling=sampling, eos_ids=eos,
                             block_size=args.block_size if mode.needs_drafter else 0, budget=args.budget,
-                            record_trees=args.save_trees is not None, parallel=parallel, kernels=args.kernels)
+                            record_trees=args.save_trees is not None, parallel=parallel, kernels=args.kernels,
+                            matmul_precision=args.matmul_precision)
 
     printed = [""]
 
@@ -202,6 +207,7 @@ def run(args: argparse.Namespace) -> dict:
         "new_tokens": len(out),
         "decode_seconds": result.decode_seconds,
         "tokens_per_second": len(out) / result.decode_seconds if result.decode_seconds > 0 else None,
+        "matmul_precision": resolve_options(options, drafter, dtype).matmul_precision,  # what "auto" became
     }
     if tokenizer is not None:
         report["text"] = tokenizer.decode(out, skip_special_tokens=True)

@@ -16,7 +16,8 @@ round composes and that the benchmark and the tools compile and time as they are
 
 An AR round is the verify of one token (`ar_round`). `decode_loop` runs rounds in a `lax.while_loop`
 until every row is done or a step limit is reached; the host side (`engine.generate`) compiles it once
-per shape and donates the state, so caches update in place.
+per shape and donates the state, so caches update in place. Every one of these entry points traces under
+the options' matmul precision (`at_matmul_precision`): float32 means float32 on a GPU too (no TF32).
 
 Letters (the package glossary, `ddtree_jax/__init__.py`): b rows, T tree nodes (B + 1 for DDTree, bs for
 DFlash, 1 for AR), P path slots (the block size), v vocabulary.
@@ -24,8 +25,11 @@ DFlash, 1 for AR), P path slots (the block size), v vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
+import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +43,11 @@ from ddtree_jax.parallel import Parallel, constrain_cache
 from ddtree_jax.sampling import SamplingConfig, decode_tokens
 from ddtree_jax.tree import DraftTree, build_tree
 from pallas_kernels.tree_accept import tree_accept
+
+
+# Matmul precision of a decode: "auto" (`engine.resolve_options`: "highest" for a float32 target, "default"
+# otherwise), or one of JAX's names, applied to every dot of target and drafter (`at_matmul_precision`).
+MATMUL_PRECISIONS = ("auto", "default", "high", "highest")
 
 
 class Mode(str, enum.Enum):
@@ -60,6 +69,12 @@ class DecodeOptions:
     kernels: "auto" (the Pallas kernels on a GPU for 16-bit weights, pure JAX elsewhere;
       $DDTREE_JAX_KERNELS overrides), "jax" or "pallas" (`models.contract.resolve_kernels`);
       `engine.resolve_options` pins "auto" before compiling, so a compiled program is keyed on what it runs.
+    matmul_precision: the precision of every matmul and einsum of target and drafter (JAX's
+      `default_matmul_precision` while the round's entry points trace): "highest" is full float32 (on a
+      GPU, no TF32), "default" lets XLA round float32 inputs to TF32 on a GPU (a CPU stays float32), "high" in
+      between; "auto" is pinned by `engine.resolve_options` ("highest" for a float32 target, "default"
+      otherwise); left "auto", JAX's own default applies. The Pallas attention multiplies float32 inputs at
+      full precision whatever this says.
     """
 
     mode: Mode = Mode.AR
@@ -71,6 +86,7 @@ class DecodeOptions:
     record_trees: bool = False  # keep each round's tree and accepted path in the state (--save-trees)
     parallel: Parallel = Parallel()  # device layout (parallel.py)
     kernels: str = "auto"
+    matmul_precision: str = "auto"
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -81,6 +97,9 @@ class DecodeOptions:
             raise ValueError(f"budget must be >= 1, got {self.budget}")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {', '.join(map(repr, KERNEL_CHOICES))}, got {self.kernels!r}")
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"matmul_precision must be one of {', '.join(map(repr, MATMUL_PRECISIONS))}, "
+                             f"got {self.matmul_precision!r}")
 
     @property
     def runtime(self) -> Runtime:
@@ -163,10 +182,28 @@ class RoundTrace:
                    valid=jnp.zeros((batch, nodes), bool), path=z(batch, path_len), count=z(batch))
 
 
+def at_matmul_precision(fn):
+    """`fn` traced under its `options.matmul_precision` (JAX's `default_matmul_precision`, which each dot
+    reads when it is traced): every matmul, einsum and convolution beneath it, target's and drafter's, gets
+    that precision without a `precision=` at each call site. Wraps the round's traced entry points (the
+    stages, the rounds, `decode_loop`, `prefill`); nested ones set the same value. "auto" (options not
+    resolved) leaves JAX's own default in force."""
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        precision = signature.bind(*args, **kwargs).arguments["options"].matmul_precision
+        with contextlib.nullcontext() if precision == "auto" else jax.default_matmul_precision(precision):
+            return fn(*args, **kwargs)
+
+    return traced
+
+
 # ----------------------------------------------------------------------------------------------------
 # The stages of a speculative round
 
 
+@at_matmul_precision
 def draft(drafter: ModelParams, target: ModelParams, last_token: jax.Array, draft_cache: kv.KVCache,
           options: DecodeOptions) -> jax.Array:
     """The drafter's block [bonus, mask x (bs - 1)] over its cached context: float32 logits [b, bs - 1, v]."""
@@ -176,6 +213,7 @@ def draft(drafter: ModelParams, target: ModelParams, last_token: jax.Array, draf
     return dflash.draft_logits(drafter, target, block, draft_cache, options.runtime)
 
 
+@at_matmul_precision
 def propose(logits: jax.Array, last_token: jax.Array, options: DecodeOptions) -> DraftTree:
     """The tree to verify, rooted at each row's bonus `last_token` [b]: DDTree's B most probable prefixes
     under the drafter's marginals (T = B + 1 nodes), or DFlash's chain of argmaxes (T = bs)."""
@@ -185,6 +223,7 @@ def propose(logits: jax.Array, last_token: jax.Array, options: DecodeOptions) ->
     return chain_tree(jnp.concatenate([last_token[:, None], drafts], axis=1))
 
 
+@at_matmul_precision
 def verify(target: ModelParams, tree: DraftTree, cache, tap_layers: tuple[int, ...],
            options: DecodeOptions) -> tuple[ForwardOut, jax.Array]:
     """The target over every node of the tree at once: (its ForwardOut, float32 logits [b, T, v]).
@@ -197,6 +236,7 @@ def verify(target: ModelParams, tree: DraftTree, cache, tap_layers: tuple[int, .
     return out, family.logits(target, out.hidden)
 
 
+@at_matmul_precision
 def accept(tree: DraftTree, node_logits: jax.Array, key: jax.Array, options: DecodeOptions) -> Accepted:
     """The target's decoding rule at every node, then the walk to the deepest node whose whole root path
     agrees. Greedy on the Pallas kernels: one fused kernel reads the [b, T, v] logits once for the argmax
@@ -210,6 +250,7 @@ def accept(tree: DraftTree, node_logits: jax.Array, key: jax.Array, options: Dec
     return accept_tree(tree, decode_tokens(node_logits, key, options.sampling), bs)
 
 
+@at_matmul_precision
 def commit(drafter: ModelParams, out: ForwardOut, acc: Accepted, counts: jax.Array, draft_cache: kv.KVCache,
            options: DecodeOptions):
     """Keep the accepted path (`counts` [b] nodes per row; 0 for rows that are done): returns (target cache,
@@ -239,6 +280,7 @@ STAGES = {"draft": draft, "tree": propose, "verify": verify, "accept": accept, "
 # Rounds
 
 
+@at_matmul_precision
 def speculative_round(target: ModelParams, drafter: ModelParams, state: DecodeState,
                       options: DecodeOptions) -> DecodeState:
     """One DFlash or DDTree round: draft once, verify every drafted token in one target pass, keep the
@@ -270,6 +312,7 @@ def speculative_round(target: ModelParams, drafter: ModelParams, state: DecodeSt
     return _record_round(_emit(state, acc.tokens, counts, options), counts, running)
 
 
+@at_matmul_precision
 def ar_round(target: ModelParams, drafter: None, state: DecodeState, options: DecodeOptions) -> DecodeState:
     """Feed each row's last token to the target and emit the next one (a done row's state stays put)."""
     running = ~state.done
@@ -289,6 +332,7 @@ def ar_round(target: ModelParams, drafter: None, state: DecodeState, options: De
 ROUNDS = {Mode.AR: ar_round, Mode.DFLASH: speculative_round, Mode.DDTREE: speculative_round}
 
 
+@at_matmul_precision
 def decode_loop(target: ModelParams, drafter: ModelParams | None, state: DecodeState, max_steps: jax.Array,
                 options: DecodeOptions) -> DecodeState:
     """Run rounds until every row is done or `max_steps` more rounds have run (all on device)."""
@@ -301,6 +345,7 @@ def decode_loop(target: ModelParams, drafter: ModelParams | None, state: DecodeS
     return jax.lax.while_loop(cond, lambda s: round_fn(target, drafter, s, options), state)
 
 
+@at_matmul_precision
 def prefill(target: ModelParams, drafter: ModelParams | None, tokens: jax.Array, prompt_lengths: jax.Array,
             rng: jax.Array, *, capacity: int, options: DecodeOptions) -> DecodeState:
     """Run the prompt (right-padded tokens [b, p], lengths [b]), fill the drafter's context cache, and emit
@@ -367,5 +412,6 @@ def _record_round(state: DecodeState, counts: jax.Array, running: jax.Array) -> 
                                step=state.step + 1)
 
 
-__all__ = ["Mode", "DecodeOptions", "DecodeState", "RoundTrace", "Kernels", "STAGES", "draft", "propose", "verify",
-           "accept", "commit", "speculative_round", "ar_round", "ROUNDS", "decode_loop", "prefill"]
+__all__ = ["MATMUL_PRECISIONS", "Mode", "DecodeOptions", "DecodeState", "RoundTrace", "Kernels", "at_matmul_precision",
+           "STAGES", "draft", "propose", "verify", "accept", "commit", "speculative_round", "ar_round", "ROUNDS",
+           "decode_loop", "prefill"]

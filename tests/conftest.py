@@ -147,6 +147,21 @@ def random_target(tmp_path_factory) -> Path:
     return write_random_qwen3(tmp_path_factory.mktemp("random") / "target", seed=1)
 
 
+@pytest.fixture(scope="session")
+def tiny_abstract_pair():
+    """The "tiny" shape's target and drafter as abstract float32 parameters (shapes only: for tracing and
+    lowering, which need no values)."""
+    import jax.numpy as jnp
+
+    from ddtree_jax.config import parse_dflash, parse_qwen3
+    from ddtree_jax.models import dflash, qwen3
+    from ddtree_jax.shapes import shape_configs
+
+    target_raw, drafter_raw = shape_configs("tiny")
+    t_cfg, d_cfg = parse_qwen3(target_raw), parse_dflash(drafter_raw)
+    return qwen3.abstract(t_cfg, jnp.float32), dflash.abstract(d_cfg, t_cfg.hidden_size, jnp.float32)
+
+
 def read_json(path: Path) -> dict:
     return json.loads(Path(path).read_text())
 

@@ -118,3 +118,24 @@ def test_hybrid_shape_mode_reports_recurrent_state_bytes(tmp_path):
     table = (out / "bench.md").read_text()
     assert "recurrent state MiB |" in table.splitlines()[0]
     assert "| ddtree | 4 | jax | 1 | 24 | 5 |" in table and table.splitlines()[3].endswith(f"| {per_node * 5 / 2**20:.3f} |")
+
+
+def test_shape_mode_in_float32_records_the_matmul_precision(tmp_path):
+    """`--dtype float32` applies to `--shape` runs (weights and caches; the cost of true float32 on a GPU is
+    measured this way), and the report records it with the resolved `--matmul-precision`."""
+    import jax.numpy as jnp
+
+    from ddtree_jax.engine import DecodeOptions, resolve_options
+    from ddtree_jax.measure import costs, workload
+    from ddtree_jax.parallel import Parallel
+
+    out = tmp_path / "out"
+    assert main(["--shape", "tiny", "--context", "16", "--modes", "ar", "--repeats", "1", "--dtype", "float32",
+                 "--out", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["dtype"] == "float32" and report["matmul_precision"] == "highest" and len(report["rows"]) == 1
+    target, drafter = workload.random_pair("tiny", Parallel(), jnp.float32)
+    assert report["target_bytes"] == 4 * costs.param_count(target)
+    options = resolve_options(DecodeOptions(), None, jnp.float32)
+    state = workload.filled_state(target, drafter, 16, options, Parallel(), room_rounds=2)
+    assert {a.dtype for a in state.cache.k + state.cache.v} == {jnp.dtype(jnp.float32)}

@@ -57,17 +57,6 @@ def test_the_negative_control_lives_in_the_tests():
     assert "FOR_TESTS" not in (ROOT / "ddtree_jax" / "models" / "qwen3_5.py").read_text()
 
 
-@pytest.fixture(scope="module")
-def tiny_abstract_pair():
-    from ddtree_jax.config import parse_dflash, parse_qwen3
-    from ddtree_jax.models import dflash, qwen3
-    from ddtree_jax.shapes import shape_configs
-
-    target_raw, drafter_raw = shape_configs("tiny")
-    t_cfg, d_cfg = parse_qwen3(target_raw), parse_dflash(drafter_raw)
-    return qwen3.abstract(t_cfg, jnp.float32), dflash.abstract(d_cfg, t_cfg.hidden_size, jnp.float32)
-
-
 @pytest.mark.parametrize("kernels,fused", [("jax", False), ("pallas", True)])
 def test_benchmark_stages_are_the_rounds_own(tiny_abstract_pair, kernels, fused):
     """`measure.workload.stage_programs` (what `bench` and `tools/compile_times.py` compile and time) hands

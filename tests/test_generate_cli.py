@@ -13,7 +13,7 @@ import pytest
 from conftest import requires_torch
 
 JSON_KEYS = {"mode", "output_ids", "text", "acceptance_lengths", "tau", "new_tokens", "decode_seconds",
-             "tokens_per_second"}
+             "tokens_per_second", "matmul_precision"}
 
 
 def run_cli(*args, env=None, timeout=600):

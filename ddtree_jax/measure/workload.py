@@ -81,8 +81,9 @@ def filled_state(target, drafter, context: int, options, parallel, room_rounds: 
                  tokens_per_round: int | None = None, batch: int = 1) -> rnd.DecodeState:
     """`empty_state` whose caches hold `context` committed tokens of random K/V (and, for a hybrid target,
     random recurrent states and conv windows), laid out as the engine lays them out."""
+    dtype = target.flat()["model.embed_tokens.weight"].dtype  # caches in the weights' dtype, as the engine's
     abstract = jax.eval_shape(lambda: empty_state(target.config, drafter.config, context, options, room_rounds,
-                                                  tokens_per_round, batch=batch))
+                                                  tokens_per_round, dtype=dtype, batch=batch))
 
     def random_like(shape_dtype, sharding, seed: int):
         # One small cached initialiser per shape (a single program that draws every layer's K/V compiled

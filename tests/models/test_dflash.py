@@ -18,11 +18,11 @@ from conftest import YARN_ROPE_SCALING
 # ---- float64 reference, written from the reference drafter's description, sharing no code with the package
 
 
-def _rms(x, w, eps=1e-6):
+def rms_norm(x, w, eps=1e-6):
     return w * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
 
 
-def _rope_frequencies(cfg, d):
+def rope_frequencies(cfg, d):
     """Inverse frequencies [d/2] and the cos/sin scale, from `rope_theta` and an optional YaRN `rope_scaling`
     (written from transformers' `_compute_yarn_parameters`: pair i keeps its frequency below pair `low`, is
     divided by `factor` above `high`, linear between; low/high are where a pair turns 32 and 1 times in the
@@ -44,7 +44,7 @@ def _rope_frequencies(cfg, d):
     return inv * (1 - scaled) + inv / factor * scaled, 0.1 * np.log(factor) + 1
 
 
-def _rope(x, pos, inv, scale):
+def rope(x, pos, inv, scale):
     """x [t, heads, d], pos [t]: neox half rotation over the full head dim, cos and sin times `scale`."""
     d = x.shape[-1]
     ang = pos[:, None] * inv[None, :]
@@ -57,10 +57,10 @@ def reference_draft_logits(w, tw, cfg, taps, block, start):
     """w/tw: drafter/target weights (float64 dicts); taps [start, F]: context rows for positions 0..start-1;
     block [bs] token ids at positions start..start+bs-1. Returns [bs-1, v]."""
     d, nq, nkv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    inv, scale = _rope_frequencies(cfg, d)
+    inv, scale = rope_frequencies(cfg, d)
     layer_types = cfg["layer_types"]
     window = cfg["sliding_window"] if cfg.get("use_sliding_window") else None
-    ctx = _rms(taps @ w["fc.weight"].T, w["hidden_norm.weight"])
+    ctx = rms_norm(taps @ w["fc.weight"].T, w["hidden_norm.weight"])
     bs = len(block)
     qpos = start + np.arange(bs)
     kpos = np.concatenate([np.arange(start), qpos])
@@ -70,12 +70,12 @@ def reference_draft_logits(w, tw, cfg, taps, block, start):
         sliding = layer_types[i] == "sliding_attention"
         causal = sliding if cfg.get("is_causal") is None else cfg["is_causal"]
         win = window if sliding else None
-        x = _rms(h, w[p + "input_layernorm.weight"])
-        q = _rms((x @ w[p + "self_attn.q_proj.weight"].T).reshape(bs, nq, d), w[p + "self_attn.q_norm.weight"])
+        x = rms_norm(h, w[p + "input_layernorm.weight"])
+        q = rms_norm((x @ w[p + "self_attn.q_proj.weight"].T).reshape(bs, nq, d), w[p + "self_attn.q_norm.weight"])
         kv_in = np.concatenate([ctx, x])
-        k = _rms((kv_in @ w[p + "self_attn.k_proj.weight"].T).reshape(-1, nkv, d), w[p + "self_attn.k_norm.weight"])
+        k = rms_norm((kv_in @ w[p + "self_attn.k_proj.weight"].T).reshape(-1, nkv, d), w[p + "self_attn.k_norm.weight"])
         v = (kv_in @ w[p + "self_attn.v_proj.weight"].T).reshape(-1, nkv, d)
-        q, k = _rope(q, qpos, inv, scale), _rope(k, kpos, inv, scale)
+        q, k = rope(q, qpos, inv, scale), rope(k, kpos, inv, scale)
         allowed = np.ones((bs, len(kpos)), bool)
         if causal:
             allowed &= kpos[None, :] <= qpos[:, None]
@@ -90,10 +90,10 @@ def reference_draft_logits(w, tw, cfg, taps, block, start):
             pr /= pr.sum(-1, keepdims=True)
             out[:, head] = pr @ v[:, kv]
         h = h + out.reshape(bs, -1) @ w[p + "self_attn.o_proj.weight"].T
-        y = _rms(h, w[p + "post_attention_layernorm.weight"])
+        y = rms_norm(h, w[p + "post_attention_layernorm.weight"])
         g, u = y @ w[p + "mlp.gate_proj.weight"].T, y @ w[p + "mlp.up_proj.weight"].T
         h = h + (g / (1 + np.exp(-g)) * u) @ w[p + "mlp.down_proj.weight"].T
-    h = _rms(h, w["norm.weight"])
+    h = rms_norm(h, w["norm.weight"])
     return h[1:] @ tw["lm_head.weight"].T
 
 
