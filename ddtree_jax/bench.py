@@ -133,7 +133,8 @@ def run_shape(args, parallel) -> dict:
         rows.append({"mode": mode, "budget": budget, "kernels": kernels, "batch": batch, "context": context,
                      "verify_tokens": tokens, **{f"{k}_s": v for k, v in stages.items()},
                      "floor_s": floor, "ratio_to_floor": stages["round"] / floor, "tau_projected": tau,
-                     "tokens_per_s_projected": batch * tau / stages["round"],
+                     # (on a CPU a tiny round can time as 0: the difference of two medians)
+                     "tokens_per_s_projected": batch * tau / stages["round"] if stages["round"] > 0 else None,
                      "recurrent_state_bytes": node_bytes, "recurrent_state_mib": node_bytes / 2**20,
                      "floor_bytes": terms["bytes"], "floor_recurrent_bytes": terms["recurrent_bytes"],
                      "floor_flops": terms["flops"]})
@@ -145,7 +146,7 @@ def run_shape(args, parallel) -> dict:
     for r in rows:
         ar = next((a for a in rows if a["mode"] == "ar" and all(a[k] == r[k] for k in ("kernels", "batch", "context"))),
                   None)
-        r["round_over_ar_step"] = r["round_s"] / ar["round_s"] if ar else None
+        r["round_over_ar_step"] = r["round_s"] / ar["round_s"] if ar and ar["round_s"] > 0 else None
     return {"kind": "shape", "shape": args.shape, "context": args.context, "batch": args.batch,
             "device": str(jax.devices()[0].device_kind), "devices": parallel.size, "parallel": parallel.mode,
             "jax": jax.__version__, "ceilings": ceilings, "dtype": args.dtype,
@@ -254,7 +255,7 @@ def markdown(report: dict) -> str:
                  f"{r['verify_tokens']} | {ms(r, 'draft_s')} | {ms(r, 'tree_s')} | {ms(r, 'verify_s')} | "
                  f"{ms(r, 'accept_s')} | {ms(r, 'commit_s')} | {ms(r, 'round_s')} | {ms(r, 'floor_s')} | "
                  f"{r['ratio_to_floor']:.2f} | {ratio(r['round_over_ar_step'])} | {ms(r, 'round_call_s')} | "
-                 f"{r['tokens_per_s_projected']:.0f} ({r['tau_projected']:.2f}) | {mib(r)} |"
+                 f"{r['tokens_per_s_projected'] or float('nan'):.0f} ({r['tau_projected']:.2f}) | {mib(r)} |"
                  for r in report["rows"]]
         notes = ""
         if hybrid:
