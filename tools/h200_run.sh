@@ -16,6 +16,11 @@
 #   tree      tools/topk_probe.py: the tree build (and its vocabulary top-k) against $BASELINE's tree.py -> tree/
 #   matmul    tools/gpu_probe.py projections at T = 1..128 ($MATMUL_FORMS, streaming configs in $MATMUL_ARGS), and the
 #             hf form under each further XLA_FLAGS variant of $MATMUL_VARIANTS             -> matmul/
+#   sweeps    the bench at qwen3-8b over --batch 1,4,16 (context 2048) and --context 8192,32768 (batch 1), AR, DFlash
+#             and DDTree $SWEEP_BUDGETS, pallas                                           -> sweep_batch/, sweep_context/
+#   float32   the float32 GPU tests (float64 reference) and the float32 AR/DDTree cost at --matmul-precision
+#             highest and default                                                        -> f32_highest/, f32_default/
+#   demo_e2e  the bench on the shipped demo pair (checkpoints, bf16, held-out prompts)    -> demo/
 #   demo_bg, demo_pack   the demo pair's training in the background, and collecting it in a later call
 # Variables: BENCH_LIMIT, BUDGETS, KERNELS, MODES, REPEATS, KERNEL_LIMIT, KERNEL_ARGS, HYBRID_BUDGETS.
 set -uo pipefail
@@ -104,6 +109,31 @@ for step in "$@"; do
         XLA_FLAGS="$flags" timeout "${MATMUL_LIMIT:-120}" python3 tools/gpu_probe.py --out "$OUT/matmul/$variant" \
           --label "$variant" --forms "$forms" $extra ${MATMUL_ARGS:-} 2>&1 | grep '^|' | grep -v lm_head
       done
+      ;;
+    sweeps)
+      log "batch and context sweeps"
+      for sweep in "batch 1,4,16 --context 2048" "context 8192,32768 --batch 1"; do
+        set -- $sweep
+        # shellcheck disable=SC2086
+        timeout "${SWEEP_LIMIT:-200}" python3 -m ddtree_jax.bench --shape qwen3-8b --budgets "${SWEEP_BUDGETS:-16,64}" \
+          --modes ar,dflash,ddtree --repeats 5 --kernels pallas --$sweep --out "$OUT/sweep_$1" 2>&1 \
+          | grep -v '^{"mode"' | grep '^|'
+      done
+      ;;
+    float32)
+      log "float32: GPU tests and cost"
+      timeout 120 python3 -m pytest -q -o addopts=-ra -p no:cacheprovider -m gpu tests/models/test_qwen3_float64.py \
+        tests/test_matmul_precision.py 2>&1 | tail -3
+      for precision in highest default; do
+        timeout "${F32_LIMIT:-150}" python3 -m ddtree_jax.bench --shape qwen3-8b --dtype float32 --matmul-precision \
+          "$precision" --budgets 64 --modes ar,ddtree --repeats 5 --kernels jax --out "$OUT/f32_$precision" 2>&1 \
+          | grep -v '^{"mode"' | grep '^| \(ar\|ddtree\)'
+      done
+      ;;
+    demo_e2e)
+      log "demo pair end to end"
+      timeout "${DEMO_LIMIT:-240}" python3 -m ddtree_jax.bench --budgets "${DEMO_BUDGETS:-16,64}" --max-new-tokens 128 \
+        --num-prompts "${DEMO_PROMPTS:-12}" --out "$OUT/demo" 2>&1 | tail -8
       ;;
     demo_bg)
       # The demo training (python -m ddtree_jax.train.demo) in its own process session on GPU $DEMO_GPU, so it
