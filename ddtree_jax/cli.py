@@ -1,13 +1,15 @@
 """Command-line plumbing shared by the entry points (generate, doctor, bench, convert).
 
-Flags that several commands take (devices, dtype, compilation cache), the one error type they print as
-`error: ...` with exit status 2, tokenizer loading, output paths checked before any work and written
-atomically, and the one-line run summary.
+Flags that several commands take (devices, dtype, compilation cache, chat), the one error type they print
+as `error: ...` with exit status 2, tokenizer loading, prompts (text, chat, token ids, JSONL files), output
+paths checked before any work and written atomically, and the one-line run summary.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
 import tempfile
@@ -78,9 +80,9 @@ def resolve_dtype(name: str):
 
 def add_compilation_cache_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compilation-cache", type=Path, default=None, metavar="DIR",
-                   help="JAX's persistent compilation cache, so that a repeated run skips most compilation "
-                        "(default: $JAX_COMPILATION_CACHE_DIR if set, else ddtree_jax/xla under $XDG_CACHE_HOME "
-                        "or ~/.cache)")
+                   help="folder of JAX's persistent compilation cache, so that a repeated run skips most "
+                        "compilation; None: $JAX_COMPILATION_CACHE_DIR if set, else ddtree_jax/xla under "
+                        "$XDG_CACHE_HOME or ~/.cache")
     p.add_argument("--no-compilation-cache", action="store_true", help="compile everything afresh and keep nothing")
 
 
@@ -144,6 +146,148 @@ def check_token_ids(ids: list[int], vocab_size: int, where: str) -> None:
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise BadInput(f"{where}: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatOptions:
+    """How text prompts become token ids: as they are (`chat` False), or through the tokenizer's chat template
+    with an optional system turn and keyword arguments for the template (e.g. enable_thinking)."""
+
+    chat: bool = False
+    system: str | None = None
+    template_kwargs: dict = dataclasses.field(default_factory=dict)
+
+
+def add_chat_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat", action="store_true", help="wrap text prompts in the tokenizer's chat template")
+    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --chat: the template's enable_thinking switch (Qwen3 templates: on unless "
+                        "--no-thinking); the published Qwen3 DFlash drafters were trained with --no-thinking; "
+                        "default: the template's own")
+    p.add_argument("--system", default=None, metavar="TEXT", help="with --chat: a system turn before the user's")
+    p.add_argument("--chat-template-kwargs", default=None, metavar="JSON",
+                   help="with --chat: more variables for the chat template, as a JSON object, e.g. "
+                        "'{\"enable_thinking\": false}'")
+
+
+def chat_options(args) -> ChatOptions:
+    """ChatOptions from the flags of `add_chat_args`; the chat-only flags need --chat."""
+    kwargs = {}
+    if args.chat_template_kwargs is not None:
+        try:
+            kwargs = json.loads(args.chat_template_kwargs)
+        except json.JSONDecodeError as e:
+            raise BadInput(f"--chat-template-kwargs: not JSON ({e.msg}): {args.chat_template_kwargs!r}") from None
+        if not isinstance(kwargs, dict):
+            raise BadInput(f"--chat-template-kwargs: expected a JSON object, got {args.chat_template_kwargs!r}")
+    if args.thinking is not None:
+        if kwargs.get("enable_thinking", args.thinking) != args.thinking:
+            raise BadInput(f"--{'' if args.thinking else 'no-'}thinking contradicts --chat-template-kwargs "
+                           f"enable_thinking={json.dumps(kwargs['enable_thinking'])}")
+        kwargs["enable_thinking"] = args.thinking
+    given = [flag for flag, value in (("--thinking/--no-thinking", args.thinking), ("--system", args.system),
+                                      ("--chat-template-kwargs", args.chat_template_kwargs)) if value is not None]
+    if given and not args.chat:
+        raise BadInput(f"{given[0]}: needs --chat (it sets the chat template)")
+    return ChatOptions(chat=args.chat, system=args.system, template_kwargs=kwargs)
+
+
+def warn_unread_template_kwargs(tokenizer, folder: Path, chat: ChatOptions) -> None:
+    """A template variable the chat template never mentions changes nothing: say so (e.g. --no-thinking on a
+    template without a thinking switch)."""
+    template = str(getattr(tokenizer, "chat_template", None) or "")
+    for name in chat.template_kwargs:
+        if template and name not in template:
+            warn(f"the chat template in {folder} never reads {name!r}, so setting it changes nothing")
+
+
+def encode_prompt(tokenizer, folder: Path, chat: ChatOptions, where: str, *, text: str | None = None,
+                  messages: list | None = None) -> list[int]:
+    """Token ids of a text prompt (plain, or a user turn of the chat template with `chat.chat`) or of chat
+    `messages` (always through the template). `chat.system` adds a system turn unless `messages` has one.
+    `where` names the flag or file line in errors."""
+    if tokenizer is None:
+        raise BadInput(f"{where}: {folder} has no tokenizer.json or tokenizer_config.json, so prompts must be "
+                       "token ids (--prompt-ids, or 'prompt_ids' lines)")
+    if messages is None and not chat.chat:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        if not getattr(tokenizer, "chat_template", None):
+            raise BadInput(f"{where}: the tokenizer in {folder} has no chat template" +
+                           (" (drop --chat)" if messages is None else ""))
+        if messages is None:
+            messages = [{"role": "user", "content": text}]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                      and isinstance(m.get("content"), str) for m in messages):
+            raise BadInput(f"{where}: 'messages' must be a list of {{\"role\": ..., \"content\": ...}} objects")
+        if chat.system is not None and not any(m["role"] == "system" for m in messages):
+            messages = [{"role": "system", "content": chat.system}, *messages]
+        try:
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                **chat.template_kwargs)
+        except Exception as e:  # the template's own errors (jinja raise_exception, ...)
+            raise BadInput(f"{where}: the chat template failed ({' '.join(str(e).split())})") from None
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+    if not ids:
+        raise BadInput(f"{where}: the prompt is empty (no tokens)")
+    return list(ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLine:
+    """One prompt of a JSONL file: `index` among the file's prompts (blank lines skipped), `line` its line
+    number, `id` the line's "id" field if any; `ids` its token ids, or `error` why it cannot run."""
+
+    index: int
+    line: int
+    id: object
+    ids: list[int] | None
+    error: str | None = None
+
+
+def read_prompt_file(path: Path, tokenizer, folder: Path, chat: ChatOptions, vocab_size: int) -> list[PromptLine]:
+    """Prompts of a JSONL file, one JSON object per line: {"prompt": TEXT}, {"messages": [...]} (chat turns)
+    or {"prompt_ids": [...]}, plus an optional "id". A line that cannot run (not JSON, none or several of
+    those keys, an empty prompt, token ids outside the vocabulary) keeps its error, naming FILE:LINE, so
+    the others can still run; an unreadable or empty file is a BadInput."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"{path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    out = []
+    for n, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        where, item = f"{path}:{n}", None
+        try:
+            item = json.loads(raw)
+            keys = [k for k in ("prompt", "messages", "prompt_ids") if isinstance(item, dict) and k in item]
+            if len(keys) != 1:
+                raise BadInput(f"{where}: expected a JSON object with one of 'prompt', 'messages' or 'prompt_ids'")
+            value = item[keys[0]]
+            if keys[0] == "prompt_ids":
+                if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                          for t in value):
+                    raise BadInput(f"{where}: 'prompt_ids' must be a list of integers")
+                if not value:
+                    raise BadInput(f"{where}: the prompt is empty (no tokens)")
+                ids = value
+            elif keys[0] == "prompt":
+                if not isinstance(value, str):
+                    raise BadInput(f"{where}: 'prompt' must be a string")
+                ids = encode_prompt(tokenizer, folder, chat, where, text=value)
+            else:
+                ids = encode_prompt(tokenizer, folder, chat, where, messages=value)
+            check_token_ids(ids, vocab_size, where)
+            error = None
+        except json.JSONDecodeError as e:
+            ids, error = None, f"{where}: not JSON ({e.msg})"
+        except BadInput as e:
+            ids, error = None, str(e)
+        out.append(PromptLine(len(out), n, item.get("id") if isinstance(item, dict) else None, ids, error))
+    if not out:
+        raise BadInput(f"{path}: no prompts")
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -25,8 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ddtree_jax.cli import (TAU_HELP, BadInput, add_compilation_cache_args, add_dtype_arg, add_parallel_args,
-                            load_tokenizer, parallel_from_args, resolve_dtype, setup_compilation_cache)
+from ddtree_jax.cli import (TAU_HELP, BadInput, add_chat_args, add_compilation_cache_args, add_dtype_arg,
+                            add_parallel_args, chat_options, encode_prompt, load_tokenizer, parallel_from_args,
+                            read_prompt_file, resolve_dtype, setup_compilation_cache, warn_unread_template_kwargs)
 
 EXIT_FLAGGED = 1
 EXIT_BAD_INPUT = 2
@@ -179,28 +180,18 @@ def alternative_wirings(drafter_config, raw: dict, target_config, tokenizer) -> 
 # Running
 
 
-def _prompts(args, tokenizer, vocab_size: int, mask_id: int) -> list[list[int]]:
+def doctor_prompts(args, tokenizer, chat, vocab_size: int, mask_id: int) -> list[list[int]]:
+    """The first --num-prompts prompts of --prompts FILE.jsonl (as `generate --prompts` reads it; a bad line
+    among them is an error), else the built-in ones (text, or random token ids without a tokenizer)."""
     if args.prompts is not None:
-        out = []
-        for n, line in enumerate(args.prompts.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-                ids = item["prompt_ids"] if "prompt_ids" in item else None
-                text = item.get("prompt") if ids is None else None
-            except (json.JSONDecodeError, AttributeError, TypeError):
-                raise ValueError(f"{args.prompts}:{n}: expected a JSON object with 'prompt' or 'prompt_ids'") from None
-            if ids is None:
-                if not isinstance(text, str) or tokenizer is None:
-                    raise ValueError(f"{args.prompts}:{n}: needs 'prompt_ids' (no tokenizer) or a 'prompt' string")
-                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            out.append([int(i) for i in ids])
-        if not out:
-            raise ValueError(f"{args.prompts}: no prompts")
-        return out[:args.num_prompts]
+        lines = read_prompt_file(args.prompts, tokenizer, args.target, chat, vocab_size)[:args.num_prompts]
+        for line in lines:
+            if line.error is not None:
+                raise BadInput(line.error)
+        return [line.ids for line in lines]
     if tokenizer is not None:
-        return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in DEFAULT_PROMPTS[:args.num_prompts]]
+        return [encode_prompt(tokenizer, args.target, chat, "built-in prompt", text=text)
+                for text in DEFAULT_PROMPTS[:args.num_prompts]]
     rng = np.random.default_rng(0)
     choices = np.array([t for t in range(vocab_size) if t != mask_id])
     return [rng.choice(choices, size=12).tolist() for _ in range(args.num_prompts)]
@@ -213,6 +204,7 @@ def run(args) -> Report:
 
     setup_compilation_cache(args)
     parallel = parallel_from_args(args)
+    chat = chat_options(args)
     for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens)):
         if value < 1:
             raise BadInput(f"{flag}: expected >= 1, got {value}")
@@ -223,7 +215,8 @@ def run(args) -> Report:
     drafter = load_drafter(args.drafter, target.config, dtype, allow_layer_mismatch=args.allow_layer_mismatch,
                            parallel=parallel)
     tokenizer = load_tokenizer(args.target)
-    prompts = _prompts(args, tokenizer, target.config.vocab_size, drafter.config.mask_token_id)
+    warn_unread_template_kwargs(tokenizer, args.target, chat)
+    prompts = doctor_prompts(args, tokenizer, chat, target.config.vocab_size, drafter.config.mask_token_id)
     bs = args.block_size or drafter.config.block_size
     base = DecodeOptions(max_new_tokens=args.max_new_tokens, parallel=parallel)  # EOS ignored: more rounds
     dflash = dataclasses.replace(base, mode=Mode.DFLASH, block_size=bs)
@@ -279,8 +272,9 @@ def main(argv=None) -> int:
     p.add_argument("--target", type=Path, default=None, help="target folder (default: the shipped demo pair)")
     p.add_argument("--drafter", type=Path, default=None, help="drafter folder (default with no --target: the demo's)")
     p.add_argument("--prompts", type=Path, default=None,
-                   help="JSONL with 'prompt' or 'prompt_ids' per line (default with no --target: the demo's "
-                        "held-out prompts; else a few built-in ones)")
+                   help="JSONL with 'prompt', 'messages' or 'prompt_ids' per line, as generate --prompts reads it "
+                        "(default with no --target: the demo's held-out prompts; else a few built-in ones)")
+    add_chat_args(p)
     p.add_argument("--num-prompts", type=int, default=4, help="prompts to run (the first ones of the file)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per prompt (EOS ignored)")
     p.add_argument("--block-size", type=int, default=0, help="drafter block (0: the drafter's own)")
