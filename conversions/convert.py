@@ -17,8 +17,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from ddtree_jax.cli import EXIT_BAD_INPUT
+
 EXIT_MISMATCH = 1
-EXIT_BAD_INPUT = 2
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -25,12 +25,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ddtree_jax.cli import (TAU_HELP, BadInput, add_chat_args, add_compilation_cache_args, add_dtype_arg,
-                            add_parallel_args, chat_options, encode_prompt, load_tokenizer, parallel_from_args,
-                            read_prompt_file, resolve_dtype, setup_compilation_cache, warn_unread_template_kwargs)
+from ddtree_jax.cli import (EXIT_BAD_INPUT, TAU_HELP, BadInput, add_chat_args, add_compilation_cache_args,
+                            add_dtype_arg, add_parallel_args, chat_options, encode_prompt, load_tokenizer,
+                            parallel_from_args, read_prompt_file, resolve_dtype, setup_compilation_cache,
+                            warn_unread_template_kwargs)
 
 EXIT_FLAGGED = 1
-EXIT_BAD_INPUT = 2
 FIRST_POSITION_FLOOR = 0.2
 # An alternative wiring "clearly" beats the given one by this much first-position acceptance or this tau ratio.
 FIRST_POSITION_GAIN = 0.10

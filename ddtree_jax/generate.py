@@ -20,18 +20,18 @@ import json
 import sys
 from pathlib import Path
 
-from ddtree_jax.cli import (TAU_HELP, BadInput, ChatOptions, add_chat_args, add_compilation_cache_args,
-                            add_dtype_arg, add_parallel_args, chat_options, check_token_ids, check_writable,
-                            encode_prompt, load_tokenizer, mode_label, parallel_from_args, parse_prompt_ids,
-                            read_prompt_file, resolve_dtype, setup_compilation_cache, summary_line, warn,
-                            warn_unread_template_kwargs, write_lines_atomic)
+from ddtree_jax.cli import (EXIT_BAD_INPUT, TAU_HELP, BadInput, ChatOptions, add_chat_args,
+                            add_compilation_cache_args, add_dtype_arg, add_parallel_args, chat_options,
+                            check_token_ids, check_writable, encode_prompt, load_tokenizer, mode_label,
+                            parallel_from_args, parse_prompt_ids, read_prompt_file, resolve_dtype,
+                            setup_compilation_cache, summary_line, warn, warn_unread_template_kwargs,
+                            write_lines_atomic)
 
 # bench.py and tools/greedy_equality.py still import BadInput, add_parallel_args, parallel_from_args and
 # this name from here; they now live in ddtree_jax.cli.
 _load_tokenizer = load_tokenizer
 
 EXIT_PARTIAL = 1
-EXIT_BAD_INPUT = 2
 # Provisional: the benchmark on real shapes will pick the default budget.
 DEFAULT_BUDGET = 64
 DEFAULT_PROMPT = "def fibonacci(n):"
@@ -129,7 +129,7 @@ class Request:
     tokenizer: object
     chat: ChatOptions
     dtype: object
-    options: object  # DecodeOptions, resolved by `check_memory`
+    options: object  # DecodeOptions as the flags give them (`check_memory` returns them resolved)
 
 
 def prepare(args) -> Request:

@@ -86,23 +86,20 @@ def test_streams_text_and_stops_at_eos(random_target, tmp_path):
 
 def test_readme_command_prints_what_ar_prints():
     """The README's first command, as a new user runs it on a CPU (default dtype: float32 there), prints the
-    same text as --mode ar; the JSON report of the same run is the demo pair's DDTree."""
+    same text as --mode ar, and ends with the summary line of the demo pair's DDTree."""
     readme = ("--prompt", "def fibonacci(n):")
     proc = run_cli(*readme)
     assert proc.returncode == 0, proc.stderr
     assert "runs the demo pair" in proc.stderr
     summary = proc.stderr.strip().splitlines()[-1]
     assert SUMMARY.match(summary) and summary.startswith("[ddtree B=64] 64 tokens, "), summary
+    # A trained drafter: a random one accepts almost nothing (tau ~1); this pair measured 3.15 at 64 tokens.
+    assert float(summary.split("tokens, ")[1].split(" tokens per round")[0]) >= 2.0
     ar = run_ar(*readme)
     assert ar.returncode == 0, ar.stderr
+    assert ar.stderr.strip().splitlines()[-1].startswith("[ar] 64 tokens, decode")
     assert proc.stdout == ar.stdout
     assert "def" in proc.stdout or "return" in proc.stdout or '"""' in proc.stdout  # Python-like text
-    report = json.loads(run_cli(*readme, "--json").stdout)
-    assert report["mode"] == "ddtree" and report["budget"] == 64 and report["block_size"] == 16
-    assert sum(report["acceptance_histogram"]) == len(report["acceptance_lengths"])
-    # A trained drafter: a random one accepts almost nothing (tau ~1); this pair measured 3.15 at 64 tokens.
-    assert report["tau"] >= 2.0
-    assert proc.stdout == report["text"] + "\n"
 
 
 @pytest.mark.parametrize("args,message", [
@@ -111,7 +108,6 @@ def test_readme_command_prints_what_ar_prints():
     (["--max-new-tokens", "0", "--prompt-ids", "1"], "--max-new-tokens: expected >= 1"),
     (["--top-p", "0", "--temperature", "1", "--prompt-ids", "1"], "--top-p: expected a number in (0, 1]"),
     (["--temperature", "-1", "--prompt-ids", "1"], "--temperature: expected >= 0"),
-    (["--top-k", "-1", "--prompt-ids", "1"], "--top-k: expected >= 0"),
     (["--stream-every", "0", "--prompt-ids", "1"], "--stream-every: expected >= 1, got 0"),
     (["--stream-every", "-1", "--prompt-ids", "1"], "--stream-every: expected >= 1, got -1"),
     (["--chat", "--prompt", "hi"], "has no chat template (drop --chat)"),
