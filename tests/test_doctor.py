@@ -113,3 +113,32 @@ def test_miswired_demo_pair_is_flagged_with_the_fix(tmp_path, capsys, change, fi
     assert code == 1, out
     assert "MISWIRED: with " in out and "OK:" not in out and "WEAK" not in out
     assert out.strip().endswith(f"Fix: set {fix[0]} to {json.dumps(fix[1])} in {drafter / 'config.json'}.")
+
+
+def test_causal_and_window_alternatives_where_the_config_leaves_them_open():
+    """Qwen3.6-27B-DFlash's layout (sliding layers, no is_causal): the first reference's non-causal reading
+    and the unwindowed one are tried; with use_sliding_window off, the windowed one. None for full layers."""
+    from ddtree_jax.config import parse_dflash, parse_qwen3
+    from ddtree_jax.doctor import alternative_wirings
+    from ddtree_jax.random_checkpoint import tiny_dflash_config, tiny_qwen3_config
+
+    target_raw = tiny_qwen3_config(num_hidden_layers=4)
+    target = parse_qwen3(target_raw)
+
+    def tried(**overrides):
+        raw = tiny_dflash_config(target_raw, **overrides)
+        return {(field, json.dumps(value)): config for field, value, _, config in
+                alternative_wirings(parse_dflash(raw), raw, target, None) if field != "dflash_config.target_layer_ids"}
+
+    sliding = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    given = parse_dflash(tiny_dflash_config(target_raw, use_sliding_window=True, **sliding))
+    assert given.layer_causal == (True, False) and given.layer_windows == (8, None)
+    found = tried(use_sliding_window=True, **sliding)
+    assert set(found) == {("is_causal", "false"), ("use_sliding_window", "false")}
+    assert found["is_causal", "false"].layer_causal == (False, False)
+    assert found["use_sliding_window", "false"].layer_windows == (None, None)
+    found = tried(use_sliding_window=False, **sliding)
+    assert set(found) == {("is_causal", "false"), ("use_sliding_window", "true")}
+    assert found["use_sliding_window", "true"].layer_windows == (8, None)
+    assert set(tried(use_sliding_window=True, is_causal=True, **sliding)) == {("use_sliding_window", "false")}
+    assert tried() == {}  # all full attention: nothing is open
