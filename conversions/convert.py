@@ -1,4 +1,4 @@
-"""Convert target checkpoints between the Hugging Face safetensors layout and orbax.
+"""Convert target and DFlash drafter checkpoints between the Hugging Face safetensors layout and orbax.
 
     python -m conversions.convert hf-to-orbax SRC DST [--force] [--verify [--target DIR]]
     python -m conversions.convert orbax-to-hf SRC DST [--force] [--verify [--target DIR]] [--max-shard-mb N]
@@ -7,8 +7,8 @@ Targets and DFlash drafters both convert. Tensors keep their stored dtype, so a 
 bit-exact. The output is written to a temporary folder next to DST and renamed at the end; an existing
 DST is refused unless --force. `--verify` runs both checkpoints (float32) on the same input and reports
 the largest logit difference (a drafter runs on random context features with `--target DIR`'s
-embedding and lm_head); a difference above `--tolerance` exits 1. Bad input exits 2 with one `error:`
-line.
+embedding and lm_head); a difference above `--tolerance` exits 1. Bad input (a wrong source, a
+destination that exists or cannot be written) exits 2 with one `error:` line before anything is read.
 """
 
 from __future__ import annotations
@@ -17,34 +17,44 @@ import argparse
 import sys
 from pathlib import Path
 
+from ddtree_jax.cli import EXIT_BAD_INPUT
+
 EXIT_MISMATCH = 1
-EXIT_BAD_INPUT = 2
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m conversions.convert", description=__doc__.split("\n")[0])
-    p.add_argument("direction", choices=["hf-to-orbax", "orbax-to-hf"])
-    p.add_argument("src", type=Path)
-    p.add_argument("dst", type=Path)
+    p = argparse.ArgumentParser(prog="python -m conversions.convert", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("direction", choices=["hf-to-orbax", "orbax-to-hf"], help="which way to convert")
+    p.add_argument("src", type=Path, help="the checkpoint folder to read (a target or a DFlash drafter)")
+    p.add_argument("dst", type=Path, help="the folder to write (written to a temporary folder, then renamed)")
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
-    p.add_argument("--verify", action="store_true", help="compare logits of SRC and DST on the same tokens")
+    p.add_argument("--verify", action="store_true",
+                   help="run SRC and DST on the same input (float32) and compare their logits")
     p.add_argument("--tolerance", type=float, default=0.0, help="largest logit difference --verify accepts")
-    p.add_argument("--target", type=Path, default=None, help="--verify of a drafter: the target it runs with")
+    p.add_argument("--target", type=Path, default=None,
+                   help="--verify of a drafter: the target whose embedding and lm_head it runs with")
     p.add_argument("--max-shard-mb", type=int, default=5120, help="orbax-to-hf: largest safetensors shard, MiB")
     return p.parse_args(argv)
 
 
 def convert(direction: str, src: Path, dst: Path, *, force: bool = False, max_shard_mb: int = 5120) -> Path:
     from ddtree_jax.checkpoint import CheckpointError, checkpoint_format, read_arrays, save_hf, save_orbax
+    from ddtree_jax.cli import BadInput, check_writable
 
+    names = {"hf": "a Hugging Face (safetensors)", "orbax": "an orbax"}
     want = {"hf-to-orbax": "hf", "orbax-to-hf": "orbax"}[direction]
     found = checkpoint_format(src)
     if found != want:
-        raise CheckpointError(f"{src}: is a {found} checkpoint, but {direction} needs a {want} one")
+        raise CheckpointError(f"{src}: is {names[found]} checkpoint, but {direction} reads {names[want]} one")
     if dst.exists() and not force:
         raise CheckpointError(f"{dst}: already exists (pass --force to overwrite)")
     if dst.resolve() == src.resolve():
         raise CheckpointError(f"{dst}: is the source folder; choose another destination")
+    try:
+        check_writable(dst, "DST", folder=True)
+    except BadInput as e:
+        raise CheckpointError(str(e)) from None
     arrays, config_raw = read_arrays(src, progress=True)
     if direction == "orbax-to-hf" and config_raw.get("model_type") == "qwen3_5":
         # The orbax folder keeps our 'model.' names; the wrapper layout stores them under 'model.language_model.'.
@@ -98,6 +108,12 @@ def main(argv=None) -> int:
     from ddtree_jax.config import ConfigError
 
     try:
+        if args.verify and args.target is None:
+            from ddtree_jax.checkpoint import is_drafter
+            from ddtree_jax.config import read_config_json
+
+            if is_drafter(read_config_json(args.src)):
+                raise CheckpointError(f"{args.src}: is a DFlash drafter; --verify needs --target DIR to run it")
         out = convert(args.direction, args.src, args.dst, force=args.force, max_shard_mb=args.max_shard_mb)
     except (CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)

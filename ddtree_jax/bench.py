@@ -158,34 +158,16 @@ def run_shape(args, parallel) -> dict:
             "skipped": skipped}
 
 
-def read_prompts(path: Path, tokenizer) -> list[list[int]]:
-    """Token ids of a JSONL prompt file: `{"prompt_ids": [...]}` or `{"prompt": "..."}` (needs a tokenizer)."""
-    prompts = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError:
-            raise ValueError(f"{path}:{n}: not JSON") from None
-        if "prompt_ids" in item:
-            prompts.append([int(i) for i in item["prompt_ids"]])
-        elif "prompt" in item and tokenizer is not None:
-            prompts.append(tokenizer(item["prompt"], add_special_tokens=False)["input_ids"])
-        else:
-            raise ValueError(f"{path}:{n}: expected 'prompt_ids', or 'prompt' with a tokenizer in the target folder")
-    if not prompts:
-        raise ValueError(f"{path}: no prompts")
-    return prompts
+def read_prompts(path: Path, target_dir: Path, vocab_size: int) -> list[list[int]]:
+    """Token ids of a JSONL prompt file (`cli.read_prompt_file`: {"prompt"}, {"messages"} or {"prompt_ids"} per
+    line, with the target folder's tokenizer); a line that cannot run is bad input here."""
+    from ddtree_jax.cli import BadInput, ChatOptions, load_tokenizer, read_prompt_file
 
-
-def load_tokenizer(folder: Path):
-    """The checkpoint's tokenizer, or None where the folder has none."""
-    if not (folder / "tokenizer.json").exists() and not (folder / "tokenizer_config.json").exists():
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder))
+    lines = read_prompt_file(path, load_tokenizer(target_dir), target_dir, ChatOptions(), vocab_size)
+    bad = [p.error for p in lines if p.error]
+    if bad:
+        raise BadInput(bad[0])
+    return [p.ids for p in lines]
 
 
 def run_checkpoints(args, parallel) -> dict:
@@ -199,7 +181,7 @@ def run_checkpoints(args, parallel) -> dict:
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     target = load_target(args.target, dtype, parallel=parallel)
     drafter = load_drafter(args.drafter, target.config, dtype, parallel=parallel)
-    prompts = read_prompts(args.prompts, load_tokenizer(args.target))[:args.num_prompts]
+    prompts = read_prompts(args.prompts, args.target, target.config.vocab_size)[:args.num_prompts]
     plan = [("ar", None)] + [("dflash", None)] * ("dflash" in args.modes) + \
         [("ddtree", b) for b in args.budgets if "ddtree" in args.modes]
     rows, reference = [], None
@@ -329,7 +311,7 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    from ddtree_jax.generate import add_parallel_args
+    from ddtree_jax.cli import add_compilation_cache_args, add_parallel_args
 
     p = argparse.ArgumentParser(prog="python -m ddtree_jax.bench", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -361,13 +343,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="as generate's: auto is highest for float32 (no TF32), default for bfloat16")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for bench.json, bench.md, bench.png")
     add_parallel_args(p)
+    add_compilation_cache_args(p)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     from ddtree_jax.checkpoint import CheckpointError
     from ddtree_jax.config import ConfigError
-    from ddtree_jax.generate import BadInput, parallel_from_args
+    from ddtree_jax.cli import EXIT_BAD_INPUT, BadInput, parallel_from_args, setup_compilation_cache
 
     args = parse_args(argv)
     try:
@@ -394,12 +377,13 @@ def main(argv=None) -> int:
             raise ValueError("give either --shape NAME or --target DIR --drafter DIR --prompts FILE")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     if args.shape is None and args.target is None:  # the shipped demo pair on its held-out prompts
         from ddtree_jax.demo_pair import DEMO_NOTE, demo_drafter, demo_prompts, demo_target
 
         args.target, args.drafter, args.prompts = demo_target(), demo_drafter(), demo_prompts()
         print(f"note: no --shape or --target given, so this runs the demo pair: {DEMO_NOTE}.", file=sys.stderr)
+    setup_compilation_cache(args)
     try:
         parallel = parallel_from_args(args)
         if args.shape is not None:
@@ -410,7 +394,7 @@ def main(argv=None) -> int:
             report = run_checkpoints(args, parallel)
     except (BadInput, CheckpointError, ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     report["command"] = "python -m ddtree_jax.bench " + " ".join(sys.argv[1:] if argv is None else argv)
     report["date"] = time.strftime("%Y-%m-%d")
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""`python -m ddtree_jax.doctor [--target DIR --drafter DIR]`: is this drafter right for this target?
+"""`python -m ddtree_jax.doctor [--target DIR --drafter DIR]`: is this drafter wired right for this target?
 
 Without `--target` it checks the demo pair shipped with the package, on its held-out prompts.
 
@@ -6,8 +6,13 @@ Without `--target` it checks the demo pair shipped with the package, on its held
    both checkpoints strictly; any failure is one `error:` line and exit 2.
 2. Runs a short greedy DFlash generation on a few prompts, prints the acceptance rate per draft position
    and tau, and checks that the output equals AR output (greedy DFlash is lossless).
-3. Flags pathological acceptance (first draft position accepted in under 20% of rounds) with its likely
-   causes, exit 1. A healthy pair exits 0.
+3. Runs the same prompts with the likely miswirings of the drafter's config (same weights): tap layers
+   shifted by -1 and +1, the tokenizer's mask-like tokens as the mask token, and the other causal /
+   sliding-window reading where the config leaves it open. When one of them clearly beats the config as
+   given (first draft position accepted +10 points, or tau +15%), the pair is MISWIRED: the report names
+   the field and the value that fix it, exit 1. When none does and the first draft position is accepted
+   in under 20% of rounds, the drafter is WEAK (wired as well as the doctor can tell), exit 1. Else OK,
+   exit 0.
 """
 
 from __future__ import annotations
@@ -20,23 +25,46 @@ from pathlib import Path
 
 import numpy as np
 
-from ddtree_jax.generate import add_parallel_args
+from ddtree_jax.cli import (EXIT_BAD_INPUT, TAU_HELP, BadInput, add_chat_args, add_compilation_cache_args,
+                            add_dtype_arg, add_parallel_args, chat_options, encode_prompt, load_tokenizer,
+                            parallel_from_args, read_prompt_file, resolve_dtype, setup_compilation_cache,
+                            warn_unread_template_kwargs)
 
 EXIT_FLAGGED = 1
-EXIT_BAD_INPUT = 2
 FIRST_POSITION_FLOOR = 0.2
+# An alternative wiring "clearly" beats the given one by this much first-position acceptance or this tau ratio.
+FIRST_POSITION_GAIN = 0.10
+TAU_GAIN = 1.15
 DEFAULT_PROMPTS = (
     "def binary_search(items, target):",
     "The three laws of thermodynamics are",
     "import json\n\ndef load_config(path):",
     "Write a short story about a lighthouse keeper.",
 )
-LIKELY_CAUSES = (
-    "dflash_config.mask_token_id is not the mask token the drafter was trained with",
-    "dflash_config.target_layer_ids are off by one (taps must be HF hidden_states[l + 1], the output of layer l)",
-    "causal / sliding-window drafter layers are not honoured (layer_types, sliding_window, is_causal)",
+# What a weak result may still come from, beyond the wirings the doctor tries.
+UNTESTED_CAUSES = (
+    "a mask token the tokenizer does not name (check dflash_config.mask_token_id against the drafter's card)",
+    "tap layers off by more than one (taps must be HF hidden_states[l + 1], the output of layer l)",
     "the drafter was trained for another target (check num_target_layers and the target's exact version)",
+    "prompts unlike the drafter's training data (e.g. chat prompts without the chat template or thinking "
+    "setting it was trained with)",
 )
+
+
+@dataclasses.dataclass
+class Trial:
+    """One wiring the doctor ran: `field` = `value` changed in the drafter's config (None: as given)."""
+
+    field: str | None
+    value: object
+    note: str
+    tau: float
+    first_position: float  # rate at which draft position 0 was accepted
+
+    def label(self) -> str:
+        if self.field is None:
+            return "as given"
+        return f"{self.field} = {json.dumps(self.value)}" + (f" ({self.note})" if self.note else "")
 
 
 @dataclasses.dataclass
@@ -46,11 +74,17 @@ class Report:
     position_acceptance: list[float]  # rate at which draft position j (0-based) was accepted
     lossless: bool  # greedy DFlash output == AR output
     first_divergence: int | None  # token index in the first differing row, if any
-    flagged: bool
-    causes: list[str]
+    verdict: str  # "ok", "weak" or "miswired"
+    fix: Trial | None  # miswired: the wiring that clearly beats the given one
+    trials: list[Trial]  # every wiring run, the given one first
+    causes: list[str]  # weak: what else may be wrong
+
+    @property
+    def flagged(self) -> bool:
+        return self.verdict != "ok"
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "flagged": self.flagged}
 
 
 def position_acceptance(acceptance_lengths: list[list[int]], block_size: int) -> list[float]:
@@ -65,72 +99,143 @@ def position_acceptance(acceptance_lengths: list[list[int]], block_size: int) ->
     return [float((rounds >= j + 2).mean()) for j in range(block_size - 1)]
 
 
-def diagnose(acceptance_lengths: list[list[int]], block_size: int, lossless: bool,
-             first_divergence: int | None) -> Report:
-    rates = position_acceptance(acceptance_lengths, block_size)
+def _tau(acceptance_lengths: list[list[int]]) -> float:
     rounds = [n for row in acceptance_lengths for n in row]
-    flagged = rates[0] < FIRST_POSITION_FLOOR
-    return Report(rounds=len(rounds), tau=float(np.mean(rounds)) if rounds else 0.0, position_acceptance=rates,
-                  lossless=lossless, first_divergence=first_divergence, flagged=flagged,
-                  causes=list(LIKELY_CAUSES) if flagged else [])
+    return float(np.mean(rounds)) if rounds else 0.0
 
 
-def _prompts(args, tokenizer, vocab_size: int, mask_id: int) -> list[list[int]]:
+def beats_clearly(alternative: Trial, given: Trial) -> bool:
+    return (alternative.first_position >= given.first_position + FIRST_POSITION_GAIN
+            or alternative.tau >= given.tau * TAU_GAIN)
+
+
+def diagnose(acceptance_lengths: list[list[int]], block_size: int, lossless: bool, first_divergence: int | None,
+             alternatives: list[Trial] = ()) -> Report:
+    """The verdict from the given wiring's acceptance and the alternatives' (Trials with a field set)."""
+    rates = position_acceptance(acceptance_lengths, block_size)
+    tau = _tau(acceptance_lengths)
+    given = Trial(None, None, "", tau, rates[0])
+    better = [t for t in alternatives if beats_clearly(t, given)]
+    fix = max(better, key=lambda t: (t.tau, t.first_position)) if better else None
+    verdict = "miswired" if fix else "weak" if rates[0] < FIRST_POSITION_FLOOR else "ok"
+    return Report(rounds=sum(len(row) for row in acceptance_lengths), tau=tau, position_acceptance=rates,
+                  lossless=lossless, first_divergence=first_divergence, verdict=verdict, fix=fix,
+                  trials=[given, *alternatives], causes=list(UNTESTED_CAUSES) if verdict == "weak" else [])
+
+
+# ----------------------------------------------------------------------------------------------------
+# The wirings tried
+
+
+def mask_like_tokens(tokenizer, vocab_size: int) -> dict[int, str]:
+    """{token id: what it is} of the tokens a drafter's mask token is likely to be: the tokenizer's mask
+    token, its special / added tokens whose text says "mask", and the first embedding row past the
+    tokenizer's vocabulary (where an added <|MASK|> lands: the published Qwen3 drafters' 151669)."""
+    found: dict[int, str] = {}
+    if tokenizer is None:
+        return found
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        found[tokenizer.mask_token_id] = repr(tokenizer.mask_token)
+    for token_id, token in sorted(getattr(tokenizer, "added_tokens_decoder", {}).items()):
+        if "mask" in str(token).lower():
+            found.setdefault(token_id, repr(str(token)))
+    if len(tokenizer) < vocab_size:
+        found.setdefault(len(tokenizer), "the first embedding row past the tokenizer's vocabulary")
+    return {i: note for i, note in found.items() if 0 <= i < vocab_size}
+
+
+def alternative_wirings(drafter_config, raw: dict, target_config, tokenizer) -> list[tuple[str, object, str, object]]:
+    """(field, value, note, config) per likely miswiring of `drafter_config`, each a `dataclasses.replace`
+    of it. `raw` is the drafter's config.json (for the sliding-window fields the parsed config drops)."""
+    replace = dataclasses.replace
+    out = []
+    layers = drafter_config.target_layer_ids
+    for shift in (-1, 1):
+        moved = tuple(layer + shift for layer in layers)
+        if min(moved) >= 0 and max(moved) < target_config.num_layers:
+            out.append(("dflash_config.target_layer_ids", list(moved), f"shifted by {shift:+d}",
+                        replace(drafter_config, target_layer_ids=moved)))
+    for token_id, note in mask_like_tokens(tokenizer, target_config.vocab_size).items():
+        if token_id != drafter_config.mask_token_id:
+            out.append(("dflash_config.mask_token_id", token_id, note, replace(drafter_config, mask_token_id=token_id)))
+    layer_types = raw.get("layer_types") or []
+    sliding = [kind == "sliding_attention" for kind in layer_types]
+    if any(sliding):
+        # Sliding layers are causal in the current reference drafter unless is_causal says otherwise; the
+        # first release made every layer non-causal.
+        if raw.get("is_causal") is None:
+            out.append(("is_causal", False, "no layer causal, as the first reference drafter",
+                        replace(drafter_config, layer_causal=(False,) * drafter_config.num_layers)))
+        if any(w is not None for w in drafter_config.layer_windows):
+            out.append(("use_sliding_window", False, "no sliding window",
+                        replace(drafter_config, layer_windows=(None,) * drafter_config.num_layers)))
+        elif isinstance(raw.get("sliding_window"), int) and raw["sliding_window"] > 0:
+            windows = tuple(raw["sliding_window"] if s else None for s in sliding)
+            out.append(("use_sliding_window", True, f"window {raw['sliding_window']} on the sliding layers",
+                        replace(drafter_config, layer_windows=windows)))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Running
+
+
+def doctor_prompts(args, tokenizer, chat, vocab_size: int, mask_id: int) -> list[list[int]]:
+    """The first --num-prompts prompts of --prompts FILE.jsonl (as `generate --prompts` reads it; a bad line
+    among them is an error), else the built-in ones (text, or random token ids without a tokenizer)."""
     if args.prompts is not None:
-        out = []
-        for n, line in enumerate(args.prompts.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-                ids = item["prompt_ids"] if "prompt_ids" in item else None
-                text = item.get("prompt") if ids is None else None
-            except (json.JSONDecodeError, AttributeError, TypeError):
-                raise ValueError(f"{args.prompts}:{n}: expected a JSON object with 'prompt' or 'prompt_ids'") from None
-            if ids is None:
-                if not isinstance(text, str) or tokenizer is None:
-                    raise ValueError(f"{args.prompts}:{n}: needs 'prompt_ids' (no tokenizer) or a 'prompt' string")
-                ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            out.append([int(i) for i in ids])
-        if not out:
-            raise ValueError(f"{args.prompts}: no prompts")
-        return out[:args.num_prompts]
+        lines = read_prompt_file(args.prompts, tokenizer, args.target, chat, vocab_size)[:args.num_prompts]
+        for line in lines:
+            if line.error is not None:
+                raise BadInput(line.error)
+        return [line.ids for line in lines]
     if tokenizer is not None:
-        return [tokenizer(p, add_special_tokens=False)["input_ids"] for p in DEFAULT_PROMPTS[:args.num_prompts]]
+        return [encode_prompt(tokenizer, args.target, chat, "built-in prompt", text=text)
+                for text in DEFAULT_PROMPTS[:args.num_prompts]]
     rng = np.random.default_rng(0)
     choices = np.array([t for t in range(vocab_size) if t != mask_id])
     return [rng.choice(choices, size=12).tolist() for _ in range(args.num_prompts)]
 
 
 def run(args) -> Report:
-    import jax.numpy as jnp
-
     from ddtree_jax.checkpoint import load_drafter, load_target
-    from ddtree_jax.config import check_pair, load_drafter_config, load_target_config
+    from ddtree_jax.config import check_pair, load_drafter_config, load_target_config, read_config_json
     from ddtree_jax.engine import DecodeOptions, Mode, generate
-    from ddtree_jax.generate import _load_tokenizer, parallel_from_args
 
+    setup_compilation_cache(args)
+    parallel = parallel_from_args(args)
+    chat = chat_options(args)
+    for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens)):
+        if value < 1:
+            raise BadInput(f"{flag}: expected >= 1, got {value}")
     check_pair(load_target_config(args.target), load_drafter_config(args.drafter),
                allow_layer_mismatch=args.allow_layer_mismatch, where=str(args.drafter / "config.json"))
-    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
-    parallel = parallel_from_args(args)
+    dtype = resolve_dtype(args.dtype)
     target = load_target(args.target, dtype, parallel=parallel)
     drafter = load_drafter(args.drafter, target.config, dtype, allow_layer_mismatch=args.allow_layer_mismatch,
                            parallel=parallel)
-    prompts = _prompts(args, _load_tokenizer(args.target), target.config.vocab_size, drafter.config.mask_token_id)
+    tokenizer = load_tokenizer(args.target)
+    warn_unread_template_kwargs(tokenizer, args.target, chat)
+    prompts = doctor_prompts(args, tokenizer, chat, target.config.vocab_size, drafter.config.mask_token_id)
     bs = args.block_size or drafter.config.block_size
     base = DecodeOptions(max_new_tokens=args.max_new_tokens, parallel=parallel)  # EOS ignored: more rounds
-    spec = generate(target, prompts, dataclasses.replace(base, mode=Mode.DFLASH, block_size=bs), drafter=drafter)
+    dflash = dataclasses.replace(base, mode=Mode.DFLASH, block_size=bs)
+    spec = generate(target, prompts, dflash, drafter=drafter)
     ar = generate(target, prompts, base)
     divergence = None
     for a, b in zip(ar.output_ids, spec.output_ids):
         if a != b:
             divergence = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
             break
-    return diagnose(spec.acceptance_lengths, bs, divergence is None, divergence)
+    trials = []
+    wirings = alternative_wirings(drafter.config, read_config_json(args.drafter), target.config, tokenizer)
+    for field, value, note, config in wirings:
+        result = generate(target, prompts, dflash, drafter=dataclasses.replace(drafter, config=config))
+        trials.append(Trial(field, value, note, result.tau, position_acceptance(result.acceptance_lengths, bs)[0]))
+    return diagnose(spec.acceptance_lengths, bs, divergence is None, divergence, trials)
 
 
-def print_report(report: Report, out=None) -> None:
+def print_report(report: Report, drafter: Path | None = None, out=None) -> None:
     out = out or sys.stdout
     print(f"rounds: {report.rounds}   tau (tokens per round, bonus included): {report.tau:.2f}", file=out)
     print("acceptance per draft position:", file=out)
@@ -138,34 +243,51 @@ def print_report(report: Report, out=None) -> None:
         print(f"  {j:3d}  {rate:6.1%}  {'#' * round(rate * 40)}", file=out)
     print("greedy DFlash == AR: " + ("yes" if report.lossless else
                                      f"NO, first difference at token {report.first_divergence}"), file=out)
-    if report.flagged:
-        print(f"FLAGGED: the first draft position is accepted in {report.position_acceptance[0]:.1%} of rounds "
-              f"(< {FIRST_POSITION_FLOOR:.0%}). Likely causes:", file=out)
+    print("wirings tried (same weights and prompts):", file=out)
+    width = max(len(t.label()) for t in report.trials)
+    print(f"  {'drafter config':<{width}}  first draft accepted    tau", file=out)
+    for t in report.trials:
+        print(f"  {t.label():<{width}}  {t.first_position:20.1%}  {t.tau:5.2f}", file=out)
+    given = report.trials[0]
+    if report.verdict == "miswired":
+        fix = report.fix
+        where = f" in {drafter / 'config.json'}" if drafter is not None else ""
+        print(f"MISWIRED: with {fix.label()} the first draft position is accepted in {fix.first_position:.1%} of "
+              f"rounds (as given: {given.first_position:.1%}) and tau is {fix.tau:.2f} (as given: {given.tau:.2f}). "
+              f"Fix: set {fix.field} to {json.dumps(fix.value)}{where}.", file=out)
+    elif report.verdict == "weak":
+        print(f"WEAK: the first draft position is accepted in {given.first_position:.1%} of rounds "
+              f"(< {FIRST_POSITION_FLOOR:.0%}), and none of the {len(report.trials) - 1} other wirings tried does "
+              "clearly better, so the drafter is wired as well as the doctor can tell. Other possible causes:",
+              file=out)
         for cause in report.causes:
             print(f"  - {cause}", file=out)
     else:
-        print("OK: acceptance looks healthy for this pair.", file=out)
+        print("OK: acceptance looks healthy, and no other wiring tried does clearly better.", file=out)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m ddtree_jax.doctor", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m ddtree_jax.doctor", description=__doc__.split("\n")[0],
+                                epilog=TAU_HELP + ".", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", type=Path, default=None, help="target folder (default: the shipped demo pair)")
     p.add_argument("--drafter", type=Path, default=None, help="drafter folder (default with no --target: the demo's)")
     p.add_argument("--prompts", type=Path, default=None,
-                   help="JSONL with 'prompt' or 'prompt_ids' per line (default with no --target: the demo's "
-                        "held-out prompts)")
-    p.add_argument("--num-prompts", type=int, default=4)
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--block-size", type=int, default=0, help="0: the drafter's own")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
-    p.add_argument("--allow-layer-mismatch", action="store_true")
+                   help="JSONL with 'prompt', 'messages' or 'prompt_ids' per line, as generate --prompts reads it "
+                        "(default with no --target: the demo's held-out prompts; else a few built-in ones)")
+    add_chat_args(p)
+    p.add_argument("--num-prompts", type=int, default=4, help="prompts to run (the first ones of the file)")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per prompt (EOS ignored)")
+    p.add_argument("--block-size", type=int, default=0, help="drafter block (0: the drafter's own)")
+    add_dtype_arg(p)
+    p.add_argument("--allow-layer-mismatch", action="store_true",
+                   help="check a drafter whose num_target_layers differs from the target's layer count")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     add_parallel_args(p)
+    add_compilation_cache_args(p)
     args = p.parse_args(argv)
 
     from ddtree_jax.checkpoint import CheckpointError
     from ddtree_jax.config import ConfigError
-    from ddtree_jax.generate import BadInput
 
     try:
         if args.target is None:
@@ -184,7 +306,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps(report.as_dict()))
     else:
-        print_report(report)
+        print_report(report, args.drafter)
     return EXIT_FLAGGED if report.flagged else 0
 
 

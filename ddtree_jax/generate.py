@@ -1,52 +1,81 @@
 """`python -m ddtree_jax.generate`: generate text from a local checkpoint (HF or orbax folder).
 
-Streams text to the terminal, or prints one JSON object with `--json`:
-  {"mode", "output_ids", "text" (with a tokenizer), "acceptance_lengths", "tau", "new_tokens",
-   "decode_seconds", "tokens_per_second", "matmul_precision" (as resolved)}, plus "block_size" and
-  "acceptance_histogram" for dflash and ddtree, and "budget" for ddtree.
-Bad input (missing or corrupt checkpoint, unknown token ids, ...) prints one `error:` line and exits 2.
+One prompt: streams text to the terminal and ends with one summary line on stderr, or prints one JSON
+object with `--json`: {"mode", "output_ids", "text" (with a tokenizer), "acceptance_lengths", "tau",
+"new_tokens", "decode_seconds", "tokens_per_second", "prefill_seconds", "compile_seconds",
+"matmul_precision" (as resolved)}, plus "block_size" and "acceptance_histogram" for dflash and ddtree,
+and "budget" for ddtree.
+Many prompts (`--prompts FILE.jsonl`): runs them in batches and writes one such JSON line per prompt, with
+its "index", "line" and "id", to `--out` or stdout; a line that cannot run gets {"index", "line", "id",
+"error"} instead, and the others still run (exit status 1 then).
+Bad input (missing or corrupt checkpoint, unknown token ids, a request larger than the model's positions
+or the device's memory, an output path that cannot be written, ...) prints one `error:` line and exits 2
+before any long work.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
 import sys
 from pathlib import Path
 
-EXIT_BAD_INPUT = 2
+from ddtree_jax.cli import (EXIT_BAD_INPUT, TAU_HELP, BadInput, ChatOptions, add_chat_args,
+                            add_compilation_cache_args, add_dtype_arg, add_parallel_args, chat_options,
+                            check_token_ids, check_writable, encode_prompt, load_tokenizer, mode_label,
+                            parallel_from_args, parse_prompt_ids, read_prompt_file, resolve_dtype,
+                            setup_compilation_cache, summary_line, warn, warn_unread_template_kwargs,
+                            write_lines_atomic)
+
+EXIT_PARTIAL = 1
 # Provisional: the benchmark on real shapes will pick the default budget.
 DEFAULT_BUDGET = 64
+DEFAULT_PROMPT = "def fibonacci(n):"
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m ddtree_jax.generate", description=__doc__.split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                epilog=TAU_HELP + ".", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", type=Path, default=None,
                    help="target checkpoint folder (HF safetensors or orbax); default: the demo pair shipped "
                         "with the package (ddtree_jax/assets/demo)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--prompt", default=None, help="prompt text (tokenized with the checkpoint's tokenizer)")
+    src.add_argument("--prompt", default=None,
+                     help=f"prompt text (tokenized with the checkpoint's tokenizer); default {DEFAULT_PROMPT!r}")
     src.add_argument("--prompt-ids", default=None, help="prompt as comma-separated token ids, e.g. 1,2,3")
-    p.add_argument("--chat", action="store_true", help="wrap --prompt in the tokenizer's chat template")
+    src.add_argument("--prompts", type=Path, default=None, metavar="FILE.jsonl",
+                     help='many prompts, one JSON object per line: {"prompt": TEXT}, {"messages": [...]} (chat '
+                          'turns) or {"prompt_ids": [...]}, with an optional "id"; run in batches of --batch-size, '
+                          "one JSON line out per prompt")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="--prompts: prompts decoded together (rows of unequal length share a batch)")
+    p.add_argument("--out", type=Path, default=None, metavar="FILE.jsonl",
+                   help="--prompts: write the JSON lines here (default: stdout)")
+    add_chat_args(p)
     p.add_argument("--mode", choices=["ddtree", "dflash", "ar"], default="ddtree", help="decoding mode")
     p.add_argument("--drafter", type=Path, default=None,
                    help="DFlash drafter checkpoint folder (ddtree and dflash modes); default with no "
                         "--target: the demo drafter")
-    p.add_argument("--budget", type=int, default=DEFAULT_BUDGET, help="DDTree: draft tree nodes besides the root")
-    p.add_argument("--block-size", type=int, default=0, help="drafter block size (0: the drafter's own)")
-    p.add_argument("--save-trees", type=Path, default=None,
+    p.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
+                   help="DDTree: draft-tree nodes besides the root (the target verifies budget + 1 per round)")
+    p.add_argument("--block-size", type=int, default=0,
+                   help="drafter block: the bonus token + block-size - 1 drafts (0: the drafter's own)")
+    p.add_argument("--save-trees", type=Path, default=None, metavar="FILE",
                    help="write every round's draft tree and accepted path here (JSON lines)")
     p.add_argument("--allow-layer-mismatch", action="store_true",
                    help="run a drafter whose num_target_layers differs from the target's layer count")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1.0 = off")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (EOS stops earlier)")
+    p.add_argument("--allow-long-context", action="store_true",
+                   help="let the prompt plus --max-new-tokens go past the model's max_position_embeddings "
+                        "(with a warning: positions the model was not trained on)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens; 0 = off")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample among the most likely tokens holding this much probability; 1.0 = off")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the sampling (unused when greedy)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
-    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    add_dtype_arg(p)
     p.add_argument("--kernels", choices=["auto", "jax", "pallas"], default="auto",
                    help="attention and acceptance: auto (the Pallas kernels on a GPU, pure JAX elsewhere; "
                         "$DDTREE_JAX_KERNELS=pallas|jax overrides auto), pure JAX, or the Pallas kernels "
@@ -56,97 +85,64 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "GPU round float32 inputs to TF32 (faster, not exact), high in between; auto: highest "
                         "for --dtype float32, default for bfloat16 (CPUs compute float32 fully either way)")
     add_parallel_args(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    p.add_argument("--stream-every", type=int, default=8, help="rounds per device call when streaming")
-    return p.parse_args(argv)
+    add_compilation_cache_args(p)
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object instead of streaming text (--prompts always writes JSON lines)")
+    p.add_argument("--stream-every", type=int, default=8, help="rounds per device call when streaming (>= 1)")
+    return p
 
 
-class BadInput(Exception):
-    pass
+def parse_args(argv=None) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
 
 
-def add_parallel_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--devices", type=int, default=1, help="devices to run on (a one-axis mesh; all processes')")
-    p.add_argument("--parallel", choices=["tp", "dp"], default="tp",
-                   help="tp: split the models over the devices; dp: split the batch rows")
-    p.add_argument("--coordinator", default=None,
-                   help="multi-process runs: HOST:PORT of process 0 (jax.distributed.initialize)")
-    p.add_argument("--num-processes", type=int, default=None, help="multi-process runs: number of processes")
-    p.add_argument("--process-id", type=int, default=None, help="multi-process runs: this process's index")
-
-
-def parallel_from_args(args):
-    from ddtree_jax.parallel import init_distributed, make_parallel
-
-    if args.coordinator is not None:
-        if args.num_processes is None or args.process_id is None:
-            raise BadInput("--coordinator needs --num-processes and --process-id")
-        init_distributed(args.coordinator, args.num_processes, args.process_id)
-    if args.devices < 1:
-        raise BadInput(f"--devices: expected >= 1, got {args.devices}")
-    try:
-        return make_parallel(args.devices, args.parallel)
-    except ValueError as e:
-        raise BadInput(str(e)) from None
-
-
-def _load_tokenizer(folder: Path):
-    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
+def sampling_from_args(args):
+    from ddtree_jax.sampling import SamplingConfig, SamplingError
 
     try:
-        return AutoTokenizer.from_pretrained(str(folder))
-    except Exception as e:  # transformers raises many types for broken tokenizer files
-        raise BadInput(f"{folder}: tokenizer cannot be loaded ({' '.join(str(e).split())})") from None
+        return SamplingConfig(args.temperature, args.top_k, args.top_p)
+    except SamplingError as e:
+        raise BadInput(f"--{e.field.replace('_', '-')}: expected {e.expected}, got {e.got}") from None
 
 
-def _parse_prompt_ids(text: str) -> list[int]:
-    try:
-        ids = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise BadInput(f"--prompt-ids: expected comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise BadInput("--prompt-ids: no token ids given")
-    return ids
+def check_flags(args) -> None:
+    """What needs no checkpoint, so that bad flags fail at once."""
+    for flag, value, minimum in (("--max-new-tokens", args.max_new_tokens, 1), ("--budget", args.budget, 1),
+                                 ("--stream-every", args.stream_every, 1), ("--batch-size", args.batch_size, 1)):
+        if value < minimum:
+            raise BadInput(f"{flag}: expected >= {minimum}, got {value}")
+    if args.block_size == 1 or args.block_size < 0:
+        raise BadInput(f"--block-size: expected 0 (the drafter's) or >= 2, got {args.block_size}")
+    if args.out is not None and args.prompts is None:
+        raise BadInput("--out: needs --prompts FILE.jsonl (one prompt prints to stdout)")
+    if args.save_trees is not None and args.prompts is not None:
+        raise BadInput("--save-trees: one prompt at a time (not with --prompts)")
 
 
-def _tokenize_prompt(args, tokenizer, folder: Path) -> list[int]:
-    text = args.prompt if args.prompt is not None else "def fibonacci(n):"
-    if tokenizer is None:
-        raise BadInput(f"{folder}: no tokenizer.json or tokenizer_config.json; pass --prompt-ids instead of --prompt")
-    if args.chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise BadInput(f"{folder}: the tokenizer has no chat template (drop --chat)")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                            tokenize=True)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-    else:
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if not ids:
-        raise BadInput("--prompt: the prompt tokenizes to nothing")
-    return list(ids)
+@dataclasses.dataclass
+class Request:
+    """What a run needs before any weight is read: the checkpoints' configs and tokenizer, and the options."""
+
+    folder: Path
+    drafter_dir: Path | None
+    target_config: object
+    drafter_config: object
+    tokenizer: object
+    chat: ChatOptions
+    dtype: object
+    options: object  # DecodeOptions as the flags give them (`check_memory` returns them resolved)
 
 
-def run(args: argparse.Namespace) -> dict:
-    import jax.numpy as jnp
-
-    from ddtree_jax.checkpoint import load_drafter, load_target
+def prepare(args) -> Request:
     from ddtree_jax.config import check_pair, generation_eos_ids, load_drafter_config, load_target_config
-    from ddtree_jax.engine import DecodeOptions, Mode, generate, resolve_options
     from ddtree_jax.demo_pair import DEMO_NOTE, demo_drafter, demo_target
-    from ddtree_jax.sampling import SamplingConfig
+    from ddtree_jax.engine import DecodeOptions, Mode
 
-    parallel = parallel_from_args(args)  # first: a multi-process run must initialise before any device use
-    # Check what needs no checkpoint first, so bad flags fail fast.
-    if args.max_new_tokens < 1:
-        raise BadInput(f"--max-new-tokens: expected >= 1, got {args.max_new_tokens}")
-    try:
-        sampling = SamplingConfig(args.temperature, args.top_k, args.top_p)
-    except ValueError as e:
-        raise BadInput(str(e)) from None
-    prompt = _parse_prompt_ids(args.prompt_ids) if args.prompt_ids is not None else None
-
+    setup_compilation_cache(args)
+    parallel = parallel_from_args(args)  # before any other device use: a multi-process run initialises here
+    check_flags(args)
+    sampling = sampling_from_args(args)
+    chat = chat_options(args)
     folder = args.target
     mode = Mode(args.mode)
     if folder is None:
@@ -154,33 +150,143 @@ def run(args: argparse.Namespace) -> dict:
         if args.drafter is None and mode.needs_drafter:
             args.drafter = demo_drafter()
         print(f"note: no --target given, so this runs the demo pair: {DEMO_NOTE}.", file=sys.stderr)
-    if args.budget < 1:
-        raise BadInput(f"--budget: expected >= 1, got {args.budget}")
-    if args.save_trees is not None and not mode.needs_drafter:
-        raise BadInput("--save-trees: needs --mode ddtree or dflash")
-    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
+    if args.save_trees is not None:
+        if not mode.needs_drafter:
+            raise BadInput("--save-trees: needs --mode ddtree or dflash")
+        check_writable(args.save_trees, "--save-trees")
+    if args.out is not None:
+        check_writable(args.out, "--out")
+    dtype = resolve_dtype(args.dtype)
+    target_config = load_target_config(folder)
+    drafter_config = None
     if mode.needs_drafter:
         if args.drafter is None:
             raise BadInput(f"--mode {mode.value} needs --drafter DIR (or --mode ar)")
-        if args.block_size == 1 or args.block_size < 0:
-            raise BadInput(f"--block-size: expected 0 (the drafter's) or >= 2, got {args.block_size}")
         # The pair is checked from the configs alone, before any weights are read.
-        check_pair(load_target_config(folder), load_drafter_config(args.drafter),
-                   allow_layer_mismatch=args.allow_layer_mismatch, where=str(args.drafter / "config.json"))
-    params = load_target(folder, dtype, progress=not args.json, parallel=parallel)
-    drafter = None
-    if mode.needs_drafter:
-        drafter = load_drafter(args.drafter, params.config, dtype, allow_layer_mismatch=args.allow_layer_mismatch,
-                               progress=not args.json, parallel=parallel)
-    tokenizer = _load_tokenizer(folder)
-    if prompt is None:
-        prompt = _tokenize_prompt(args, tokenizer, folder)
-    eos = () if args.ignore_eos else tuple(dict.fromkeys(params.config.eos_token_ids + generation_eos_ids(folder)))
+        drafter_config = load_drafter_config(args.drafter)
+        check_pair(target_config, drafter_config, allow_layer_mismatch=args.allow_layer_mismatch,
+                   where=str(args.drafter / "config.json"))
+        if args.block_size > drafter_config.block_size:
+            warn(f"--block-size {args.block_size} is above the drafter's block_size {drafter_config.block_size}: "
+                 "it was not trained to draft that far, so expect fewer accepted tokens per round")
+    tokenizer = load_tokenizer(folder)
+    warn_unread_template_kwargs(tokenizer, folder, chat)
+    eos = () if args.ignore_eos else tuple(dict.fromkeys(target_config.eos_token_ids + generation_eos_ids(folder)))
     options = DecodeOptions(mode=mode, max_new_tokens=args.max_new_tokens, sampling=sampling, eos_ids=eos,
                             block_size=args.block_size if mode.needs_drafter else 0, budget=args.budget,
                             record_trees=args.save_trees is not None, parallel=parallel, kernels=args.kernels,
                             matmul_precision=args.matmul_precision)
+    return Request(folder, args.drafter if mode.needs_drafter else None, target_config, drafter_config, tokenizer,
+                   chat, dtype, options)
 
+
+def past_positions(request: Request, prompt_length: int) -> str | None:
+    """Why a prompt of this length plus --max-new-tokens goes past the target's or the drafter's
+    max_position_embeddings, or None."""
+    new = request.options.max_new_tokens
+    tokens = prompt_length + new
+    limits = [(request.target_config.max_position_embeddings, "target", request.folder)]
+    if request.drafter_config is not None:
+        limits.append((request.drafter_config.max_position_embeddings, "drafter", request.drafter_dir))
+    for limit, name, folder in limits:
+        if tokens > limit:
+            return (f"{prompt_length} prompt tokens + --max-new-tokens {new} = {tokens} tokens: beyond the {name}'s "
+                    f"max_position_embeddings {limit} ({folder / 'config.json'})")
+    return None
+
+
+def check_positions(request: Request, prompt_length: int, allow_long_context: bool) -> None:
+    """Refuse a prompt past the models' positions, or with --allow-long-context warn about it."""
+    problem = past_positions(request, prompt_length)
+    if problem and not allow_long_context:
+        raise BadInput(f"{problem}; ask for fewer tokens, or pass --allow-long-context to go past it")
+    if problem:
+        warn(f"{problem}; the model was not trained on these positions")
+
+
+def check_memory(request: Request, batch: int, longest: int):
+    """Refuse a request whose estimated device memory (`memory.estimate`: weights, caches, verify buffers for
+    `batch` rows of up to `longest` prompt tokens) exceeds what the device has, before any weight is read.
+    Returns the options resolved (block size, kernels) as `engine.generate` will run them."""
+    from ddtree_jax.engine import resolve_options
+    from ddtree_jax.memory import device_memory, estimate, format_bytes
+    from ddtree_jax.models import dflash, target_family
+
+    tc, dc, dtype = request.target_config, request.drafter_config, request.dtype
+    target = target_family(tc).abstract(tc, dtype)
+    drafter = dflash.abstract(dc, tc.hidden_size, dtype) if dc is not None else None
+    try:
+        options = resolve_options(request.options, drafter, dtype)
+    except ValueError as e:
+        raise BadInput(str(e)) from None
+    need = estimate(target, drafter, options, batch, longest)
+    have, what = device_memory()
+    if need.total > have:
+        rows = f"{batch} rows of " if batch > 1 else ""
+        raise BadInput(f"{rows}{longest} prompt tokens + --max-new-tokens {options.max_new_tokens} = "
+                       f"{longest + options.max_new_tokens} tokens need about {format_bytes(need.total)} "
+                       f"({need.breakdown()}; a cache of {need.capacity} tokens per row), but the device has "
+                       f"{format_bytes(have)} ({what}); ask for fewer tokens" + (" or a smaller --batch-size"
+                                                                               if batch > 1 else ""))
+    return options
+
+
+def load_models(args, request: Request):
+    from ddtree_jax.checkpoint import load_drafter, load_target
+
+    progress, parallel = not args.json and args.prompts is None, request.options.parallel
+    params = load_target(request.folder, request.dtype, progress=progress, parallel=parallel)
+    drafter = None
+    if request.drafter_dir is not None:
+        drafter = load_drafter(request.drafter_dir, params.config, request.dtype,
+                               allow_layer_mismatch=args.allow_layer_mismatch, progress=progress, parallel=parallel)
+    return params, drafter
+
+
+def row_report(mode: str, options, result, row: int, tokenizer) -> dict:
+    """The JSON report of one row of a GenerationResult (times are the whole call's: its rows ran together)."""
+    from ddtree_jax.engine import Mode
+
+    one = dataclasses.replace(result, output_ids=[result.output_ids[row]],
+                              acceptance_lengths=[result.acceptance_lengths[row]], trees=None)
+    out = one.output_ids[0]
+    report = {
+        "mode": mode,
+        "output_ids": out,
+        "acceptance_lengths": one.acceptance_lengths[0],
+        "tau": one.tau,
+        "new_tokens": len(out),
+        "decode_seconds": result.decode_seconds,
+        "tokens_per_second": len(out) / result.decode_seconds if result.decode_seconds > 0 else None,
+        "prefill_seconds": result.prefill_seconds,
+        "compile_seconds": result.compile_seconds,
+        "matmul_precision": options.matmul_precision,  # what "auto" became
+    }
+    if tokenizer is not None:
+        report["text"] = tokenizer.decode(out, skip_special_tokens=True)
+    if options.mode.needs_drafter:
+        report["block_size"] = options.block_size
+        report["acceptance_histogram"] = one.acceptance_histogram(options.block_size)
+    if options.mode is Mode.DDTREE:
+        report["budget"] = options.budget
+    return report
+
+
+def run(args: argparse.Namespace) -> dict:
+    """One prompt (--prompt, --prompt-ids or the default): stream it, or return its JSON report."""
+    from ddtree_jax.engine import Mode, generate
+
+    request = prepare(args)
+    if args.prompt_ids is not None:
+        prompt, where = parse_prompt_ids(args.prompt_ids), "--prompt-ids"
+    else:
+        prompt, where = encode_prompt(request.tokenizer, request.folder, request.chat, "--prompt",
+                                      text=args.prompt if args.prompt is not None else DEFAULT_PROMPT), "--prompt"
+    check_token_ids(prompt, request.target_config.vocab_size, where)
+    check_positions(request, len(prompt), args.allow_long_context)
+    options = check_memory(request, 1, len(prompt))
+    params, drafter = load_models(args, request)
+    tokenizer = request.tokenizer
     printed = [""]
 
     def stream(rows):
@@ -198,53 +304,80 @@ def run(args: argparse.Namespace) -> dict:
                           on_tokens=None if args.json else stream)
     except ValueError as e:
         raise BadInput(str(e)) from None
-    out = result.output_ids[0]
-    report = {
-        "mode": args.mode,
-        "output_ids": out,
-        "acceptance_lengths": result.acceptance_lengths[0],
-        "tau": result.tau,
-        "new_tokens": len(out),
-        "decode_seconds": result.decode_seconds,
-        "tokens_per_second": len(out) / result.decode_seconds if result.decode_seconds > 0 else None,
-        "matmul_precision": resolve_options(options, drafter, dtype).matmul_precision,  # what "auto" became
-    }
-    if tokenizer is not None:
-        report["text"] = tokenizer.decode(out, skip_special_tokens=True)
-    if mode.needs_drafter:
-        block_size = args.block_size or drafter.config.block_size
-        report["block_size"] = block_size
-        report["acceptance_histogram"] = result.acceptance_histogram(block_size)
-    if mode is Mode.DDTREE:
-        report["budget"] = args.budget
+    report = row_report(args.mode, options, result, 0, tokenizer)
     if args.save_trees is not None:
-        _write_lines(args.save_trees, result.trees)
+        write_lines_atomic(args.save_trees, (json.dumps(row) for row in result.trees))
     if not args.json:
         if tokenizer is None:
-            print(" ".join(map(str, out)))
+            print(" ".join(map(str, report["output_ids"])))
         else:
             stream(result.output_ids)
             print()
-        tps = report["tokens_per_second"]
-        print(f"[{args.mode}] {len(out)} tokens in {result.decode_seconds:.3f} s"
-              + (f" ({tps:.1f} tokens/s)" if tps else "") + f", tau {result.tau:.2f}", file=sys.stderr)
+    print(summary_line(mode_label(args.mode, args.budget, options.block_size), report["new_tokens"],
+                       result.decode_seconds, result.compile_seconds, None if options.mode is Mode.AR else result.tau),
+          file=sys.stderr)
     return report
 
 
-def _write_lines(path: Path, rows: list[dict]) -> None:
-    """JSON lines, written to a temporary file and renamed."""
-    import tempfile
+def run_prompts(args: argparse.Namespace) -> int:
+    """--prompts FILE.jsonl: every runnable line in batches of --batch-size; one JSON line per line of the
+    file, in its order, to --out (written to a temporary file, renamed at the end) or stdout. Returns the
+    exit status: 0, or EXIT_PARTIAL when some lines could not run (each reported by FILE:LINE)."""
+    from tqdm import tqdm
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    from ddtree_jax.engine import Mode, generate
+
+    request = prepare(args)
+    lines = read_prompt_file(args.prompts, request.tokenizer, request.folder, request.chat,
+                             request.target_config.vocab_size)
+    for i, line in enumerate(lines):
+        problem = line.error is None and past_positions(request, len(line.ids))
+        if problem and not args.allow_long_context:
+            lines[i] = dataclasses.replace(line, ids=None, error=f"{args.prompts}:{line.line}: {problem}; ask for "
+                                                                 "fewer tokens, or pass --allow-long-context")
+    for line in lines:
+        if line.error is not None:
+            print(f"error: {line.error}", file=sys.stderr)
+    runnable = [line for line in lines if line.error is None]
+    if not runnable:
+        raise BadInput(f"{args.prompts}: none of its {len(lines)} prompts can run")
+    longest = max(len(line.ids) for line in runnable)
+    if args.allow_long_context:
+        check_positions(request, longest, True)
+    options = check_memory(request, min(args.batch_size, len(runnable)), longest)
+    params, drafter = load_models(args, request)
+
+    records = {line.index: {"index": line.index, "line": line.line, "id": line.id, "error": line.error}
+               for line in lines if line.error is not None}
+    tokens, rounds, decode_s, compile_s = 0, [], 0.0, 0.0
+    with tqdm(total=len(runnable), desc="prompts", unit="prompt", disable=None) as bar:
+        for b, start in enumerate(range(0, len(runnable), args.batch_size)):
+            batch = runnable[start:start + args.batch_size]
+            try:
+                result = generate(params, [line.ids for line in batch], options, drafter=drafter,
+                                  seed=args.seed + b)
+            except ValueError as e:
+                raise BadInput(str(e)) from None
+            for row, line in enumerate(batch):
+                records[line.index] = {"index": line.index, "line": line.line, "id": line.id,
+                                       **row_report(args.mode, options, result, row, request.tokenizer)}
+            tokens += result.new_tokens
+            rounds += [n for row in result.acceptance_lengths for n in row]
+            decode_s += result.decode_seconds
+            compile_s += result.compile_seconds
+            bar.update(len(batch))
+    out_lines = (json.dumps(records[i]) for i in range(len(lines)))
+    if args.out is not None:
+        write_lines_atomic(args.out, out_lines)
+    else:
+        for text in out_lines:
+            print(text)
+    failed = len(lines) - len(runnable)
+    print(summary_line(mode_label(args.mode, args.budget, options.block_size), tokens, decode_s, compile_s,
+                       None if options.mode is Mode.AR else sum(rounds) / len(rounds),
+                       prompts=f"{len(runnable)} prompts" + (f" ({failed} failed)" if failed else "")),
+          file=sys.stderr)
+    return EXIT_PARTIAL if failed else 0
 
 
 def main(argv=None) -> int:
@@ -253,6 +386,8 @@ def main(argv=None) -> int:
     from ddtree_jax.config import ConfigError
 
     try:
+        if args.prompts is not None:
+            return run_prompts(args)
         report = run(args)
     except (BadInput, CheckpointError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+import pytest
 from safetensors.numpy import load_file
 
 from conversions.convert import main as convert_main
@@ -64,7 +66,24 @@ def test_wrong_direction_is_a_clear_error(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "conversions.convert", "orbax-to-hf", str(src), str(tmp_path / "x")],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
-    assert proc.stderr.strip() == f"error: {src}: is a hf checkpoint, but orbax-to-hf needs a orbax one"
+    assert proc.stderr.strip() == (f"error: {src}: is a Hugging Face (safetensors) checkpoint, but orbax-to-hf "
+                                   "reads an orbax one")
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "unwritable"])
+def test_unwritable_destination_is_refused_before_reading(tmp_path, where):
+    config = tiny_qwen3_config()
+    src = save_hf(random_qwen3_arrays(config), config, tmp_path / "hf")
+    (tmp_path / "file").write_text("x")
+    # Root ignores permission bits, so the unwritable place is one no one can create files in.
+    dst, message = {"under_a_file": (tmp_path / "file" / "out", f"{tmp_path / 'file'} is a file, not a folder"),
+                    "unwritable": (Path("/proc/ddtree_jax_out"), "cannot write in /proc")}[where]
+    proc = subprocess.run([sys.executable, "-m", "conversions.convert", "hf-to-orbax", str(src), str(dst)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: DST {dst}: {message}"), proc.stderr
+    assert proc.stdout == ""
 
 
 def test_drafter_round_trip_and_verify(tmp_path, capsys):
@@ -74,8 +93,8 @@ def test_drafter_round_trip_and_verify(tmp_path, capsys):
     drafter = write_random_dflash(tmp_path / "d", tiny_qwen3_config(), dtype=ml_dtypes.bfloat16)
     assert convert_main(["hf-to-orbax", str(drafter), str(tmp_path / "o"), "--verify"]) == 2
     assert "is a DFlash drafter; --verify needs --target DIR" in capsys.readouterr().err
-    assert convert_main(["hf-to-orbax", str(drafter), str(tmp_path / "o"), "--force", "--verify",
-                         "--target", str(target)]) == 0
+    assert not (tmp_path / "o").exists()  # refused before converting
+    assert convert_main(["hf-to-orbax", str(drafter), str(tmp_path / "o"), "--verify", "--target", str(target)]) == 0
     assert "max |logit difference| = 0 (ok)" in capsys.readouterr().out
     assert convert_main(["orbax-to-hf", str(tmp_path / "o"), str(tmp_path / "back")]) == 0
     before, after = _read_hf(drafter), _read_hf(tmp_path / "back")

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import stat
 import subprocess
 import sys
+import time
 
-import numpy as np
 import pytest
 
 from conftest import requires_torch
+from ddtree_jax.demo_pair import demo_target
 
 JSON_KEYS = {"mode", "output_ids", "text", "acceptance_lengths", "tau", "new_tokens", "decode_seconds",
-             "tokens_per_second", "matmul_precision"}
+             "tokens_per_second", "prefill_seconds", "compile_seconds",
+             "matmul_precision"}
+SUMMARY = re.compile(r"^\[(ar|dflash block=\d+|ddtree B=\d+)\] \d+ tokens, (\d+\.\d\d tokens per round \(tau\), )?"
+                     r"decode \d+\.\d\d s( = \d+ tokens/s)?; compile \d+\.\d s$")
 
 
 def run_cli(*args, env=None, timeout=600):
@@ -75,36 +81,101 @@ def test_streams_text_and_stops_at_eos(random_target, tmp_path):
     assert report["output_ids"] == free[:free.index(eos) + 1]
     streamed = run_ar("--target", tmp_path / "t", "--prompt", "x = 1", "--max-new-tokens", 8)
     assert streamed.returncode == 0, streamed.stderr
-    assert "tokens in" in streamed.stderr and "tau 1.00" in streamed.stderr
+    summary = streamed.stderr.strip().splitlines()[-1]
+    assert SUMMARY.match(summary) and summary.startswith("[ar] 8 tokens, decode"), summary
 
 
-def test_default_run_is_ddtree_on_the_shipped_demo_pair():
-    args = ("--prompt", "def fibonacci(n):", "--json", "--max-new-tokens", 32, "--ignore-eos", "--dtype", "float32")
-    proc = run_cli(*args)
+def test_readme_command_prints_what_ar_prints():
+    """The README's first command, as a new user runs it on a CPU (default dtype: float32 there), prints the
+    same text as --mode ar, and ends with the summary line of the demo pair's DDTree."""
+    readme = ("--prompt", "def fibonacci(n):")
+    proc = run_cli(*readme)
     assert proc.returncode == 0, proc.stderr
     assert "runs the demo pair" in proc.stderr
-    report = json.loads(proc.stdout)
-    assert report["mode"] == "ddtree" and report["budget"] == 64 and report["block_size"] == 16
-    assert sum(report["acceptance_histogram"]) == len(report["acceptance_lengths"])
+    summary = proc.stderr.strip().splitlines()[-1]
+    assert SUMMARY.match(summary) and summary.startswith("[ddtree B=64] 64 tokens, "), summary
     # A trained drafter: a random one accepts almost nothing (tau ~1); this pair measured 3.15 at 64 tokens.
-    assert report["tau"] >= 2.0
-    ar = json.loads(run_ar(*args).stdout)
-    assert ar["output_ids"] == report["output_ids"]
-    assert "def" in ar["text"] or "return" in ar["text"] or '"""' in ar["text"]  # Python-like text
+    assert float(summary.split("tokens, ")[1].split(" tokens per round")[0]) >= 2.0
+    ar = run_ar(*readme)
+    assert ar.returncode == 0, ar.stderr
+    assert ar.stderr.strip().splitlines()[-1].startswith("[ar] 64 tokens, decode")
+    assert proc.stdout == ar.stdout
+    assert "def" in proc.stdout or "return" in proc.stdout or '"""' in proc.stdout  # Python-like text
 
 
 @pytest.mark.parametrize("args,message", [
     (["--prompt-ids", "1,x"], "--prompt-ids: expected comma-separated integers"),
     (["--prompt-ids", "1,99999"], "token id 99999 is outside the vocabulary"),
     (["--max-new-tokens", "0", "--prompt-ids", "1"], "--max-new-tokens: expected >= 1"),
-    (["--top-p", "0", "--temperature", "1", "--prompt-ids", "1"], "top_p must be in (0, 1]"),
-    (["--chat", "--prompt", "hi"], "the tokenizer has no chat template"),
+    (["--top-p", "0", "--temperature", "1", "--prompt-ids", "1"], "--top-p: expected a number in (0, 1]"),
+    (["--temperature", "-1", "--prompt-ids", "1"], "--temperature: expected >= 0"),
+    (["--stream-every", "0", "--prompt-ids", "1"], "--stream-every: expected >= 1, got 0"),
+    (["--stream-every", "-1", "--prompt-ids", "1"], "--stream-every: expected >= 1, got -1"),
+    (["--chat", "--prompt", "hi"], "has no chat template (drop --chat)"),
+    (["--prompt-ids", "1", "--max-new-tokens", "5000"],
+     "1 prompt tokens + --max-new-tokens 5000 = 5001 tokens: beyond the target's max_position_embeddings 4096"),
 ])
 def test_bad_input_exits_2_with_one_line(random_target, args, message):
     proc = run_ar("--target", random_target, *args)
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: ") and message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+def test_long_requests_fail_in_seconds_before_allocating():
+    """The issue's 10M new tokens on the demo pair: beyond its 4096 positions. With --allow-long-context, a
+    billion (the cache alone would need terabytes): refused from the config shapes, before any weight or cache is
+    allocated, in seconds (the bound is generous for a loaded CI machine)."""
+    proc = run_cli("--prompt", "def f():", "--max-new-tokens", 10_000_000, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: 3 prompt tokens + --max-new-tokens 10000000 = 10000003 tokens: beyond the target's "
+        f"max_position_embeddings 4096 ({demo_target() / 'config.json'}); ask for fewer tokens, or pass "
+        "--allow-long-context to go past it")
+    start = time.perf_counter()
+    proc = run_cli("--prompt", "def f():", "--max-new-tokens", 10**9, "--allow-long-context", timeout=120)
+    assert time.perf_counter() - start < 60
+    assert proc.returncode == 2, proc.stderr
+    lines = [line for line in proc.stderr.strip().splitlines() if not line.startswith("note: ")]
+    assert [line.split(":")[0] for line in lines] == ["warning", "error"]  # past the positions, then the memory
     assert "Traceback" not in proc.stderr
+    assert re.match(r"error: 3 prompt tokens \+ --max-new-tokens 1000000000 = 1000000003 tokens need about "
+                    r"[\d.]+ GiB \(KV cache [\d.]+ GiB.*\), but the device has [\d.]+ [GMK]iB \(available host "
+                    r"memory\); ask for fewer tokens$", lines[-1]), lines[-1]
+
+
+def test_output_paths_are_checked_before_work_and_written_with_normal_permissions(tmp_path, capsys):
+    from ddtree_jax.generate import main
+
+    (tmp_path / "file").write_text("x")
+    for path, message in ((tmp_path, "is a folder (expected a file name)"),
+                          (tmp_path / "file" / "trees.jsonl", f"{tmp_path / 'file'} is a file, not a folder"),
+                          ("/proc/ddtree_jax/trees.jsonl", "cannot write in /proc")):
+        assert main(["--save-trees", str(path)]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: --save-trees {path}: {message}")
+    trees = tmp_path / "new" / "trees.jsonl"
+    assert main(["--save-trees", str(trees), "--max-new-tokens", "4", "--block-size", "32"]) == 0
+    assert "warning: --block-size 32 is above the drafter's block_size 16" in capsys.readouterr().err
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(trees.stat().st_mode) == 0o666 & ~umask  # not mkstemp's 0600
+    assert json.loads(trees.read_text().splitlines()[0])["round"] == 0
+
+
+def test_transformers_torch_advisory_is_silenced(random_target):
+    """With PyTorch absent (as in a plain install), transformers' 'PyTorch was not found' advisory stays quiet."""
+    # Not inherited from this process (importing ddtree_jax.cli here sets it), so the CLI has to set it itself.
+    env = {k: v for k, v in os.environ.items() if k != "TRANSFORMERS_NO_ADVISORY_WARNINGS"}
+    code = ("import sys, runpy; sys.modules['torch'] = None; "
+            "sys.argv = ['generate', '--target', sys.argv[1], '--mode', 'ar', '--chat', '--prompt', 'hi']; "
+            "runpy.run_module('ddtree_jax.generate', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code, str(random_target)], capture_output=True, text=True,
+                          timeout=300, env=env)
+    assert "has no chat template" in proc.stderr  # it got as far as loading the tokenizer
+    assert "PyTorch" not in proc.stderr, proc.stderr
+    control = subprocess.run([sys.executable, "-c", "import sys; sys.modules['torch'] = None; import transformers"],
+                             capture_output=True, text=True, timeout=300, env=env)
+    assert "PyTorch was not found" in control.stderr  # what the advisory looks like where nothing silences it
 
 
 def test_prompt_without_tokenizer_is_refused(tmp_path):
@@ -113,7 +184,7 @@ def test_prompt_without_tokenizer_is_refused(tmp_path):
     folder = write_random_qwen3(tmp_path / "t", with_tokenizer=False)
     proc = run_ar("--target", folder, "--prompt", "hi")
     assert proc.returncode == 2
-    assert "no tokenizer.json or tokenizer_config.json; pass --prompt-ids" in proc.stderr
+    assert "has no tokenizer.json or tokenizer_config.json, so prompts must be token ids (--prompt-ids" in proc.stderr
     ok = run_ar("--target", folder, "--prompt-ids", "1,2", "--json", "--max-new-tokens", 3)
     assert ok.returncode == 0 and "text" not in json.loads(ok.stdout)
 

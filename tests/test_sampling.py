@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax.sampling import SamplingConfig, decode_tokens, warp_logits
+from ddtree_jax.sampling import TOP_P_CANDIDATES, SamplingConfig, decode_tokens, top_p_keep, warp_logits
 
 
 def test_greedy_is_argmax():
@@ -62,7 +62,75 @@ def test_samples_follow_the_warped_distribution():
 
 
 def test_invalid_settings_are_refused():
-    with pytest.raises(ValueError, match="top_p must be in"):
+    with pytest.raises(ValueError, match=r"top_p: expected a number in \(0, 1\]"):
         SamplingConfig(1.0, 0, 0.0)
-    with pytest.raises(ValueError, match="temperature must be"):
+    with pytest.raises(ValueError, match="temperature: expected >= 0"):
         SamplingConfig(-1.0)
+
+
+def sorted_top_p(logits: np.ndarray, top_p: float) -> np.ndarray:
+    """The top-p rule by a stable descending sort in float64 (the definition `top_p_keep` must meet)."""
+    order = np.argsort(-logits, axis=-1, kind="stable")
+    s = np.take_along_axis(logits, order, -1).astype(np.float64)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    keep = np.zeros(logits.shape, bool)
+    np.put_along_axis(keep, order, np.cumsum(p, -1) - p < top_p, -1)
+    return keep
+
+
+def candidates_hold(logits: np.ndarray, top_p: float) -> bool:
+    """Whether every row's TOP_P_CANDIDATES most likely tokens hold top_p of the mass (the top-k path)."""
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return bool((np.sort(p, -1)[:, ::-1][:, :TOP_P_CANDIDATES].sum(-1) >= top_p).all())
+
+
+def test_top_p_equals_the_sorted_rule_on_both_paths():
+    """Random rows, rounded ones (ties, -0.0), -inf entries; both the top-k path and the threshold search."""
+    rng = np.random.default_rng(0)
+    paths = set()
+    for trial in range(60):
+        v = [5, 64, 100, 1000][trial % 4]
+        logits = (rng.normal(size=(3, v)) * [0.1, 1.0, 3.0, 10.0][trial // 4 % 4]).astype(np.float32)
+        if trial % 3 == 0:
+            logits = np.round(logits)
+        if trial % 5 == 0:
+            logits[:, :v // 2] = -np.inf
+        top_p = [0.1, 0.5, 0.9, 0.99][trial // 16 % 4]
+        paths.add(candidates_hold(logits, top_p))
+        np.testing.assert_array_equal(np.asarray(top_p_keep(jnp.asarray(logits), top_p)), sorted_top_p(logits, top_p),
+                                      err_msg=f"trial {trial}")
+    assert paths == {True, False}  # both paths were taken
+
+
+def chi_square_p(draws: np.ndarray, expected: np.ndarray) -> float:
+    """p-value of the draws under `expected` probabilities; a draw where `expected` is 0 gives 0."""
+    from scipy.stats import chisquare
+
+    counts = np.bincount(draws, minlength=expected.size)
+    if counts[expected == 0].any():
+        return 0.0
+    support = expected > 0
+    return float(chisquare(counts[support], expected[support] / expected[support].sum() * counts.sum()).pvalue)
+
+
+@pytest.mark.parametrize("heavy,weight,tail,top_p", [
+    (10, 0.08, 500, 0.75),  # 10 heavy tokens hold the nucleus: read from the top-k candidates
+    (80, 0.01, 200, 0.795),  # an 80-token nucleus (ties all): past the 64 candidates, the threshold search
+])
+def test_top_p_samples_follow_the_nucleus(heavy, weight, tail, top_p):
+    probs = np.concatenate([np.full(heavy, weight), np.full(tail, (1 - heavy * weight) / tail)])
+    logits = np.log(probs).astype(np.float32)[None]
+    assert candidates_hold(logits, top_p) == (heavy <= TOP_P_CANDIDATES)
+    n = 40000
+    draws = np.asarray(decode_tokens(jnp.broadcast_to(jnp.asarray(logits[0]), (n, probs.size)), jax.random.key(3),
+                                     SamplingConfig(temperature=1.0, top_p=top_p)))
+    kept = sorted_top_p(logits, top_p)[0]
+    assert kept.sum() == heavy  # the boundary token (the last heavy one) is in
+    assert chi_square_p(draws, np.where(kept, probs, 0.0)) > 1e-3
+    # Negative controls: the nucleus one token short (mass including the token < top_p), and no top-p at all.
+    short = kept & (np.cumsum(probs) < top_p)
+    assert short.sum() == heavy - 1
+    assert chi_square_p(draws, np.where(short, probs, 0.0)) < 1e-6
+    assert chi_square_p(draws, probs) < 1e-6

@@ -72,14 +72,14 @@ def main(argv=None) -> int:
         prompts = [[(7 * i + 3 + 13 * r) % vocab for i in range(40 - 3 * r)] for r in range(min(args.num_prompts, 4))]
         source = f"random {args.shape} weights"
     else:
-        from ddtree_jax.bench import load_tokenizer, read_prompts
+        from ddtree_jax.bench import read_prompts
         from ddtree_jax.checkpoint import load_drafter, load_target
         from ddtree_jax.demo_pair import demo_drafter, demo_prompts, demo_target
 
         t_dir, d_dir = args.target or demo_target(), args.drafter or demo_drafter()
         target = load_target(t_dir, jnp.bfloat16)
         drafter = load_drafter(d_dir, target.config, jnp.bfloat16)
-        prompts = read_prompts(demo_prompts(), load_tokenizer(t_dir))[:args.num_prompts]
+        prompts = read_prompts(demo_prompts(), t_dir, target.config.vocab_size)[:args.num_prompts]
         source = str(t_dir)
 
     def run(mode: Mode, budget: int = 64):

@@ -7,6 +7,7 @@ comes from here.
 
 from __future__ import annotations
 
+from ddtree_jax.cache import committed_recurrent_bytes, recurrent_node_bytes  # noqa: F401 (part of the cost model)
 from ddtree_jax.models import is_recurrent
 
 
@@ -23,30 +24,6 @@ def param_bytes(params) -> int:
 
 def param_count(params) -> int:
     return sum(a.size for a in params.flat().values())
-
-
-def recurrent_node_bytes(config, nodes: int, dtype_bytes: int = 2) -> int:
-    """Bytes of what a hybrid target keeps per node while it verifies `nodes` tokens as a tree (DDTree: B + 1
-    nodes; DFlash: its chain of block-size nodes; AR keeps none, its one token updates the state in place),
-    for the commit to form the accepted node's state. For every Gated DeltaNet layer and node
-    (`cache.NodeStates`): the float32 key, written value and log decay, Hv x (Dk + Dv + 1) x 4, and the
-    node's conv input, C x dtype_bytes (a node's conv window is its ancestors' inputs). 0 for an
-    attention-only target. Qwen3.6-27B: 48 layers x (48 x 257 x 4 + 10240 x 2) = 3.2 MiB per node (a full
-    Hv x Dk x Dv state per node, as verification kept until 2026-12-01, would be 144.9 MiB)."""
-    if not is_recurrent(config):
-        return 0
-    vectors = config.linear_num_value_heads * (config.linear_key_head_dim + config.linear_value_head_dim + 1) * 4
-    return nodes * len(config.linear_layers) * (vectors + config.linear_conv_dim * dtype_bytes)
-
-
-def committed_recurrent_bytes(config, dtype_bytes: int = 2) -> int:
-    """Bytes of a hybrid target's committed recurrent state per sequence: every Gated DeltaNet layer's float32
-    state and its conv window (C x (K - 1) in the weights' dtype). 0 for an attention-only target."""
-    if not is_recurrent(config):
-        return 0
-    state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
-    window = config.linear_conv_dim * (config.linear_conv_kernel - 1) * dtype_bytes
-    return len(config.linear_layers) * (state + window)
 
 
 def floor_terms(target, drafter, mode: str, tokens: int, context: int, block_size: int = 16, batch: int = 1) -> dict:
