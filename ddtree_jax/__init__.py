@@ -9,6 +9,16 @@ Dimension letters used in shape comments and einsum strings across the package:
     f  MLP intermediate size        v  vocabulary
     l  decoder layers
 
+Speculative rounds (round.py, tree.py, accept.py, pallas_kernels/tree_accept.py):
+
+    B  tree budget (nodes besides the root)      T  tree nodes verified per round (B + 1; bs for a chain)
+    L  draft depths (block size - 1)             P  path slots (the block size: root + L)
+    K  tokens kept per depth (min(B, v))         C  candidate children of one depth
+
+Gated DeltaNet layers (models/qwen3_5.py, cache.py): H value heads (key heads repeated to them), Dk / Dv key
+and value head dims, C conv channels, c chunk length. The Pallas kernels name their own tiling letters at
+the top of each file (rows r, chunks c, splits s).
+
 Every array carries a leading batch axis; rows are independent and carry their own lengths.
 """
 

@@ -110,11 +110,6 @@ class Qwen3Config:
 
     model_type = "qwen3"
 
-    @property
-    def num_groups(self) -> int:
-        """Query heads per KV head (GQA group size)."""
-        return self.num_heads // self.num_kv_heads
-
     def num_params(self) -> int:
         e, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -359,10 +354,6 @@ class Qwen3_5Config:
 
     model_type = "qwen3_5"
 
-    @property
-    def num_groups(self) -> int:
-        """Query heads per KV head (GQA group size) of the full-attention layers."""
-        return self.num_heads // self.num_kv_heads
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
@@ -534,9 +525,6 @@ class DFlashConfig:
     layer_windows: tuple[int | None, ...]
     max_position_embeddings: int
 
-    @property
-    def num_groups(self) -> int:
-        return self.num_heads // self.num_kv_heads
 
 
 DRAFTER_ARCHITECTURE = "DFlashDraftModel"

@@ -29,12 +29,12 @@ from ddtree_jax.cli import (EXIT_BAD_INPUT, TAU_HELP, BadInput, ChatOptions, add
                             write_lines_atomic)
 
 EXIT_PARTIAL = 1
-# Provisional: the benchmark on real shapes will pick the default budget.
-DEFAULT_BUDGET = 64
 DEFAULT_PROMPT = "def fibonacci(n):"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ddtree_jax.round import DecodeOptions  # the one default budget
+
     p = argparse.ArgumentParser(prog="python -m ddtree_jax.generate", description=__doc__.split("\n")[0],
                                 epilog=TAU_HELP + ".", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", type=Path, default=None,
@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", type=Path, default=None,
                    help="DFlash drafter checkpoint folder (ddtree and dflash modes); default with no "
                         "--target: the demo drafter")
-    p.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
+    p.add_argument("--budget", type=int, default=DecodeOptions.budget,
                    help="DDTree: draft-tree nodes besides the root (the target verifies budget + 1 per round)")
     p.add_argument("--block-size", type=int, default=0,
                    help="drafter block: the bonus token + block-size - 1 drafts (0: the drafter's own)")

@@ -18,7 +18,7 @@ def test_qwen3_8b_shapes():
                             head_dim=128, intermediate_size=12288, vocab_size=151936, rope_theta=1e6,
                             eos_token_id=151645, tie_word_embeddings=False)
     c = parse_qwen3(raw)
-    assert (c.num_groups, c.head_dim, c.rope.theta, c.eos_token_ids) == (4, 128, 1e6, (151645,))
+    assert (c.num_heads // c.num_kv_heads, c.head_dim, c.rope.theta, c.eos_token_ids) == (4, 128, 1e6, (151645,))
     assert c.sliding_windows == (None,) * 36
     assert 8.1e9 < c.num_params() < 8.3e9  # Qwen3-8B has 8.19e9 parameters
 
