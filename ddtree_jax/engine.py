@@ -19,8 +19,11 @@ import numpy as np
 from ddtree_jax.models.contract import resolve_kernels
 from ddtree_jax.models.params import ModelParams
 from ddtree_jax.parallel import put, to_host
-from ddtree_jax.round import (ROUNDS, DecodeOptions, DecodeState, Mode, RoundTrace, decode_loop,  # noqa: F401
-                              prefill)
+from ddtree_jax.round import DecodeOptions, DecodeState, Mode, RoundTrace, decode_loop, prefill
+
+# The Python API: generate and its types here; the device-side names re-exported from round.py.
+__all__ = ["generate", "GenerationResult", "resolve_options", "cache_shape", "DecodeOptions", "DecodeState", "Mode",
+           "RoundTrace", "decode_loop", "prefill"]
 
 CAPACITY_BUCKET = 128
 PROMPT_BUCKET = 32

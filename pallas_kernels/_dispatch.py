@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 
 import jax
-import numpy as np
 
 ENV_VAR = "DDTREE_JAX_KERNELS"
 IMPLEMENTATIONS = ("pallas", "reference")
@@ -67,3 +66,23 @@ def core_count(default: int = 132) -> int:
     except RuntimeError:
         count = None
     return int(count) if isinstance(count, int) and count > 0 else default
+
+
+def check_knobs(config, *, pow2: dict[str, int], optional_counts: tuple[str, ...] = ()) -> None:
+    """Validate a kernel's frozen knob dataclass, naming the bad value: each field of `pow2` a power of two
+    >= its minimum, each of `optional_counts` None or an int >= 1, and `num_warps` / `num_stages` as Triton
+    takes them."""
+    owner = type(config).__name__
+    for name, minimum in pow2.items():
+        value = getattr(config, name)
+        if not is_pow2(value) or value < minimum:
+            at_least = f" >= {minimum}" if minimum > 1 else ""
+            raise ValueError(f"{owner}.{name}={value!r}: must be a power of two{at_least}")
+    for name in optional_counts:
+        value = getattr(config, name)
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise ValueError(f"{owner}.{name}={value!r}: must be None or an int >= 1")
+    if config.num_warps not in (1, 2, 4, 8, 16) or isinstance(config.num_warps, bool):
+        raise ValueError(f"{owner}.num_warps={config.num_warps!r}: must be 1, 2, 4, 8 or 16")
+    if not isinstance(config.num_stages, int) or isinstance(config.num_stages, bool) or config.num_stages < 1:
+        raise ValueError(f"{owner}.num_stages={config.num_stages!r}: must be an int >= 1")

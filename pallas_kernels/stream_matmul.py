@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._dispatch import core_count, is_pow2, next_pow2, resolve_implementation, resolve_interpret
+from pallas_kernels._dispatch import check_knobs, core_count, next_pow2, resolve_implementation, resolve_interpret
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,17 +48,7 @@ class StreamMatmulConfig:
     num_stages: int = 4
 
     def __post_init__(self):
-        for name in ("block_n", "block_k"):
-            value = getattr(self, name)
-            if not is_pow2(value) or value < 16:
-                raise ValueError(f"StreamMatmulConfig.{name}={value!r}: must be a power of two >= 16")
-        if self.splits is not None and (not isinstance(self.splits, int) or isinstance(self.splits, bool)
-                                        or self.splits < 1):
-            raise ValueError(f"StreamMatmulConfig.splits={self.splits!r}: must be None or an int >= 1")
-        if self.num_warps not in (1, 2, 4, 8, 16) or isinstance(self.num_warps, bool):
-            raise ValueError(f"StreamMatmulConfig.num_warps={self.num_warps!r}: must be 1, 2, 4, 8 or 16")
-        if not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool) or self.num_stages < 1:
-            raise ValueError(f"StreamMatmulConfig.num_stages={self.num_stages!r}: must be an int >= 1")
+        check_knobs(self, pow2={"block_n": 16, "block_k": 16}, optional_counts=("splits",))
 
 
 def _kernel(x_ref, w_ref, o_ref, *, block_k: int, steps: int, precision):

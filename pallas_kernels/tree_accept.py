@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._dispatch import (cdiv, core_count, is_pow2, next_pow2, resolve_implementation,
+from pallas_kernels._dispatch import (cdiv, check_knobs, core_count, next_pow2, resolve_implementation,
                                       resolve_interpret, round_up)
 
 _NEG_INF = float("-inf")
@@ -71,18 +71,7 @@ class TreeAcceptConfig:
     num_stages: int = 2
 
     def __post_init__(self):
-        if not is_pow2(self.block_t):
-            raise ValueError(f"TreeAcceptConfig.block_t={self.block_t!r}: must be a power of two")
-        if not is_pow2(self.block_v) or self.block_v < 16:
-            raise ValueError(f"TreeAcceptConfig.block_v={self.block_v!r}: must be a power of two >= 16")
-        if self.num_splits is not None and not (isinstance(self.num_splits, int)
-                                                and not isinstance(self.num_splits, bool)
-                                                and self.num_splits >= 1):
-            raise ValueError(f"TreeAcceptConfig.num_splits={self.num_splits!r}: must be None or an int >= 1")
-        if self.num_warps not in (1, 2, 4, 8, 16) or isinstance(self.num_warps, bool):
-            raise ValueError(f"TreeAcceptConfig.num_warps={self.num_warps!r}: must be 1, 2, 4, 8 or 16")
-        if not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool) or self.num_stages < 1:
-            raise ValueError(f"TreeAcceptConfig.num_stages={self.num_stages!r}: must be an int >= 1")
+        check_knobs(self, pow2={"block_t": 1, "block_v": 16}, optional_counts=("num_splits",))
 
 
 # ----------------------------------------------------------------------------------------------------

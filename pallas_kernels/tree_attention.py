@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._dispatch import (cdiv, core_count, is_pow2, next_pow2, resolve_implementation,
+from pallas_kernels._dispatch import (cdiv, check_knobs, core_count, next_pow2, resolve_implementation,
                                       resolve_interpret, round_up)
 
 _NEG_INF = float("-inf")
@@ -64,19 +64,7 @@ class TreeAttentionConfig:
     num_stages: int = 3
 
     def __post_init__(self):
-        for name in ("block_q", "block_k", "block_u"):
-            value = getattr(self, name)
-            if not is_pow2(value) or value < 16:
-                raise ValueError(f"TreeAttentionConfig.{name}={value!r}: must be a power of two >= 16 "
-                                 "(Triton dot tiles)")
-        if self.num_chunks is not None and not (isinstance(self.num_chunks, int)
-                                                and not isinstance(self.num_chunks, bool)
-                                                and self.num_chunks >= 1):
-            raise ValueError(f"TreeAttentionConfig.num_chunks={self.num_chunks!r}: must be None or an int >= 1")
-        if self.num_warps not in (1, 2, 4, 8, 16) or isinstance(self.num_warps, bool):
-            raise ValueError(f"TreeAttentionConfig.num_warps={self.num_warps!r}: must be 1, 2, 4, 8 or 16")
-        if not isinstance(self.num_stages, int) or isinstance(self.num_stages, bool) or self.num_stages < 1:
-            raise ValueError(f"TreeAttentionConfig.num_stages={self.num_stages!r}: must be an int >= 1")
+        check_knobs(self, pow2={"block_q": 16, "block_k": 16, "block_u": 16}, optional_counts=("num_chunks",))
 
 
 # ----------------------------------------------------------------------------------------------------

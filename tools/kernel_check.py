@@ -47,7 +47,6 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 import traceback

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ddtree_jax.checkpoint import load_drafter, load_target
-from ddtree_jax.models import dflash, qwen3
+from ddtree_jax.models import dflash
 from ddtree_jax.random_checkpoint import tiny_qwen3_config, write_random_dflash, write_random_qwen3
 from conftest import YARN_ROPE_SCALING
 
