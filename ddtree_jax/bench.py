@@ -2,7 +2,8 @@
 
 Two ways to run:
 - `--shape qwen3-8b` (or another `ddtree_jax.shapes` name, e.g. the hybrid qwen3.6-27b, tiny, tiny-hybrid):
-  random bf16 weights of that shape built on the device, a matching random drafter (the published DFlash
+  random bf16 weights of that shape built on the device (`--weights fp8`: the target's projections in
+  block-scaled FP8, as Qwen's FP8 checkpoints; its floors count those bytes), a matching random drafter (the published DFlash
   layout of that target, block 16), caches filled with `--context` tokens (a comma list sweeps them; for a
   hybrid also random recurrent states and conv windows), `--batch` rows (a comma list sweeps them). Times
   the round as `generate` runs it (inside the device loop) and each stage of a round alone (draft, tree,
@@ -66,7 +67,7 @@ def run_shape(args, parallel) -> dict:
     ceilings = measure_ceilings(args.repeats, args.shape in SMALL_SHAPES)
     print(f"ceilings {ceilings}", flush=True)
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
-    target, drafter = workload.random_pair(args.shape, parallel, dtype)
+    target, drafter = workload.random_pair(args.shape, parallel, dtype, fp8=args.weights == "fp8")
     jax.block_until_ready(target.flat())
     print(f"random weights ready after {time.perf_counter() - start:.0f} s", flush=True)
     hybrid = is_recurrent(target.config)
@@ -149,7 +150,7 @@ def run_shape(args, parallel) -> dict:
         r["round_over_ar_step"] = r["round_s"] / ar["round_s"] if ar and ar["round_s"] > 0 else None
     return {"kind": "shape", "shape": args.shape, "context": args.context, "batch": args.batch,
             "device": str(jax.devices()[0].device_kind), "devices": parallel.size, "parallel": parallel.mode,
-            "jax": jax.__version__, "ceilings": ceilings, "dtype": args.dtype,
+            "jax": jax.__version__, "ceilings": ceilings, "dtype": args.dtype, "weights": args.weights,
             "matmul_precision": plan_options[0].matmul_precision if plan_options else None,
             "target_bytes": costs.param_bytes(target), "drafter_bytes": costs.param_bytes(drafter),
             "target_config": shape_configs(args.shape)[0], "hybrid": hybrid,
@@ -239,7 +240,7 @@ def markdown(report: dict) -> str:
                  f"{r['ratio_to_floor']:.2f} | {ratio(r['round_over_ar_step'])} | {ms(r, 'round_call_s')} | "
                  f"{r['tokens_per_s_projected'] or float('nan'):.0f} ({r['tau_projected']:.2f}) | {mib(r)} |"
                  for r in report["rows"]]
-        notes = ""
+        notes = " Target projections in block-scaled FP8 (`--weights fp8`)." if report.get("weights") == "fp8" else ""
         if hybrid:
             notes += (f" Recurrent state MiB: what the verify keeps per node for the commit (every Gated DeltaNet "
                       f"layer's key, written value and log decay in float32, and the conv input), "
@@ -339,6 +340,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128, help="--target: tokens generated per prompt")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="weights, activations and caches")
+    p.add_argument("--weights", choices=["dtype", "fp8"], default="dtype",
+                   help="--shape: the weights in --dtype, or the target's projections in block-scaled FP8 (128 x 128 "
+                        "blocks, float32 scales; embeddings, lm_head, norms and the drafter in --dtype)")
     p.add_argument("--matmul-precision", choices=["auto", "default", "high", "highest"], default="auto",
                    help="as generate's: auto is highest for float32 (no TF32), default for bfloat16")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for bench.json, bench.md, bench.png")
