@@ -2,14 +2,14 @@
 
 Two ways to run:
 - `--shape qwen3-8b` (or another `ddtree_jax.shapes` name, e.g. the hybrid qwen3.6-27b, tiny, tiny-hybrid):
-  random bf16 weights of that shape built on the device (`--weights fp8`: the target's projections in
-  block-scaled FP8, as Qwen's FP8 checkpoints; its floors count those bytes), a matching random drafter (the published DFlash
+  random bf16 weights of that shape built on the device, a matching random drafter (the published DFlash
   layout of that target, block 16), caches filled with `--context` tokens (a comma list sweeps them; for a
   hybrid also random recurrent states and conv windows), `--batch` rows (a comma list sweeps them). Times
   the round as `generate` runs it (inside the device loop) and each stage of a round alone (draft, tree,
   verify, accept, commit: the engine's own stage functions, `round.STAGES`), for AR, DFlash and DDTree at
   `--budgets`, next to the floor. Random weights accept almost nothing, so tokens/s are projected at a
-  given tau (`--tau`, default the paper's MATH-500 Qwen3-8B values), marked as projected.
+  given tau (`--tau`, default the paper's MATH-500 Qwen3-8B values), marked as projected. `--weights fp8`
+  makes the target's projections block-scaled FP8 (the floors count those bytes).
 - `--target DIR --drafter DIR --prompts FILE.jsonl`: all modes on real prompts: tau, tokens/s, speedup
   over AR measured in the same run, and the first greedy divergence from AR. With neither `--shape` nor
   `--target`: the demo pair shipped with the package, on its held-out prompts.
@@ -379,6 +379,8 @@ def main(argv=None) -> int:
             raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
         if args.shape is not None and args.target is not None:
             raise ValueError("give either --shape NAME or --target DIR --drafter DIR --prompts FILE")
+        if args.weights == "fp8" and args.shape is None:
+            raise ValueError("--weights fp8 applies to --shape runs (a checkpoint's config says whether it is FP8)")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

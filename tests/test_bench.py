@@ -46,6 +46,7 @@ def test_projected_tau_and_bad_flags(capsys):
     assert projected_tau({**DEFAULT_TAU, 128: 11.0}, "ddtree", 128) == 11.0
     assert main(["--shape", "tiny", "--budgets", "x"]) == 2
     assert main(["--shape", "tiny", "--target", "somewhere"]) == 2  # (no flags at all runs the demo pair)
+    assert main(["--weights", "fp8", "--target", "somewhere"]) == 2
     assert "give either --shape" in capsys.readouterr().err
 
 
