@@ -14,8 +14,9 @@ that says so (`config.fp8_quantization_config`).
 The output is written to a temporary folder next to DST and renamed at the end; an existing DST is
 refused unless --force. `--verify` runs both checkpoints (float32) on the same input and reports the
 largest logit difference (a drafter runs on random context features with `--target DIR`'s embedding
-and lm_head); a difference above `--tolerance` exits 1 (quantising changes the logits: give a tolerance). Bad input (a wrong source, a
-destination that exists or cannot be written) exits 2 with one `error:` line before anything is read.
+and lm_head); a difference above `--tolerance` exits 1 (quantising changes the logits: give a
+tolerance). Bad input (a wrong source, a destination that exists or cannot be written) exits 2 with one
+`error:` line before anything is read.
 """
 
 from __future__ import annotations
@@ -111,8 +112,9 @@ def quantize_fp8(src: Path, dst: Path, *, block: tuple[int, int] = (128, 128), s
 
     checkpoint_format(src)
     raw = read_config_json(src)
-    if raw.get("quantization_config") is not None:
-        method = raw["quantization_config"].get("quant_method") if isinstance(raw["quantization_config"], dict) else None
+    quant = raw.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method") if isinstance(quant, dict) else None
         raise CheckpointError(f"{src / 'config.json'}: already has a quantization_config (quant_method {method!r}); "
                               "quantize-fp8 reads a 16- or 32-bit checkpoint")
     if raw.get("model_type") == "qwen3_5":

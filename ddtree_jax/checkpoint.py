@@ -2,7 +2,9 @@
 
 Loading is strict: a missing, unexpected, mis-shaped or non-float tensor, a wrong `model_type`, or a
 truncated or corrupt file raises `CheckpointError` (or `ConfigError`) with one line that names the file
-and the tensor. Names map one to one: the NNX state path of a parameter is its HF name.
+and the tensor. Names map one to one: the NNX state path of a parameter is its HF name. In a block-scaled
+FP8 checkpoint (`config.Fp8Config`) the projections it converts are F8_E4M3 with their `weight_scale_inv`
+(float), every other tensor is not FP8, and FP8 weights stay float8_e4m3fn when loaded (scales float32).
 
 An orbax checkpoint folder holds `config.json` (the HF config, verbatim), `ddtree_checkpoint.json`
 (format marker), `params/` (the orbax pytree, keyed by the HF name's dotted parts) and any tokenizer or
@@ -177,9 +179,9 @@ def _check_dtype(where: Path, name: str, found: str, is_float: bool, is_fp8: boo
         raise CheckpointError(f"{where}: tensor '{name}' has dtype {found}, expected float8_e4m3fn "
                               "(config.json's quantization_config makes this projection FP8)")
     if not want_fp8 and (is_fp8 or not is_float):
+        why = " (only the projections that config.json's quantization_config converts are FP8)" if is_fp8 else ""
         raise CheckpointError(f"{where}: tensor '{name}' has dtype {found}, expected a floating-point dtype "
-                              f"({', '.join(FLOAT_DTYPES)})" + (" (only the projections that config.json's "
-                                                               "quantization_config converts are FP8)" if is_fp8 else ""))
+                              f"({', '.join(FLOAT_DTYPES)}){why}")
 
 
 def read_hf_arrays(path: str | Path, expected: dict[str, tuple[int, ...]], tied_pairs: dict[str, str] | None = None,
@@ -261,7 +263,8 @@ def stored_layout(config, names) -> tuple[dict[str, str], tuple[str, ...]]:
     return renames, IGNORED_PREFIXES.get(hf_type, ())
 
 
-def _to_device(arrays: dict[str, np.ndarray], dtypes: dict | None, shardings: dict | None = None) -> dict[str, jax.Array]:
+def _to_device(arrays: dict[str, np.ndarray], dtypes: dict | None,
+               shardings: dict | None = None) -> dict[str, jax.Array]:
     """Host arrays -> device arrays in `dtypes[name]` (None: as stored), each straight onto its shards (no full
     copy on one device)."""
     out = {}

@@ -66,12 +66,13 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     for name in [n for n in arrays if n.endswith("_proj.weight")]:
         arrays[name], arrays[name + "_scale_inv"] = numpy_fp8(arrays[name], BLOCK, ml_dtypes.bfloat16)
     save_hf(arrays, {**raw, "quantization_config": PUBLISHED}, root / "numpy", max_shard_bytes=200_000)
+    assert len(list((root / "numpy").glob("model-*-of-*.safetensors"))) > 1  # sharded, with an index
     drafter = write_random_dflash(root / "d32", tiny_qwen3_config(**SHAPE), seed=3)
     assert convert_main(["quantize-fp8", str(drafter), str(root / "drafter")]) == 0
     return {"f32": f32, "converted": root / "converted", "numpy": root / "numpy", "drafter": root / "drafter"}
 
 
-def torch_dequantized(folder: Path) -> dict:
+def torch_dequantized(folder: Path, block: tuple[int, int] = (BLOCK, BLOCK)) -> dict:
     """Every tensor of an FP8 folder read by PyTorch, FP8 weights times their block scales in float32."""
     import torch
     from safetensors.torch import load_file as torch_load
@@ -89,7 +90,7 @@ def torch_dequantized(folder: Path) -> dict:
         else:
             assert t.dtype == torch.float8_e4m3fn, name
             rows, cols = t.shape
-            s = scale.float().repeat_interleave(BLOCK, 0)[:rows].repeat_interleave(BLOCK, 1)[:, :cols]
+            s = scale.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
             out[name] = t.float() * s
     return out
 
@@ -235,6 +236,43 @@ def test_tensor_parallel_shards_scales_with_whole_blocks(tmp_path):
                                atol=1e-5, rtol=0)
 
 
+def test_hybrid_fp8_matches_transformers(tmp_path):
+    """A Qwen3.5-style hybrid through quantize-fp8 (blocks 16 x 32): the Gated DeltaNet's in_proj_a/in_proj_b,
+    A_log, dt_bias and conv1d stay float32, its other projections and the gated attention's are FP8, and the
+    prefill logits are transformers' on the dequantised weights."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from conftest import randomise_qwen3_5
+    from ddtree_jax.models import qwen3_5
+
+    torch.manual_seed(0)
+    raw = tiny_qwen3_5_config(vocab_size=96)
+    raw.pop("architectures"), raw.pop("torch_dtype")
+    model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**raw)).float().eval()
+    randomise_qwen3_5(model)
+    model.save_pretrained(str(tmp_path / "f32"))
+    assert convert_main(["quantize-fp8", str(tmp_path / "f32"), str(tmp_path / "fp8"), "--block", "16,32"]) == 0
+    params = load_target(tmp_path / "fp8", jnp.float32)
+    dtypes = {n.removeprefix("model.layers.0.linear_attn."): a.dtype for n, a in params.flat().items()
+              if n.startswith("model.layers.0.linear_attn.")}
+    assert {n for n, d in dtypes.items() if d == jnp.float8_e4m3fn} == {"in_proj_qkv.weight", "in_proj_z.weight",
+                                                                       "out_proj.weight"}
+    assert dtypes["in_proj_a.weight"] == dtypes["A_log"] == dtypes["conv1d.weight"] == jnp.float32
+    assert params.flat()["model.layers.3.self_attn.q_proj.weight"].dtype == jnp.float8_e4m3fn
+    model.load_state_dict(torch_dequantized(tmp_path / "fp8", (16, 32)), strict=True)
+    ids = np.random.default_rng(2).integers(0, 96, size=(1, 9))
+
+    @jax.jit
+    def logits(params, ids):
+        cache = qwen3_5.create_cache(params.config, 1, 16, jnp.float32)
+        return qwen3_5.logits(params, qwen3_5.forward(params, ids, ForwardMeta.prompt(jnp.array([9]), 9), cache).hidden)
+
+    with torch.no_grad():
+        want = model(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(np.asarray(logits(params, jnp.asarray(ids))), want, atol=TOL, rtol=0)
+
+
 # ---- which projections are FP8, and the errors
 
 
@@ -243,8 +281,8 @@ def test_modules_to_not_convert_follows_transformers():
     suffix) on a table of patterns and names; a qwen3_5 wrapper's patterns name 'model.language_model.'."""
     from transformers.quantizers.quantizers_utils import should_convert_module
 
-    patterns = [["model.layers.1"], ["model.layers.*.mlp"], ["mlp.gate"], ["up_proj"], ["lm_head", "model.embed_tokens"],
-                [r"model\.layers\.[02]\.self_attn"], []]
+    patterns = [["model.layers.1"], ["model.layers.*.mlp"], ["mlp.gate"], ["up_proj"],
+                ["lm_head", "model.embed_tokens"], [r"model\.layers\.[02]\.self_attn"], []]
     names = ["model.layers.1.mlp.up_proj", "model.layers.11.mlp.up_proj", "model.layers.0.mlp.gate_proj",
              "model.layers.2.self_attn.q_proj", "model.layers.3.self_attn.o_proj", "lm_head"]
     decisions = {}
@@ -253,12 +291,12 @@ def test_modules_to_not_convert_follows_transformers():
             decisions[tuple(skip), name] = Fp8Config(not_converted=tuple(skip)).converts(name)
             assert decisions[tuple(skip), name] == should_convert_module(name, skip), (skip, name)
     assert len(set(decisions.values())) == 2  # the table has both answers
-    wrapper = tiny_qwen3_5_config(model_type="qwen3_5")
-    wrapper = {"model_type": "qwen3_5", "text_config": {**wrapper, "model_type": "qwen3_5_text"},
-               "quantization_config": {**PUBLISHED, "modules_to_not_convert": [
-                   "lm_head", "model.language_model.layers.0.linear_attn.in_proj_a", r"model\.language_model\.layers\.1"]}}
+    skip = ["lm_head", "model.language_model.layers.0.linear_attn.in_proj_a", r"model\.language_model\.layers\.1"]
+    wrapper = {"model_type": "qwen3_5", "text_config": tiny_qwen3_5_config(),
+               "quantization_config": {**PUBLISHED, "modules_to_not_convert": skip}}
     fp8 = parse_qwen3_5(wrapper).fp8
-    assert not fp8.converts("model.layers.0.linear_attn.in_proj_a") and fp8.converts("model.layers.0.linear_attn.in_proj_b")
+    assert not fp8.converts("model.layers.0.linear_attn.in_proj_a")
+    assert fp8.converts("model.layers.0.linear_attn.in_proj_b")
     assert not fp8.converts("model.layers.1.mlp.up_proj") and fp8.converts("model.layers.2.mlp.up_proj")
 
 
@@ -272,7 +310,9 @@ def test_modules_to_not_convert_follows_transformers():
     ("weight_block_size", [128, 0], "found [128, 0]"),
     ("weight_block_size", None, "found None (per-tensor scales are not supported)"),
     ("modules_to_not_convert", "lm_head", "field 'modules_to_not_convert': expected a list of module names"),
-])
+    ("modules_to_not_convert", ["lm_head", "layers.(0"], "'layers.(0' is not a valid pattern"),
+], ids=["quant_method", "fmt", "activation_scheme", "scale_fmt", "block_1d", "block_0", "block_null", "skip_string",
+        "skip_bad_regex"])
 def test_unsupported_quantization_config_is_one_clear_error(field, value, message):
     raw = tiny_qwen3_config(quantization_config={**PUBLISHED, field: value})
     with pytest.raises(ConfigError) as e:
@@ -290,17 +330,17 @@ SCALE = "model.layers.0.mlp.up_proj.weight_scale_inv"
 WEIGHT = "model.layers.0.mlp.up_proj.weight"
 
 
-@pytest.mark.parametrize("case,edit,message", [
-    ("missing scale", lambda a: a.pop(SCALE), f"tensor '{SCALE}' is missing (expected shape (3, 2))"),
-    ("mis-shaped scale", lambda a: a.update({SCALE: np.ones((2, 2), np.float32)}),
-     f"tensor '{SCALE}' has shape (2, 2), expected (3, 2) from config.json"),
-    ("16-bit weight", lambda a: a.update({WEIGHT: a[WEIGHT].astype(ml_dtypes.bfloat16)}),
-     f"tensor '{WEIGHT}' has dtype BF16, expected float8_e4m3fn (config.json's quantization_config makes this "
-     "projection FP8)"),
-    ("FP8 lm_head", lambda a: a.update({"lm_head.weight": a["lm_head.weight"].astype(ml_dtypes.float8_e4m3fn)}),
-     "tensor 'lm_head.weight' has dtype F8_E4M3, expected a floating-point dtype"),
+@pytest.mark.parametrize("edit,message", [
+    pytest.param( lambda a: a.pop(SCALE), f"tensor '{SCALE}' is missing (expected shape (3, 2))", id="missing_scale"),
+    pytest.param(lambda a: a.update({SCALE: np.ones((2, 2), np.float32)}),
+                 f"tensor '{SCALE}' has shape (2, 2), expected (3, 2) from config.json", id="misshaped_scale"),
+    pytest.param(lambda a: a.update({WEIGHT: a[WEIGHT].astype(ml_dtypes.bfloat16)}),
+                 f"tensor '{WEIGHT}' has dtype BF16, expected float8_e4m3fn (config.json's quantization_config "
+                 "makes this projection FP8)", id="bf16_weight"),
+    pytest.param(lambda a: a.update({"lm_head.weight": a["lm_head.weight"].astype(ml_dtypes.float8_e4m3fn)}),
+                 "tensor 'lm_head.weight' has dtype F8_E4M3, expected a floating-point dtype", id="fp8_lm_head"),
 ])
-def test_bad_fp8_tensors_are_one_error_line_and_exit_2(folders, tmp_path, capsys, case, edit, message):
+def test_bad_fp8_tensors_are_one_error_line_and_exit_2(folders, tmp_path, capsys, edit, message):
     bad = _edited_copy(folders["converted"], tmp_path / "bad", edit)
     with pytest.raises(CheckpointError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_target(bad, jnp.float32)
