@@ -97,8 +97,8 @@ def convert(direction: str, src: Path, dst: Path, *, force: bool = False, max_sh
     return save_hf(arrays, config_raw, dst, side_files_from=src, force=force, max_shard_bytes=max_shard_mb * 2**20)
 
 
-def quantize_fp8(src: Path, dst: Path, *, block: tuple[int, int] = (128, 128), scale_dtype: str = "float32",
-                 force: bool = False, max_shard_mb: int = 5120) -> Path:
+def quantize_fp8(src: Path, dst: Path, *, block: tuple[int, int], scale_dtype: str = "float32", force: bool = False,
+                 max_shard_mb: int = 5120) -> Path:
     """Write SRC (a target or drafter, HF or orbax, 16- or 32-bit) as a block-scaled FP8 HF checkpoint at DST:
     the projections that the written `quantization_config` converts become float8_e4m3fn weights with
     `weight_scale_inv` (`models.fp8.quantize`); every other tensor is copied as stored."""

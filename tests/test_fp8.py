@@ -57,7 +57,8 @@ def numpy_fp8(w: np.ndarray, block: int, scale_dtype, scales: np.ndarray | None 
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory) -> dict[str, Path]:
+def folders(tmp_path_factory) -> dict:
+    """The float32 source and the FP8 checkpoints (paths), and the NumPy-made tensors ("numpy_arrays")."""
     root = tmp_path_factory.mktemp("fp8")
     f32 = write_random_qwen3(root / "f32", seed=1, with_tokenizer=False, **SHAPE)
     assert convert_main(["quantize-fp8", str(f32), str(root / "converted")]) == 0
@@ -69,7 +70,8 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     assert len(list((root / "numpy").glob("model-*-of-*.safetensors"))) > 1  # sharded, with an index
     drafter = write_random_dflash(root / "d32", tiny_qwen3_config(**SHAPE), seed=3)
     assert convert_main(["quantize-fp8", str(drafter), str(root / "drafter")]) == 0
-    return {"f32": f32, "converted": root / "converted", "numpy": root / "numpy", "drafter": root / "drafter"}
+    return {"f32": f32, "converted": root / "converted", "numpy": root / "numpy", "drafter": root / "drafter",
+            "numpy_arrays": arrays}
 
 
 def torch_dequantized(folder: Path, block: tuple[int, int] = (BLOCK, BLOCK)) -> dict:
@@ -131,8 +133,8 @@ def prompt_logits(params, ids: jax.Array) -> jax.Array:
 
 def test_weights_stay_fp8_in_memory(folders):
     """Every projection but lm_head is float8_e4m3fn on the device, with float32 scales, whatever the compute
-    dtype; its bytes are the file's; embeddings, lm_head and norms take the requested dtype."""
-    stored, _ = read_arrays(folders["numpy"])
+    dtype, with the bytes the NumPy quantiser made; embeddings, lm_head and norms take the requested dtype."""
+    stored = folders["numpy_arrays"]
     for dtype in (jnp.bfloat16, jnp.float32):
         flat = load_target(folders["numpy"], dtype).flat()
         assert set(flat) == set(stored)
@@ -318,6 +320,18 @@ def test_unsupported_quantization_config_is_one_clear_error(field, value, messag
     with pytest.raises(ConfigError) as e:
         parse_qwen3(raw, "DIR/config.json")
     assert str(e.value).startswith("DIR/config.json: quantization_config: ") and message in str(e.value)
+
+
+def test_unsupported_fmt_on_the_command_line_is_one_error_line_and_exit_2(folders, tmp_path, capsys):
+    import shutil
+
+    bad = Path(shutil.copytree(folders["converted"], tmp_path / "bad"))
+    raw = json.loads((bad / "config.json").read_text())
+    raw["quantization_config"]["fmt"] = "e5m2"
+    (bad / "config.json").write_text(json.dumps(raw))
+    assert convert_main(["hf-to-orbax", str(bad), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == (f"error: {bad / 'config.json'}: quantization_config: field 'fmt': 'e5m2' is "
+                                       "not supported (expected 'e4m3': float8_e4m3fn weights)\n")
 
 
 def _edited_copy(folder: Path, out: Path, edit) -> Path:
