@@ -8,7 +8,8 @@ Two ways to run:
   the round as `generate` runs it (inside the device loop) and each stage of a round alone (draft, tree,
   verify, accept, commit: the engine's own stage functions, `round.STAGES`), for AR, DFlash and DDTree at
   `--budgets`, next to the floor. Random weights accept almost nothing, so tokens/s are projected at a
-  given tau (`--tau`, default the paper's MATH-500 Qwen3-8B values), marked as projected.
+  given tau (`--tau`, default the paper's MATH-500 Qwen3-8B values), marked as projected. `--weights fp8`
+  makes the target's projections block-scaled FP8 (the floors count those bytes).
 - `--target DIR --drafter DIR --prompts FILE.jsonl`: all modes on real prompts: tau, tokens/s, speedup
   over AR measured in the same run, and the first greedy divergence from AR. With neither `--shape` nor
   `--target`: the demo pair shipped with the package, on its held-out prompts.
@@ -66,7 +67,7 @@ def run_shape(args, parallel) -> dict:
     ceilings = measure_ceilings(args.repeats, args.shape in SMALL_SHAPES)
     print(f"ceilings {ceilings}", flush=True)
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
-    target, drafter = workload.random_pair(args.shape, parallel, dtype)
+    target, drafter = workload.random_pair(args.shape, parallel, dtype, fp8=args.weights == "fp8")
     jax.block_until_ready(target.flat())
     print(f"random weights ready after {time.perf_counter() - start:.0f} s", flush=True)
     hybrid = is_recurrent(target.config)
@@ -149,7 +150,7 @@ def run_shape(args, parallel) -> dict:
         r["round_over_ar_step"] = r["round_s"] / ar["round_s"] if ar and ar["round_s"] > 0 else None
     return {"kind": "shape", "shape": args.shape, "context": args.context, "batch": args.batch,
             "device": str(jax.devices()[0].device_kind), "devices": parallel.size, "parallel": parallel.mode,
-            "jax": jax.__version__, "ceilings": ceilings, "dtype": args.dtype,
+            "jax": jax.__version__, "ceilings": ceilings, "dtype": args.dtype, "weights": args.weights,
             "matmul_precision": plan_options[0].matmul_precision if plan_options else None,
             "target_bytes": costs.param_bytes(target), "drafter_bytes": costs.param_bytes(drafter),
             "target_config": shape_configs(args.shape)[0], "hybrid": hybrid,
@@ -239,7 +240,7 @@ def markdown(report: dict) -> str:
                  f"{r['ratio_to_floor']:.2f} | {ratio(r['round_over_ar_step'])} | {ms(r, 'round_call_s')} | "
                  f"{r['tokens_per_s_projected'] or float('nan'):.0f} ({r['tau_projected']:.2f}) | {mib(r)} |"
                  for r in report["rows"]]
-        notes = ""
+        notes = " Target projections in block-scaled FP8 (`--weights fp8`)." if report.get("weights") == "fp8" else ""
         if hybrid:
             notes += (f" Recurrent state MiB: what the verify keeps per node for the commit (every Gated DeltaNet "
                       f"layer's key, written value and log decay in float32, and the conv input), "
@@ -339,6 +340,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=128, help="--target: tokens generated per prompt")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
                    help="weights, activations and caches")
+    p.add_argument("--weights", choices=["dtype", "fp8"], default="dtype",
+                   help="--shape: the weights in --dtype, or the target's projections in block-scaled FP8 (128 x 128 "
+                        "blocks, float32 scales; embeddings, lm_head, norms and the drafter in --dtype)")
     p.add_argument("--matmul-precision", choices=["auto", "default", "high", "highest"], default="auto",
                    help="as generate's: auto is highest for float32 (no TF32), default for bfloat16")
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for bench.json, bench.md, bench.png")
@@ -375,6 +379,8 @@ def main(argv=None) -> int:
             raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
         if args.shape is not None and args.target is not None:
             raise ValueError("give either --shape NAME or --target DIR --drafter DIR --prompts FILE")
+        if args.weights == "fp8" and args.shape is None:
+            raise ValueError("--weights fp8 applies to --shape runs (a checkpoint's config says whether it is FP8)")
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

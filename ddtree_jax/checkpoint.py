@@ -2,7 +2,9 @@
 
 Loading is strict: a missing, unexpected, mis-shaped or non-float tensor, a wrong `model_type`, or a
 truncated or corrupt file raises `CheckpointError` (or `ConfigError`) with one line that names the file
-and the tensor. Names map one to one: the NNX state path of a parameter is its HF name.
+and the tensor. Names map one to one: the NNX state path of a parameter is its HF name. In a block-scaled
+FP8 checkpoint (`config.Fp8Config`) the projections it converts are F8_E4M3 with their `weight_scale_inv`
+(float), every other tensor is not FP8, and FP8 weights stay float8_e4m3fn when loaded (scales float32).
 
 An orbax checkpoint folder holds `config.json` (the HF config, verbatim), `ddtree_checkpoint.json`
 (format marker), `params/` (the orbax pytree, keyed by the HF name's dotted parts) and any tokenizer or
@@ -24,8 +26,9 @@ import ml_dtypes
 import numpy as np
 
 from ddtree_jax.config import (DRAFTER_ARCHITECTURE, check_pair, load_drafter_config, load_target_config,
-                               read_config_json)
+                               parse_dflash, parse_target, read_config_json)
 from ddtree_jax.models import dflash, target_family
+from ddtree_jax.models.fp8 import FP8_DTYPE
 from ddtree_jax.models.params import ModelParams
 from ddtree_jax.parallel import Parallel, param_shardings, put
 
@@ -123,13 +126,27 @@ class _open:
         return self.handle.__exit__(*exc)
 
 
+def _header(file: Path) -> tuple[int, dict]:
+    """(header length in bytes, header) of a safetensors file: {name: {dtype, shape, data_offsets}}."""
+    with open(file, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        return header_len, json.loads(f.read(header_len))
+
+
+def _read_fp8(file: Path, name: str, header: tuple[int, dict]) -> np.ndarray:
+    """An F8_E4M3 tensor as a float8_e4m3fn array, read at its header offsets: safetensors' numpy reader has
+    no float8 type (safetensors/safetensors#682)."""
+    header_len, entries = header
+    start, end = entries[name]["data_offsets"]
+    data = np.fromfile(file, np.uint8, count=end - start, offset=8 + header_len + start)
+    return data.view(ml_dtypes.float8_e4m3fn).reshape(entries[name]["shape"])
+
+
 def _truncation(file: Path) -> str | None:
     """If the header parses but the data is cut short, name the first tensor that is cut."""
     try:
         size = file.stat().st_size
-        with open(file, "rb") as f:
-            header_len = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(header_len))
+        header_len, header = _header(file)
         data = size - 8 - header_len
         cut = [(v["data_offsets"][1], name) for name, v in header.items()
                if name != "__metadata__" and v["data_offsets"][1] > data]
@@ -149,20 +166,40 @@ def _expected_shapes(params: ModelParams) -> dict[str, tuple[int, ...]]:
     return {name: tuple(a.shape) for name, a in params.flat().items()}
 
 
+def _fp8_names(params: ModelParams) -> frozenset[str]:
+    """The parameters stored as float8_e4m3fn: the weights of the FP8 projections (config.json's
+    `quantization_config`)."""
+    return frozenset(name for name, a in params.flat().items() if a.dtype == FP8_DTYPE)
+
+
+def _check_dtype(where: Path, name: str, found: str, is_float: bool, is_fp8: bool, want_fp8: bool) -> None:
+    """A stored tensor's dtype against the model's: F8_E4M3 exactly where the config makes a projection FP8,
+    another floating-point dtype everywhere else (`found`: the dtype as the file names it)."""
+    if want_fp8 and not is_fp8:
+        raise CheckpointError(f"{where}: tensor '{name}' has dtype {found}, expected float8_e4m3fn "
+                              "(config.json's quantization_config makes this projection FP8)")
+    if not want_fp8 and (is_fp8 or not is_float):
+        why = " (only the projections that config.json's quantization_config converts are FP8)" if is_fp8 else ""
+        raise CheckpointError(f"{where}: tensor '{name}' has dtype {found}, expected a floating-point dtype "
+                              f"({', '.join(FLOAT_DTYPES)}){why}")
+
+
 def read_hf_arrays(path: str | Path, expected: dict[str, tuple[int, ...]], tied_pairs: dict[str, str] | None = None,
                    progress: Callable[[int], Iterator] | None = None, *, stored_names: dict[str, str] | None = None,
-                   ignored_prefixes: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+                   ignored_prefixes: tuple[str, ...] = (), fp8: frozenset[str] = frozenset()) -> dict[str, np.ndarray]:
     """Read and check every tensor of an HF folder against `expected` {name: shape}; host numpy arrays,
     stored dtype. `tied_pairs` {extra name: name it must equal} lists tensors allowed as exact copies
     (an lm_head saved next to tied embeddings). `stored_names` {our name: name in the files} renames
     (default: the same); stored tensors whose names start with one of `ignored_prefixes` are skipped
-    unread. Errors name tensors as stored; the result is keyed by our names."""
+    unread. `fp8`: our names of the tensors that must be F8_E4M3 (every other one is another float dtype).
+    Errors name tensors as stored; the result is keyed by our names."""
     path = Path(path)
     files = {name: file for name, file in _tensor_files(path).items() if not name.startswith(ignored_prefixes)}
     tied_pairs = tied_pairs or {}
     stored_names = stored_names or {}
     ours = {stored_names.get(name, name): name for name in expected}  # stored name -> our name
     expected = {stored: expected[name] for stored, name in ours.items()}
+    fp8 = frozenset(stored for stored, name in ours.items() if name in fp8)
     tied_pairs = {stored_names.get(a, a): stored_names.get(b, b) for a, b in tied_pairs.items()}
     where = path / (INDEX_FILE if (path / INDEX_FILE).exists() else SINGLE_FILE)
     for name in expected:
@@ -178,18 +215,21 @@ def read_hf_arrays(path: str | Path, expected: dict[str, tuple[int, ...]], tied_
         by_file.setdefault(file, []).append(name)
     bar = progress(len(files)) if progress else None
     for file, names in sorted(by_file.items()):
+        header = None
         with _open(file) as f:
             for name in names:
                 meta = f.get_slice(name)
                 dtype, shape = meta.get_dtype(), tuple(meta.get_shape())
-                if dtype not in FLOAT_DTYPES:
-                    raise CheckpointError(f"{file}: tensor '{name}' has dtype {dtype}, expected a floating-point dtype "
-                                          f"({', '.join(FLOAT_DTYPES)})")
+                _check_dtype(file, name, dtype, dtype in FLOAT_DTYPES, dtype == "F8_E4M3", name in fp8)
                 want = expected.get(name, expected.get(tied_pairs.get(name, ""), None))
                 if shape != want:
                     raise CheckpointError(f"{file}: tensor '{name}' has shape {shape}, expected {want} from config.json")
                 try:
-                    arrays[name] = f.get_tensor(name)
+                    if dtype == "F8_E4M3":
+                        header = header or _header(file)
+                        arrays[name] = _read_fp8(file, name, header)
+                    else:
+                        arrays[name] = f.get_tensor(name)
                 except Exception as e:
                     raise CheckpointError(f"{file}: tensor '{name}' cannot be read ({_one_line(e)})") from None
                 if bar is not None:
@@ -223,11 +263,13 @@ def stored_layout(config, names) -> tuple[dict[str, str], tuple[str, ...]]:
     return renames, IGNORED_PREFIXES.get(hf_type, ())
 
 
-def _to_device(arrays: dict[str, np.ndarray], dtype, shardings: dict | None = None) -> dict[str, jax.Array]:
-    """Host arrays -> device arrays in `dtype`, each straight onto its shards (no full copy on one device)."""
+def _to_device(arrays: dict[str, np.ndarray], dtypes: dict | None,
+               shardings: dict | None = None) -> dict[str, jax.Array]:
+    """Host arrays -> device arrays in `dtypes[name]` (None: as stored), each straight onto its shards (no full
+    copy on one device)."""
     out = {}
     for name, a in arrays.items():
-        host = a if dtype is None else a.astype(dtype)
+        host = a if dtypes is None else a.astype(dtypes[name])
         out[name] = put(host, shardings[name]) if shardings is not None else jnp.asarray(host)
     return out
 
@@ -332,10 +374,11 @@ def save_orbax(arrays: dict[str, np.ndarray | jax.Array], config_raw: dict, out:
     return atomic_folder(out, write, force=force)
 
 
-def read_orbax_arrays(path: str | Path, expected: dict[str, tuple[int, ...]], dtype=None,
-                      shardings: dict | None = None) -> dict[str, jax.Array]:
-    """Restore an orbax folder's params, checked against `expected` {name: shape}; stored dtype unless given;
-    each array lands on its `shardings[name]` (default: the first device)."""
+def read_orbax_arrays(path: str | Path, expected: dict[str, tuple[int, ...]], dtypes: dict | None = None,
+                      shardings: dict | None = None, fp8: frozenset[str] = frozenset()) -> dict[str, jax.Array]:
+    """Restore an orbax folder's params, checked against `expected` {name: shape} (`fp8`: the names that must be
+    float8_e4m3fn); in `dtypes[name]` (None: as stored); each array lands on its `shardings[name]` (default:
+    the first device)."""
     path = Path(path)
     params_dir = path / "params"
     try:
@@ -351,10 +394,10 @@ def read_orbax_arrays(path: str | Path, expected: dict[str, tuple[int, ...]], dt
             raise CheckpointError(f"{params_dir}: unexpected tensor '{name}' (not part of this model's config)")
         if tuple(m.shape) != expected[name]:
             raise CheckpointError(f"{params_dir}: tensor '{name}' has shape {tuple(m.shape)}, expected {expected[name]}")
-        if not jnp.issubdtype(m.dtype, jnp.floating):
-            raise CheckpointError(f"{params_dir}: tensor '{name}' has dtype {m.dtype}, expected a floating-point dtype")
+        _check_dtype(params_dir, name, np.dtype(m.dtype).name, jnp.issubdtype(m.dtype, jnp.floating),
+                     m.dtype == FP8_DTYPE, name in fp8)
     single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = nest({n: jax.ShapeDtypeStruct(m.shape, dtype or m.dtype,
+    target = nest({n: jax.ShapeDtypeStruct(m.shape, dtypes[n] if dtypes is not None else m.dtype,
                                             sharding=shardings[n] if shardings is not None else single)
                     for n, m in stored.items()})
     try:
@@ -390,15 +433,18 @@ def _stored_shape(path: Path, name: str) -> tuple[int, ...] | None:
 
 def _load(path: Path, abstract: ModelParams, dtype, tied: dict[str, str], progress: bool,
           parallel: Parallel | None) -> ModelParams:
-    expected = _expected_shapes(abstract)
+    """`abstract` was built in `dtype` (or float32 when None): its dtypes are the loaded ones, FP8 weights and
+    their float32 scales included; None keeps every stored dtype."""
+    expected, fp8 = _expected_shapes(abstract), _fp8_names(abstract)
+    dtypes = None if dtype is None else {name: a.dtype for name, a in abstract.flat().items()}
     shardings = param_shardings(abstract, parallel) if parallel is not None else None
     if checkpoint_format(path) == "hf":
         bar = _progress_bar(f"loading {path.name}") if progress else None
         renames, ignored = stored_layout(abstract.config, expected)
-        arrays = _to_device(read_hf_arrays(path, expected, tied, bar, stored_names=renames, ignored_prefixes=ignored),
-                            dtype, shardings)
+        arrays = _to_device(read_hf_arrays(path, expected, tied, bar, stored_names=renames, ignored_prefixes=ignored,
+                                           fp8=fp8), dtypes, shardings)
     else:
-        arrays = read_orbax_arrays(path, expected, dtype, shardings)
+        arrays = read_orbax_arrays(path, expected, dtypes, shardings, fp8)
     return abstract.replace_flat(arrays)
 
 
@@ -433,27 +479,34 @@ def load_drafter(path: str | Path, target_config, dtype=jnp.bfloat16, *, allow_l
     return _load(path, abstract, dtype, {}, progress, parallel)
 
 
+def model_abstract(path: str | Path, raw: dict) -> tuple[ModelParams, dict[str, str]]:
+    """(abstract float32 parameters, tied extras) of the target or drafter that config dict `raw` describes,
+    for the checkpoint folder `path` (a drafter's context width is read from its stored `fc.weight`)."""
+    path = Path(path)
+    where = str(path / "config.json")
+    if is_drafter(raw):
+        config = parse_dflash(raw, where)
+        fc = _stored_shape(path, "fc.weight")
+        if fc is None or len(fc) != 2 or fc[1] % len(config.target_layer_ids):
+            raise CheckpointError(f"{path}: tensor 'fc.weight' is missing or its input width {fc} is not a multiple "
+                                  f"of the {len(config.target_layer_ids)} target_layer_ids")
+        return dflash.abstract(config, fc[1] // len(config.target_layer_ids), jnp.float32), {}
+    config = parse_target(raw, where)
+    return target_family(config).abstract(config, jnp.float32), tied_extras(config)
+
+
 def read_arrays(path: str | Path, progress: bool = False) -> tuple[dict[str, np.ndarray | jax.Array], dict]:
     """All parameters of a target or drafter checkpoint in their stored dtypes, plus the raw config dict."""
     path = Path(path)
     fmt = checkpoint_format(path)
     raw = read_config_json(path)
-    if is_drafter(raw):
-        config = load_drafter_config(path)
-        fc = _stored_shape(path, "fc.weight")
-        if fc is None or len(fc) != 2 or fc[1] % len(config.target_layer_ids):
-            raise CheckpointError(f"{path}: tensor 'fc.weight' is missing or its input width {fc} is not a multiple "
-                                  f"of the {len(config.target_layer_ids)} target_layer_ids")
-        abstract, tied = dflash.abstract(config, fc[1] // len(config.target_layer_ids), jnp.float32), {}
-    else:
-        config = load_target_config(path)
-        abstract, tied = target_family(config).abstract(config, jnp.float32), tied_extras(config)
-    expected = _expected_shapes(abstract)
+    abstract, tied = model_abstract(path, raw)
+    expected, fp8 = _expected_shapes(abstract), _fp8_names(abstract)
     if fmt == "hf":
         bar = _progress_bar(f"reading {path.name}") if progress else None
         renames, ignored = stored_layout(abstract.config, expected)
-        return read_hf_arrays(path, expected, tied, bar, stored_names=renames, ignored_prefixes=ignored), raw
-    return read_orbax_arrays(path, expected), raw
+        return read_hf_arrays(path, expected, tied, bar, stored_names=renames, ignored_prefixes=ignored, fp8=fp8), raw
+    return read_orbax_arrays(path, expected, fp8=fp8), raw
 
 
 def _progress_bar(desc: str):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,87 @@ class RopeConfig:
         return np.where(medium, smoothed, scaled)
 
 
+# Block-scaled FP8 weights, as Qwen publishes them (Qwen3-8B-FP8, Qwen3.6-27B-FP8) and transformers reads
+# them (`FineGrainedFP8Config`, `integrations/finegrained_fp8.py`).
+FP8_DEFAULT_BLOCK = (128, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+    """`quantization_config` with `quant_method: fp8`: every projection (`Linear`) that `converts` names keeps
+    a float8_e4m3fn weight [out, in] and its `weight_scale_inv` [ceil(out / block[0]), ceil(in / block[1])];
+    the dense weight is each FP8 element times its block's scale. Activations are not quantised here (the
+    models multiply 16- or 32-bit activations by the dequantised weight).
+
+    `not_converted`: `modules_to_not_convert` patterns in our module names (a `qwen3_5` wrapper's
+    'model.language_model.' rewritten to 'model.', as transformers renames them); a checkpoint without
+    the list skips the output embedding, as transformers does.
+    """
+
+    block: tuple[int, int] = FP8_DEFAULT_BLOCK
+    not_converted: tuple[str, ...] = ("lm_head",)
+
+    def converts(self, module: str) -> bool:
+        """Whether the projection named `module` (e.g. 'model.layers.0.mlp.up_proj') is FP8: transformers'
+        `should_convert_module` rule. A pattern skips a module if it matches from the start up to a name
+        boundary, as a regex ('model.layers.*.mlp' skips 'model.layers.11.mlp.up_proj'), or as a suffix."""
+        boundary = r"(?:(?<=\.)|(?=\.|$))"
+        return not any(re.match(rf"(?:{p}){boundary}", module) or module.endswith(p) for p in self.not_converted)
+
+
+def parse_fp8(raw: dict[str, Any], where: str, text_prefix: str | None = None) -> Fp8Config | None:
+    """The `quantization_config` of a config dict: None if there is none, else its `Fp8Config`. Anything but
+    block-scaled e4m3 weights with float scales and dynamic (unstored) activation scales is refused.
+    `text_prefix`: where the files keep the text model's 'model.' names ('model.language_model.' in a
+    `qwen3_5` wrapper), rewritten in the patterns."""
+    quant = raw.get("quantization_config")
+    if quant is None:
+        return None
+    f = _Fields(raw, where)
+    if not isinstance(quant, dict):
+        raise f.fail("quantization_config", f"expected an object, found {quant!r}")
+    q = _Fields(quant, f"{where}: quantization_config")
+    expected = {"quant_method": ("fp8", "block-scaled FP8 weights"), "fmt": ("e4m3", "float8_e4m3fn weights"),
+                "activation_scheme": ("dynamic", "no stored activation scales"),
+                "scale_fmt": ("float", "float32 or bfloat16 scales")}
+    for field, (want, meaning) in expected.items():
+        value = quant.get(field, want)
+        if value != want:
+            raise q.fail(field, f"{value!r} is not supported (expected {want!r}: {meaning})")
+    block = quant.get("weight_block_size", list(FP8_DEFAULT_BLOCK))
+    if not (isinstance(block, (list, tuple)) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise q.fail("weight_block_size", f"expected [rows, columns], two positive integers, found {block!r} "
+                                          "(per-tensor scales are not supported)")
+    if quant.get("modules_to_convert"):
+        raise q.fail("modules_to_convert", f"{quant['modules_to_convert']!r}: FP8 embeddings are not supported")
+    patterns = quant.get("modules_to_not_convert")
+    if patterns is None:
+        return Fp8Config(block=tuple(block))
+    if not isinstance(patterns, list) or not all(isinstance(p, str) for p in patterns):
+        raise q.fail("modules_to_not_convert", f"expected a list of module names, found {patterns!r}")
+    for p in patterns:
+        try:
+            re.compile(p)
+        except re.error as e:
+            raise q.fail("modules_to_not_convert", f"{p!r} is not a valid pattern ({e})") from None
+    if text_prefix:
+        patterns = [p.replace(text_prefix, "model.").replace(re.escape(text_prefix), re.escape("model."))
+                    for p in patterns]
+    return Fp8Config(block=tuple(block), not_converted=tuple(patterns))
+
+
+def fp8_quantization_config(raw: dict[str, Any], block: tuple[int, int] = FP8_DEFAULT_BLOCK) -> dict[str, Any]:
+    """The `quantization_config` that `conversions.convert quantize-fp8` writes for a config dict, in the
+    published layout: embeddings, lm_head and norms stay as they are, and in a hybrid the Gated DeltaNet's
+    small `in_proj_a`/`in_proj_b` too (its A_log, dt_bias and conv1d are no projections)."""
+    skip = [] if DRAFTER_ARCHITECTURE in (raw.get("architectures") or []) else ["lm_head", "model.embed_tokens"]
+    if raw.get("model_type") in ("qwen3_5", "qwen3_5_text"):
+        skip += ["linear_attn.in_proj_a", "linear_attn.in_proj_b"]
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block),
+            "modules_to_not_convert": skip}
+
+
 @dataclasses.dataclass(frozen=True)
 class Qwen3Config:
     """Facts about a Qwen3 dense target (HF `model_type: qwen3`)."""
@@ -107,6 +189,7 @@ class Qwen3Config:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     pad_token_id: int | None = None
+    fp8: Fp8Config | None = None  # block-scaled FP8 projections (`quantization_config`), or None
 
     model_type = "qwen3"
 
@@ -308,6 +391,7 @@ def parse_qwen3(raw: dict[str, Any], where: str = "config.json") -> Qwen3Config:
         eos_token_ids=f.token_ids("eos_token_id"),
         bos_token_id=(f.token_ids("bos_token_id") or (None,))[0],
         pad_token_id=(f.token_ids("pad_token_id") or (None,))[0],
+        fp8=parse_fp8(raw, where),
     )
 
 
@@ -351,6 +435,7 @@ class Qwen3_5Config:
     bos_token_id: int | None = None
     pad_token_id: int | None = None
     hf_model_type: str = "qwen3_5_text"
+    fp8: Fp8Config | None = None
 
     model_type = "qwen3_5"
 
@@ -462,6 +547,7 @@ def parse_qwen3_5(raw: dict[str, Any], where: str = "config.json") -> Qwen3_5Con
         bos_token_id=((f.token_ids("bos_token_id") or top.token_ids("bos_token_id")) or (None,))[0],
         pad_token_id=((f.token_ids("pad_token_id") or top.token_ids("pad_token_id")) or (None,))[0],
         hf_model_type=model_type,
+        fp8=parse_fp8(raw, where, "model.language_model." if model_type == "qwen3_5" else None),
     )
 
 
@@ -471,8 +557,11 @@ TARGET_PARSERS = {"qwen3": parse_qwen3, "qwen3_5": parse_qwen3_5, "qwen3_5_text"
 def load_target_config(path: str | Path) -> Qwen3Config | Qwen3_5Config:
     """Parse the target config in a checkpoint folder; the model_type picks the parser."""
     path = Path(path)
-    raw = read_config_json(path)
-    where = str(path / "config.json" if path.is_dir() else path)
+    return parse_target(read_config_json(path), str(path / "config.json" if path.is_dir() else path))
+
+
+def parse_target(raw: dict[str, Any], where: str = "config.json") -> Qwen3Config | Qwen3_5Config:
+    """A target config dict parsed by its model_type's parser; `where` names the file in errors."""
     model_type = raw.get("model_type")
     parser = TARGET_PARSERS.get(model_type)
     if parser is None:
@@ -524,6 +613,7 @@ class DFlashConfig:
     layer_causal: tuple[bool, ...]
     layer_windows: tuple[int | None, ...]
     max_position_embeddings: int
+    fp8: Fp8Config | None = None
 
 
 
@@ -593,6 +683,7 @@ def parse_dflash(raw: dict[str, Any], where: str = "config.json") -> DFlashConfi
         layer_causal=causal,
         layer_windows=windows,
         max_position_embeddings=f.int("max_position_embeddings", 32768),
+        fp8=parse_fp8(raw, where),
     )
 
 

@@ -46,6 +46,7 @@ def test_projected_tau_and_bad_flags(capsys):
     assert projected_tau({**DEFAULT_TAU, 128: 11.0}, "ddtree", 128) == 11.0
     assert main(["--shape", "tiny", "--budgets", "x"]) == 2
     assert main(["--shape", "tiny", "--target", "somewhere"]) == 2  # (no flags at all runs the demo pair)
+    assert main(["--weights", "fp8", "--target", "somewhere"]) == 2
     assert "give either --shape" in capsys.readouterr().err
 
 
@@ -139,3 +140,23 @@ def test_shape_mode_in_float32_records_the_matmul_precision(tmp_path):
     options = resolve_options(DecodeOptions(), None, jnp.float32)
     state = workload.filled_state(target, drafter, 16, options, Parallel(), room_rounds=2)
     assert {a.dtype for a in state.cache.k + state.cache.v} == {jnp.dtype(jnp.float32)}
+
+
+def test_shape_mode_with_fp8_weights_counts_fp8_bytes(tmp_path):
+    """`--weights fp8`: the target's projections are float8_e4m3fn (a byte each) with float32 block scales, the
+    rest bf16, and the floor moves those bytes (counted here by hand from the config)."""
+    out = tmp_path / "out"
+    assert main(["--shape", "tiny", "--weights", "fp8", "--context", "16", "--modes", "ar", "--repeats", "1",
+                 "--out", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    c = report["target_config"]
+    e, f, v, n, d = (c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"],
+                     c["head_dim"])
+    q, kv = c["num_attention_heads"] * d, c["num_key_value_heads"] * d
+    projections = n * (2 * e * q + 2 * e * kv + 3 * e * f)  # q, o, k, v, gate, up, down: one byte per weight
+    scales = n * 7 * 4  # the tiny shape's projections are one 128 x 128 block each: one float32 scale
+    rest = 2 * (2 * v * e + n * (2 * e + 2 * d) + e)  # bf16 embedding, lm_head, norms
+    assert report["weights"] == "fp8" and report["target_bytes"] == projections + scales + rest
+    row = report["rows"][0]
+    assert row["floor_bytes"] == report["target_bytes"] + 2 * n * 16 * kv * 2  # + the K/V of 16 tokens
+    assert "block-scaled FP8" in (out / "bench.md").read_text()

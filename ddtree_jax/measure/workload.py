@@ -26,13 +26,16 @@ from ddtree_jax.shapes import shape_configs
 BUCKET = 128  # cache capacity rounding, as the engine's
 
 
-def random_pair(shape: str, parallel, dtype=jnp.bfloat16):
+def random_pair(shape: str, parallel, dtype=jnp.bfloat16, fp8: bool = False):
     """Random target (Qwen3, or a Qwen3.5/3.6 hybrid) and drafter of a named shape (`shapes.SHAPES`),
-    initialised on the device in `dtype`, laid out by `parallel`."""
-    from ddtree_jax.config import TARGET_PARSERS, check_pair, parse_dflash
+    initialised on the device in `dtype`, laid out by `parallel`. `fp8`: the target's projections are
+    block-scaled FP8 as `quantize-fp8` writes them (random FP8 values, scales 1)."""
+    from ddtree_jax.config import TARGET_PARSERS, check_pair, fp8_quantization_config, parse_dflash
     from ddtree_jax.parallel import param_shardings
 
     target_raw, drafter_raw = shape_configs(shape)
+    if fp8:
+        target_raw = {**target_raw, "quantization_config": fp8_quantization_config(target_raw)}
     t_cfg, d_cfg = TARGET_PARSERS[target_raw["model_type"]](target_raw), parse_dflash(drafter_raw)
     check_pair(t_cfg, d_cfg, where=f"{shape} drafter")
 
@@ -42,7 +45,8 @@ def random_pair(shape: str, parallel, dtype=jnp.bfloat16):
         shardings = param_shardings(abstract, parallel)
         arrays = {}
         for i, (name, leaf) in enumerate(abstract.flat().items()):
-            arrays[name] = random_array(leaf.shape, jnp.dtype(dtype).name, "norm" in name, shardings[name])(
+            ones = "norm" in name or name.endswith("_scale_inv")
+            arrays[name] = random_array(leaf.shape, jnp.dtype(leaf.dtype).name, ones, shardings[name])(
                 jax.random.fold_in(jax.random.key(seed), i))
         return abstract.replace_flat(arrays)
 

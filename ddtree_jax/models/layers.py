@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from ddtree_jax.models import fp8
 from ddtree_jax.models.contract import Runtime
 from pallas_kernels.tree_attention import tree_attention
 
@@ -34,14 +35,42 @@ def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, axes: tuple[str 
 
 
 class Linear(nnx.Module):
-    """Bias-free projection with an HF-layout weight `[out, in]`."""
+    """Bias-free projection with an HF-layout weight `[out, in]`; after `to_fp8`, a block-scaled FP8 one: a
+    float8_e4m3fn `weight` and its float32 `weight_scale_inv` [ceil(out / bo), ceil(in / bi)] (`models/fp8.py`),
+    dequantised on every call."""
 
     def __init__(self, in_features: int, out_features: int, axes: tuple[str | None, str | None], *, dtype, rngs):
         self.weight = param(rngs, (out_features, in_features), dtype, axes, "normal")
+        self.block = None  # (bo, bi) once FP8
+
+    def to_fp8(self, block: tuple[int, int]) -> None:
+        """Quantise the weight in place into FP8 blocks of `block` (random init; shapes for loading)."""
+        axes = self.weight.axes
+        weight, scale = fp8.quantize(self.weight[...], block)
+        self.weight = nnx.Param(weight, axes=axes)
+        self.weight_scale_inv = nnx.Param(scale, axes=fp8.scale_axes(axes, weight.shape, block))
+        self.block = tuple(block)
+
+    def dense_weight(self, dtype) -> jax.Array:
+        """The weight [out, in] in `dtype` (an FP8 weight dequantised in float32, then cast)."""
+        if self.block is None:
+            return self.weight[...].astype(dtype)
+        return fp8.dequantize(self.weight[...], self.weight_scale_inv[...], self.block, dtype)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., in] -> [..., out] in x's dtype."""
-        return jnp.einsum("...i,oi->...o", x, self.weight[...].astype(x.dtype))
+        return jnp.einsum("...i,oi->...o", x, self.dense_weight(x.dtype))
+
+
+def apply_fp8(module: nnx.Module, config) -> nnx.Module:
+    """Make FP8 every `Linear` of `module` that `config.fp8` (a `config.Fp8Config`, or None) converts, by its
+    dotted name; returns `module`."""
+    if getattr(config, "fp8", None) is None:
+        return module
+    for path, child in nnx.iter_modules(module):
+        if isinstance(child, Linear) and config.fp8.converts(".".join(str(p) for p in path)):
+            child.to_fp8(config.fp8.block)
+    return module
 
 
 class Embedding(nnx.Module):

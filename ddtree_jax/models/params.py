@@ -12,6 +12,8 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
+from ddtree_jax.models.layers import apply_fp8
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -58,14 +60,15 @@ def _key_name(key) -> str:
 
 
 def abstract_params(build: Callable[[nnx.Rngs], nnx.Module], config) -> ModelParams:
-    """Shapes and dtypes only (nothing allocated): the target of a checkpoint load."""
-    module = nnx.eval_shape(lambda: build(nnx.Rngs(0)))
+    """Shapes and dtypes only (nothing allocated): the target of a checkpoint load. The projections that
+    `config.fp8` converts are FP8 (`layers.apply_fp8`), here and in `random_params`."""
+    module = nnx.eval_shape(lambda: apply_fp8(build(nnx.Rngs(0)), config))
     graphdef, state = nnx.split(module, nnx.Param)
     return ModelParams(state=state, graphdef=graphdef, config=config)
 
 
 def random_params(build: Callable[[nnx.Rngs], nnx.Module], config, seed: int = 0) -> ModelParams:
     """Randomly initialised parameters (tests, shape benchmarks)."""
-    module = build(nnx.Rngs(seed))
+    module = apply_fp8(build(nnx.Rngs(seed)), config)
     graphdef, state = nnx.split(module, nnx.Param)
     return ModelParams(state=state, graphdef=graphdef, config=config)

@@ -127,7 +127,7 @@ def logits(params: ModelParams, hidden: jax.Array) -> jax.Array:
     """hidden [..., e] -> float32 logits [..., v] through lm_head (or the tied embedding)."""
     model = params.module()
     if params.config.tie_word_embeddings:
-        weight = model.model.embed_tokens.weight[...]
+        weight = model.model.embed_tokens.weight[...].astype(hidden.dtype)
     else:
-        weight = model.lm_head.weight[...]
-    return jnp.einsum("...e,ve->...v", hidden, weight.astype(hidden.dtype), preferred_element_type=jnp.float32)
+        weight = model.lm_head.dense_weight(hidden.dtype)
+    return jnp.einsum("...e,ve->...v", hidden, weight, preferred_element_type=jnp.float32)
