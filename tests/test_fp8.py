@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 from conversions.convert import main as convert_main
 from ddtree_jax.checkpoint import CheckpointError, load_drafter, load_target, read_arrays, save_hf
