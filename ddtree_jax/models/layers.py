@@ -22,22 +22,26 @@ from ddtree_jax.config import RopeConfig
 NORMAL_STD = 0.02
 
 
-def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, axes: tuple[str | None, ...], init: str):
-    """A parameter with logical `axes`; `init` is 'normal' (std NORMAL_STD), 'ones' or 'zeros'."""
+def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, axes: tuple[str | None, ...], init: str,
+          groups: int | None = None):
+    """A parameter with logical `axes`; `init` is 'normal' (std NORMAL_STD), 'ones' or 'zeros'. `groups`: the
+    number of whole heads (or head groups) its tensor-parallel axis is made of, which a split must not cut
+    (`parallel.Parallel.param_spec`); None: that axis's own size."""
     if init == "normal":
         value = jax.random.normal(rngs.params(), shape, jnp.float32) * NORMAL_STD
     elif init == "ones":
         value = jnp.ones(shape, jnp.float32)
     else:
         value = jnp.zeros(shape, jnp.float32)
-    return nnx.Param(value.astype(dtype), axes=axes)
+    return nnx.Param(value.astype(dtype), axes=axes, groups=groups)
 
 
 class Linear(nnx.Module):
     """Bias-free projection with an HF-layout weight `[out, in]`."""
 
-    def __init__(self, in_features: int, out_features: int, axes: tuple[str | None, str | None], *, dtype, rngs):
-        self.weight = param(rngs, (out_features, in_features), dtype, axes, "normal")
+    def __init__(self, in_features: int, out_features: int, axes: tuple[str | None, str | None], *, dtype, rngs,
+                 groups: int | None = None):
+        self.weight = param(rngs, (out_features, in_features), dtype, axes, "normal", groups)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., in] -> [..., out] in x's dtype."""
