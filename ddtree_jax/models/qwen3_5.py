@@ -51,6 +51,32 @@ CHUNK = 64  # tokens per chunk of the chunked (WY) delta rule, as HF
 # Delta rule: pure jnp, float32
 
 
+def unit_lower_solve(system: jax.Array, rhs: jax.Array) -> jax.Array:
+    """x with system @ x = rhs: system [..., n, n] unit lower triangular (its diagonal and upper part are not
+    read), rhs [..., n, m] -> [..., n, m] float32.
+
+    On the GPU, `jax.lax.linalg.triangular_solve`. On the CPU, forward substitution in XLA ops, one row per
+    step: jaxlib 0.10.2's LAPACK solve splits a large batch into tasks on XLA's intra-op thread pool and
+    blocks its pool thread until they are done, so when the devices of a host mesh solve at once they can
+    hold every pool thread (2 on a 2-core machine) and wait forever (seen with 2 and 4 forced devices;
+    jaxlib 0.11.2 builds without that path). Both agree to float32 rounding.
+    """
+    def substitute(system, rhs):
+        n = system.shape[-1]
+
+        def row(i, x):  # x_i = rhs_i - sum over j < i of system_ij x_j (rows >= i of x are still 0)
+            a = jnp.where(jnp.arange(n) < i, jax.lax.dynamic_index_in_dim(system, i, -2, keepdims=False), 0.0)
+            x_i = jax.lax.dynamic_index_in_dim(rhs, i, -2, keepdims=False) - jnp.einsum("...j,...jm->...m", a, x)
+            return jax.lax.dynamic_update_index_in_dim(x, x_i, i, -2)
+
+        return jax.lax.fori_loop(0, n, row, jnp.zeros_like(rhs))
+
+    def lapack(system, rhs):
+        return jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+
+    return jax.lax.platform_dependent(system, rhs, cpu=substitute, default=lapack)
+
+
 def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state):
     """The gated delta rule one token at a time.
 
@@ -110,7 +136,7 @@ def tree_gated_delta_rule(q, k, v, g, beta, initial_state, visible):
     strict = on_path & ~jnp.eye(t, dtype=bool)
     system = jnp.where(strict, jnp.einsum("bhik,bhjk->bhij", k_beta, k) * decay, 0.0) + jnp.eye(t, dtype=f32)
     rhs = jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(cum)[..., None]], axis=-1)
-    solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+    solved = unit_lower_solve(system, rhs)
     dv = v.shape[-1]
     u, w = solved[..., :dv], solved[..., dv:]
     v_new = u - jnp.einsum("bhtk,bhkv->bhtv", w, initial_state)
@@ -149,7 +175,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size: int = CH
     system = jnp.einsum("...ik,...jk->...ij", k_beta, k) * decay
     system = jnp.where(jnp.tril(lower, -1), system, 0.0) + jnp.eye(chunk_size, dtype=system.dtype)
     rhs = jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(cum)[..., None]], axis=-1)
-    solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+    solved = unit_lower_solve(system, rhs)
     u, w = solved[..., :dv], solved[..., dv:]
     intra = jnp.einsum("...ik,...jk->...ij", q, k) * decay
     q_decayed = q * jnp.exp(cum)[..., None]
