@@ -21,8 +21,8 @@ out_proj on its input features, so one all-reduce follows it. The channels are [
 v (H x V)], and a sharded array is split in contiguous blocks: a device's rows of in_proj_qkv (and conv
 channels, and conv window) are a contiguous 1/N of C, not its heads' q, k and v. No reshape of [q | k | v]
 makes them one block when H > Hk, and reordering the rows at load would make the parameters differ from
-the checkpoint's tensors of the same names; so the conv runs on the contiguous blocks and one all-gather of its output
-(b x t x C activations) per layer re-lays them by heads.
+the checkpoint's tensors of the same names; so the conv runs on the contiguous blocks, and one all-gather
+of its output (b x t x C activations) per layer re-lays them by heads.
 """
 
 from __future__ import annotations
@@ -318,7 +318,9 @@ class GatedDeltaNet(nnx.Module):
         b, t, _ = x.shape
         kernel = self.conv1d.weight.shape[-1]
         tree = parents is not None
-        mesh = runtime.tp_mesh if runtime.tp_mesh is not None and self.key_heads % runtime.tp_mesh.size == 0 else None
+        mesh = runtime.tp_mesh
+        if mesh is not None and self.key_heads % mesh.size:
+            mesh = None  # the key heads do not divide: the weights are whole on every device, and so is all this
         pin = functools.partial(_pin, mesh=mesh)
 
         # Causal depthwise conv over [window | new inputs]; the new window is each row's last K-1 real inputs.
