@@ -98,6 +98,12 @@ class RecurrentState:
     state: jax.Array
     conv: jax.Array
 
+    @property
+    def key_heads(self) -> int:
+        """The layer's key heads Hk, from C = 2 Hk Dk + Hv Dv."""
+        _, hv, dk, dv = self.state.shape
+        return (self.conv.shape[1] - hv * dv) // (2 * dk)
+
     @classmethod
     def create(cls, batch: int, num_value_heads: int, key_head_dim: int, value_head_dim: int, conv_dim: int,
                conv_kernel: int, dtype) -> "RecurrentState":

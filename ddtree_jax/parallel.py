@@ -3,9 +3,13 @@
 - tp: one model split over the mesh axis "model" in the Megatron layout. Every parameter carries
   logical `axes` metadata (models/layers.py); `TP_RULES` maps them to the mesh: q/k/v and gate/up are
   split on their output features, o/down on their input features, the embedding and lm_head on the
-  vocabulary; the KV caches on their heads. Given those input shardings, XLA's SPMD partitioner places
-  one all-reduce after the attention output projection and one after the MLP of every layer. Small
-  arrays (the tree, the acceptance walk, tokens) stay replicated, so every device agrees on the path.
+  vocabulary; the KV caches on their heads. A Gated DeltaNet layer (models/qwen3_5.py) splits the same
+  way by key heads, each with its value heads: in_proj_qkv, the conv and its window on their channels,
+  z/b/a, A_log, dt_bias and the recurrent state by value heads, out_proj on its input features. Given
+  those input shardings, XLA's SPMD partitioner places one all-reduce after the attention (or Gated
+  DeltaNet) output projection and one after the MLP of every layer. A split axis whose head count does
+  not divide by the mesh size stays replicated (`param_shardings` warns once per model). Small arrays
+  (the tree, the acceptance walk, tokens) stay replicated, so every device agrees on the path.
 - dp: one replica per device over the mesh axis "data"; rows of the batch (and their caches) are split
   over devices and every device runs the whole round on its rows.
 
@@ -18,6 +22,8 @@ several hosts under `jax.distributed.initialize` (see README): arrays are built 
 from __future__ import annotations
 
 import dataclasses
+import re
+import warnings
 from typing import Any
 
 import jax
@@ -26,8 +32,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 MODEL_AXIS = "model"
 DATA_AXIS = "data"
-# Logical parameter axes -> the tp mesh axis (None: replicated).
-TP_RULES = {"q_heads": MODEL_AXIS, "kv_heads": MODEL_AXIS, "mlp": MODEL_AXIS, "vocab": MODEL_AXIS}
+# Logical parameter axes -> the tp mesh axis (None: replicated). linear_*: a Gated DeltaNet layer's conv
+# channels ([q | k | v]), value channels (value heads x Dv) and value heads.
+TP_RULES = {"q_heads": MODEL_AXIS, "kv_heads": MODEL_AXIS, "mlp": MODEL_AXIS, "vocab": MODEL_AXIS,
+            "linear_conv": MODEL_AXIS, "linear_value": MODEL_AXIS, "linear_heads": MODEL_AXIS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,14 +65,15 @@ class Parallel:
 
     # ---- parameters
 
-    def param_spec(self, axes: tuple[str | None, ...] | None, shape: tuple[int, ...]) -> P:
-        """tp: shard each dim whose logical axis has a rule and divides evenly; replicate otherwise."""
+    def param_spec(self, axes: tuple[str | None, ...] | None, shape: tuple[int, ...], groups: int | None = None) -> P:
+        """tp: shard each dim whose logical axis has a rule, when its `groups` (the whole heads it is made of;
+        None: the dim's size) divide by the mesh size; replicate otherwise."""
         if self.mode != "tp" or axes is None:
             return P()
         spec = []
         for name, dim in zip(axes, shape):
             axis = TP_RULES.get(name)
-            spec.append(axis if axis is not None and dim % self.size == 0 else None)
+            spec.append(axis if axis is not None and (groups or dim) % self.size == 0 else None)
         return P(*spec)
 
     # ---- activations and caches
@@ -79,6 +88,15 @@ class Parallel:
             return P(None, None, MODEL_AXIS if num_kv_heads % self.size == 0 else None, None)
         return self.batch_spec(4)
 
+    def recurrent_specs(self, key_heads: int) -> tuple[P, P]:
+        """A Gated DeltaNet layer's state [b, Hv, Dk, Dv] and conv window [b, C, K - 1]: under tp, value heads
+        and conv channels over 'model' (as the layer's weights: both split when the key heads divide);
+        rows over 'data' (dp)."""
+        if self.mode == "tp":
+            axis = MODEL_AXIS if key_heads % self.size == 0 else None
+            return P(None, axis, None, None), P(None, axis, None)
+        return self.batch_spec(4), self.batch_spec(3)
+
     def constrain(self, x: jax.Array, spec: P) -> jax.Array:
         """Pin an array's layout inside jit (a no-op on one device)."""
         if self.mesh is None:
@@ -88,16 +106,18 @@ class Parallel:
 
 def constrain_cache(cache, parallel: Parallel):
     """Pin a cache's layout inside jit: K/V heads over the tp axis, rows over the dp axis; a hybrid's
-    recurrent states rows over dp (replicated under tp). None and single-device caches pass through."""
+    recurrent states by heads (tp, `Parallel.recurrent_specs`) or rows (dp). None and single-device caches
+    pass through."""
     from ddtree_jax.cache import HybridCache, KVCache, RecurrentState
 
     if cache is None or parallel.mesh is None:
         return cache
     if isinstance(cache, HybridCache):
-        recurrent = tuple(RecurrentState(state=parallel.constrain(r.state, parallel.batch_spec(4)),
-                                         conv=parallel.constrain(r.conv, parallel.batch_spec(3)))
-                          for r in cache.recurrent)
-        return HybridCache(kv=constrain_cache(cache.kv, parallel), recurrent=recurrent)
+        def pin(r: RecurrentState) -> RecurrentState:
+            state, conv = parallel.recurrent_specs(r.key_heads)
+            return RecurrentState(state=parallel.constrain(r.state, state), conv=parallel.constrain(r.conv, conv))
+
+        return HybridCache(kv=constrain_cache(cache.kv, parallel), recurrent=tuple(pin(r) for r in cache.recurrent))
     spec = parallel.kv_spec(cache.k[0].shape[2])
     return KVCache(k=tuple(parallel.constrain(k, spec) for k in cache.k),
                    v=tuple(parallel.constrain(v, spec) for v in cache.v),
@@ -132,11 +152,25 @@ def put(array: Any, sharding: jax.sharding.Sharding) -> jax.Array:
 
 
 def param_shardings(params, parallel: Parallel):
-    """The sharding of every parameter of a ModelParams, by dotted name."""
+    """The sharding of every parameter of a ModelParams, by dotted name. Under tp, warns once (per model)
+    when heads that the rules would split do not divide by the mesh size, naming what stays replicated."""
     from ddtree_jax.models.params import flat_variables
 
-    return {name: parallel.sharding(parallel.param_spec(getattr(var, "axes", None), var.get_value().shape))
-            for name, var in flat_variables(params.state).items()}
+    shardings, whole = {}, {}  # whole: a layer's block ('model.layers.*.linear_attn') or table -> what did not divide
+    for name, var in flat_variables(params.state).items():
+        axes, groups, shape = getattr(var, "axes", None), getattr(var, "groups", None), var.get_value().shape
+        spec = parallel.param_spec(axes, shape, groups)
+        shardings[name] = parallel.sharding(spec)
+        ruled = [dim for axis, dim in zip(axes or (), shape) if TP_RULES.get(axis)]
+        if parallel.mode == "tp" and ruled and all(s is None for s in spec):
+            block = re.match(r"(.*?layers\.)\d+\.([^.]+)", name)
+            module = f"{block.group(1)}*.{block.group(2)}" if block else name.rsplit(".", 1)[0]
+            whole.setdefault(module, set()).add(f"{groups} heads" if groups else f"{ruled[0]} features")
+    if whole:
+        listed = "; ".join(f"{module} ({', '.join(sorted(units))})" for module, units in whole.items())
+        warnings.warn(f"--parallel tp on {parallel.size} devices: these stay whole on every device, their heads "
+                      f"(or features) do not divide by {parallel.size}: {listed}", stacklevel=2)
+    return shardings
 
 
 def shard_params(params, parallel: Parallel):

@@ -58,6 +58,20 @@ def test_shape_mode_under_tp(tmp_path):
     assert report["devices"] == 2 and report["parallel"] == "tp" and len(report["rows"]) == 2
 
 
+def test_hybrid_shape_mode_under_tp(tmp_path, recwarn):
+    """`--shape tiny-hybrid --devices 2 --parallel tp`: a DDTree round of the hybrid with every layer split (2 key
+    heads, 2 KV heads: nothing stays whole, so no warning)."""
+    out = tmp_path / "out"
+    assert main(["--shape", "tiny-hybrid", "--context", "16", "--budgets", "4", "--modes", "ddtree", "--repeats", "1",
+                 "--devices", "2", "--parallel", "tp", "--out", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    assert report["devices"] == 2 and report["parallel"] == "tp" and report["hybrid"]
+    [row] = report["rows"]
+    assert (row["mode"], row["budget"], row["verify_tokens"]) == ("ddtree", 4, 5)
+    assert all(row[f"{k}_s"] > 0 for k in ("round", "draft", "tree", "verify", "accept", "commit"))
+    assert not [w for w in recwarn if "--parallel tp" in str(w.message)]
+
+
 def test_hybrid_shape_mode_reports_recurrent_state_bytes(tmp_path):
     """`--shape tiny-hybrid`: a random Qwen3.5-style target (3 Gated DeltaNet layers + 1 gated attention layer)
     with a sliding-window + non-causal drafter; every row carries the per-node recurrent states its verify

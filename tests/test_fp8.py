@@ -214,8 +214,8 @@ def test_converter_writes_the_published_layout_and_orbax_keeps_it(folders, tmp_p
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (forced host) devices")
 def test_tensor_parallel_shards_scales_with_whole_blocks(tmp_path):
     """Under tp a scale dim splits with its weight where each device's rows are whole blocks (q_proj, gate/up on
-    their rows, down on its columns) and stays replicated elsewhere (k_proj: 2 blocks on 4 devices; o_proj);
-    either way the logits are one device's."""
+    their rows, down on its columns) and stays replicated elsewhere (o_proj; k_proj, whose 2 KV heads do not
+    split over 4 devices, is replicated whole); either way the logits are one device's."""
     from jax.sharding import PartitionSpec as P
 
     from ddtree_jax.parallel import make_parallel
@@ -229,7 +229,7 @@ def test_tensor_parallel_shards_scales_with_whole_blocks(tmp_path):
     assert specs[layer + "self_attn.q_proj.weight_scale_inv"] == P("model", None)
     assert specs[layer + "mlp.up_proj.weight_scale_inv"] == P("model", None)
     assert specs[layer + "mlp.down_proj.weight_scale_inv"] == P(None, "model")
-    assert specs[layer + "self_attn.k_proj.weight"] == P("model", None)
+    assert specs[layer + "self_attn.k_proj.weight"] == P(None, None)  # 2 whole KV heads, 4 devices
     assert specs[layer + "self_attn.k_proj.weight_scale_inv"] == P(None, None)
     assert specs[layer + "self_attn.o_proj.weight"] == P(None, "model")
     assert specs[layer + "self_attn.o_proj.weight_scale_inv"] == P(None, None)

@@ -5,6 +5,9 @@ target's exact distribution (chi-square), which the chain-ordered recurrence fai
 
 from __future__ import annotations
 
+import collections
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,11 +30,12 @@ LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear
 
 
 def text_config(vocab_size: int) -> dict:
-    """A small `qwen3_5_text` config: GQA 4/2, head_dim 16 half rotated; GDN 2 key heads -> 4 value heads."""
+    """A small `qwen3_5_text` config: GQA 4/2, head_dim 16 half rotated; GDN 4 key heads -> 8 value heads of 4 (whole
+    key-head groups on 2 and 4 devices under tp)."""
     return dict(
         vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, layer_types=LAYER_TYPES, linear_conv_kernel_dim=4,
-        linear_key_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, linear_value_head_dim=8,
+        linear_key_head_dim=4, linear_num_key_heads=4, linear_num_value_heads=8, linear_value_head_dim=4,
         rms_norm_eps=1e-6, max_position_embeddings=512, tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
     )
@@ -92,10 +96,11 @@ MAX_NEW = 40
 
 @pytest.fixture(scope="module")
 def hybrid_pair(tmp_path_factory):
+    """Seeds with which some budget-16 trees accept 3 tokens (as the DDTree test below requires)."""
     root = tmp_path_factory.mktemp("hybrid_pair")
-    build_hf_hybrid(root / "t", vocab_size=VOCAB, seed=2, std=0.1)
+    build_hf_hybrid(root / "t", vocab_size=VOCAB, seed=6, std=0.1)
     target = load_target(root / "t", jnp.float32)
-    drafter = load_drafter(write_random_dflash(root / "d", text_config(VOCAB), seed=3, block_size=8),
+    drafter = load_drafter(write_random_dflash(root / "d", text_config(VOCAB), seed=7, block_size=8),
                            target.config, jnp.float32)
     return target, drafter
 
@@ -230,18 +235,147 @@ def test_tree_verify_states_equal_running_each_root_path(hybrid_pair):
                                        err_msg=f"node {node}")
 
 
-@pytest.mark.parametrize("mode", ["dp", "tp"])
-def test_ddtree_on_two_devices_equals_ar(hybrid_pair, hybrid_ar, mode):
-    """The hybrid caches under a mesh: rows over devices (dp), or heads split with the GDN layers replicated (tp)."""
-    from ddtree_jax.parallel import make_parallel, shard_params
+def test_ddtree_on_two_devices_equals_ar_under_dp(hybrid_pair, hybrid_ar):
+    """The hybrid caches under dp: rows over devices."""
+    from ddtree_jax.parallel import make_parallel
 
     target, drafter = hybrid_pair
-    parallel = make_parallel(2, mode)
-    if mode == "tp":
-        target, drafter = shard_params(target, parallel), shard_params(drafter, parallel)
     spec = generate(target, PROMPTS, DecodeOptions(mode=Mode.DDTREE, max_new_tokens=MAX_NEW, block_size=8, budget=16,
-                                                   parallel=parallel), drafter=drafter)
+                                                   parallel=make_parallel(2, "dp")), drafter=drafter)
     assert spec.output_ids == hybrid_ar
+
+
+# ---- tensor parallelism: the Gated DeltaNet layers split by key heads (4: 2 or 1 per device, each with its 2
+# value heads), the gated attention by heads (2 KV heads: split on 2 devices, replicated on 4). AR, DFlash and
+# DDTree on 2 devices; AR and DDTree on 4 (DFlash's verify is DDTree's code path on a chain).
+
+TP_RUNS = [(Mode.AR, 2), (Mode.DFLASH, 2), (Mode.DDTREE, 2), (Mode.AR, 4), (Mode.DDTREE, 4)]
+
+
+def _tp_options(mode: Mode, parallel=None) -> DecodeOptions:
+    from ddtree_jax.parallel import Parallel
+
+    return DecodeOptions(mode=mode, max_new_tokens=MAX_NEW, block_size=8, budget=16, parallel=parallel or Parallel())
+
+
+@pytest.fixture(scope="module")
+def tp_run(hybrid_pair):
+    """(mode, devices) -> (GenerationResult, HLO text of the compiled decode loop), each run once; devices 1 is
+    the unsplit run."""
+    from ddtree_jax.parallel import make_parallel, shard_params
+
+    runs = {}
+
+    def run(mode: Mode, devices: int):
+        if (mode, devices) not in runs:
+            parallel = make_parallel(devices, "tp")
+            target, drafter = (shard_params(p, parallel) for p in hybrid_pair)
+            options = _tp_options(mode, parallel)
+            result = generate(target, PROMPTS, options, drafter=drafter)
+            loops = [c for key, c in engine._COMPILED.items()
+                     if key[0] == "decode_loop" and dict(key[3])["options"].parallel == parallel
+                     and dict(key[3])["options"].mode is mode]
+            runs[mode, devices] = result, loops[-1].as_text()
+        return runs[mode, devices]
+
+    return run
+
+
+@pytest.mark.parametrize("mode,devices", [pytest.param(m, n, id=f"{m.value}-{n}") for m, n in TP_RUNS])
+def test_tp_equals_one_device(tp_run, hybrid_ar, mode, devices):
+    """Token-identical to one device, round for round."""
+    split, _ = tp_run(mode, devices)
+    assert split.output_ids == hybrid_ar
+    assert split.acceptance_lengths == tp_run(mode, 1)[0].acceptance_lengths
+
+
+def _collectives_by_layer(hlo: str) -> dict[int, collections.Counter]:
+    """Collective ops of a compiled program per target decoder layer (the `layer_{i}` named scope of its op)."""
+    found = collections.defaultdict(collections.Counter)
+    for line in hlo.splitlines():
+        op = re.search(r"= \S+ (all-reduce|all-gather|all-to-all|collective-permute|reduce-scatter)(?:-start)?\(", line)
+        layer = re.search(r'op_name="[^"]*/layer_(\d+)/', line)
+        if op and layer:
+            found[int(layer.group(1))][op.group(1)] += 1
+    return found
+
+
+@pytest.mark.parametrize("mode,devices", [pytest.param(m, n, id=f"{m.value}-{n}") for m, n in TP_RUNS
+                                          if m is not Mode.DFLASH])
+def test_tp_loop_has_one_all_reduce_after_each_projection_out(tp_run, hybrid_pair, mode, devices):
+    """In the compiled tp decode loop, each layer all-reduces twice: after its attention or Gated DeltaNet
+    output projection, and after its MLP. A Gated DeltaNet layer adds one all-gather (the conv output, from
+    the weight's contiguous channel blocks to each device's heads) and nothing else. Replicated GDN layers
+    would have one all-reduce (the MLP's) and none of the all-gather."""
+    config = hybrid_pair[0].config
+    layers = _collectives_by_layer(tp_run(mode, devices)[1])
+    for i in config.linear_layers:
+        assert layers[i] == {"all-reduce": 2, "all-gather": 1}, (i, layers[i])
+    for i in config.attention_layers:
+        assert layers[i]["all-reduce"] == 2, (i, layers[i])
+
+
+def test_tp_devices_hold_their_share_of_every_gdn_weight_and_state(hybrid_pair):
+    """Each of N devices holds 1/N of every Gated DeltaNet weight (whole key-head groups: rows of in_proj_qkv
+    and conv channels in contiguous blocks, value heads of z/b/a/A_log/dt_bias, input features of out_proj),
+    of every recurrent state and conv window, and of the per-node records a tree verify returns. The gated
+    norm's weight (Dv values shared by every head) stays whole."""
+    from ddtree_jax.parallel import constrain_cache, make_parallel, shard_params
+    from ddtree_jax.tree import ancestor_mask
+
+    config = hybrid_pair[0].config
+    split_dim = {"in_proj_qkv.weight": 0, "in_proj_z.weight": 0, "in_proj_b.weight": 0, "in_proj_a.weight": 0,
+                 "conv1d.weight": 0, "A_log": 0, "dt_bias": 0, "out_proj.weight": 1, "norm.weight": None}
+
+    def assert_split(array, dim, n, what):
+        shards = array.addressable_shards
+        assert len({s.device for s in shards}) == n, what
+        for shard in shards:
+            expected = list(array.shape)
+            if dim is not None:
+                expected[dim] //= n
+            assert list(shard.data.shape) == expected, what
+        if dim is not None:  # together the shards are the whole array, without overlap
+            assert sorted(s.index[dim].start or 0 for s in shards) == [i * array.shape[dim] // n for i in range(n)]
+
+    for n in (2, 4):
+        parallel = make_parallel(n, "tp")
+        flat = shard_params(hybrid_pair[0], parallel).flat()
+        gdn = {name: a for name, a in flat.items() if ".linear_attn." in name}
+        assert len(gdn) == len(split_dim) * len(config.linear_layers)
+        for name, array in gdn.items():
+            assert_split(array, split_dim[name.split(".linear_attn.")[1]], n, name)
+        cache = jax.jit(lambda: constrain_cache(qwen3_5.create_cache(config, 2, 32, jnp.float32), parallel))()
+        for r in cache.recurrent:
+            assert_split(r.state, 1, n, "state")  # [b, Hv, Dk, Dv]
+            assert_split(r.conv, 1, n, "conv")  # [b, C, K - 1]
+
+    # The per-node records of a tree verify on 2 devices: keys/values/log decay by value heads, inputs by channels.
+    parallel = make_parallel(2, "tp")
+    target = shard_params(hybrid_pair[0], parallel)
+    parents, depths = jnp.asarray([[0, 0, 0, 1, 2]]), jnp.asarray([[0, 1, 1, 2, 2]])
+    meta = ForwardMeta.tree(jnp.zeros((1,), jnp.int32), parents, depths,
+                            ancestor_mask(parents[0], jnp.ones(5, bool), 5)[None])
+    runtime = _tp_options(Mode.DDTREE, parallel).runtime
+    nodes = jax.jit(lambda t: qwen3_5.forward(t, jnp.zeros((1, 5), jnp.int32), meta, constrain_cache(
+        qwen3_5.create_cache(config, 1, 32, jnp.float32), parallel), runtime=runtime).nodes)(target)
+    for layer in nodes:
+        for field in ("keys", "values", "log_decay", "inputs"):
+            assert_split(getattr(layer, field), 2, 2, field)
+
+
+def test_tp_warns_once_when_key_heads_do_not_divide(hybrid_pair):
+    """4 key heads over 3 devices: every Gated DeltaNet weight stays whole, and one warning says so."""
+    from ddtree_jax.parallel import make_parallel, param_shardings
+
+    with pytest.warns(UserWarning, match="--parallel tp") as caught:
+        shardings = param_shardings(hybrid_pair[0], make_parallel(3, "tp"))
+    messages = [str(w.message) for w in caught if "--parallel tp" in str(w.message)]
+    assert len(messages) == 1 and "on 3 devices" in messages[0]
+    assert "model.layers.*.linear_attn (4 heads)" in messages[0], messages[0]
+    gdn = [s for name, s in shardings.items() if ".linear_attn." in name]
+    assert gdn and all(s.is_fully_replicated for s in gdn)
+    assert not shardings["model.layers.0.mlp.gate_proj.weight"].is_fully_replicated  # 48 MLP features: split
 
 
 # ---- sampling (T > 0): DFlash and DDTree samples follow the hybrid target's own distribution

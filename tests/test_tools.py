@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import gpu_probe  # noqa: E402
 import greedy_equality  # noqa: E402
 import topk_probe  # noqa: E402
+import tp_layout  # noqa: E402
 import trace_summary  # noqa: E402
 
 
@@ -116,3 +117,18 @@ def test_topk_probe_times_and_checks_every_chunk(tmp_path):
     report = json.loads((tmp_path / "topk_probe.json").read_text())
     assert [r["impl"] for r in report["records"]] == ["current", "baseline", "vocab top-k"]
     assert all(r.get("same_tree", True) for r in report["records"])
+
+
+def test_tp_layout_counts_each_devices_share_from_shapes():
+    """tiny-hybrid on 2 devices: every block holds half its bytes on a device except the norms (whole); by hand,
+    per token, 2 all-reduces of e = 64 bf16 per layer (4 layers) and one all-gather of C = 128 channels per
+    Gated DeltaNet layer (3), each device receiving 2 (N - 1) / N and (N - 1) / N of them."""
+    report = tp_layout.layout("tiny-hybrid", 2)
+    for block in ("embeddings", "linear_attn", "self_attn", "mlp"):
+        b = report["blocks"][block]
+        assert b["bytes_per_device"] * 2 == b["bytes"], block
+    norms = report["blocks"]["norms"]
+    assert norms["bytes_per_device"] == norms["bytes"] > 0
+    assert report["all_reduces_per_token"] == 8 and report["all_reduce_received_per_token"] == 8 * 64 * 2
+    assert report["all_gathers_per_token"] == 3 and report["all_gather_received_per_token"] == 3 * 128 * 2 / 2
+    assert tp_layout.layout("tiny", 2)["all_gathers_per_token"] == 0

@@ -103,12 +103,11 @@ def filled_state(target, drafter, context: int, options, parallel, room_rounds: 
     def filled_target(cache, seed: int):
         if not isinstance(cache, HybridCache):
             return filled(cache, seed)
-        # Recurrent states as the engine lays them out: rows over dp, replicated under tp.
-        state_sharding = parallel.sharding(parallel.batch_spec(4))
-        conv_sharding = parallel.sharding(parallel.batch_spec(3))
-        recurrent = tuple(RecurrentState(state=random_like(r.state, state_sharding, seed * 1000 + 700 + i),
-                                         conv=random_like(r.conv, conv_sharding, seed * 1000 + 900 + i))
-                          for i, r in enumerate(cache.recurrent))
+        # Recurrent states as the engine lays them out: rows over dp, heads over tp.
+        specs = [parallel.recurrent_specs(r.key_heads) for r in cache.recurrent]
+        recurrent = tuple(RecurrentState(state=random_like(r.state, parallel.sharding(state), seed * 1000 + 700 + i),
+                                         conv=random_like(r.conv, parallel.sharding(conv), seed * 1000 + 900 + i))
+                          for i, (r, (state, conv)) in enumerate(zip(cache.recurrent, specs)))
         return HybridCache(kv=filled(cache.kv, seed), recurrent=recurrent)
 
     draft_cache = filled(abstract.draft_cache, 2) if abstract.draft_cache is not None else None

@@ -23,15 +23,18 @@ from ddtree_jax.config import RopeConfig
 NORMAL_STD = 0.02
 
 
-def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, axes: tuple[str | None, ...], init: str):
-    """A parameter with logical `axes`; `init` is 'normal' (std NORMAL_STD), 'ones' or 'zeros'."""
+def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, axes: tuple[str | None, ...], init: str,
+          groups: int | None = None):
+    """A parameter with logical `axes`; `init` is 'normal' (std NORMAL_STD), 'ones' or 'zeros'. `groups`: the
+    number of whole heads (or head groups) its tensor-parallel axis is made of, which a split must not cut
+    (`parallel.Parallel.param_spec`); None: that axis's own size."""
     if init == "normal":
         value = jax.random.normal(rngs.params(), shape, jnp.float32) * NORMAL_STD
     elif init == "ones":
         value = jnp.ones(shape, jnp.float32)
     else:
         value = jnp.zeros(shape, jnp.float32)
-    return nnx.Param(value.astype(dtype), axes=axes)
+    return nnx.Param(value.astype(dtype), axes=axes, groups=groups)
 
 
 class Linear(nnx.Module):
@@ -39,15 +42,16 @@ class Linear(nnx.Module):
     float8_e4m3fn `weight` and its float32 `weight_scale_inv` [ceil(out / bo), ceil(in / bi)] (`models/fp8.py`),
     dequantised on every call."""
 
-    def __init__(self, in_features: int, out_features: int, axes: tuple[str | None, str | None], *, dtype, rngs):
-        self.weight = param(rngs, (out_features, in_features), dtype, axes, "normal")
+    def __init__(self, in_features: int, out_features: int, axes: tuple[str | None, str | None], *, dtype, rngs,
+                 groups: int | None = None):
+        self.weight = param(rngs, (out_features, in_features), dtype, axes, "normal", groups)
         self.block = None  # (bo, bi) once FP8
 
     def to_fp8(self, block: tuple[int, int]) -> None:
         """Quantise the weight in place into FP8 blocks of `block` (random init; shapes for loading)."""
-        axes = self.weight.axes
+        axes, groups = self.weight.axes, getattr(self.weight, "groups", None)
         weight, scale = fp8.quantize(self.weight[...], block)
-        self.weight = nnx.Param(weight, axes=axes)
+        self.weight = nnx.Param(weight, axes=axes, groups=groups)
         self.weight_scale_inv = nnx.Param(scale, axes=fp8.scale_axes(axes, weight.shape, block))
         self.block = tuple(block)
 

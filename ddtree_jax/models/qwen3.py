@@ -27,10 +27,11 @@ class Attention(nnx.Module):
 
     def __init__(self, config: Qwen3Config, *, dtype, rngs):
         e, d = config.hidden_size, config.head_dim
-        self.q_proj = Linear(e, config.num_heads * d, ("q_heads", "embed"), dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(e, config.num_kv_heads * d, ("kv_heads", "embed"), dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(e, config.num_kv_heads * d, ("kv_heads", "embed"), dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(config.num_heads * d, e, ("embed", "q_heads"), dtype=dtype, rngs=rngs)
+        h, n = config.num_heads, config.num_kv_heads
+        self.q_proj = Linear(e, h * d, ("q_heads", "embed"), dtype=dtype, rngs=rngs, groups=h)
+        self.k_proj = Linear(e, n * d, ("kv_heads", "embed"), dtype=dtype, rngs=rngs, groups=n)
+        self.v_proj = Linear(e, n * d, ("kv_heads", "embed"), dtype=dtype, rngs=rngs, groups=n)
+        self.o_proj = Linear(h * d, e, ("embed", "q_heads"), dtype=dtype, rngs=rngs, groups=h)
         self.q_norm = RMSNorm(d, config.rms_norm_eps, "head_dim", dtype=dtype)
         self.k_norm = RMSNorm(d, config.rms_norm_eps, "head_dim", dtype=dtype)
         self.head_dim = d

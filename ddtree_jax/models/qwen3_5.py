@@ -9,21 +9,31 @@ the NNX state path of every parameter is its HF name in a `qwen3_5_text` checkpo
 ('model.language_model.…') onto these names.
 
 Dimension letters: b batch, t new tokens, e hidden, n KV heads, d head dim, H value heads of a GDN layer
-(k heads are repeated to them), K/V key/value head dims of a GDN layer, C conv channels, c chunk.
+(its Hk key heads are repeated to them), K/V key/value head dims of a GDN layer, C conv channels, c chunk.
 Every RMSNorm is zero-centred (`x / rms(x) * (1 + w)`, weight init 0) except the GDN output norm (gated:
 `w * x / rms(x) * silu(z)`, weight init 1).
 
-Tensor parallelism: the attention and MLP weights carry the Megatron axes of qwen3.py; the GDN weights
-carry logical axes that `parallel.TP_RULES` does not map, so they stay replicated for now.
+Tensor parallelism (`parallel.py`, the mesh in `Runtime.tp_mesh`): the attention and MLP weights carry the
+Megatron axes of qwen3.py (q_proj's per-head [query | gate] rows split with their heads). A GDN layer splits
+by key heads, each with its value heads (value head h reads key head h // (H / Hk)): in_proj_qkv and the
+conv on their channels, z/b/a, A_log, dt_bias, the recurrent state and the per-node records by value heads,
+out_proj on its input features, so one all-reduce follows it. The channels are [q (Hk x K) | k (Hk x K) |
+v (H x V)], and a sharded array is split in contiguous blocks: a device's rows of in_proj_qkv (and conv
+channels, and conv window) are a contiguous 1/N of C, not its heads' q, k and v. No reshape of [q | k | v]
+makes them one block when H > Hk, and reordering the rows at load would make the parameters differ from
+the checkpoint's tensors of the same names; so the conv runs on the contiguous blocks, and one all-gather
+of its output (b x t x C activations) per layer re-lays them by heads.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ddtree_jax.cache import HybridCache, KVCache, NodeStates, RecurrentState, write_pending
 from ddtree_jax.config import FULL_ATTENTION, Qwen3_5Config
@@ -31,6 +41,7 @@ from ddtree_jax.models import qwen3
 from ddtree_jax.models.contract import ForwardMeta, ForwardOut, Runtime
 from ddtree_jax.models.layers import Embedding, Linear, SwiGLU, param, apply_rope, cached_attention, rope_cos_sin
 from ddtree_jax.models.params import ModelParams, abstract_params, random_params
+from ddtree_jax.parallel import MODEL_AXIS
 
 RECURRENT = True  # the cache is a HybridCache: K/V beside a recurrent state per Gated DeltaNet layer
 CHUNK = 64  # tokens per chunk of the chunked (WY) delta rule, as HF
@@ -38,6 +49,32 @@ CHUNK = 64  # tokens per chunk of the chunked (WY) delta rule, as HF
 
 # ----------------------------------------------------------------------------------------------------
 # Delta rule: pure jnp, float32
+
+
+def unit_lower_solve(system: jax.Array, rhs: jax.Array) -> jax.Array:
+    """x with system @ x = rhs: system [..., n, n] unit lower triangular (its diagonal and upper part are not
+    read), rhs [..., n, m] -> [..., n, m] float32.
+
+    On the GPU, `jax.lax.linalg.triangular_solve`. On the CPU, forward substitution in XLA ops, one row per
+    step: jaxlib 0.10.2's LAPACK solve splits a large batch into tasks on XLA's intra-op thread pool and
+    blocks its pool thread until they are done, so when the devices of a host mesh solve at once they can
+    hold every pool thread (2 on a 2-core machine) and wait forever (seen with 2 and 4 forced devices;
+    jaxlib 0.11.2 builds without that path). Both agree to float32 rounding.
+    """
+    def substitute(system, rhs):
+        n = system.shape[-1]
+
+        def row(i, x):  # x_i = rhs_i - sum over j < i of system_ij x_j (rows >= i of x are still 0)
+            a = jnp.where(jnp.arange(n) < i, jax.lax.dynamic_index_in_dim(system, i, -2, keepdims=False), 0.0)
+            x_i = jax.lax.dynamic_index_in_dim(rhs, i, -2, keepdims=False) - jnp.einsum("...j,...jm->...m", a, x)
+            return jax.lax.dynamic_update_index_in_dim(x, x_i, i, -2)
+
+        return jax.lax.fori_loop(0, n, row, jnp.zeros_like(rhs))
+
+    def lapack(system, rhs):
+        return jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+
+    return jax.lax.platform_dependent(system, rhs, cpu=substitute, default=lapack)
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state):
@@ -99,7 +136,7 @@ def tree_gated_delta_rule(q, k, v, g, beta, initial_state, visible):
     strict = on_path & ~jnp.eye(t, dtype=bool)
     system = jnp.where(strict, jnp.einsum("bhik,bhjk->bhij", k_beta, k) * decay, 0.0) + jnp.eye(t, dtype=f32)
     rhs = jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(cum)[..., None]], axis=-1)
-    solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+    solved = unit_lower_solve(system, rhs)
     dv = v.shape[-1]
     u, w = solved[..., :dv], solved[..., dv:]
     v_new = u - jnp.einsum("bhtk,bhkv->bhtv", w, initial_state)
@@ -138,7 +175,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size: int = CH
     system = jnp.einsum("...ik,...jk->...ij", k_beta, k) * decay
     system = jnp.where(jnp.tril(lower, -1), system, 0.0) + jnp.eye(chunk_size, dtype=system.dtype)
     rhs = jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(cum)[..., None]], axis=-1)
-    solved = jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
+    solved = unit_lower_solve(system, rhs)
     u, w = solved[..., :dv], solved[..., dv:]
     intra = jnp.einsum("...ik,...jk->...ij", q, k) * decay
     q_decayed = q * jnp.exp(cum)[..., None]
@@ -192,19 +229,20 @@ class GatedRMSNorm(nnx.Module):
 class DepthwiseConv(nnx.Module):
     """HF `nn.Conv1d(C, C, K, groups=C, bias=False)`: weight [C, 1, K]."""
 
-    def __init__(self, channels: int, kernel: int, *, dtype, rngs):
-        self.weight = param(rngs, (channels, 1, kernel), dtype, ("linear_conv", None, None), "normal")
+    def __init__(self, channels: int, kernel: int, key_heads: int, *, dtype, rngs):
+        self.weight = param(rngs, (channels, 1, kernel), dtype, ("linear_conv", None, None), "normal", key_heads)
 
 
 class GatedAttention(nnx.Module):
     """Full attention with an output gate: q_proj gives per head [query | gate]; q/k norms, partial RoPE."""
 
     def __init__(self, config: Qwen3_5Config, *, dtype, rngs):
-        e, d = config.hidden_size, config.head_dim
-        self.q_proj = Linear(e, config.num_heads * d * 2, ("q_heads", "embed"), dtype=dtype, rngs=rngs)
-        self.k_proj = Linear(e, config.num_kv_heads * d, ("kv_heads", "embed"), dtype=dtype, rngs=rngs)
-        self.v_proj = Linear(e, config.num_kv_heads * d, ("kv_heads", "embed"), dtype=dtype, rngs=rngs)
-        self.o_proj = Linear(config.num_heads * d, e, ("embed", "q_heads"), dtype=dtype, rngs=rngs)
+        e, d, h, n = config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads
+        # q_proj's rows are per head [query | gate], so a split into whole heads keeps each head's gate with it.
+        self.q_proj = Linear(e, h * d * 2, ("q_heads", "embed"), dtype=dtype, rngs=rngs, groups=h)
+        self.k_proj = Linear(e, n * d, ("kv_heads", "embed"), dtype=dtype, rngs=rngs, groups=n)
+        self.v_proj = Linear(e, n * d, ("kv_heads", "embed"), dtype=dtype, rngs=rngs, groups=n)
+        self.o_proj = Linear(h * d, e, ("embed", "q_heads"), dtype=dtype, rngs=rngs, groups=h)
         self.q_norm = ZeroCenteredRMSNorm(d, config.rms_norm_eps, "head_dim", dtype=dtype)
         self.k_norm = ZeroCenteredRMSNorm(d, config.rms_norm_eps, "head_dim", dtype=dtype)
         self.head_dim, self.rotary_dim = d, config.rotary_dim
@@ -229,26 +267,41 @@ class GatedAttention(nnx.Module):
         return self.o_proj(out), k, v
 
 
+def _pin(x: jax.Array, axis: int | None, *, mesh: jax.sharding.Mesh | None) -> jax.Array:
+    """x with its `axis` split over the tp mesh (None: whole on every device); x as it is without a mesh (one
+    device, dp, or key heads that do not divide)."""
+    if mesh is None:
+        return x
+    spec = [None] * x.ndim
+    if axis is not None:
+        spec[axis] = MODEL_AXIS
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
+
+
 class GatedDeltaNet(nnx.Module):
     """HF `Qwen3_5GatedDeltaNet`: in_proj_qkv -> causal depthwise conv + SiLU -> gated delta rule ->
     gated RMSNorm with in_proj_z -> out_proj."""
 
     def __init__(self, config: Qwen3_5Config, *, dtype, rngs):
         e, hv, conv = config.hidden_size, config.linear_num_value_heads, config.linear_conv_dim
-        self.in_proj_qkv = Linear(e, conv, ("linear_conv", "embed"), dtype=dtype, rngs=rngs)
-        self.in_proj_z = Linear(e, config.linear_value_dim, ("linear_value", "embed"), dtype=dtype, rngs=rngs)
-        self.in_proj_b = Linear(e, hv, ("linear_heads", "embed"), dtype=dtype, rngs=rngs)
-        self.in_proj_a = Linear(e, hv, ("linear_heads", "embed"), dtype=dtype, rngs=rngs)
-        self.conv1d = DepthwiseConv(conv, config.linear_conv_kernel, dtype=dtype, rngs=rngs)
-        self.A_log = param(None, (hv,), dtype, ("linear_heads",), "zeros")
-        self.dt_bias = param(None, (hv,), dtype, ("linear_heads",), "ones")
+        # Under tp every split axis is made of hk whole groups (a key head and its value heads): all split or
+        # none (`parallel.Parallel.param_spec`), and a device's value heads are those of its key heads.
+        hk, vd = config.linear_num_key_heads, config.linear_value_dim
+        self.in_proj_qkv = Linear(e, conv, ("linear_conv", "embed"), dtype=dtype, rngs=rngs, groups=hk)
+        self.in_proj_z = Linear(e, vd, ("linear_value", "embed"), dtype=dtype, rngs=rngs, groups=hk)
+        self.in_proj_b = Linear(e, hv, ("linear_heads", "embed"), dtype=dtype, rngs=rngs, groups=hk)
+        self.in_proj_a = Linear(e, hv, ("linear_heads", "embed"), dtype=dtype, rngs=rngs, groups=hk)
+        self.conv1d = DepthwiseConv(conv, config.linear_conv_kernel, hk, dtype=dtype, rngs=rngs)
+        self.A_log = param(None, (hv,), dtype, ("linear_heads",), "zeros", hk)
+        self.dt_bias = param(None, (hv,), dtype, ("linear_heads",), "ones", hk)
         self.norm = GatedRMSNorm(config.linear_value_head_dim, config.rms_norm_eps, dtype=dtype)
-        self.out_proj = Linear(config.linear_value_dim, e, ("embed", "linear_value"), dtype=dtype, rngs=rngs)
+        self.out_proj = Linear(vd, e, ("embed", "linear_value"), dtype=dtype, rngs=rngs, groups=hk)
+        self.key_heads = hk
         self.key_dim, self.value_dim = config.linear_key_dim, config.linear_value_dim
         self.key_head_dim, self.value_head_dim = config.linear_key_head_dim, config.linear_value_head_dim
 
     def __call__(self, x: jax.Array, state: RecurrentState, valid: jax.Array, parents: jax.Array | None = None,
-                 depths: jax.Array | None = None, visible: jax.Array | None = None,
+                 depths: jax.Array | None = None, visible: jax.Array | None = None, *, runtime: Runtime = Runtime(),
                  ) -> tuple[jax.Array, RecurrentState, NodeStates | None]:
         """x [b, t, e]; valid [b] int, real tokens per row (the rest are right padding and leave the state
         alone) -> (out [b, t, e], the state advanced over each row's valid tokens, None).
@@ -259,13 +312,19 @@ class GatedDeltaNet(nnx.Module):
         recurrence continues its parent's (the committed state for depth 0; `tree_gated_delta_rule`).
         Returns (out, the committed state unchanged, NodeStates with what forms any node's state, and every
         node's conv input) so that the caller installs an accepted node's.
+
+        runtime.tp_mesh: split the layer by key heads over it (when they divide; module docstring).
         """
         b, t, _ = x.shape
         kernel = self.conv1d.weight.shape[-1]
         tree = parents is not None
+        mesh = runtime.tp_mesh
+        if mesh is not None and self.key_heads % mesh.size:
+            mesh = None  # the key heads do not divide: the weights are whole on every device, and so is all this
+        pin = functools.partial(_pin, mesh=mesh)
 
         # Causal depthwise conv over [window | new inputs]; the new window is each row's last K-1 real inputs.
-        mixed = self.in_proj_qkv(x)  # [b, t, C]
+        mixed = pin(self.in_proj_qkv(x), 2)  # [b, t, C]; tp: in the weight's contiguous blocks of channels
         window_in = jnp.swapaxes(state.conv, 1, 2).astype(mixed.dtype)  # [b, K-1, C], oldest first
         w = self.conv1d.weight[...][:, 0, :].astype(jnp.float32)  # [C, K]
         if tree:
@@ -291,15 +350,24 @@ class GatedDeltaNet(nnx.Module):
             new_conv = jnp.swapaxes(window, 1, 2).astype(state.conv.dtype)  # [b, C, K-1]
         pre_conv = mixed
         mixed = jax.nn.silu(conv).astype(x.dtype)
+        # tp: the channels are [q | k | v], so a device's heads are three pieces of them, not the contiguous
+        # block its weight rows give. One all-gather of these activations gives every device all channels;
+        # each then slices its own heads locally (pinning every slice whole first: otherwise XLA moves the
+        # pieces with one collective-permute each).
+        mixed = pin(mixed, None)
 
         f32 = jnp.float32
-        q = mixed[..., :self.key_dim].reshape(b, t, -1, self.key_head_dim).astype(f32)
-        k = mixed[..., self.key_dim:2 * self.key_dim].reshape(b, t, -1, self.key_head_dim).astype(f32)
-        v = mixed[..., 2 * self.key_dim:].reshape(b, t, -1, self.value_head_dim).astype(f32)
+
+        def heads(start: int, stop: int, head_dim: int) -> jax.Array:  # [b, t, heads, head_dim], split by heads
+            return pin(pin(mixed[..., start:stop], None).reshape(b, t, -1, head_dim), 2).astype(f32)
+
+        q = heads(0, self.key_dim, self.key_head_dim)
+        k = heads(self.key_dim, 2 * self.key_dim, self.key_head_dim)
+        v = heads(2 * self.key_dim, mixed.shape[-1], self.value_head_dim)
         q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=-1, keepdims=True) + 1e-6) * self.key_head_dim ** -0.5
         k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=-1, keepdims=True) + 1e-6)
         repeat = v.shape[2] // k.shape[2]  # value head h reads key head h // repeat (HF repeat_interleave)
-        q, k = jnp.repeat(q, repeat, axis=2), jnp.repeat(k, repeat, axis=2)
+        q, k = pin(jnp.repeat(q, repeat, axis=2), 2), pin(jnp.repeat(k, repeat, axis=2), 2)
         beta = jax.nn.sigmoid(self.in_proj_b(x)).astype(f32)  # [b, t, H]
         g = -jnp.exp(self.A_log[...].astype(f32)) * jax.nn.softplus(self.in_proj_a(x).astype(f32)
                                                                        + self.dt_bias[...].astype(f32))
@@ -307,7 +375,8 @@ class GatedDeltaNet(nnx.Module):
         if tree:
             core, keys, values, log_decay = tree_gated_delta_rule(q, k, v, g, beta, state.state, visible)
             new_state = state.state
-            nodes = NodeStates(keys=keys, values=values, log_decay=log_decay, inputs=pre_conv.astype(state.conv.dtype))
+            nodes = NodeStates(keys=pin(keys, 2), values=pin(values, 2), log_decay=pin(log_decay, 2),
+                               inputs=pin(pre_conv.astype(state.conv.dtype), 2))
         else:
             is_valid = jnp.arange(t)[None, :] < valid[:, None]  # [b, t]
             beta, g = jnp.where(is_valid[..., None], beta, 0.0), jnp.where(is_valid[..., None], g, 0.0)
@@ -404,7 +473,8 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: Hy
             else:
                 j = linear_index[i]
                 mixed, new_states[j], nodes[j] = layer.linear_attn(
-                    h, cache.recurrent[j], meta.valid, meta.parents, depths, meta.new_mask if tree else None)
+                    h, cache.recurrent[j], meta.valid, meta.parents, depths, meta.new_mask if tree else None,
+                    runtime=runtime)
             x = x + mixed
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         if i in tap_layers:

@@ -231,6 +231,23 @@ def test_delta_rule_chunked_equals_recurrent_with_padding():
     np.testing.assert_allclose(np.asarray(s_pad), np.asarray(s_50), atol=1e-4, rtol=1e-4)
 
 
+def test_unit_lower_solve_on_cpu_is_forward_substitution_without_lapack():
+    """The CPU path of the delta rule's triangular solve against float64 NumPy, with garbage on and above the
+    diagonal (not read); and its program calls no LAPACK kernel (jaxlib 0.10.2's batched one deadlocks a
+    host mesh: `qwen3_5.unit_lower_solve`)."""
+    rng = np.random.default_rng(3)
+    system = rng.normal(size=(2, 3, 9, 9)).astype(np.float32) * 0.3
+    rhs = rng.normal(size=(2, 3, 9, 5)).astype(np.float32)
+    unit = np.tril(system.astype(np.float64), -1) + np.eye(9)
+    want = np.linalg.solve(unit, rhs.astype(np.float64))
+    solve = jax.jit(qwen3_5.unit_lower_solve)
+    np.testing.assert_allclose(np.asarray(solve(system, rhs)), want, atol=1e-5, rtol=1e-5)
+    assert "custom-call" not in solve.lower(system, rhs).compile().as_text()  # (the LAPACK solve is one)
+    # The GPU path (the LAPACK-backed solve here) gives the same.
+    np.testing.assert_allclose(np.asarray(jax.lax.linalg.triangular_solve(
+        jnp.asarray(unit, jnp.float32), rhs, left_side=True, lower=True, unit_diagonal=True)), want, atol=1e-5)
+
+
 def _random_tree(rng, t: int, max_depth: int, padding: int):
     """parents, depths, valid of a random tree of t nodes (parents precede children), the last `padding` of
     them padding nodes (depth 0, parent 0, invalid)."""
