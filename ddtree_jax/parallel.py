@@ -88,11 +88,15 @@ class Parallel:
 
 def constrain_cache(cache, parallel: Parallel):
     """Pin a cache's layout inside jit: K/V heads over the tp axis, rows over the dp axis; a hybrid's
-    recurrent states rows over dp (replicated under tp). None and single-device caches pass through."""
-    from ddtree_jax.cache import HybridCache, KVCache, RecurrentState
+    recurrent states and an MTP head's hidden state rows over dp (replicated under tp). None and
+    single-device caches pass through."""
+    from ddtree_jax.cache import HybridCache, KVCache, MTPCache, RecurrentState
 
     if cache is None or parallel.mesh is None:
         return cache
+    if isinstance(cache, MTPCache):
+        return MTPCache(kv=constrain_cache(cache.kv, parallel), hidden=parallel.constrain(cache.hidden,
+                                                                                        parallel.batch_spec(2)))
     if isinstance(cache, HybridCache):
         recurrent = tuple(RecurrentState(state=parallel.constrain(r.state, parallel.batch_spec(4)),
                                          conv=parallel.constrain(r.conv, parallel.batch_spec(3)))
