@@ -388,8 +388,7 @@ def prefill(target: ModelParams, drafter: ModelParams | None, tokens: jax.Array,
     draft_cache = None
     if options.mode is Mode.MTP:
         # Position i pairs with token i + 1: the prompt shifted left by one, the first emitted token last.
-        shifted = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
-        shifted = shifted.at[jnp.arange(b), prompt_lengths - 1].set(first)
+        shifted = jnp.roll(tokens, -1, axis=1).at[jnp.arange(b), prompt_lengths - 1].set(first)
         draft_cache = mtp.ingest(drafter, target, shifted, out.hidden, prompt_lengths, constrain_cache(
             mtp.create_cache(drafter.config, b, capacity, dtype), options.parallel), options.runtime)
     elif drafter is not None:

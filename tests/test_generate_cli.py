@@ -18,8 +18,8 @@ from ddtree_jax.demo_pair import demo_target
 JSON_KEYS = {"mode", "output_ids", "text", "acceptance_lengths", "tau", "new_tokens", "decode_seconds",
              "tokens_per_second", "prefill_seconds", "compile_seconds",
              "matmul_precision"}
-SUMMARY = re.compile(r"^\[(ar|dflash block=\d+|ddtree B=\d+|mtp steps=\d+)\] \d+ tokens, (\d+\.\d\d tokens per round \(tau\), )?"
-                     r"decode \d+\.\d\d s( = \d+ tokens/s)?; compile \d+\.\d s$")
+SUMMARY = re.compile(r"^\[(ar|dflash block=\d+|ddtree B=\d+|mtp steps=\d+)\] \d+ tokens, "
+                     r"(\d+\.\d\d tokens per round \(tau\), )?decode \d+\.\d\d s( = \d+ tokens/s)?; compile \d+\.\d s$")
 
 
 def run_cli(*args, env=None, timeout=600):

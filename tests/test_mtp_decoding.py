@@ -145,6 +145,19 @@ def test_committed_cache_drafts_what_a_fresh_head_drafts(mtp_pair, free_runs):
     assert drafts.tolist() == [t["tokens"][1:] for t in spec.trees]
 
 
+def test_tensor_parallel_equals_ar(mtp_pair):
+    """On two devices with the heads split (the head's cache and its draft buffers too), the same tokens.
+    Data parallelism, and both layouts on the Pallas kernels, give them too (run by hand, not here: CI time)."""
+    from ddtree_jax.parallel import make_parallel, shard_params
+
+    target, head, ar = mtp_pair
+    parallel = make_parallel(2, "tp")
+    target, head = shard_params(target, parallel), shard_params(head, parallel)
+    spec = generate(target, PROMPTS, DecodeOptions(mode=Mode.MTP, max_new_tokens=MAX_NEW, parallel=parallel),
+                    drafter=head)
+    assert spec.output_ids == ar
+
+
 def test_options_name_what_mtp_needs(mtp_pair):
     target, head, _ = mtp_pair
     with pytest.raises(ValueError, match="mtp_steps must be >= 1"):

@@ -84,8 +84,8 @@ def reference_step(w, tw, cfg, token, hidden, position, past):
         out[head] = (probs / probs.sum()) @ values[:, head // group]
     x = x + (out.reshape(-1) / (1.0 + np.exp(-gate))) @ w[p + "self_attn.o_proj.weight"].T
     m = zero_centred_norm(x, w[p + "post_attention_layernorm.weight"], eps)
-    gate_mlp = m @ w[p + "mlp.gate_proj.weight"].T
-    x = x + ((gate_mlp / (1.0 + np.exp(-gate_mlp))) * (m @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+    gate_mlp, up = m @ w[p + "mlp.gate_proj.weight"].T, m @ w[p + "mlp.up_proj.weight"].T
+    x = x + (gate_mlp / (1.0 + np.exp(-gate_mlp)) * up) @ w[p + "mlp.down_proj.weight"].T
     out = zero_centred_norm(x, w["mtp.norm.weight"], eps)
     return out, out @ tw["lm_head.weight"].T
 
@@ -164,6 +164,8 @@ def test_published_layout_loads_the_head_and_skips_it_for_the_target(pair, publi
 
 
 def test_orbax_conversion_keeps_the_head(published, pair, tmp_path):
+    """HF (published layout) -> orbax keeps the head, which loads from there; a `qwen3_5_text` folder goes
+    HF -> orbax -> HF bit-exactly, `mtp.*` included."""
     from conversions.convert import convert
 
     orbax = convert("hf-to-orbax", published, tmp_path / "orbax")
@@ -173,6 +175,12 @@ def test_orbax_conversion_keeps_the_head(published, pair, tmp_path):
         assert np.array_equal(np.asarray(head.flat()[name]), np.asarray(value)), name
     arrays, _ = read_arrays(orbax)
     assert {n for n in arrays if n.startswith("mtp.")} == set(head.flat())
+
+    text = write_random_qwen3_5(tmp_path / "text", seed=1, mtp_layers=1, **TEXT)
+    back = convert("orbax-to-hf", convert("hf-to-orbax", text, tmp_path / "text_orbax"), tmp_path / "back")
+    before, after = load_file(str(text / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    assert set(before) == set(after) and any(n.startswith("mtp.") for n in after)
+    assert all(before[n].tobytes() == after[n].tobytes() for n in before)
 
 
 def test_a_target_without_a_head_is_one_clear_error(tmp_path):
