@@ -441,19 +441,25 @@ def has_mtp_tensors(path: str | Path) -> bool:
     return _stored_shape(Path(path), mtp.PREFIX + "fc.weight") is not None
 
 
-def load_mtp(path: str | Path, target_config, dtype=jnp.bfloat16, progress: bool = False,
-             parallel: Parallel | None = None) -> ModelParams:
-    """Load the multi-token-prediction head that a Qwen3.5/3.6 target checkpoint (HF or orbax) ships beside
-    the target (`mtp.*`, `mtp_num_hidden_layers` layers), as `ModelParams` of `models/mtp.py`. A target
-    without one is a ConfigError (no `mtp_num_hidden_layers`) or a CheckpointError (no `mtp.*` tensors),
-    raised before any weight is read."""
+def check_mtp(path: str | Path, target_config) -> MTPConfig:
+    """The MTP head a target checkpoint folder (HF or orbax) ships, from its config and file headers alone: a
+    target without one is a ConfigError (no `mtp_num_hidden_layers`) or a CheckpointError (no `mtp.*`)."""
     path = Path(path)
-    checkpoint_format(path)
     config = mtp_config(target_config, str(path / "config.json"))
     if not has_mtp_tensors(path):
         raise CheckpointError(f"{path}: holds no '{mtp.PREFIX}*' tensors (no multi-token-prediction head), though "
                               f"config.json says mtp_num_hidden_layers={config.num_layers}; --mode mtp needs a "
                               "checkpoint that ships the head")
+    return config
+
+
+def load_mtp(path: str | Path, target_config, dtype=jnp.bfloat16, progress: bool = False,
+             parallel: Parallel | None = None) -> ModelParams:
+    """Load the multi-token-prediction head that a Qwen3.5/3.6 target checkpoint (HF or orbax) ships beside
+    the target (`mtp.*`, `mtp_num_hidden_layers` layers), as `ModelParams` of `models/mtp.py`; a target
+    without one is an error before any weight is read (`check_mtp`)."""
+    path = Path(path)
+    config = check_mtp(path, target_config)
     return _load(path, mtp.abstract(config, dtype or jnp.float32), dtype, {}, progress, parallel)
 
 

@@ -132,7 +132,7 @@ class Request:
     """What a run needs before any weight is read: the checkpoints' configs and tokenizer, and the options."""
 
     folder: Path
-    drafter_dir: Path | None  # the DFlash drafter's folder; mtp: the target's (which holds the head)
+    drafter_dir: Path | None  # the DFlash drafter's folder (None for ar and mtp)
     target_config: object
     drafter_config: object  # DFlashConfig; mtp: MTPConfig
     tokenizer: object
@@ -142,8 +142,8 @@ class Request:
 
 
 def prepare(args) -> Request:
-    from ddtree_jax.checkpoint import CheckpointError, has_mtp_tensors
-    from ddtree_jax.config import check_pair, generation_eos_ids, load_drafter_config, load_target_config, mtp_config
+    from ddtree_jax.checkpoint import check_mtp
+    from ddtree_jax.config import check_pair, generation_eos_ids, load_drafter_config, load_target_config
     from ddtree_jax.demo_pair import DEMO_NOTE, demo_drafter, demo_target
     from ddtree_jax.engine import DecodeOptions, Mode
 
@@ -169,11 +169,7 @@ def prepare(args) -> Request:
     target_config = load_target_config(folder)
     drafter_config = None
     if mode is Mode.MTP:  # the head ships in the target's folder; checked before any weight is read
-        drafter_config = mtp_config(target_config, str(folder / "config.json"))
-        if not has_mtp_tensors(folder):
-            raise CheckpointError(f"{folder}: holds no 'mtp.*' tensors (no multi-token-prediction head), though "
-                                  f"config.json says mtp_num_hidden_layers={drafter_config.num_layers}")
-        args.drafter = folder
+        drafter_config = check_mtp(folder, target_config)
     elif mode.needs_drafter:
         if args.drafter is None:
             raise BadInput(f"--mode {mode.value} needs --drafter DIR (or --mode ar)")
@@ -192,8 +188,8 @@ def prepare(args) -> Request:
                             budget=args.budget, mtp_steps=args.mtp_steps,
                             record_trees=args.save_trees is not None, parallel=parallel, kernels=args.kernels,
                             matmul_precision=args.matmul_precision)
-    return Request(folder, args.drafter if mode.needs_drafter else None, target_config, drafter_config, tokenizer,
-                   chat, dtype, options)
+    return Request(folder, args.drafter if mode in (Mode.DFLASH, Mode.DDTREE) else None, target_config,
+                   drafter_config, tokenizer, chat, dtype, options)
 
 
 def past_positions(request: Request, prompt_length: int) -> str | None:
@@ -202,7 +198,7 @@ def past_positions(request: Request, prompt_length: int) -> str | None:
     new = request.options.max_new_tokens
     tokens = prompt_length + new
     limits = [(request.target_config.max_position_embeddings, "target", request.folder)]
-    if request.drafter_config is not None and request.drafter_dir != request.folder:  # a DFlash drafter
+    if request.drafter_dir is not None:
         limits.append((request.drafter_config.max_position_embeddings, "drafter", request.drafter_dir))
     for limit, name, folder in limits:
         if tokens > limit:
