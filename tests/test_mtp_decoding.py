@@ -55,8 +55,9 @@ def fitted_head(target, head, sequences):
     embed = np.asarray(target.flat()["model.embed_tokens.weight"], np.float64)
     width = max(map(len, sequences))
     padded = np.array([s + [0] * (width - len(s)) for s in sequences], np.int32)
+    lengths = jnp.asarray([len(s) for s in sequences], jnp.int32)
     hidden = np.asarray(jax.jit(lambda t, x: qwen3_5.forward(
-        t, x, ForwardMeta.prompt(jnp.full((len(sequences),), width), width),
+        t, x, ForwardMeta.prompt(lengths, width),
         qwen3_5.create_cache(t.config, len(sequences), width, jnp.float32)).hidden)(target, padded), np.float64)
     features, goals = [], []
     for r, s in enumerate(sequences):
