@@ -1,4 +1,5 @@
-"""ddtree_jax: DDTree speculative decoding on DFlash drafters for Qwen targets, in JAX.
+"""ddtree_jax: DDTree speculative decoding on DFlash drafters for Qwen targets, in JAX (and MTP drafting with a
+Qwen3.5/3.6 target's own head).
 
 Dimension letters used in shape comments and einsum strings across the package:
 
@@ -14,6 +15,7 @@ Speculative rounds (round.py, tree.py, accept.py, pallas_kernels/tree_accept.py)
     B  tree budget (nodes besides the root)      T  tree nodes verified per round (B + 1; bs for a chain)
     L  draft depths (block size - 1)             P  path slots (the block size: root + L)
     K  tokens kept per depth (min(B, v))         C  candidate children of one depth
+    m  MTP steps per round (models/mtp.py): the chain has m + 1 tokens (T = P = m + 1)
 
 Gated DeltaNet layers (models/qwen3_5.py, cache.py): H value heads (key heads repeated to them), Dk / Dv key
 and value head dims, C conv channels, c chunk length. The Pallas kernels name their own tiling letters at

@@ -79,6 +79,28 @@ def commit_path(cache: KVCache, path: jax.Array, counts: jax.Array) -> KVCache:
                    lengths=cache.lengths + counts.astype(jnp.int32))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MTPCache:
+    """What a target's multi-token-prediction head keeps between rounds (`models/mtp.py`).
+
+    Fields:
+      kv:     KVCache of the head's decoder layer. Slot i holds the layer's K/V for the pair (the token at
+              position i + 1, the target's final hidden state at position i), so its `lengths` equal the
+              target's: the last slot pairs the newest emitted token (not yet fed to the target) with the
+              target's hidden state at the last committed position.
+      hidden: device [b, e] in the model's dtype: the head's output (after its final norm) at the last slot,
+              whose logits are the next round's first draft and which feeds its second step.
+    """
+
+    kv: KVCache
+    hidden: jax.Array
+
+    @property
+    def lengths(self) -> jax.Array:
+        return self.kv.lengths
+
+
 # ----------------------------------------------------------------------------------------------------
 # Hybrid targets (Qwen3.5/3.6): recurrent state of the Gated DeltaNet layers beside the KV cache.
 

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from ddtree_jax.config import (DRAFTER_ARCHITECTURE, check_pair, load_drafter_config, load_target_config,
-                               parse_dflash, parse_target, read_config_json)
-from ddtree_jax.models import dflash, target_family
+from ddtree_jax.config import (DRAFTER_ARCHITECTURE, MTPConfig, check_pair, load_drafter_config, load_target_config,
+                               mtp_config, parse_dflash, parse_target, read_config_json)
+from ddtree_jax.models import dflash, mtp, target_family
 from ddtree_jax.models.fp8 import FP8_DTYPE
 from ddtree_jax.models.params import ModelParams
 from ddtree_jax.parallel import Parallel, param_shardings, put
@@ -250,13 +250,18 @@ def tied_extras(config) -> dict[str, str]:
 # Per HF model_type: where a target's tensors live in its files, and which stored tensors are not ours.
 # A `qwen3_5` (vision-language) checkpoint keeps the text model under `model.language_model.` and also
 # holds the vision tower (`model.visual.*`) and the multi-token-prediction head (`mtp.*`), which the
-# target does not use (HF's Qwen3_5ForCausalLM ignores them too); every other tensor is checked strictly.
+# target does not use (HF's Qwen3_5ForCausalLM ignores them too; `load_mtp` reads the head alone, and an
+# orbax conversion keeps it under the same names); every other tensor is checked strictly.
 TEXT_PREFIXES = {"qwen3_5": "model.language_model."}
-IGNORED_PREFIXES = {"qwen3_5": ("model.visual.", "mtp."), "qwen3_5_text": ("mtp.",)}
+IGNORED_PREFIXES = {"qwen3_5": ("model.visual.", mtp.PREFIX), "qwen3_5_text": (mtp.PREFIX,)}
+BESIDE_MTP = ("model.", "lm_head.")  # what an MTP head's load skips: the target's tensors (and a vision tower)
 
 
 def stored_layout(config, names) -> tuple[dict[str, str], tuple[str, ...]]:
-    """({our name: stored name}, ignored prefixes) of a target's HF files; `names` are our parameter names."""
+    """({our name: stored name}, ignored prefixes) of a target's or MTP head's HF files; `names` are our
+    parameter names."""
+    if isinstance(config, MTPConfig):
+        return {}, BESIDE_MTP
     hf_type = getattr(config, "hf_model_type", getattr(config, "model_type", None))
     prefix = TEXT_PREFIXES.get(hf_type)
     renames = {n: prefix + n[len("model."):] for n in names if n.startswith("model.")} if prefix else {}
@@ -356,6 +361,13 @@ class _orbax:
     def load(cls, path, abstract_tree):
         return cls._fn("load", "load_pytree")(path, abstract_tree)
 
+    @staticmethod
+    def placeholder():
+        """What a restore target holds in place of a stored leaf to leave unread."""
+        from orbax.checkpoint import v1 as ocp
+
+        return ocp.PLACEHOLDER
+
     @classmethod
     def metadata(cls, path):
         return cls._fn("metadata", "pytree_metadata")(path).metadata
@@ -375,17 +387,19 @@ def save_orbax(arrays: dict[str, np.ndarray | jax.Array], config_raw: dict, out:
 
 
 def read_orbax_arrays(path: str | Path, expected: dict[str, tuple[int, ...]], dtypes: dict | None = None,
-                      shardings: dict | None = None, fp8: frozenset[str] = frozenset()) -> dict[str, jax.Array]:
+                      shardings: dict | None = None, fp8: frozenset[str] = frozenset(), *,
+                      ignored_prefixes: tuple[str, ...] = ()) -> dict[str, jax.Array]:
     """Restore an orbax folder's params, checked against `expected` {name: shape} (`fp8`: the names that must be
     float8_e4m3fn); in `dtypes[name]` (None: as stored); each array lands on its `shardings[name]` (default:
-    the first device)."""
+    the first device). Stored tensors whose names start with one of `ignored_prefixes` are skipped unread."""
     path = Path(path)
     params_dir = path / "params"
     try:
         meta = _orbax.metadata(params_dir)
     except Exception as e:
         raise CheckpointError(f"{params_dir}: not a readable orbax checkpoint ({_one_line(e)})") from None
-    stored = flatten(meta)
+    everything = flatten(meta)
+    stored = {name: m for name, m in everything.items() if not name.startswith(ignored_prefixes)}
     for name in expected:
         if name not in stored:
             raise CheckpointError(f"{params_dir}: tensor '{name}' is missing (expected shape {expected[name]})")
@@ -399,12 +413,12 @@ def read_orbax_arrays(path: str | Path, expected: dict[str, tuple[int, ...]], dt
     single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     target = nest({n: jax.ShapeDtypeStruct(m.shape, dtypes[n] if dtypes is not None else m.dtype,
                                             sharding=shardings[n] if shardings is not None else single)
-                    for n, m in stored.items()})
+                   if n in stored else _orbax.placeholder() for n, m in everything.items()})  # placeholders: unread
     try:
         restored = _orbax.load(params_dir, target)
     except Exception as e:
         raise CheckpointError(f"{params_dir}: cannot be restored ({_one_line(e)})") from None
-    return flatten(restored)
+    return {n: a for n, a in flatten(restored).items() if n in stored}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -444,8 +458,14 @@ def _load(path: Path, abstract: ModelParams, dtype, tied: dict[str, str], progre
         arrays = _to_device(read_hf_arrays(path, expected, tied, bar, stored_names=renames, ignored_prefixes=ignored,
                                            fp8=fp8), dtypes, shardings)
     else:
-        arrays = read_orbax_arrays(path, expected, dtypes, shardings, fp8)
+        arrays = read_orbax_arrays(path, expected, dtypes, shardings, fp8,
+                                   ignored_prefixes=orbax_ignored(abstract.config))
     return abstract.replace_flat(arrays)
+
+
+def orbax_ignored(config) -> tuple[str, ...]:
+    """Orbax folders keep our names: a target's, and the MTP head's (`mtp.`) when it was converted with one."""
+    return BESIDE_MTP if isinstance(config, MTPConfig) else (mtp.PREFIX,)
 
 
 def load_target(path: str | Path, dtype=jnp.bfloat16, progress: bool = False,
@@ -454,12 +474,40 @@ def load_target(path: str | Path, dtype=jnp.bfloat16, progress: bool = False,
     parameter placed by `parallel` (default: the first device).
 
     Qwen3 (`qwen3`) and Qwen3.5/3.6 (`qwen3_5_text`, or `qwen3_5` whose text weights sit under
-    `model.language_model.`; its `model.visual.*` and `mtp.*` tensors are ignored) targets."""
+    `model.language_model.`; its `model.visual.*` and `mtp.*` tensors are ignored: `load_mtp` reads the
+    MTP head) targets."""
     path = Path(path)
     checkpoint_format(path)
     config = load_target_config(path)
     abstract = target_family(config).abstract(config, dtype or jnp.float32)
     return _load(path, abstract, dtype, tied_extras(config), progress, parallel)
+
+
+def has_mtp_tensors(path: str | Path) -> bool:
+    """Whether a checkpoint folder stores an MTP head (its `mtp.fc.weight`), from headers or metadata only."""
+    return _stored_shape(Path(path), mtp.PREFIX + "fc.weight") is not None
+
+
+def check_mtp(path: str | Path, target_config) -> MTPConfig:
+    """The MTP head a target checkpoint folder (HF or orbax) ships, from its config and file headers alone: a
+    target without one is a ConfigError (no `mtp_num_hidden_layers`) or a CheckpointError (no `mtp.*`)."""
+    path = Path(path)
+    config = mtp_config(target_config, str(path / "config.json"))
+    if not has_mtp_tensors(path):
+        raise CheckpointError(f"{path}: holds no '{mtp.PREFIX}*' tensors (no multi-token-prediction head), though "
+                              f"config.json says mtp_num_hidden_layers={config.num_layers}; --mode mtp needs a "
+                              "checkpoint that ships the head")
+    return config
+
+
+def load_mtp(path: str | Path, target_config, dtype=jnp.bfloat16, progress: bool = False,
+             parallel: Parallel | None = None) -> ModelParams:
+    """Load the multi-token-prediction head that a Qwen3.5/3.6 target checkpoint (HF or orbax) ships beside
+    the target (`mtp.*`, `mtp_num_hidden_layers` layers), as `ModelParams` of `models/mtp.py`; a target
+    without one is an error before any weight is read (`check_mtp`)."""
+    path = Path(path)
+    config = check_mtp(path, target_config)
+    return _load(path, mtp.abstract(config, dtype or jnp.float32), dtype, {}, progress, parallel)
 
 
 def load_drafter(path: str | Path, target_config, dtype=jnp.bfloat16, *, allow_layer_mismatch: bool = False,
@@ -496,17 +544,26 @@ def model_abstract(path: str | Path, raw: dict) -> tuple[ModelParams, dict[str, 
 
 
 def read_arrays(path: str | Path, progress: bool = False) -> tuple[dict[str, np.ndarray | jax.Array], dict]:
-    """All parameters of a target or drafter checkpoint in their stored dtypes, plus the raw config dict."""
+    """All parameters of a target or drafter checkpoint in their stored dtypes, plus the raw config dict; a
+    target's MTP head (`mtp.*`) too when its config and files have one."""
     path = Path(path)
     fmt = checkpoint_format(path)
     raw = read_config_json(path)
     abstract, tied = model_abstract(path, raw)
-    expected, fp8 = _expected_shapes(abstract), _fp8_names(abstract)
-    if fmt == "hf":
-        bar = _progress_bar(f"reading {path.name}") if progress else None
-        renames, ignored = stored_layout(abstract.config, expected)
-        return read_hf_arrays(path, expected, tied, bar, stored_names=renames, ignored_prefixes=ignored, fp8=fp8), raw
-    return read_orbax_arrays(path, expected, fp8=fp8), raw
+    parts = [(abstract, tied)]
+    if getattr(abstract.config, "mtp_num_hidden_layers", 0) and has_mtp_tensors(path):  # the target's MTP head too
+        parts.append((mtp.abstract(mtp_config(abstract.config), jnp.float32), {}))
+    arrays = {}
+    for part, part_tied in parts:
+        expected, fp8 = _expected_shapes(part), _fp8_names(part)
+        if fmt == "hf":
+            bar = _progress_bar(f"reading {path.name}") if progress else None
+            renames, ignored = stored_layout(part.config, expected)
+            arrays.update(read_hf_arrays(path, expected, part_tied, bar, stored_names=renames, ignored_prefixes=ignored,
+                                         fp8=fp8))
+        else:
+            arrays.update(read_orbax_arrays(path, expected, fp8=fp8, ignored_prefixes=orbax_ignored(part.config)))
+    return arrays, raw
 
 
 def _progress_bar(desc: str):

@@ -335,11 +335,13 @@ def write_lines_atomic(path: Path, lines) -> None:
 
 
 def mode_label(mode: str, budget: int | None = None, block_size: int | None = None) -> str:
-    """'ar', 'dflash block=16' or 'ddtree B=64': how a run is named in its summary line."""
+    """'ar', 'dflash block=16', 'ddtree B=64' or 'mtp steps=3': how a run is named in its summary line."""
     if mode == "ddtree":
         return f"ddtree B={budget}"
     if mode == "dflash":
         return f"dflash block={block_size}"
+    if mode == "mtp":
+        return f"mtp steps={block_size - 1}"  # the chain: the bonus token and the head's drafts
     return mode
 
 

@@ -409,7 +409,8 @@ class Qwen3_5Config:
     `layer_types[i]` is "linear_attention" (a Gated DeltaNet layer with a recurrent state) or
     "full_attention" (gated GQA over the KV cache). RoPE rotates only the first `rotary_dim` dims of each
     head. `hf_model_type` records the file layout: "qwen3_5" stores text weights under
-    `model.language_model.`, "qwen3_5_text" under `model.`.
+    `model.language_model.`, "qwen3_5_text" under `model.`. `mtp_num_hidden_layers` decoder layers of a
+    multi-token-prediction head ship beside the target (`mtp.*` tensors, `MTPConfig`); 0: no head.
     """
 
     vocab_size: int
@@ -436,9 +437,9 @@ class Qwen3_5Config:
     pad_token_id: int | None = None
     hf_model_type: str = "qwen3_5_text"
     fp8: Fp8Config | None = None
+    mtp_num_hidden_layers: int = 0
 
     model_type = "qwen3_5"
-
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
@@ -548,10 +549,41 @@ def parse_qwen3_5(raw: dict[str, Any], where: str = "config.json") -> Qwen3_5Con
         pad_token_id=((f.token_ids("pad_token_id") or top.token_ids("pad_token_id")) or (None,))[0],
         hf_model_type=model_type,
         fp8=parse_fp8(raw, where, "model.language_model." if model_type == "qwen3_5" else None),
+        mtp_num_hidden_layers=f.int("mtp_num_hidden_layers", 0, minimum=0),
     )
 
 
 TARGET_PARSERS = {"qwen3": parse_qwen3, "qwen3_5": parse_qwen3_5, "qwen3_5_text": parse_qwen3_5}
+
+
+@dataclasses.dataclass(frozen=True)
+class MTPConfig:
+    """The multi-token-prediction head a Qwen3.5/3.6 checkpoint ships beside its target (`mtp.*` tensors):
+    `mtp_num_hidden_layers` gated full-attention decoder layers shaped as the target's, a fusion `fc` and
+    three zero-centred norms; it borrows the target's embedding and lm_head (`models/mtp.py`)."""
+
+    target: Qwen3_5Config
+
+    @property
+    def num_layers(self) -> int:
+        return self.target.mtp_num_hidden_layers
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        """No tapped layers: the head reads the target's final (normed) hidden state (`ForwardOut.hidden`)."""
+        return ()
+
+
+def mtp_config(target, where: str = "config.json") -> MTPConfig:
+    """The MTP head of a parsed target config, or a ConfigError saying why it has none."""
+    if not isinstance(target, Qwen3_5Config):
+        raise ConfigError(f"{where}: a {target.model_type} target has no multi-token-prediction head (--mode mtp "
+                          "needs a Qwen3.5/3.6 checkpoint that ships one: `mtp.*` tensors)")
+    if target.mtp_num_hidden_layers == 0:
+        raise ConfigError(f"{where}: field 'mtp_num_hidden_layers' is missing or 0: this target has no "
+                          "multi-token-prediction head (--mode mtp needs a Qwen3.5/3.6 checkpoint that ships one: "
+                          "`mtp.*` tensors)")
+    return MTPConfig(target)
 
 
 def load_target_config(path: str | Path) -> Qwen3Config | Qwen3_5Config:

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax.config import MTPConfig
 from ddtree_jax.models.contract import resolve_kernels
 from ddtree_jax.models.params import ModelParams
 from ddtree_jax.parallel import put, to_host
@@ -106,8 +107,14 @@ def resolve_options(options: DecodeOptions, drafter: ModelParams | None, dtype=N
         options = dataclasses.replace(options, matmul_precision="highest" if float32 else "default")
     if options.mode.needs_drafter:
         if drafter is None:
-            raise ValueError(f"mode {options.mode.value} needs a drafter")
-        if options.block_size == 0:
+            raise ValueError(f"mode {options.mode.value} needs a drafter"
+                             + (" (the target's MTP head: checkpoint.load_mtp)" if options.mode is Mode.MTP else ""))
+        if (options.mode is Mode.MTP) != isinstance(drafter.config, MTPConfig):
+            raise ValueError(f"mode {options.mode.value} needs " + ("the target's MTP head (checkpoint.load_mtp)"
+                             if options.mode is Mode.MTP else "a DFlash drafter") + ", not this drafter")
+        if options.mode is Mode.MTP:
+            options = dataclasses.replace(options, block_size=options.mtp_steps + 1)
+        elif options.block_size == 0:
             options = dataclasses.replace(options, block_size=drafter.config.block_size)
     return options
 
@@ -117,8 +124,9 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
              on_tokens: Callable[[list[list[int]]], None] | None = None) -> GenerationResult:
     """Generate for a batch of token-id prompts (unequal lengths allowed).
 
-    drafter: the DFlash drafter (DFlash mode). steps_per_call: rounds per device call (None: the whole loop
-    in one call); `on_tokens` receives every row's tokens so far after each call, for streaming.
+    drafter: the DFlash drafter (dflash and ddtree modes), or the target's MTP head (mtp mode:
+    `checkpoint.load_mtp`). steps_per_call: rounds per device call (None: the whole loop in one call);
+    `on_tokens` receives every row's tokens so far after each call, for streaming.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
@@ -153,7 +161,7 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
 
     if options.record_trees:
         if not options.mode.needs_drafter:
-            raise ValueError("record_trees needs a speculative mode (dflash or ddtree)")
+            raise ValueError("record_trees needs a speculative mode (dflash, ddtree or mtp)")
         steps_per_call = 1  # the trace holds one round; read it after every round
     trees: list[dict] | None = [] if options.record_trees else None
     steps = jnp.asarray(steps_per_call or options.max_new_tokens, jnp.int32)  # a round emits >= 1 token

@@ -3,8 +3,8 @@
 One prompt: streams text to the terminal and ends with one summary line on stderr, or prints one JSON
 object with `--json`: {"mode", "output_ids", "text" (with a tokenizer), "acceptance_lengths", "tau",
 "new_tokens", "decode_seconds", "tokens_per_second", "prefill_seconds", "compile_seconds",
-"matmul_precision" (as resolved)}, plus "block_size" and "acceptance_histogram" for dflash and ddtree,
-and "budget" for ddtree.
+"matmul_precision" (as resolved)}, plus "block_size" and "acceptance_histogram" for dflash, ddtree and mtp,
+"budget" for ddtree and "mtp_steps" for mtp.
 Many prompts (`--prompts FILE.jsonl`): runs them in batches and writes one such JSON line per prompt, with
 its "index", "line" and "id", to `--out` or stdout; a line that cannot run gets {"index", "line", "id",
 "error"} instead, and the others still run (exit status 1 then).
@@ -53,12 +53,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, metavar="FILE.jsonl",
                    help="--prompts: write the JSON lines here (default: stdout)")
     add_chat_args(p)
-    p.add_argument("--mode", choices=["ddtree", "dflash", "ar"], default="ddtree", help="decoding mode")
+    p.add_argument("--mode", choices=["ddtree", "dflash", "mtp", "ar"], default="ddtree",
+                   help="decoding mode (mtp: the target's own multi-token-prediction head drafts, no --drafter)")
     p.add_argument("--drafter", type=Path, default=None,
                    help="DFlash drafter checkpoint folder (ddtree and dflash modes); default with no "
                         "--target: the demo drafter")
     p.add_argument("--budget", type=int, default=DecodeOptions.budget,
                    help="DDTree: draft-tree nodes besides the root (the target verifies budget + 1 per round)")
+    p.add_argument("--mtp-steps", type=int, default=DecodeOptions.mtp_steps,
+                   help="mtp: draft steps of the head per round (the target verifies mtp-steps + 1 tokens)")
     p.add_argument("--block-size", type=int, default=0,
                    help="drafter block: the bonus token + block-size - 1 drafts (0: the drafter's own)")
     p.add_argument("--save-trees", type=Path, default=None, metavar="FILE",
@@ -108,7 +111,8 @@ def sampling_from_args(args):
 def check_flags(args) -> None:
     """What needs no checkpoint, so that bad flags fail at once."""
     for flag, value, minimum in (("--max-new-tokens", args.max_new_tokens, 1), ("--budget", args.budget, 1),
-                                 ("--stream-every", args.stream_every, 1), ("--batch-size", args.batch_size, 1)):
+                                 ("--stream-every", args.stream_every, 1), ("--batch-size", args.batch_size, 1),
+                                 ("--mtp-steps", args.mtp_steps, 1)):
         if value < minimum:
             raise BadInput(f"{flag}: expected >= {minimum}, got {value}")
     if args.block_size == 1 or args.block_size < 0:
@@ -117,6 +121,10 @@ def check_flags(args) -> None:
         raise BadInput("--out: needs --prompts FILE.jsonl (one prompt prints to stdout)")
     if args.save_trees is not None and args.prompts is not None:
         raise BadInput("--save-trees: one prompt at a time (not with --prompts)")
+    if args.mode == "mtp" and args.drafter is not None:
+        raise BadInput("--drafter: not used by --mode mtp (the target's own MTP head drafts)")
+    if args.mode == "mtp" and args.block_size:
+        raise BadInput("--block-size: not used by --mode mtp (--mtp-steps sets the chain: mtp-steps + 1 tokens)")
 
 
 @dataclasses.dataclass
@@ -124,9 +132,9 @@ class Request:
     """What a run needs before any weight is read: the checkpoints' configs and tokenizer, and the options."""
 
     folder: Path
-    drafter_dir: Path | None
+    drafter_dir: Path | None  # the DFlash drafter's folder (None for ar and mtp)
     target_config: object
-    drafter_config: object
+    drafter_config: object  # DFlashConfig; mtp: MTPConfig
     tokenizer: object
     chat: ChatOptions
     dtype: object
@@ -134,6 +142,7 @@ class Request:
 
 
 def prepare(args) -> Request:
+    from ddtree_jax.checkpoint import check_mtp
     from ddtree_jax.config import check_pair, generation_eos_ids, load_drafter_config, load_target_config
     from ddtree_jax.demo_pair import DEMO_NOTE, demo_drafter, demo_target
     from ddtree_jax.engine import DecodeOptions, Mode
@@ -147,19 +156,21 @@ def prepare(args) -> Request:
     mode = Mode(args.mode)
     if folder is None:
         folder = demo_target()
-        if args.drafter is None and mode.needs_drafter:
+        if args.drafter is None and mode in (Mode.DFLASH, Mode.DDTREE):
             args.drafter = demo_drafter()
         print(f"note: no --target given, so this runs the demo pair: {DEMO_NOTE}.", file=sys.stderr)
     if args.save_trees is not None:
         if not mode.needs_drafter:
-            raise BadInput("--save-trees: needs --mode ddtree or dflash")
+            raise BadInput("--save-trees: needs --mode ddtree, dflash or mtp")
         check_writable(args.save_trees, "--save-trees")
     if args.out is not None:
         check_writable(args.out, "--out")
     dtype = resolve_dtype(args.dtype)
     target_config = load_target_config(folder)
     drafter_config = None
-    if mode.needs_drafter:
+    if mode is Mode.MTP:  # the head ships in the target's folder; checked before any weight is read
+        drafter_config = check_mtp(folder, target_config)
+    elif mode.needs_drafter:
         if args.drafter is None:
             raise BadInput(f"--mode {mode.value} needs --drafter DIR (or --mode ar)")
         # The pair is checked from the configs alone, before any weights are read.
@@ -173,11 +184,12 @@ def prepare(args) -> Request:
     warn_unread_template_kwargs(tokenizer, folder, chat)
     eos = () if args.ignore_eos else tuple(dict.fromkeys(target_config.eos_token_ids + generation_eos_ids(folder)))
     options = DecodeOptions(mode=mode, max_new_tokens=args.max_new_tokens, sampling=sampling, eos_ids=eos,
-                            block_size=args.block_size if mode.needs_drafter else 0, budget=args.budget,
+                            block_size=args.block_size if mode in (Mode.DFLASH, Mode.DDTREE) else 0,
+                            budget=args.budget, mtp_steps=args.mtp_steps,
                             record_trees=args.save_trees is not None, parallel=parallel, kernels=args.kernels,
                             matmul_precision=args.matmul_precision)
-    return Request(folder, args.drafter if mode.needs_drafter else None, target_config, drafter_config, tokenizer,
-                   chat, dtype, options)
+    return Request(folder, args.drafter if mode in (Mode.DFLASH, Mode.DDTREE) else None, target_config,
+                   drafter_config, tokenizer, chat, dtype, options)
 
 
 def past_positions(request: Request, prompt_length: int) -> str | None:
@@ -186,7 +198,7 @@ def past_positions(request: Request, prompt_length: int) -> str | None:
     new = request.options.max_new_tokens
     tokens = prompt_length + new
     limits = [(request.target_config.max_position_embeddings, "target", request.folder)]
-    if request.drafter_config is not None:
+    if request.drafter_dir is not None:
         limits.append((request.drafter_config.max_position_embeddings, "drafter", request.drafter_dir))
     for limit, name, folder in limits:
         if tokens > limit:
@@ -209,12 +221,15 @@ def check_memory(request: Request, batch: int, longest: int):
     `batch` rows of up to `longest` prompt tokens) exceeds what the device has, before any weight is read.
     Returns the options resolved (block size, kernels) as `engine.generate` will run them."""
     from ddtree_jax.engine import resolve_options
+    from ddtree_jax.config import MTPConfig
     from ddtree_jax.memory import device_memory, estimate, format_bytes
-    from ddtree_jax.models import dflash, target_family
+    from ddtree_jax.models import dflash, mtp, target_family
 
     tc, dc, dtype = request.target_config, request.drafter_config, request.dtype
     target = target_family(tc).abstract(tc, dtype)
-    drafter = dflash.abstract(dc, tc.hidden_size, dtype) if dc is not None else None
+    drafter = None
+    if dc is not None:
+        drafter = mtp.abstract(dc, dtype) if isinstance(dc, MTPConfig) else dflash.abstract(dc, tc.hidden_size, dtype)
     try:
         options = resolve_options(request.options, drafter, dtype)
     except ValueError as e:
@@ -232,12 +247,15 @@ def check_memory(request: Request, batch: int, longest: int):
 
 
 def load_models(args, request: Request):
-    from ddtree_jax.checkpoint import load_drafter, load_target
+    from ddtree_jax.checkpoint import load_drafter, load_mtp, load_target
+    from ddtree_jax.engine import Mode
 
     progress, parallel = not args.json and args.prompts is None, request.options.parallel
     params = load_target(request.folder, request.dtype, progress=progress, parallel=parallel)
     drafter = None
-    if request.drafter_dir is not None:
+    if request.options.mode is Mode.MTP:
+        drafter = load_mtp(request.folder, params.config, request.dtype, progress=progress, parallel=parallel)
+    elif request.drafter_dir is not None:
         drafter = load_drafter(request.drafter_dir, params.config, request.dtype,
                                allow_layer_mismatch=args.allow_layer_mismatch, progress=progress, parallel=parallel)
     return params, drafter
@@ -269,6 +287,8 @@ def row_report(mode: str, options, result, row: int, tokenizer) -> dict:
         report["acceptance_histogram"] = one.acceptance_histogram(options.block_size)
     if options.mode is Mode.DDTREE:
         report["budget"] = options.budget
+    if options.mode is Mode.MTP:
+        report["mtp_steps"] = options.mtp_steps
     return report
 
 

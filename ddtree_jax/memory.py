@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from ddtree_jax.engine import DecodeOptions, cache_shape
+from ddtree_jax.engine import DecodeOptions, Mode, cache_shape
 from ddtree_jax.models.params import ModelParams
 
 
@@ -68,11 +68,11 @@ def estimate(target: ModelParams, drafter: ModelParams | None, options: DecodeOp
     """Bytes per device of generating for `batch` prompts of up to `max_prompt_len` tokens.
 
     target, drafter: parameters or their abstract shapes (`models.target_family(config).abstract`,
-    `dflash.abstract`); options: resolved (`engine.resolve_options`: the block size known). Under tp the
-    weights, caches and logits are split over the devices; under dp the rows are.
+    `dflash.abstract`, or the MTP head's `mtp.abstract`); options: resolved (`engine.resolve_options`: the
+    block size known). Under tp the weights, caches and logits are split over the devices; under dp the rows are.
     """
     from ddtree_jax.cache import recurrent_node_bytes
-    from ddtree_jax.models import dflash, target_family
+    from ddtree_jax.models import dflash, mtp, target_family
 
     config = target.config
     dtype = target.flat()["model.embed_tokens.weight"].dtype
@@ -86,7 +86,8 @@ def estimate(target: ModelParams, drafter: ModelParams | None, options: DecodeOp
     kv, recurrent = (cache.kv, cache.recurrent) if hasattr(cache, "recurrent") else (cache, ())
     drafter_cache = 0
     if drafter is not None and options.mode.needs_drafter:
-        drafter_cache = _nbytes(jax.eval_shape(lambda: dflash.create_cache(drafter.config, rows, capacity, dtype)))
+        family = mtp if options.mode is Mode.MTP else dflash
+        drafter_cache = _nbytes(jax.eval_shape(lambda: family.create_cache(drafter.config, rows, capacity, dtype)))
     nodes = options.verify_width
     # A hybrid's verify keeps records per node and Gated DeltaNet layer (AR updates its state in place).
     node_records = rows * recurrent_node_bytes(config, nodes, itemsize) if options.mode.needs_drafter else 0

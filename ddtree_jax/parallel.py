@@ -106,12 +106,15 @@ class Parallel:
 
 def constrain_cache(cache, parallel: Parallel):
     """Pin a cache's layout inside jit: K/V heads over the tp axis, rows over the dp axis; a hybrid's
-    recurrent states by heads (tp, `Parallel.recurrent_specs`) or rows (dp). None and single-device caches
-    pass through."""
-    from ddtree_jax.cache import HybridCache, KVCache, RecurrentState
+    recurrent states by heads (tp, `Parallel.recurrent_specs`) or rows (dp); an MTP head's hidden state rows
+    over dp (replicated under tp). None and single-device caches pass through."""
+    from ddtree_jax.cache import HybridCache, KVCache, MTPCache, RecurrentState
 
     if cache is None or parallel.mesh is None:
         return cache
+    if isinstance(cache, MTPCache):
+        return MTPCache(kv=constrain_cache(cache.kv, parallel), hidden=parallel.constrain(cache.hidden,
+                                                                                        parallel.batch_spec(2)))
     if isinstance(cache, HybridCache):
         def pin(r: RecurrentState) -> RecurrentState:
             state, conv = parallel.recurrent_specs(r.key_heads)

@@ -125,6 +125,68 @@ def write_random_qwen3(out: str | Path, seed: int = 0, dtype=np.float32, with_to
     return atomic_folder(out, write, force=force)
 
 
+def random_qwen3_5_arrays(config: dict, seed: int = 0, dtype=np.float32, std: float = 0.1) -> dict[str, np.ndarray]:
+    """Random weights under our names (`qwen3_5_text` layout) for a Qwen3.5/3.6 config dict (`qwen3_5` or
+    `qwen3_5_text`), the MTP head's (`mtp.*`) too when it has `mtp_num_hidden_layers`: A_log = log U(0.5, 4),
+    dt_bias ~ N(0, 1), the gated norm 1 + N(0, 0.1), the zero-centred norms N(0, 0.1) (their weight is an
+    offset from 1), every other weight N(0, std)."""
+    from ddtree_jax.config import mtp_config, parse_qwen3_5
+    from ddtree_jax.models import mtp, qwen3_5
+
+    parsed = parse_qwen3_5(config)
+    shapes = {n: a.shape for n, a in qwen3_5.abstract(parsed).flat().items()}
+    if parsed.mtp_num_hidden_layers:
+        shapes.update({n: a.shape for n, a in mtp.abstract(mtp_config(parsed)).flat().items()})
+    rng = np.random.default_rng(seed)
+    arrays = {}
+    for name, shape in shapes.items():
+        if name.endswith("A_log"):
+            value = np.log(rng.uniform(0.5, 4.0, shape))
+        elif name.endswith("dt_bias"):
+            value = rng.standard_normal(shape)
+        elif "linear_attn.norm" in name:
+            value = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif "norm" in name:
+            value = 0.1 * rng.standard_normal(shape)
+        else:
+            value = std * rng.standard_normal(shape)
+        arrays[name] = value.astype(dtype)
+    return arrays
+
+
+def published_qwen3_5(text_config: dict, arrays: dict[str, np.ndarray]) -> tuple[dict, dict[str, np.ndarray]]:
+    """A `qwen3_5_text` config and weights laid out as the published Qwen3.5/3.6 checkpoints: `model_type:
+    qwen3_5` with the text fields in `text_config`, the text weights under `model.language_model.`, lm_head
+    and `mtp.*` at the top level, and a (tiny, random) vision tensor that a text target skips."""
+    text = {k: v for k, v in text_config.items() if k not in ("architectures", "torch_dtype")}
+    config = {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5",
+              "text_config": dict(text, model_type="qwen3_5_text"),
+              "tie_word_embeddings": text.get("tie_word_embeddings", False), "torch_dtype": "float32"}
+    stored = {("model.language_model." + n[len("model."):] if n.startswith("model.") else n): a
+              for n, a in arrays.items()}
+    stored["model.visual.patch_embed.proj.weight"] = np.zeros((4, 4), next(iter(arrays.values())).dtype)
+    return config, stored
+
+
+def write_random_qwen3_5(out: str | Path, seed: int = 0, dtype=np.float32, *, published: bool = False,
+                         mtp_layers: int = 0, std: float = 0.1, with_tokenizer: bool = False, force: bool = False,
+                         **overrides) -> Path:
+    """Write a small random Qwen3.5/3.6 hybrid checkpoint folder, atomically: `tiny_qwen3_5_config(**overrides)`
+    with `mtp_layers` MTP decoder layers (random `mtp.*` weights), as `qwen3_5_text` or, `published`, in the
+    published layout (`published_qwen3_5`)."""
+    config = tiny_qwen3_5_config(**overrides, **({"mtp_num_hidden_layers": mtp_layers} if mtp_layers else {}))
+    arrays = random_qwen3_5_arrays(config, seed=seed, dtype=dtype, std=std)
+    if published:
+        config, arrays = published_qwen3_5(config, arrays)
+
+    def write(tmp: Path):
+        write_hf_files(tmp, arrays, config)
+        if with_tokenizer:
+            byte_tokenizer(tmp, tiny_qwen3_5_config(**overrides)["vocab_size"])
+
+    return atomic_folder(out, write, force=force)
+
+
 def tiny_dflash_config(target_config: dict, **overrides) -> dict:
     """An HF drafter `config.json` dict (published layout) fitting a target config dict: 2 layers, block 4,
     taps from the target's first and last layers, mask token = the target's last embedding row."""

@@ -1,18 +1,20 @@
 """One decode round, top to bottom, and the on-device loop over rounds.
 
-A speculative round (DFlash or DDTree) is five stages, each a public function of device arrays that the
+A speculative round (DFlash, DDTree or MTP) is five stages, each a public function of device arrays that the
 round composes and that the benchmark and the tools compile and time as they are (`STAGES`):
 
-    draft   the drafter reads its cached context and the block [bonus, mask x (bs - 1)]: logits [b, bs - 1, v]
-    tree    DDTree: the B most probable prefixes under those marginals (`tree.build_tree`); DFlash: the
-            chain of per-position argmaxes (`accept.chain_tree`)
+    draft   the drafter reads its cached context and the block [bonus, mask x (bs - 1)]: logits [b, bs - 1, v];
+            MTP: the target's own MTP head runs m chained steps (`models/mtp.py`): logits [b, m, v]
+    tree    DDTree: the B most probable prefixes under those marginals (`tree.build_tree`); DFlash and MTP:
+            the chain of per-position argmaxes (`accept.chain_tree`)
     verify  the target runs every node in one pass (node at position start + depth, seeing the committed
             cache and its own ancestors): logits per node, hidden taps, pending K/V (and a hybrid's
             per-node recurrent records)
     accept  the target's decoding rule at every node and the walk to the deepest agreeing node: path,
             count, the tokens the round emits (greedy on the Pallas kernels: one fused kernel)
     commit  the accepted nodes' K/V move into place, a hybrid's recurrent state becomes the deepest
-            accepted node's, and the accepted taps become the drafter's next context
+            accepted node's, and the accepted taps become the drafter's next context (MTP: the head runs
+            over the emitted tokens with the target's hidden states and keeps their K/V, `mtp.ingest`)
 
 An AR round is the verify of one token (`ar_round`). `decode_loop` runs rounds in a `lax.while_loop`
 until every row is done or a step limit is reached; the host side (`engine.generate`) compiles it once
@@ -20,7 +22,7 @@ per shape and donates the state, so caches update in place. Every one of these e
 the options' matmul precision (`at_matmul_precision`): float32 means float32 on a GPU too (no TF32).
 
 Letters (the package glossary, `ddtree_jax/__init__.py`): b rows, T tree nodes (B + 1 for DDTree, bs for
-DFlash, 1 for AR), P path slots (the block size), v vocabulary.
+DFlash, m + 1 for MTP, 1 for AR), P path slots (the block size; m + 1 for MTP), m MTP steps, v vocabulary.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import jax.numpy as jnp
 
 from ddtree_jax import cache as kv
 from ddtree_jax.accept import Accepted, accept_tree, chain_tree
-from ddtree_jax.models import dflash, target_family
+from ddtree_jax.models import dflash, mtp, target_family
 from ddtree_jax.models.contract import KERNEL_CHOICES, ForwardMeta, ForwardOut, Kernels, Runtime, resolve_kernels
 from ddtree_jax.models.params import ModelParams
 from ddtree_jax.parallel import Parallel, constrain_cache
@@ -54,9 +56,11 @@ class Mode(str, enum.Enum):
     AR = "ar"
     DFLASH = "dflash"
     DDTREE = "ddtree"
+    MTP = "mtp"
 
     @property
     def needs_drafter(self) -> bool:
+        """A drafter drafts the round: DFlash's for dflash and ddtree, the target's MTP head for mtp."""
         return self is not Mode.AR
 
 
@@ -64,8 +68,10 @@ class Mode(str, enum.Enum):
 class DecodeOptions:
     """Static choices of one generation call (hashable: part of the compilation key).
 
-    block_size: drafter block (bonus + bs - 1 drafts); 0 takes the drafter's own.
+    block_size: drafter block (bonus + bs - 1 drafts); 0 takes the drafter's own. MTP: the chain's length,
+      mtp_steps + 1 (`engine.resolve_options` sets it).
     budget: DDTree tree nodes besides the root (B); the target verifies B + 1 tokens per round.
+    mtp_steps: MTP steps per round (m): the head drafts m tokens and the target verifies m + 1.
     kernels: "auto" (the Pallas kernels on a GPU for 16-bit weights, pure JAX elsewhere;
       $DDTREE_JAX_KERNELS overrides), "jax" or "pallas" (`models.contract.resolve_kernels`);
       `engine.resolve_options` pins "auto" before compiling, so a compiled program is keyed on what it runs.
@@ -83,6 +89,7 @@ class DecodeOptions:
     eos_ids: tuple[int, ...] = ()  # empty: never stop on a token
     block_size: int = 0
     budget: int = 64
+    mtp_steps: int = 3
     record_trees: bool = False  # keep each round's tree and accepted path in the state (--save-trees)
     parallel: Parallel = Parallel()  # device layout (parallel.py)
     kernels: str = "auto"
@@ -95,6 +102,11 @@ class DecodeOptions:
             raise ValueError(f"block_size must be >= 2 for {self.mode.value}, got {self.block_size}")
         if self.mode is Mode.DDTREE and self.budget < 1:
             raise ValueError(f"budget must be >= 1, got {self.budget}")
+        if self.mode is Mode.MTP and self.mtp_steps < 1:
+            raise ValueError(f"mtp_steps must be >= 1, got {self.mtp_steps}")
+        if self.mode is Mode.MTP and self.block_size not in (0, self.mtp_steps + 1):
+            raise ValueError(f"block_size of an MTP chain is mtp_steps + 1 = {self.mtp_steps + 1}, "
+                             f"got {self.block_size}")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels must be one of {', '.join(map(repr, KERNEL_CHOICES))}, got {self.kernels!r}")
         if self.matmul_precision not in MATMUL_PRECISIONS:
@@ -111,7 +123,8 @@ class DecodeOptions:
     @property
     def verify_width(self) -> int:
         """Tokens the target verifies per round (the widest call after prefill)."""
-        return {Mode.AR: 1, Mode.DFLASH: self.block_size, Mode.DDTREE: self.budget + 1}[self.mode]
+        return {Mode.AR: 1, Mode.DFLASH: self.block_size, Mode.DDTREE: self.budget + 1,
+                Mode.MTP: self.mtp_steps + 1}[self.mode]
 
 
 @jax.tree_util.register_dataclass
@@ -122,7 +135,8 @@ class DecodeState:
     Fields:
       cache:          target cache (KVCache; HybridCache for a recurrent family); `lengths` counts the tokens
                       fed to the target.
-      draft_cache:    drafter context K/V (same lengths as `cache` between rounds), or None for AR.
+      draft_cache:    drafter context K/V (same lengths as `cache` between rounds); MTP: the head's
+                      MTPCache (K/V of the same lengths, and its output at the last slot); None for AR.
       last_token:     [b] int32, newest emitted token (not yet fed to the target).
       output:         [b, max_new] int32, emitted tokens (prompt excluded); valid up to num_generated.
       num_generated:  [b] int32.
@@ -135,7 +149,7 @@ class DecodeState:
     """
 
     cache: kv.KVCache | kv.HybridCache
-    draft_cache: kv.KVCache | None
+    draft_cache: kv.KVCache | kv.MTPCache | None
     last_token: jax.Array
     output: jax.Array
     num_generated: jax.Array
@@ -204,9 +218,12 @@ def at_matmul_precision(fn):
 
 
 @at_matmul_precision
-def draft(drafter: ModelParams, target: ModelParams, last_token: jax.Array, draft_cache: kv.KVCache,
+def draft(drafter: ModelParams, target: ModelParams, last_token: jax.Array, draft_cache: kv.KVCache | kv.MTPCache,
           options: DecodeOptions) -> jax.Array:
-    """The drafter's block [bonus, mask x (bs - 1)] over its cached context: float32 logits [b, bs - 1, v]."""
+    """The drafter's block [bonus, mask x (bs - 1)] over its cached context: float32 logits [b, bs - 1, v].
+    MTP: m chained steps of the target's head after its cache (the bonus is already in it): [b, m, v]."""
+    if options.mode is Mode.MTP:
+        return mtp.draft_logits(drafter, target, draft_cache, options.mtp_steps, options.runtime)
     b, bs = last_token.shape[0], options.block_size
     block = jnp.concatenate([last_token[:, None], jnp.full((b, bs - 1), drafter.config.mask_token_id, jnp.int32)],
                             axis=1)
@@ -216,7 +233,7 @@ def draft(drafter: ModelParams, target: ModelParams, last_token: jax.Array, draf
 @at_matmul_precision
 def propose(logits: jax.Array, last_token: jax.Array, options: DecodeOptions) -> DraftTree:
     """The tree to verify, rooted at each row's bonus `last_token` [b]: DDTree's B most probable prefixes
-    under the drafter's marginals (T = B + 1 nodes), or DFlash's chain of argmaxes (T = bs)."""
+    under the drafter's marginals (T = B + 1 nodes), or the chain of argmaxes (DFlash: T = bs; MTP: m + 1)."""
     if options.mode is Mode.DDTREE:
         return build_tree(jax.nn.log_softmax(logits, axis=-1), last_token, options.budget)
     drafts = jnp.argmax(logits, axis=-1).astype(jnp.int32)
@@ -251,12 +268,14 @@ def accept(tree: DraftTree, node_logits: jax.Array, key: jax.Array, options: Dec
 
 
 @at_matmul_precision
-def commit(drafter: ModelParams, out: ForwardOut, acc: Accepted, counts: jax.Array, draft_cache: kv.KVCache,
-           options: DecodeOptions):
+def commit(drafter: ModelParams, target: ModelParams, out: ForwardOut, acc: Accepted, counts: jax.Array,
+           draft_cache: kv.KVCache | kv.MTPCache, options: DecodeOptions):
     """Keep the accepted path (`counts` [b] nodes per row; 0 for rows that are done): returns (target cache,
     drafter cache). The accepted nodes' pending K/V rows move to slots [start, start + count) (a chain's are
     already there), a recurrent family installs the deepest accepted node's state and conv window, and the
-    accepted nodes' taps become the drafter's next context rows."""
+    accepted nodes' taps become the drafter's next context rows. MTP: the head runs over the tokens the round
+    emits, each paired with the target's hidden state one position earlier (node i's: the chain's nodes are
+    positions start + i), and keeps `counts` of them (`mtp.ingest`; `target` gives the embedding)."""
     hybrid = out.nodes is not None
     target_kv = out.cache.kv if hybrid else out.cache
     if options.mode is Mode.DDTREE:
@@ -268,7 +287,10 @@ def commit(drafter: ModelParams, out: ForwardOut, acc: Accepted, counts: jax.Arr
     if hybrid:
         cache = kv.HybridCache(kv=target_kv, recurrent=tuple(kv.commit_recurrent(r, n, acc.path, counts)
                                                              for r, n in zip(out.cache.recurrent, out.nodes)))
-    draft_cache = dflash.ingest_context(drafter, taps, counts, draft_cache)
+    if options.mode is Mode.MTP:
+        draft_cache = mtp.ingest(drafter, target, acc.tokens, out.hidden, counts, draft_cache, options.runtime)
+    else:
+        draft_cache = dflash.ingest_context(drafter, taps, counts, draft_cache)
     return constrain_cache(cache, options.parallel), constrain_cache(draft_cache, options.parallel)
 
 
@@ -283,7 +305,7 @@ STAGES = {"draft": draft, "tree": propose, "verify": verify, "accept": accept, "
 @at_matmul_precision
 def speculative_round(target: ModelParams, drafter: ModelParams, state: DecodeState,
                       options: DecodeOptions) -> DecodeState:
-    """One DFlash or DDTree round: draft once, verify every drafted token in one target pass, keep the
+    """One DFlash, DDTree or MTP round: draft once, verify every drafted token in one target pass, keep the
     longest path on which the target's own decoding rule agrees, plus the target's next token.
 
     Chain example, bs = 4: bonus x, drafts [d1 d2 d3], decoded post = [p0 p1 p2 p3]; d1 == p0,
@@ -305,7 +327,7 @@ def speculative_round(target: ModelParams, drafter: ModelParams, state: DecodeSt
         acc = accept(tree, node_logits, key, options)
         counts = jnp.where(running, acc.count, 0)
     with jax.named_scope("commit"):
-        cache, draft_cache = commit(drafter, out, acc, counts, state.draft_cache, options)
+        cache, draft_cache = commit(drafter, target, out, acc, counts, state.draft_cache, options)
     trace = RoundTrace(start=start, tokens=tree.tokens, parents=tree.parents, depths=tree.depths,
                        valid=tree.valid, path=acc.path, count=counts) if options.record_trees else None
     state = dataclasses.replace(state, cache=cache, draft_cache=draft_cache, rng=rng, trace=trace)
@@ -329,7 +351,8 @@ def ar_round(target: ModelParams, drafter: None, state: DecodeState, options: De
     return _record_round(_emit(state, token[:, None], counts, options), counts, running)
 
 
-ROUNDS = {Mode.AR: ar_round, Mode.DFLASH: speculative_round, Mode.DDTREE: speculative_round}
+ROUNDS = {Mode.AR: ar_round, Mode.DFLASH: speculative_round, Mode.DDTREE: speculative_round,
+          Mode.MTP: speculative_round}
 
 
 @at_matmul_precision
@@ -348,8 +371,9 @@ def decode_loop(target: ModelParams, drafter: ModelParams | None, state: DecodeS
 @at_matmul_precision
 def prefill(target: ModelParams, drafter: ModelParams | None, tokens: jax.Array, prompt_lengths: jax.Array,
             rng: jax.Array, *, capacity: int, options: DecodeOptions) -> DecodeState:
-    """Run the prompt (right-padded tokens [b, p], lengths [b]), fill the drafter's context cache, and emit
-    each row's first token."""
+    """Run the prompt (right-padded tokens [b, p], lengths [b]), emit each row's first token, and fill the
+    drafter's context cache (MTP: the head runs over the prompt, each position paired with the next token,
+    the last with the first emitted one)."""
     b, p = tokens.shape
     dtype = target.flat()["model.embed_tokens.weight"].dtype
     family = target_family(target.config)
@@ -358,13 +382,18 @@ def prefill(target: ModelParams, drafter: ModelParams | None, tokens: jax.Array,
     out = family.forward(target, tokens, ForwardMeta.prompt(prompt_lengths, p), cache, tap_layers=taps,
                          runtime=options.runtime)
     cache = kv.advance(out.cache, prompt_lengths)
-    draft_cache = None
-    if drafter is not None:
-        draft_cache = dflash.ingest_context(drafter, out.taps, prompt_lengths, constrain_cache(
-            dflash.create_cache(drafter.config, b, capacity, dtype), options.parallel))
     last_hidden = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
     rng, key = jax.random.split(rng)
     first = decode_tokens(family.logits(target, last_hidden), key, options.sampling)
+    draft_cache = None
+    if options.mode is Mode.MTP:
+        # Position i pairs with token i + 1: the prompt shifted left by one, the first emitted token last.
+        shifted = jnp.roll(tokens, -1, axis=1).at[jnp.arange(b), prompt_lengths - 1].set(first)
+        draft_cache = mtp.ingest(drafter, target, shifted, out.hidden, prompt_lengths, constrain_cache(
+            mtp.create_cache(drafter.config, b, capacity, dtype), options.parallel), options.runtime)
+    elif drafter is not None:
+        draft_cache = dflash.ingest_context(drafter, out.taps, prompt_lengths, constrain_cache(
+            dflash.create_cache(drafter.config, b, capacity, dtype), options.parallel))
     state = DecodeState.start(cache, draft_cache, first, rng, options)
     return _emit(state, first[:, None], jnp.ones((b,), jnp.int32), options)
 

@@ -68,11 +68,13 @@ def test_eos_inside_an_accepted_path_stops_like_ar(pair16):
     target, drafter = pair16
     options = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=40, block_size=4, budget=16)
     free = generate(target, PROMPTS, options, drafter=drafter)
-    eos = _eos_inside_an_accepted_round(free, 0)
-    assert eos is not None
+    found = _eos_inside_an_accepted_round(free)
+    assert found is not None
+    row, eos = found
     ar = generate(target, PROMPTS, DecodeOptions(max_new_tokens=40, eos_ids=(eos,)))
     spec = generate(target, PROMPTS, dataclasses.replace(options, eos_ids=(eos,)), drafter=drafter)
-    assert spec.output_ids == ar.output_ids and spec.output_ids[0][-1] == eos
+    assert spec.output_ids == ar.output_ids and spec.output_ids[row][-1] == eos
+    assert sum(spec.acceptance_lengths[row]) + 1 > len(spec.output_ids[row])  # the last round was cut at EOS
 
 
 # ---- a straightforward reference round: no caches, the heap tree, a walk with full target passes

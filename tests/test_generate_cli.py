@@ -18,8 +18,8 @@ from ddtree_jax.demo_pair import demo_target
 JSON_KEYS = {"mode", "output_ids", "text", "acceptance_lengths", "tau", "new_tokens", "decode_seconds",
              "tokens_per_second", "prefill_seconds", "compile_seconds",
              "matmul_precision"}
-SUMMARY = re.compile(r"^\[(ar|dflash block=\d+|ddtree B=\d+)\] \d+ tokens, (\d+\.\d\d tokens per round \(tau\), )?"
-                     r"decode \d+\.\d\d s( = \d+ tokens/s)?; compile \d+\.\d s$")
+SUMMARY = re.compile(r"^\[(ar|dflash block=\d+|ddtree B=\d+|mtp steps=\d+)\] \d+ tokens, "
+                     r"(\d+\.\d\d tokens per round \(tau\), )?decode \d+\.\d\d s( = \d+ tokens/s)?; compile \d+\.\d s$")
 
 
 def run_cli(*args, env=None, timeout=600):
@@ -224,4 +224,25 @@ def test_ddtree_mode_json_and_saved_trees(tmp_path):
         assert r["depths"][0] == 0 and r["parents"][0] == 0 and all(p < i for i, p in enumerate(r["parents"]) if i)
         assert [r["depths"][i] for i in r["accepted"]] == [0, 1, 2, 3]
     bad = run_ar("--target", target, "--prompt-ids", "1", "--save-trees", trees)
-    assert bad.returncode == 2 and "--save-trees: needs --mode ddtree or dflash" in bad.stderr
+    assert bad.returncode == 2 and "--save-trees: needs --mode ddtree, dflash or mtp" in bad.stderr
+
+
+def test_mtp_mode_json_and_one_error_without_a_head(tmp_path, random_target):
+    """--mode mtp drafts with the target's own head (a random hybrid in the published layout); a target
+    without one, or a --drafter beside it, is one error line before any weight is read."""
+    from ddtree_jax.random_checkpoint import write_random_qwen3_5
+
+    folder = write_random_qwen3_5(tmp_path / "t", seed=3, published=True, mtp_layers=1, with_tokenizer=True)
+    proc = run_cli("--target", folder, "--mode", "mtp", "--mtp-steps", 2, "--prompt-ids", "1,2,3", "--json",
+                   "--max-new-tokens", 8, "--dtype", "float32")
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert set(report) == JSON_KEYS | {"block_size", "acceptance_histogram", "mtp_steps"}
+    assert (report["mode"], report["mtp_steps"], report["block_size"], report["new_tokens"]) == ("mtp", 2, 3, 8)
+    assert sum(report["acceptance_histogram"]) == len(report["acceptance_lengths"])
+    assert SUMMARY.match(proc.stderr.strip().splitlines()[-1]), proc.stderr
+    for args, message in [((random_target,), "a qwen3 target has no multi-token-prediction head"),
+                          ((folder, "--drafter", folder), "--drafter: not used by --mode mtp")]:
+        bad = run_cli("--target", *args, "--mode", "mtp", "--prompt-ids", "1")
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr

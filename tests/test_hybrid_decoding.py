@@ -22,7 +22,7 @@ from ddtree_jax.models import qwen3_5
 from ddtree_jax.models.contract import ForwardMeta
 from ddtree_jax.random_checkpoint import write_random_dflash
 from ddtree_jax.sampling import SamplingConfig
-from test_dflash_decoding import VOCAB8, chi2_pvalue
+from test_dflash_decoding import VOCAB8, _exact_three_token_distribution, chi2_pvalue
 
 torch = pytest.importorskip("torch", reason="PyTorch is not importable (builds the transformers hybrid)")
 
@@ -398,29 +398,8 @@ def hybrid_sampling_pair(tmp_path_factory):
     drafter = load_drafter(write_random_dflash(root / "d", text_config(VOCAB8), seed=6, head_dim=8), target.config,
                            jnp.float32)
     prompt = [1, 2, 3]
-    exact = _exact_three_token_distribution(target, prompt).ravel()
+    exact = _exact_three_token_distribution(target, prompt, VOCAB8).ravel()
     return target, drafter, prompt, exact / exact.sum()  # renormalised: float32 softmax rounding
-
-
-def _exact_three_token_distribution(target, prompt):
-    """p(x1, x2, x3 | prompt) [v, v, v] float64 from the hybrid target's softmax over every two-token
-    continuation, each sequence run from an empty cache in one forward pass."""
-    import itertools
-
-    seqs = np.array([prompt + [a, b] for a, b in itertools.product(range(VOCAB8), repeat=2)])
-    n, t = seqs.shape
-
-    @jax.jit  # one program: dispatched op by op this took ~25 s on a busy CPU
-    def log_probs(params, tokens):
-        out = qwen3_5.forward(params, tokens, ForwardMeta.prompt(jnp.full((n,), t), t),
-                              qwen3_5.create_cache(params.config, n, t, jnp.float32))
-        return jax.nn.log_softmax(qwen3_5.logits(params, out.hidden), -1)
-
-    logp = np.asarray(log_probs(target, jnp.asarray(seqs)), np.float64)
-    p1 = np.exp(logp[0, t - 3])
-    p2 = np.exp(logp[::VOCAB8, t - 2]).reshape(VOCAB8, VOCAB8)  # rows: x1
-    p3 = np.exp(logp[:, t - 1]).reshape(VOCAB8, VOCAB8, VOCAB8)
-    return p1[:, None, None] * p2[:, :, None] * p3
 
 
 def _sample(pair, options, seed, n=SAMPLES):

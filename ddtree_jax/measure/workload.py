@@ -135,7 +135,7 @@ def stage_programs(target, drafter, state: rnd.DecodeState, options, evaluate: C
     out, node_logits = add("verify", (target, tree, state.cache), tap_layers=drafter.config.target_layer_ids,
                            options=options)
     acc = add("accept", (tree, node_logits, state.rng), options=options)
-    add("commit", (drafter, out, acc, acc.count, state.draft_cache), options=options)
+    add("commit", (drafter, target, out, acc, acc.count, state.draft_cache), options=options)
     return programs
 
 

@@ -252,19 +252,28 @@ class GatedAttention(nnx.Module):
         r = self.rotary_dim
         return jnp.concatenate([apply_rope(x[..., :r], cos, sin), x[..., r:]], axis=-1)
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, cache_lengths, meta: ForwardMeta, *, runtime: Runtime):
-        """x [b, t, e], cos/sin [b, t, rotary_dim] -> (out [b, t, e], k_new [b, t, n, d], v_new [b, t, n, d])."""
+    def project(self, x, cos, sin):
+        """x [b, t, e], cos/sin [b, t, rotary_dim] -> q [b, t, n*g, d] (normed, rotated), gate [b, t, n*g*d],
+        k [b, t, n, d] (normed, rotated), v [b, t, n, d]."""
         b, t, _ = x.shape
         d = self.head_dim
         q_gate = self.q_proj(x).reshape(b, t, -1, 2 * d)
         q, gate = q_gate[..., :d], q_gate[..., d:].reshape(b, t, -1)
         q = self._rope(self.q_norm(q), cos, sin)
         k = self._rope(self.k_norm(self.k_proj(x).reshape(b, t, -1, d)), cos, sin)
-        v = self.v_proj(x).reshape(b, t, -1, d)
+        return q, gate, k, self.v_proj(x).reshape(b, t, -1, d)
+
+    def output(self, attended, gate):
+        """attended [b, t, n*g, d], gate [b, t, n*g*d] -> o_proj(attended * sigmoid(gate)) [b, t, e]."""
+        b, t = attended.shape[:2]
+        return self.o_proj(attended.reshape(b, t, -1) * jax.nn.sigmoid(gate))
+
+    def __call__(self, x, cos, sin, k_cache, v_cache, cache_lengths, meta: ForwardMeta, *, runtime: Runtime):
+        """x [b, t, e], cos/sin [b, t, rotary_dim] -> (out [b, t, e], k_new [b, t, n, d], v_new [b, t, n, d])."""
+        q, gate, k, v = self.project(x, cos, sin)
         out = cached_attention(q, k_cache, v_cache, cache_lengths, k, v, meta.new_mask, meta.positions,
-                               scale=d ** -0.5, runtime=runtime)
-        out = out.reshape(b, t, -1) * jax.nn.sigmoid(gate)
-        return self.o_proj(out), k, v
+                               scale=self.head_dim ** -0.5, runtime=runtime)
+        return self.output(out, gate), k, v
 
 
 def _pin(x: jax.Array, axis: int | None, *, mesh: jax.sharding.Mesh | None) -> jax.Array:
