@@ -32,6 +32,10 @@ SHAPES = {
                         max_position_embeddings=262144,
                         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25}),
     "tiny-hybrid": dict(model_type="qwen3_5_text"),  # random_checkpoint.tiny_qwen3_5_config as it is
+    # The shipped demo pair's target (ddtree_jax/assets/demo; train.target.TargetShape's defaults come from here).
+    "demo": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                 intermediate_size=768, vocab_size=8192, tie_word_embeddings=True, rope_theta=1e4,
+                 max_position_embeddings=4096),
 }
 # The drafter of each shape, as the published DFlash checkpoint for that target lays it out (HF drafter
 # config fields; research/dflash_qwen.md 1.3 and 1.6). Shapes not listed get the Qwen3-8B-DFlash layout
@@ -43,6 +47,10 @@ DRAFTERS = {
                         num_key_value_heads=8, head_dim=128, intermediate_size=17408, rope_theta=1e7,
                         max_position_embeddings=262144, block_size=16, num_target_layers=64,
                         dflash_config={"mask_token_id": 248070, "target_layer_ids": [1, 16, 31, 46, 61]}),
+    # The demo drafter: two non-causal layers tapping the demo target's layers 1-3.
+    "demo": dict(num_hidden_layers=2, layer_types=["full_attention"] * 2, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=64, intermediate_size=768, rope_theta=1e4, max_position_embeddings=4096, block_size=16,
+                 num_target_layers=6, dflash_config={"mask_token_id": 1, "target_layer_ids": [1, 2, 3]}),
     # The same layout in miniature: one causal sliding-window layer (window 8) and one non-causal layer.
     "tiny-hybrid": dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=8,
                         use_sliding_window=True, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

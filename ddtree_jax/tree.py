@@ -54,11 +54,13 @@ class DraftTree:
     scores: jax.Array
 
 
-def default_top_k_chunk(budget: int) -> int:
+def default_top_k_chunk(budget: int, vocab: int | None = None) -> int:
     """Chunk of the two-stage top-k (`chunked_top_k`) for a budget, from the H200 (tools/topk_probe.py,
     2026-12-01, both Qwen vocabularies): 2048 built the tree fastest at B = 64, 256 and 512 (677 against
-    1217 us for one lax.top_k at B = 64, V = 151936), 16384 at B = 16 (413 against 557 us)."""
-    return 16384 if budget <= 16 else 2048
+    1217 us for one lax.top_k at B = 64, V = 151936), 16384 at B = 16 (413 against 557 us). A vocabulary
+    no longer than 16384 (the demo pair's 8192) takes 2048 too: one lax.top_k over it is slow on a CPU
+    (17.1 ms against 0.37 ms for 15 rows of 8192 at k = 16, this project's 2-core machine, 2026-12-01)."""
+    return 16384 if budget <= 16 and (vocab is None or vocab > 16384) else 2048
 
 
 def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
@@ -68,7 +70,7 @@ def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
     beam entries in two stages, over chunks of this many entries (`chunked_top_k`, the same result; "auto":
     `default_top_k_chunk(B)`; None: one `lax.top_k` each); unroll: the depth loop's `lax.scan` unrolling
     (True: none of it runs as a device loop). Returns a DraftTree with B + 1 nodes."""
-    chunk = default_top_k_chunk(budget) if top_k_chunk == "auto" else top_k_chunk
+    chunk = default_top_k_chunk(budget, log_probs.shape[-1]) if top_k_chunk == "auto" else top_k_chunk
     return jax.vmap(lambda lp, root: _build_one(lp, root, budget, chunk, unroll))(log_probs, root_tokens)
 
 

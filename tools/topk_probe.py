@@ -55,7 +55,7 @@ def top_k_program(budget: int, chunk):
             lg, s = jax.lax.optimization_barrier((logits, salt))
             k = min(budget, lg.shape[-1])
             return current.chunked_top_k(jax.nn.log_softmax(lg + s, axis=-1),
-                                         k, current.default_top_k_chunk(budget) if chunk == "auto" else chunk)
+                                         k, current.default_top_k_chunk(budget, lg.shape[-1]) if chunk == "auto" else chunk)
 
         return _passes(once, passes)
     return run

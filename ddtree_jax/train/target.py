@@ -32,6 +32,7 @@ import ml_dtypes
 import numpy as np
 
 from ddtree_jax.config import Qwen3Config, parse_qwen3
+from ddtree_jax.shapes import SHAPES
 from ddtree_jax.models.contract import ForwardMeta
 from ddtree_jax.models import qwen3
 from ddtree_jax.models.params import ModelParams
@@ -41,19 +42,23 @@ from ddtree_jax.train import tokenizer as tok_lib
 DEFAULT_MAX_SHARD_BYTES = 14 * 10**6  # every file, header included, stays under 15 MB
 
 
+_DEMO = SHAPES["demo"]
+
+
 @dataclasses.dataclass(frozen=True)
 class TargetShape:
-    """The default is 6.8M parameters at vocab 8192 (13.6 MB in bf16)."""
+    """The default is the demo target's shape (`shapes.SHAPES["demo"]`): 6.8M parameters at vocab 8192
+    (13.6 MB in bf16)."""
 
-    hidden_size: int = 256
-    num_layers: int = 6
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 64
-    intermediate_size: int = 768
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 4096
-    tie_word_embeddings: bool = True
+    hidden_size: int = _DEMO["hidden_size"]
+    num_layers: int = _DEMO["num_hidden_layers"]
+    num_heads: int = _DEMO["num_attention_heads"]
+    num_kv_heads: int = _DEMO["num_key_value_heads"]
+    head_dim: int = _DEMO["head_dim"]
+    intermediate_size: int = _DEMO["intermediate_size"]
+    rope_theta: float = _DEMO["rope_theta"]
+    max_position_embeddings: int = _DEMO["max_position_embeddings"]
+    tie_word_embeddings: bool = _DEMO["tie_word_embeddings"]
 
 
 def round_vocab(n: int, multiple: int = 64) -> int:
