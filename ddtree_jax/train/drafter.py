@@ -42,8 +42,9 @@ them (log.json, the log lines, acceptance.png). The export is the evaluation bes
 Export (OUT): the published HF layout (`architectures: ["DFlashDraftModel"]`, `block_size`,
 `dflash_config: {mask_token_id, target_layer_ids}`, `num_target_layers`, `layer_types`, ...), bf16 (or
 float32) safetensors. Work folder (`--work`, default OUT.train): run.json, the generated sequences
-(sequences.npz), orbax checkpoints (resumed when present), log.json, loss.png, acceptance.png. At the end the export is
-loaded with `load_drafter` and run against AR on held-out prompts (greedy DFlash == AR, tau).
+(sequences.npz), orbax checkpoints (resumed when present), log.json, loss.png, acceptance.png. At the
+end the export is loaded with `load_drafter` and run against AR on held-out prompts (greedy DFlash ==
+AR, tau).
 """
 
 from __future__ import annotations
@@ -629,7 +630,7 @@ def train_drafter(cfg: DrafterTrainConfig) -> dict:
         if data_file.exists():
             data = Sequences.load(data_file)
         else:
-            data = make_sequences(cfg, target, tokenizer, target_dir, mask_id, run)
+            data = make_sequences(cfg, target, tokenizer, target_dir, mask_id, run, parallel)
             data.save(data_file)
         n_eval = max(1, round(len(data) * cfg.held_out)) if len(data) > 1 else 0
         train_data, eval_data = data.take(slice(0, len(data) - n_eval)), data.take(slice(len(data) - n_eval, None))
@@ -684,6 +685,7 @@ def train_drafter(cfg: DrafterTrainConfig) -> dict:
                                                 dtype=dtype, parallel=parallel))
     if cfg.select == "tau" and not eval_prompt_ids:
         raise ValueError(f"--select {cfg.select}: there are no held-out prompts to decode")
+    selectable = bool(eval_prompt_ids) if cfg.select == "tau" else n_eval > 0  # else the last step is exported
 
     def evaluate(state) -> dict:
         return {k: v for evaluation in evaluations for k, v in evaluation(state).items()}
@@ -697,7 +699,7 @@ def train_drafter(cfg: DrafterTrainConfig) -> dict:
             budget_seconds=cfg.minutes * 60 if cfg.minutes else None, schedule_for=schedule_for, step_fn=step_fn,
             batch_for=batch_for, evaluate=evaluate if evaluations else None, eval_every=cfg.eval_every,
             save_every=cfg.save_every, log_every=cfg.log_every, desc="drafter",
-            best=(cfg.select, "max") if evaluations else None, patience=cfg.patience)
+            best=(cfg.select, "max") if selectable else None, patience=cfg.patience)
     finally:
         if stream is not None:
             stream.close()
@@ -730,7 +732,7 @@ def train_drafter(cfg: DrafterTrainConfig) -> dict:
 
 
 def make_sequences(cfg: DrafterTrainConfig, target: ModelParams, tokenizer, target_dir: Path, mask_id: int,
-                   run: common.TrainRun) -> Sequences:
+                   run: common.TrainRun, parallel: Parallel) -> Sequences:
     """The training sequences of a run without extracted features: prompts continued by the target."""
     tconf = target.config
     if cfg.random_prompts and cfg.prompts_file is None:
@@ -750,7 +752,7 @@ def make_sequences(cfg: DrafterTrainConfig, target: ModelParams, tokenizer, targ
           f"{'greedy' if cfg.temperature == 0 else f'temperature {cfg.temperature}'})", file=sys.stderr)
     t0 = time.perf_counter()
     data = generate_sequences(target, prompts, cfg.gen_len, batch=min(cfg.gen_batch, len(prompts)),
-                              temperature=cfg.temperature, seed=cfg.seed)
+                              temperature=cfg.temperature, seed=cfg.seed, parallel=parallel)
     print(f"drafter: generated {len(data)} sequences in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     run.save_meta(prompt_source=source)
     return data

@@ -121,11 +121,12 @@ def prompts_digest(prompts: list[list[int]]) -> str:
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+    """Decimal units, as disks are sold: 24.2 GB is 24.2e9 bytes."""
+    for unit in ("B", "KB", "MB"):
+        if n < 1000:
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
-    return f"{n:.1f} TB"
+    return f"{n / 1000:.1f} GB"
 
 
 def check_resumable(manifest: dict, settings: dict, folder: Path) -> None:
@@ -181,8 +182,8 @@ def extract(cfg: ExtractConfig) -> dict:
     todo = [i for i in range(num_shards) if features.shard_name(i) not in done]
     todo_seqs = sum(min(shard_seqs, len(prompts) - i * shard_seqs) for i in todo)
     total_bytes, todo_bytes = len(prompts) * per_seq, todo_seqs * per_seq
-    out.mkdir(parents=True, exist_ok=True)
-    free = shutil.disk_usage(out).free
+    existing = next(p for p in (out, *out.absolute().parents) if p.exists())
+    free = shutil.disk_usage(existing).free
     say = lambda msg: print(f"extract: {msg}", file=sys.stderr, flush=True)  # noqa: E731
     say(f"{len(prompts)} sequences of {cfg.prompt_len} + {cfg.gen_len} tokens (prompts: {source}), taps of layers "
         f"{layer_ids} ({tap_width} features, bf16): {human_bytes(total_bytes)} in {num_shards} shards of up to "
@@ -190,6 +191,7 @@ def extract(cfg: ExtractConfig) -> dict:
         f"{human_bytes(free)} free in {out}")
     if todo_bytes > free:
         raise ValueError(f"--out {out}: {human_bytes(todo_bytes)} to write but only {human_bytes(free)} free")
+    out.mkdir(parents=True, exist_ok=True)
     stale = features.remove_partial_shards(out)
     if stale:
         say(f"removed {len(stale)} partial shard(s) of an interrupted run: {', '.join(stale)}")
