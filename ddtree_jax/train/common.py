@@ -236,7 +236,6 @@ class TrainRun:
         plt.close(fig)
         return path
 
-
     def plot_acceptance(self) -> Path | None:
         """acceptance.png: the held-out acceptance rate per draft position at each evaluation that decoded
         prompts (records with `position_acceptance`), later evaluations darker, the selected one bold."""

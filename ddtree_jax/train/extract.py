@@ -129,6 +129,26 @@ def human_bytes(n: float) -> str:
     return f"{n / 1000:.1f} GB"
 
 
+def continue_and_tap(target, prompts: list[list[int]], *, gen_len: int, width: int, batch: int, temperature: float,
+                     seed: int, layer_ids: tuple[int, ...], parallel) -> drafter_lib.Sequences:
+    """The target's continuations of `prompts` (rows right-padded to `width` tokens) and its taps [n, width, F]
+    (bf16 host array), `batch` rows per device call (a multiple of the devices of a data-parallel `parallel`;
+    short calls are padded with copies of their first row, so every call has one shape)."""
+    from ddtree_jax.parallel import put, to_host
+
+    batch = min(batch, -(-len(prompts) // parallel.size) * parallel.size)
+    seqs = drafter_lib.generate_sequences(target, prompts, gen_len, batch=batch, temperature=temperature, seed=seed,
+                                          parallel=parallel, width=width, progress=False)
+    taps = np.zeros((len(prompts), width, len(layer_ids) * target.config.hidden_size), features.TAPS_DTYPE)
+    for b0 in range(0, len(prompts), batch):
+        rows = np.arange(b0, min(b0 + batch, len(prompts)))
+        padded = np.concatenate([rows, np.full(batch - len(rows), rows[0])])
+        tokens = put(seqs.tokens[padded], parallel.sharding(parallel.batch_spec(2)))
+        lengths = put(seqs.lengths[padded], parallel.sharding(parallel.batch_spec(1)))
+        taps[rows] = to_host(TARGET_TAPS(target, tokens, lengths, layer_ids))[:len(rows)].astype(features.TAPS_DTYPE)
+    return dataclasses.replace(seqs, taps=taps)
+
+
 def check_resumable(manifest: dict, settings: dict, folder: Path) -> None:
     """A folder can only be continued with the settings it was started with."""
     for key, value in settings.items():
@@ -142,7 +162,7 @@ def extract(cfg: ExtractConfig) -> dict:
     """Write (or finish) the features folder; returns the manifest."""
     from ddtree_jax.checkpoint import load_target
     from ddtree_jax.config import load_target_config, read_config_json
-    from ddtree_jax.parallel import Parallel, make_parallel, put, to_host
+    from ddtree_jax.parallel import Parallel, make_parallel
     from tqdm import tqdm
 
     out, target_dir = Path(cfg.out), Path(cfg.target)
@@ -225,25 +245,16 @@ def extract(cfg: ExtractConfig) -> dict:
                 break
             t0 = time.perf_counter()
             lo = index * shard_seqs
-            chunk = prompts[lo:lo + shard_seqs]
-            seqs = drafter_lib.generate_sequences(target, chunk, cfg.gen_len, batch=min(batch, len(chunk)),
-                                                  temperature=cfg.temperature, seed=cfg.seed + lo, parallel=parallel,
-                                                  width=width, progress=False)
-            taps = np.zeros((len(chunk), width, tap_width), features.TAPS_DTYPE)
-            for b0 in range(0, len(chunk), batch):
-                rows = np.arange(b0, min(b0 + batch, len(chunk)))
-                padded = np.concatenate([rows, np.full(-len(rows) % parallel.size, rows[0])])  # whole rows per device
-                tok = put(seqs.tokens[padded], parallel.sharding(parallel.batch_spec(2)))
-                lens = put(seqs.lengths[padded], parallel.sharding(parallel.batch_spec(1)))
-                taps[rows] = to_host(TARGET_TAPS(target, tok, lens, tuple(layer_ids)))[:len(rows)].astype(
-                    features.TAPS_DTYPE)
-            entry = features.write_shard(out, index, seqs.tokens, seqs.starts, seqs.lengths, taps)
+            seqs = continue_and_tap(target, prompts[lo:lo + shard_seqs], gen_len=cfg.gen_len, width=width,
+                                    batch=batch, temperature=cfg.temperature, seed=cfg.seed + lo,
+                                    layer_ids=tuple(layer_ids), parallel=parallel)
+            entry = features.write_shard(out, index, seqs.tokens, seqs.starts, seqs.lengths, seqs.taps)
             manifest["shards"] = sorted([*manifest["shards"], entry], key=lambda e: e["file"])
             features.write_json_atomic(manifest_path, manifest)
             written += 1
-            bar.update(len(chunk))
+            bar.update(len(seqs))
             tqdm.write(f"extract: shard {index + 1}/{num_shards} written: {entry['sequences']} sequences, "
-                f"{human_bytes(entry['bytes'])}, {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+                       f"{human_bytes(entry['bytes'])}, {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     finally:
         bar.close()
     left = num_shards - len(manifest["shards"])
