@@ -487,7 +487,7 @@ class DrafterTrainConfig:
     # data from `features`
     held_out_shards: int = 1  # the last shards, kept for evaluation
     eval_sequences: int = 64  # held-out sequences evaluated (from those shards)
-    shuffle_shards: int = 8  # shards whose rows are shuffled together (and held in memory)
+    shuffle_shards: int = 8  # shards whose rows are shuffled together (a window; 2-3 windows are in memory)
     # optimization
     steps: int | None = 2000
     minutes: float | None = None
@@ -796,7 +796,7 @@ def parse_args(argv=None) -> DrafterTrainConfig:
                    help="the last shards, kept for the held-out loss (and prompts, without --eval-prompts)")
     f.add_argument("--eval-sequences", type=int, default=d.eval_sequences, help="held-out sequences evaluated")
     f.add_argument("--shuffle-shards", type=int, default=d.shuffle_shards,
-                   help="shards whose rows are shuffled together (about this many shards are in memory)")
+                   help="shards whose rows are shuffled together (memory holds two or three such windows)")
     p.add_argument("--batch", type=int, default=d.batch, help="sequences per step (over all devices)")
     p.add_argument("--anchors", type=int, default=d.anchors, help="anchors (blocks) per sequence")
     p.add_argument("--devices", type=int, default=d.devices, help="data parallel over this many devices")
