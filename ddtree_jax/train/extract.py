@@ -126,7 +126,7 @@ def human_bytes(n: float) -> str:
         if n < 1000:
             return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1000
-    return f"{n / 1000:.1f} GB"
+    return f"{n:.1f} GB"
 
 
 def continue_and_tap(target, prompts: list[list[int]], *, gen_len: int, width: int, batch: int, temperature: float,

@@ -117,6 +117,12 @@ def test_incomplete_or_mismatched_extractions_are_refused(extracted, target):
     assert (extracted["whole"] / features.MANIFEST).read_bytes() == before
 
 
+def test_sizes_printed():
+    assert [extract.human_bytes(n) for n in (999, 51_100, 353.2e6, 24.2e9, 1.5e12)] == [
+        "999 B", "51.1 KB", "353.2 MB", "24.2 GB", "1500.0 GB"]
+    assert extract.sequence_bytes(320, 768) == 492_808  # the demo plan's: bf16 taps [320, 768], int32 tokens, 2 int32s
+
+
 def test_bad_prompt_file_is_refused_before_any_work(target, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "def f():"}\n{"text": "no prompt key"}\n')
