@@ -256,3 +256,16 @@ def test_stream_visits_every_row_once_per_epoch_in_shuffled_windows(numbered_sha
     again.close()
     with pytest.raises(features.FeaturesError, match="batch 40 is larger than the 35"):
         features.ShardStream(numbered_shards, [0, 1, 2, 3, 4], batch=40, window=2, seed=0)
+
+
+def test_shard_taps_are_zero_past_each_rows_length(tmp_path):
+    tokens = np.array([[5, 6, 7], [8, 9, 0]], np.int32)  # the second row has 2 tokens
+    taps = np.full((2, 3, 2), 1.5, np.float32)
+    entry = features.write_shard(tmp_path, 0, tokens, np.array([1, 1]), np.array([3, 2]), taps)
+    assert entry == {"file": "shard-00000.safetensors", "sequences": 2, "tokens": 5, "generated_tokens": 3,
+                     "bytes": (tmp_path / "shard-00000.safetensors").stat().st_size}
+    from safetensors.numpy import load_file
+
+    stored = load_file(str(tmp_path / "shard-00000.safetensors"))["taps"].astype(np.float32)
+    np.testing.assert_array_equal(stored[:, :, 0], [[1.5, 1.5, 1.5], [1.5, 1.5, 0.0]])
+    assert not list(tmp_path.glob(".*"))  # no temporary file left
