@@ -10,8 +10,8 @@ running the target's layers again (`train/features.py` describes the folder).
    as `generate --prompts` reads them; once each, or cycled to `--sequences`), else the built-in corpus
    (the Python standard library's training files, `corpus.py`): `--corpus-prompts functions` is every
    function's signature + docstring (the held-out prompts' style), `windows` random windows of
-   `--prompt-len` tokens, `mixed` (default) every function prompt once, in a seeded order, up to half of
-   `--sequences`, then windows. A target without a tokenizer gets random token ids. Prompts keep their
+   `--prompt-len` tokens, `mixed` (default) every function prompt once, up to half of `--sequences`, and
+   windows for the rest, in a seeded random order. A target without a tokenizer gets random token ids. Prompts keep their
    last `--prompt-len` tokens.
 2. Continuations: the frozen target continues each prompt by `--gen-len` tokens (AR through the engine,
    greedy unless `--temperature`, EOS not stopping), `--batch` prompts per call.
@@ -113,7 +113,8 @@ def build_prompts(cfg: ExtractConfig, tokenizer, target_dir: Path, vocab_size: i
     functions = functions[:n // 2]
     windows = drafter_lib.corpus_prompts(tokenizer, n - len(functions), cfg.prompt_len, cfg.seed, **kw)
     source = "corpus windows" if not functions else f"corpus: {len(functions)} functions, {len(windows)} windows"
-    return functions + windows, source
+    mixed = functions + windows  # interleaved, so that every shard (the held-out ones too) has both kinds
+    return [mixed[i] for i in np.random.default_rng((cfg.seed, 1)).permutation(len(mixed))], source
 
 
 def prompts_digest(prompts: list[list[int]]) -> str:
