@@ -99,6 +99,12 @@ def position_acceptance(acceptance_lengths: list[list[int]], block_size: int) ->
     return [float((rounds >= j + 2).mean()) for j in range(block_size - 1)]
 
 
+def acceptance_table(rates: list[float]) -> list[str]:
+    """The lines of the per-position table the doctor prints (and the drafter trainer, for its held-out
+    prompts): position, rate, a bar of 40 characters at 100%."""
+    return [f"  {j:3d}  {rate:6.1%}  {'#' * round(rate * 40)}" for j, rate in enumerate(rates)]
+
+
 def _tau(acceptance_lengths: list[list[int]]) -> float:
     rounds = [n for row in acceptance_lengths for n in row]
     return float(np.mean(rounds)) if rounds else 0.0
@@ -239,8 +245,8 @@ def print_report(report: Report, drafter: Path | None = None, out=None) -> None:
     out = out or sys.stdout
     print(f"rounds: {report.rounds}   tau (tokens per round, bonus included): {report.tau:.2f}", file=out)
     print("acceptance per draft position:", file=out)
-    for j, rate in enumerate(report.position_acceptance):
-        print(f"  {j:3d}  {rate:6.1%}  {'#' * round(rate * 40)}", file=out)
+    for line in acceptance_table(report.position_acceptance):
+        print(line, file=out)
     print("greedy DFlash == AR: " + ("yes" if report.lossless else
                                      f"NO, first difference at token {report.first_divergence}"), file=out)
     print("wirings tried (same weights and prompts):", file=out)

@@ -209,6 +209,7 @@ class TrainRun:
         log = {"title": self.title, "meta": self.meta, "history": self.history, "eval": self.evals, **extra}
         (self.work / "log.json").write_text(json.dumps(log, indent=1, default=_json_default) + "\n")
         self.plot()
+        self.plot_acceptance()
 
     def plot(self) -> Path | None:
         """loss.png: training loss (and eval loss) against step."""
@@ -231,6 +232,39 @@ class TrainRun:
         ax.legend()
         fig.tight_layout()
         path = self.work / "loss.png"
+        fig.savefig(path)
+        plt.close(fig)
+        return path
+
+    def plot_acceptance(self) -> Path | None:
+        """acceptance.png: the held-out acceptance rate per draft position at each evaluation that decoded
+        prompts (records with `position_acceptance`), later evaluations darker, the selected one bold."""
+        evals = [e for e in self.evals if e.get("position_acceptance")]
+        if not evals:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+        colors = plt.get_cmap("viridis_r")(np.linspace(0.15, 1.0, len(evals)))
+        chosen = self.meta.get("best_step", evals[-1]["step"])
+        for e, color in zip(evals, colors):
+            rates = e["position_acceptance"]
+            bold = e["step"] == chosen
+            label = (f"step {e['step']}" + (f", tau {e['tau']:.2f}" if "tau" in e else "")
+                     + (" (selected)" if bold else ""))
+            ax.plot(range(len(rates)), rates, "o-" if bold else "-", color=color, lw=2.5 if bold else 1, ms=4,
+                    label=label if bold or len(evals) <= 8 or e is evals[-1] else None)
+        ax.set_xlabel("draft position (0: the first draft after the bonus token)")
+        ax.set_ylabel("rounds accepting it")
+        ax.set_ylim(0, 1)
+        ax.set_title(f"{self.title}: held-out acceptance per draft position")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = self.work / "acceptance.png"
         fig.savefig(path)
         plt.close(fig)
         return path
@@ -374,7 +408,8 @@ def train_loop(*, run: TrainRun, state, start_step: int, total: int | None, budg
                     record[k] = float(v) if np.ndim(v) == 0 else np.asarray(v).tolist()
                 run.log_eval(record)
                 progress.write(f"{desc} held-out @ {step}: " + " ".join(
-                    f"{k} {v:.4g}" for k, v in record.items() if isinstance(v, float)))
+                    f"{k} {v:.4g}" if isinstance(v, float) else f"{k} [{' '.join(f'{x:.2f}' for x in v)}]"
+                    for k, v in record.items() if k != "step"))
                 if best is not None:
                     value = record[best[0]]
                     better = not best_record or (value < best_record["value"] if best[1] == "min"

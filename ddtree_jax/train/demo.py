@@ -83,7 +83,7 @@ SCALES = {
                     eval_batches=2, dtype="float32", sample_prompt=None),
         drafter=dict(steps=40, layers=1, block_size=8, sequences=64, prompt_len=16, gen_len=32, gen_batch=64, batch=8,
                      anchors=8, lr=3e-3, warmup=10, eval_every=40, save_every=40, log_every=20, check_prompts=0,
-                     dtype="float32"),
+                     eval_decode=0, dtype="float32"),
         prompts=16, ddtree_budget=16),
 }
 

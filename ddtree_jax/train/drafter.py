@@ -2,6 +2,7 @@
 
     python -m ddtree_jax.train.drafter --target DIR --out DIR [--steps N | --minutes M]
         [--block-size 16 --layers 5 --num-taps 5 --sequences 4096 --prompt-len 64 --gen-len 192 ...]
+    python -m ddtree_jax.train.drafter --features FEATURES --out DIR [--target DIR] [--devices N] ...
 
 The DFlash recipe (research notes §2), step by step:
 
@@ -9,9 +10,12 @@ The DFlash recipe (research notes §2), step by step:
    tokenizer), or random token ids when the target has no tokenizer (or `--random-prompts`), or a JSONL
    file; the frozen target continues each one by `--gen-len` tokens with `engine.generate` (AR mode,
    greedy unless `--temperature`, EOS not stopping), in batches. Sequence = prompt + continuation.
-2. Taps: each step runs the frozen target over its sequences (`qwen3.forward(..., tap_layers=ids)`),
-   so hidden states are never stored. `target_layer_ids` spread from layer 1 to num_layers - 3 like the
-   published drafters (`build_target_layer_ids`).
+   With `--features` the sequences and their taps come from an extraction (`train/extract.py`), read in
+   shuffled batches from its shards (`features.ShardStream`), and the target must be the one they were
+   extracted from (its fingerprint); the last `--held-out-shards` are held out.
+2. Taps: without `--features`, each step runs the frozen target over its sequences (its family's
+   `forward(..., tap_layers=ids)`), so hidden states are never stored. `target_layer_ids` spread from
+   layer 1 to num_layers - 3 like the published drafters (`build_target_layer_ids`).
 3. Blocks: per sequence, `--anchors` random anchors among the generated tokens (anchor a and a + 1 both
    inside the sequence, a at or after the prompt's end). Anchor a spawns the block
    `[x_a, mask x (bs - 1)]` at positions a .. a + bs - 1; its context is the taps of positions < a.
@@ -28,12 +32,19 @@ The DFlash recipe (research notes §2), step by step:
    exactly the cache that `ingest_context(taps[:a], counts=a)` builds at inference (tested).
 5. Optimizer: AdamW with warm-up, cosine decay and global-norm clipping (`common.py`); the gradient is
    taken w.r.t. the drafter's parameters only (the target, its embedding and lm_head are frozen).
+   `--devices N`: data parallel, each step's sequences split over N devices of this host.
+
+Evaluation every `--eval-every` steps: the weighted loss, per-slot accuracy and tau_est on anchors of the
+held-out sequences, and greedy DFlash decoding of `--eval-decode` held-out prompts (`--eval-prompts`, or
+the held-out sequences' prompts): tau and the acceptance rate per draft position, as the doctor reports
+them (log.json, the log lines, acceptance.png). The export is the evaluation best on `--select`.
 
 Export (OUT): the published HF layout (`architectures: ["DFlashDraftModel"]`, `block_size`,
 `dflash_config: {mask_token_id, target_layer_ids}`, `num_target_layers`, `layer_types`, ...), bf16 (or
 float32) safetensors. Work folder (`--work`, default OUT.train): run.json, the generated sequences
-(sequences.npz), orbax checkpoints (resumed when present), log.json, loss.png. At the end the export is
-loaded with `load_drafter` and run against AR on held-out prompts (greedy DFlash == AR, tau).
+(sequences.npz), orbax checkpoints (resumed when present), log.json, loss.png, acceptance.png. At the
+end the export is loaded with `load_drafter` and run against AR on held-out prompts (greedy DFlash ==
+AR, tau).
 """
 
 from __future__ import annotations
@@ -49,13 +60,16 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from ddtree_jax.cache import KVCache
 from ddtree_jax.config import DFlashConfig, Qwen3Config, parse_dflash
 from ddtree_jax.models.contract import ForwardMeta
-from ddtree_jax.models import dflash, qwen3
+from ddtree_jax.models import dflash, target_family
 from ddtree_jax.models.params import ModelParams
+from ddtree_jax.parallel import Parallel, put
 from ddtree_jax.train import common, corpus
+from ddtree_jax.train import features as features_lib
 from ddtree_jax.train import tokenizer as tok_lib
 
 RECIPE_GAMMA, RECIPE_BLOCK = 7.0, 16
@@ -193,8 +207,9 @@ def target_taps(target: ModelParams, tokens: jax.Array, lengths: jax.Array, laye
     """[b, L, len(ids) * e] outputs of the frozen target's tapped layers (HF hidden_states[l + 1])."""
     b, L = tokens.shape
     dtype = target.flat()["model.embed_tokens.weight"].dtype
-    out = qwen3.forward(target, tokens, ForwardMeta.prompt(lengths, L), qwen3.create_cache(target.config, b, L, dtype),
-                        tap_layers=layer_ids)
+    family = target_family(target.config)
+    cache = family.create_cache(target.config, b, L, dtype)
+    out = family.forward(target, tokens, ForwardMeta.prompt(lengths, L), cache, tap_layers=layer_ids)
     return jax.lax.stop_gradient(out.taps)
 
 
@@ -226,16 +241,26 @@ def block_metrics(logits: jax.Array, labels: jax.Array, weights: jax.Array) -> d
     return {"slot_accuracy": acc, "tau_est": 1.0 + jnp.sum(run * rows) / jnp.maximum(jnp.sum(rows), 1)}
 
 
-def make_step(skeleton: ModelParams, optimizer, *, layer_ids: tuple[int, ...], num_anchors: int, gamma: float, dtype):
-    """The jitted step: (state, target, tokens [b, L], starts [b], lengths [b], key, lr) -> (state, metrics)."""
+def batch_taps(target: ModelParams, rows: Sequences, layer_ids: tuple[int, ...]) -> jax.Array:
+    """The rows' taps: extracted ones (`rows.taps`, bf16 from disk), else the frozen target's, computed here."""
+    return rows.taps if rows.taps is not None else target_taps(target, rows.tokens, rows.lengths, layer_ids)
 
-    def step(state, target, tokens, starts, lengths, key, lr):
-        taps = target_taps(target, tokens, lengths, layer_ids)
-        anchors, ok = sample_anchors(key, starts, lengths, tokens.shape[1], num_anchors)
+
+def make_step(skeleton: ModelParams, optimizer, *, layer_ids: tuple[int, ...], num_anchors: int, gamma: float, dtype,
+              parallel: Parallel = Parallel()):
+    """The jitted step: (state, target, rows: Sequences, key, lr) -> (state, metrics).
+
+    `rows` (tokens [b, L], starts [b], lengths [b], taps [b, L, F] or None) is split over the devices of a
+    data-parallel `parallel` and the state replicated, so XLA sums the gradient over devices: the same
+    update as one device running the whole batch."""
+
+    def step(state, target, rows, key, lr):
+        taps = batch_taps(target, rows, layer_ids)
+        anchors, ok = sample_anchors(key, rows.starts, rows.lengths, rows.tokens.shape[1], num_anchors)
 
         def loss_fn(tree):
-            loss, _ = rows_loss(common.to_params(skeleton, tree, dtype), target, taps, tokens, lengths, anchors, ok,
-                                gamma=gamma, dtype=dtype)
+            loss, _ = rows_loss(common.to_params(skeleton, tree, dtype), target, taps, rows.tokens, rows.lengths,
+                                anchors, ok, gamma=gamma, dtype=dtype)
             return loss
 
         loss, grads = jax.value_and_grad(loss_fn)(state["params"])
@@ -243,19 +268,25 @@ def make_step(skeleton: ModelParams, optimizer, *, layer_ids: tuple[int, ...], n
         return {"params": params, "opt_state": opt_state, "step": state["step"] + 1}, {"loss": loss,
                                                                                        "grad_norm": gnorm}
 
-    return jax.jit(step, donate_argnums=(0,))
+    return jax.jit(step, donate_argnums=(0,), out_shardings=parallel.sharding(P()))
+
+
+def place_rows(rows: Sequences, parallel: Parallel) -> Sequences:
+    """Host rows -> device rows, split over the devices of a data-parallel `parallel`."""
+    return jax.tree.map(lambda a: put(a, parallel.sharding(parallel.batch_spec(a.ndim))), rows)
 
 
 def make_eval(skeleton: ModelParams, target: ModelParams, data: Sequences, *, layer_ids, num_anchors, gamma, dtype,
-              batch: int, seed: int = 777):
-    """Held-out weighted loss, per-slot accuracy and tau_est on fixed anchors of the held-out sequences."""
+              batch: int, parallel: Parallel = Parallel(), seed: int = 777):
+    """Held-out weighted loss, per-slot accuracy and tau_est on fixed anchors of the held-out sequences
+    (`batch` rows per call; with a data-parallel `parallel`, len(data) and `batch` are multiples of its size)."""
 
     @jax.jit
-    def one(tree, target, tokens, starts, lengths, key):
-        taps = target_taps(target, tokens, lengths, layer_ids)
-        anchors, ok = sample_anchors(key, starts, lengths, tokens.shape[1], num_anchors)
-        loss, (logits, labels, weights) = rows_loss(common.to_params(skeleton, tree, dtype), target, taps, tokens,
-                                                    lengths, anchors, ok, gamma=gamma, dtype=dtype)
+    def one(tree, target, rows, key):
+        taps = batch_taps(target, rows, layer_ids)
+        anchors, ok = sample_anchors(key, rows.starts, rows.lengths, rows.tokens.shape[1], num_anchors)
+        loss, (logits, labels, weights) = rows_loss(common.to_params(skeleton, tree, dtype), target, taps, rows.tokens,
+                                                    rows.lengths, anchors, ok, gamma=gamma, dtype=dtype)
         m = block_metrics(logits, labels, weights)
         return loss, jnp.sum(weights), m["slot_accuracy"], m["tau_est"]
 
@@ -264,8 +295,8 @@ def make_eval(skeleton: ModelParams, target: ModelParams, data: Sequences, *, la
     def evaluate(state) -> dict:
         losses, ws, accs, taus = [], [], [], []
         for i, s in enumerate(chunks):
-            loss, w, acc, tau = one(state["params"], target, jnp.asarray(data.tokens[s]),
-                                    jnp.asarray(data.starts[s]), jnp.asarray(data.lengths[s]), jax.random.key(seed + i))
+            rows = place_rows(data.take(s), parallel)
+            loss, w, acc, tau = one(state["params"], target, rows, jax.random.key(seed + i))
             losses.append(float(loss) * float(w))
             ws.append(float(w))
             accs.append(np.asarray(acc))
@@ -276,24 +307,46 @@ def make_eval(skeleton: ModelParams, target: ModelParams, data: Sequences, *, la
     return evaluate
 
 
+def make_acceptance_eval(skeleton: ModelParams, target: ModelParams, prompts: list[list[int]], *, max_new_tokens: int,
+                         dtype, parallel: Parallel = Parallel()):
+    """Greedy DFlash decoding of held-out `prompts` with the current parameters, as the doctor runs it (EOS
+    ignored): tau and the acceptance rate per draft position (`doctor.position_acceptance`)."""
+    from ddtree_jax.doctor import position_acceptance
+    from ddtree_jax.engine import DecodeOptions, Mode, generate
+
+    options = DecodeOptions(mode=Mode.DFLASH, max_new_tokens=max_new_tokens, parallel=parallel)
+
+    def evaluate(state) -> dict:
+        drafter = common.to_params(skeleton, state["params"], dtype)
+        result = generate(target, prompts, options, drafter=drafter)
+        return {"tau": result.tau,
+                "position_acceptance": position_acceptance(result.acceptance_lengths, drafter.config.block_size)}
+
+    return evaluate
+
+
 # ----------------------------------------------------------------------------------------------------
 # Data
 
 
+@jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Sequences:
-    """Host arrays: tokens [n, L] int32 (right-padded with 0), starts [n] (prompt lengths: the first
-    anchor position), lengths [n]."""
+    """Rows of training data (host or device arrays): tokens [n, L] int32 (right-padded with 0), starts [n]
+    (prompt lengths: the first anchor position), lengths [n], and taps [n, L, F] (the target's tapped
+    hidden states, bf16) when they were extracted to disk; None: the step runs the target for them."""
 
     tokens: np.ndarray
     starts: np.ndarray
     lengths: np.ndarray
+    taps: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.tokens)
 
     def take(self, idx) -> Sequences:
-        return Sequences(self.tokens[idx], self.starts[idx], self.lengths[idx])
+        return Sequences(self.tokens[idx], self.starts[idx], self.lengths[idx],
+                         None if self.taps is None else self.taps[idx])
 
     def save(self, path: Path) -> None:
         np.savez(path, tokens=self.tokens, starts=self.starts, lengths=self.lengths)
@@ -332,37 +385,37 @@ def random_prompts(vocab_size: int, num: int, prompt_len: int, seed: int, exclud
     return rng.choice(allowed, size=(num, prompt_len)).tolist()
 
 
-def jsonl_prompts(path: Path, tokenizer, prompt_len: int) -> list[list[int]]:
-    """`{"prompt": text}` or `{"prompt_ids": [...]}` per line; each kept to its last `prompt_len` tokens."""
-    out = []
-    for line in Path(path).read_text().splitlines():
-        if not line.strip():
-            continue
-        item = json.loads(line)
-        ids = item.get("prompt_ids")
-        if ids is None:
-            if tokenizer is None:
-                raise ValueError(f"{path}: 'prompt' text needs a tokenizer in the target folder (use prompt_ids)")
-            ids = tokenizer(item["prompt"], add_special_tokens=False)["input_ids"]
-        if ids:
-            out.append([int(t) for t in ids][-prompt_len:])
-    return out
+def file_prompts(path: Path, tokenizer, target_dir: Path, vocab_size: int, prompt_len: int | None = None
+                 ) -> list[list[int]]:
+    """The token ids of a JSONL prompt file as `generate --prompts` reads it ('prompt', 'prompt_ids' or
+    'messages' per line; a bad line is a `BadInput` naming FILE:LINE), each kept to its last `prompt_len`
+    tokens (None: whole)."""
+    from ddtree_jax.cli import BadInput, ChatOptions, read_prompt_file
+
+    lines = read_prompt_file(path, tokenizer, target_dir, ChatOptions(), vocab_size)
+    for line in lines:
+        if line.error is not None:
+            raise BadInput(line.error)
+    return [line.ids[-prompt_len:] if prompt_len else list(line.ids) for line in lines]
 
 
 def generate_sequences(target: ModelParams, prompts: list[list[int]], gen_len: int, *, batch: int,
-                       temperature: float = 0.0, seed: int = 0, desc: str = "drafter data") -> Sequences:
-    """Prompt + `gen_len` target tokens per prompt (AR through the engine, EOS does not stop), batched."""
+                       temperature: float = 0.0, seed: int = 0, desc: str = "drafter data",
+                       parallel: Parallel = Parallel(), width: int | None = None, progress: bool = True) -> Sequences:
+    """Prompt + `gen_len` target tokens per prompt (AR through the engine, EOS does not stop), batched;
+    rows right-padded to `width` tokens (default: the longest). The batch from row i on is seeded `seed + i`."""
     from tqdm import tqdm
 
     from ddtree_jax.engine import DecodeOptions, generate
     from ddtree_jax.sampling import SamplingConfig
 
-    options = DecodeOptions(max_new_tokens=gen_len, eos_ids=(), sampling=SamplingConfig(temperature=temperature))
-    width = max(len(p) for p in prompts) + gen_len
+    options = DecodeOptions(max_new_tokens=gen_len, eos_ids=(), sampling=SamplingConfig(temperature=temperature),
+                            parallel=parallel)
+    width = width or max(len(p) for p in prompts) + gen_len
     tokens = np.zeros((len(prompts), width), np.int32)
     starts = np.array([len(p) for p in prompts], np.int32)
     lengths = starts + gen_len
-    for i in tqdm(range(0, len(prompts), batch), desc=desc, unit="batch", disable=None):
+    for i in tqdm(range(0, len(prompts), batch), desc=desc, unit="batch", disable=None if progress else True):
         chunk = prompts[i:i + batch]
         # Full batches only, so one compiled shape serves all (the last one is padded with repeats).
         padded = chunk + [chunk[-1]] * (batch - len(chunk)) if len(prompts) > batch else chunk
@@ -407,9 +460,10 @@ def check_export(target_dir: Path, out: Path, prompts: list[list[int]], max_new_
 
 @dataclasses.dataclass
 class DrafterTrainConfig:
-    target: Path
+    target: Path | None  # None with `features`: the target the features were extracted from
     out: Path
     work: Path | None = None
+    features: Path | None = None  # train from an extraction (`train.extract`) instead of generating data here
     # drafter shape
     block_size: int = 16
     layers: int = 5
@@ -418,7 +472,7 @@ class DrafterTrainConfig:
     intermediate_size: int | None = None  # default: the target's
     mask_token_id: int | None = None  # default: the tokenizer's <|mask|>, else the last embedding row
     gamma: float | None = None  # default: loss_gamma(block_size)
-    # data
+    # data generated here (without `features`)
     sequences: int = 4096
     prompt_len: int = 64
     gen_len: int = 192
@@ -430,6 +484,10 @@ class DrafterTrainConfig:
     include_tests: bool = False
     max_files: int | None = None  # prompts from the first N training files only (smoke runs)
     held_out: float = 0.05  # fraction of the generated sequences kept for evaluation
+    # data from `features`
+    held_out_shards: int = 1  # the last shards, kept for evaluation
+    eval_sequences: int = 64  # held-out sequences evaluated (from those shards)
+    shuffle_shards: int = 8  # shards whose rows are shuffled together (a window; 2-3 windows are in memory)
     # optimization
     steps: int | None = 2000
     minutes: float | None = None
@@ -442,8 +500,13 @@ class DrafterTrainConfig:
     clip: float = 1.0
     seed: int = 0
     dtype: str = "auto"
+    devices: int = 1  # data parallel
     eval_every: int = 250
-    patience: int | None = None  # stop after this many evaluations without a better held-out tau_est
+    eval_prompts: Path | None = None  # JSONL; default: the prompts of the held-out sequences
+    eval_decode: int = 8  # held-out prompts decoded with DFlash at every evaluation (0: none)
+    eval_new_tokens: int = 64
+    select: str = "tau_est"  # the held-out metric that picks the exported evaluation: tau_est or tau
+    patience: int | None = None  # stop after this many evaluations without a better held-out `select`
     save_every: int = 500
     log_every: int = 25
     export_dtype: str = "bfloat16"
@@ -454,64 +517,133 @@ class DrafterTrainConfig:
         return Path(self.work) if self.work is not None else Path(str(self.out) + ".train")
 
 
-def _load_target_tokenizer(target_dir: Path):
+SELECT_METRICS = ("tau_est", "tau")
+
+
+def load_target_tokenizer(target_dir: Path):
+    """The target folder's tokenizer, or None when it has none."""
     if not any((target_dir / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
         return None
     return tok_lib.load_tokenizer(target_dir)
 
 
+def default_mask_token_id(target_config, tokenizer) -> int:
+    """The tokenizer's <|mask|> when it names one inside the vocabulary, else the last embedding row."""
+    tok_mask = tok_lib.mask_token_id(tokenizer)
+    return tok_mask if tok_mask is not None and tok_mask < target_config.vocab_size else target_config.vocab_size - 1
+
+
+def parse_layer_ids(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--target-layer-ids: expected comma-separated integers, got {text!r}") from None
+
+
+def check_settings(cfg: DrafterTrainConfig, devices: int) -> None:
+    """Flags that cannot work, refused before anything loads."""
+    for flag, value in (("--batch", cfg.batch), ("--anchors", cfg.anchors), ("--devices", cfg.devices),
+                        ("--shuffle-shards", cfg.shuffle_shards), ("--eval-new-tokens", cfg.eval_new_tokens)):
+        if value < 1:
+            raise ValueError(f"{flag}: expected >= 1, got {value}")
+    if cfg.batch % devices:
+        raise ValueError(f"--batch {cfg.batch}: must be a multiple of --devices {devices} (rows split evenly)")
+    if cfg.select not in SELECT_METRICS:
+        raise ValueError(f"--select: expected one of {', '.join(SELECT_METRICS)}, got {cfg.select!r}")
+    if cfg.select == "tau" and cfg.eval_decode < 1:
+        raise ValueError("--select tau needs --eval-decode >= 1 (tau comes from decoding held-out prompts)")
+    if cfg.target is None and cfg.features is None:
+        raise ValueError("--target is needed (or --features, whose manifest names its target)")
+
+
+def held_out_rows(feats: features_lib.Features, shards: list[int], limit: int) -> Sequences:
+    """The first `limit` rows of the held-out shards, taps included (host arrays)."""
+    parts, n = [], 0
+    for index in shards:
+        if n >= limit:
+            break
+        arrays = feats.load(index)
+        take = slice(0, min(limit - n, len(arrays["tokens"])))
+        parts.append(Sequences(arrays["tokens"][take], arrays["starts"][take], arrays["lengths"][take],
+                               arrays["taps"][take]))
+        n += len(parts[-1])
+    return jax.tree.map(lambda *a: np.concatenate(a), *parts)
+
+
 def train_drafter(cfg: DrafterTrainConfig) -> dict:
-    """Generate data, train, checkpoint, export, check; returns a summary dict."""
+    """Generate data (or open extracted features), train, checkpoint, export, check; returns a summary dict."""
     from ddtree_jax.checkpoint import load_target
+    from ddtree_jax.config import load_target_config, read_config_json
+    from ddtree_jax.parallel import make_parallel
 
     common.check_out_folder(cfg.out)
-    work = cfg.work_dir()
-    run = common.TrainRun(work, title="DFlash drafter training")
-    dtype = common.compute_dtype(cfg.dtype)
-    target = load_target(cfg.target, dtype)
-    tconf: Qwen3Config = target.config
-    tokenizer = None if cfg.random_prompts and cfg.prompts_file is None else _load_target_tokenizer(Path(cfg.target))
-
-    mask_id = cfg.mask_token_id
-    if mask_id is None:
-        tok_mask = tok_lib.mask_token_id(_load_target_tokenizer(Path(cfg.target)))
-        mask_id = tok_mask if tok_mask is not None and tok_mask < tconf.vocab_size else tconf.vocab_size - 1
-    layer_ids = list(cfg.target_layer_ids or build_target_layer_ids(
-        tconf.num_layers, cfg.num_taps or default_num_taps(tconf.num_layers)))
+    parallel = make_parallel(cfg.devices, "dp") if cfg.devices > 1 else Parallel()
+    check_settings(cfg, parallel.size)
+    feats = features_lib.open_features(cfg.features) if cfg.features is not None else None
+    target_dir = Path(cfg.target) if cfg.target is not None else Path(feats.manifest["target"]["path"])
+    tconf: Qwen3Config = load_target_config(target_dir)
+    tokenizer = load_target_tokenizer(target_dir)
+    mask_id = cfg.mask_token_id if cfg.mask_token_id is not None else default_mask_token_id(tconf, tokenizer)
+    asked = cfg.target_layer_ids or (build_target_layer_ids(tconf.num_layers, cfg.num_taps) if cfg.num_taps else None)
+    if feats is not None:
+        layer_ids = list(feats.target_layer_ids)
+        if asked is not None and list(asked) != layer_ids:
+            raise ValueError(f"--target-layer-ids/--num-taps ask for taps {list(asked)}, but {cfg.features} holds "
+                             f"the taps of layers {layer_ids}")
+        if cfg.held_out_shards >= len(feats.shards) or cfg.held_out_shards < 0:
+            raise ValueError(f"--held-out-shards {cfg.held_out_shards}: {cfg.features} has {len(feats.shards)} shards "
+                             "and at least one must be left for training")
+    else:
+        layer_ids = list(asked or build_target_layer_ids(tconf.num_layers, default_num_taps(tconf.num_layers)))
+    eval_prompt_ids = None
+    if cfg.eval_prompts is not None and cfg.eval_decode:
+        eval_prompt_ids = file_prompts(cfg.eval_prompts, tokenizer, target_dir, tconf.vocab_size)[:cfg.eval_decode]
     gamma = cfg.gamma or loss_gamma(cfg.block_size)
     config_raw = drafter_config_dict(tconf, num_layers=cfg.layers, block_size=cfg.block_size, mask_token_id=mask_id,
                                      target_layer_ids=layer_ids, intermediate_size=cfg.intermediate_size,
                                      dtype=cfg.export_dtype)
     dconf = parse_dflash(config_raw, "drafter config")
+    work = cfg.work_dir()
+    run = common.TrainRun(work, title="DFlash drafter training")
+    dtype = common.compute_dtype(cfg.dtype)
+    target = load_target(target_dir, dtype, parallel=parallel)
 
-    # 1. Data (generated once, kept in the work folder so a resumed run trains on the same sequences).
-    data_file = work / "sequences.npz"
-    if data_file.exists():
-        data = Sequences.load(data_file)
-    else:
-        if cfg.prompts_file is not None:
-            prompts = jsonl_prompts(cfg.prompts_file, tokenizer, cfg.prompt_len)
-            prompts = [prompts[i % len(prompts)] for i in range(cfg.sequences)]
-            source = f"JSONL {cfg.prompts_file}"
-        elif tokenizer is not None:
-            prompts = corpus_prompts(tokenizer, cfg.sequences, cfg.prompt_len, cfg.seed, corpus_root=cfg.corpus_root,
-                                     include_tests=cfg.include_tests, max_files=cfg.max_files)
-            source = "corpus windows"
-        else:
-            prompts = random_prompts(tconf.vocab_size, cfg.sequences, cfg.prompt_len, cfg.seed, (mask_id,))
-            source = "random token ids"
-        print(f"drafter: generating {len(prompts)} continuations of {cfg.gen_len} tokens ({source} prompts, "
-              f"{'greedy' if cfg.temperature == 0 else f'temperature {cfg.temperature}'})", file=sys.stderr)
-        t0 = time.perf_counter()
-        data = generate_sequences(target, prompts, cfg.gen_len, batch=min(cfg.gen_batch, len(prompts)),
-                                  temperature=cfg.temperature, seed=cfg.seed)
-        print(f"drafter: generated {len(data)} sequences in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-        data.save(data_file)
+    # 1. Data: extracted features, or sequences generated once and kept in the work folder (so a resumed
+    # run trains on the same sequences).
+    stream = None
+    if feats is not None:
+        feats.check_target(features_lib.fingerprint(target, read_config_json(target_dir)), target_dir)
+        split = len(feats.shards) - cfg.held_out_shards
+        stream = features_lib.ShardStream(feats, list(range(split)), batch=cfg.batch, window=cfg.shuffle_shards,
+                                          seed=cfg.seed)
+        eval_data = held_out_rows(feats, list(range(split, len(feats.shards))), cfg.eval_sequences) \
+            if cfg.held_out_shards and cfg.eval_sequences > 0 else None
+        source, n_train = f"features {cfg.features} ({feats.manifest['prompt_source']})", stream.rows
         run.save_meta(prompt_source=source)
-    n_eval = max(1, round(len(data) * cfg.held_out)) if len(data) > 1 else 0
-    train_data, eval_data = data.take(slice(0, len(data) - n_eval)), data.take(slice(len(data) - n_eval, None))
-    if cfg.batch > len(train_data):
-        raise ValueError(f"--batch {cfg.batch} is larger than the {len(train_data)} training sequences")
+
+        def rows_for(step: int) -> Sequences:
+            return Sequences(**stream.batch_at(step))
+    else:
+        data_file = work / "sequences.npz"
+        if data_file.exists():
+            data = Sequences.load(data_file)
+        else:
+            data = make_sequences(cfg, target, tokenizer, target_dir, mask_id, run, parallel)
+            data.save(data_file)
+        n_eval = max(1, round(len(data) * cfg.held_out)) if len(data) > 1 else 0
+        train_data, eval_data = data.take(slice(0, len(data) - n_eval)), data.take(slice(len(data) - n_eval, None))
+        n_train = len(train_data)
+        if cfg.batch > n_train:
+            raise ValueError(f"--batch {cfg.batch} is larger than the {n_train} training sequences")
+
+        def rows_for(step: int) -> Sequences:
+            rng = np.random.default_rng((cfg.seed, step))
+            return train_data.take(np.sort(rng.choice(n_train, size=cfg.batch, replace=False)))
+    if eval_data is not None:  # whole rows per device
+        eval_data = eval_data.take(slice(0, len(eval_data) - len(eval_data) % parallel.size))
+    n_eval = len(eval_data) if eval_data is not None else 0
 
     # 2-5. Model, optimizer, loop.
     init = dflash.init_random(dconf, tconf.hidden_size, dtype=jnp.float32, seed=cfg.seed)
@@ -522,38 +654,55 @@ def train_drafter(cfg: DrafterTrainConfig) -> dict:
                                weight_decay=cfg.weight_decay, clip=cfg.clip)
     optimizer = common.make_optimizer(optim, tree)
     state = {"params": tree, "opt_state": optimizer.init(tree), "step": jnp.zeros((), jnp.int32)}
+    state = jax.device_put(state, parallel.sharding(P()))  # replicated over a data-parallel mesh
     state, start = run.resume(state)
     n_params = common.count_params(state["params"])
-    run.save_meta(config=config_raw, params=n_params, gamma=gamma, sequences=len(data), held_out_sequences=n_eval,
-                  settings=json.loads(json.dumps(dataclasses.asdict(cfg), default=str)),
+    run.save_meta(config=config_raw, params=n_params, gamma=gamma, sequences=n_train + n_eval,
+                  held_out_sequences=n_eval, settings=json.loads(json.dumps(dataclasses.asdict(cfg), default=str)),
                   loss_name=f"weighted CE, w_k = exp(-(k-1)/{gamma:g}) (nats)")
+    width = eval_data.tokens.shape[1] if eval_data is not None else feats.width
     print(f"drafter: {n_params / 1e6:.2f}M parameters, {cfg.layers} layers, block {cfg.block_size}, taps {layer_ids}, "
-          f"mask {mask_id}, gamma {gamma:g}; {len(train_data)} train / {n_eval} held-out sequences of "
-          f"{data.tokens.shape[1]} tokens" + (f"; resuming at step {start}" if start else ""), file=sys.stderr)
+          f"mask {mask_id}, gamma {gamma:g}; {n_train} train / {n_eval} held-out sequences of {width} tokens"
+          + (f"; data parallel over {parallel.size} devices" if parallel.size > 1 else "")
+          + (f"; resuming at step {start}" if start else ""), file=sys.stderr)
 
     key = jax.random.key(cfg.seed)
     step_fn = make_step(skeleton, optimizer, layer_ids=tuple(layer_ids), num_anchors=cfg.anchors, gamma=gamma,
-                        dtype=dtype)
+                        dtype=dtype, parallel=parallel)
 
     def batch_for(step: int):
-        rng = np.random.default_rng((cfg.seed, step))
-        idx = np.sort(rng.choice(len(train_data), size=cfg.batch, replace=False))
-        return (target, jnp.asarray(train_data.tokens[idx]), jnp.asarray(train_data.starts[idx]),
-                jnp.asarray(train_data.lengths[idx]), jax.random.fold_in(key, step))
+        return target, place_rows(rows_for(step), parallel), jax.random.fold_in(key, step)
 
-    evaluate = None
+    evaluations = []
     if n_eval:
-        evaluate = make_eval(skeleton, target, eval_data, layer_ids=tuple(layer_ids), num_anchors=cfg.anchors,
-                             gamma=gamma, dtype=dtype, batch=cfg.batch)
+        evaluations.append(make_eval(skeleton, target, eval_data, layer_ids=tuple(layer_ids), num_anchors=cfg.anchors,
+                                     gamma=gamma, dtype=dtype, batch=cfg.batch, parallel=parallel))
+    if eval_prompt_ids is None and cfg.eval_decode and n_eval:
+        eval_prompt_ids = [eval_data.tokens[i, :eval_data.starts[i]].tolist() for i in range(min(cfg.eval_decode,
+                                                                                                   n_eval))]
+    if eval_prompt_ids:
+        evaluations.append(make_acceptance_eval(skeleton, target, eval_prompt_ids, max_new_tokens=cfg.eval_new_tokens,
+                                                dtype=dtype, parallel=parallel))
+    if cfg.select == "tau" and not eval_prompt_ids:
+        raise ValueError(f"--select {cfg.select}: there are no held-out prompts to decode")
+    selectable = bool(eval_prompt_ids) if cfg.select == "tau" else n_eval > 0  # else the last step is exported
+
+    def evaluate(state) -> dict:
+        return {k: v for evaluation in evaluations for k, v in evaluation(state).items()}
 
     def schedule_for(total: int) -> common.Schedule:
         return common.Schedule(cfg.lr, cfg.warmup, total, cfg.min_lr_ratio)
 
-    state, steps = common.train_loop(
-        run=run, state=state, start_step=start, total=None if cfg.minutes else cfg.steps,
-        budget_seconds=cfg.minutes * 60 if cfg.minutes else None, schedule_for=schedule_for, step_fn=step_fn,
-        batch_for=batch_for, evaluate=evaluate, eval_every=cfg.eval_every, save_every=cfg.save_every,
-        log_every=cfg.log_every, desc="drafter", best=("tau_est", "max"), patience=cfg.patience)
+    try:
+        state, steps = common.train_loop(
+            run=run, state=state, start_step=start, total=None if cfg.minutes else cfg.steps,
+            budget_seconds=cfg.minutes * 60 if cfg.minutes else None, schedule_for=schedule_for, step_fn=step_fn,
+            batch_for=batch_for, evaluate=evaluate if evaluations else None, eval_every=cfg.eval_every,
+            save_every=cfg.save_every, log_every=cfg.log_every, desc="drafter",
+            best=(cfg.select, "max") if selectable else None, patience=cfg.patience)
+    finally:
+        if stream is not None:
+            stream.close()
 
     export_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32}[cfg.export_dtype]
     out = export(state["params"], config_raw, Path(cfg.out), export_dtype)
@@ -563,15 +712,50 @@ def train_drafter(cfg: DrafterTrainConfig) -> dict:
                "held_out": next((e for e in run.evals if e["step"] == run.meta.get("best_step")),
                                 run.evals[-1] if run.evals else None),
                "export_bytes": sum(f.stat().st_size for f in Path(out).glob("*.safetensors"))}
+    chosen = summary["held_out"] or {}
+    if "position_acceptance" in chosen:
+        from ddtree_jax.doctor import acceptance_table
+
+        print(f"drafter: exported step {chosen['step']}; on {len(eval_prompt_ids)} held-out prompts "
+              f"({cfg.eval_new_tokens} tokens each) tau {chosen['tau']:.2f}, acceptance per draft position:",
+              file=sys.stderr)
+        print("\n".join(acceptance_table(chosen["position_acceptance"])), file=sys.stderr)
     if cfg.check_prompts and n_eval:
         k = min(cfg.check_prompts, n_eval)
         prompts = [eval_data.tokens[i, :eval_data.starts[i]].tolist() for i in range(k)]
-        summary["check"] = check_export(Path(cfg.target), out, prompts, cfg.check_new_tokens, dtype)
+        summary["check"] = check_export(target_dir, out, prompts, cfg.check_new_tokens, dtype)
         print(f"drafter check on {k} held-out prompts: tau {summary['check']['tau']:.2f}, greedy DFlash == AR: "
               f"{summary['check']['greedy_dflash_equals_ar']}, acceptance per position "
               f"{summary['check']['position_acceptance']}", file=sys.stderr)
     run.write_log(summary=summary)
     return summary
+
+
+def make_sequences(cfg: DrafterTrainConfig, target: ModelParams, tokenizer, target_dir: Path, mask_id: int,
+                   run: common.TrainRun, parallel: Parallel) -> Sequences:
+    """The training sequences of a run without extracted features: prompts continued by the target."""
+    tconf = target.config
+    if cfg.random_prompts and cfg.prompts_file is None:
+        tokenizer = None
+    if cfg.prompts_file is not None:
+        prompts = file_prompts(cfg.prompts_file, tokenizer, target_dir, tconf.vocab_size, cfg.prompt_len)
+        prompts = [prompts[i % len(prompts)] for i in range(cfg.sequences)]
+        source = f"JSONL {cfg.prompts_file}"
+    elif tokenizer is not None:
+        prompts = corpus_prompts(tokenizer, cfg.sequences, cfg.prompt_len, cfg.seed, corpus_root=cfg.corpus_root,
+                                 include_tests=cfg.include_tests, max_files=cfg.max_files)
+        source = "corpus windows"
+    else:
+        prompts = random_prompts(tconf.vocab_size, cfg.sequences, cfg.prompt_len, cfg.seed, (mask_id,))
+        source = "random token ids"
+    print(f"drafter: generating {len(prompts)} continuations of {cfg.gen_len} tokens ({source} prompts, "
+          f"{'greedy' if cfg.temperature == 0 else f'temperature {cfg.temperature}'})", file=sys.stderr)
+    t0 = time.perf_counter()
+    data = generate_sequences(target, prompts, cfg.gen_len, batch=min(cfg.gen_batch, len(prompts)),
+                              temperature=cfg.temperature, seed=cfg.seed, parallel=parallel)
+    print(f"drafter: generated {len(data)} sequences in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    run.save_meta(prompt_source=source)
+    return data
 
 
 def parse_args(argv=None) -> DrafterTrainConfig:
@@ -580,8 +764,11 @@ def parse_args(argv=None) -> DrafterTrainConfig:
     d = DrafterTrainConfig(target=Path("."), out=Path("."))
     p = argparse.ArgumentParser(prog="python -m ddtree_jax.train.drafter", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--target", type=Path, required=True, help="target checkpoint folder (HF or orbax)")
+    p.add_argument("--target", type=Path, default=None,
+                   help="target checkpoint folder (HF or orbax); with --features, default: the one they came from")
     p.add_argument("--out", type=Path, required=True, help="drafter export folder (replaced at the end)")
+    p.add_argument("--features", type=Path, default=None,
+                   help="train from this extraction (python -m ddtree_jax.train.extract) instead of generating data")
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--layers", type=int, default=d.layers, help="drafter decoder layers")
     p.add_argument("--num-taps", type=int, default=None, help="target layers tapped (default: min(5, layers - 3))")
@@ -590,48 +777,66 @@ def parse_args(argv=None) -> DrafterTrainConfig:
     p.add_argument("--mask-token-id", type=int, default=None,
                    help="default: the tokenizer's <|mask|>, else the target's last embedding row")
     p.add_argument("--gamma", type=float, default=None, help="loss decay (default: 7 * block_size / 16)")
-    p.add_argument("--sequences", type=int, default=d.sequences, help="target-generated training sequences")
-    p.add_argument("--prompt-len", type=int, default=d.prompt_len)
-    p.add_argument("--gen-len", type=int, default=d.gen_len, help="target tokens generated per prompt")
-    p.add_argument("--gen-batch", type=int, default=d.gen_batch)
-    p.add_argument("--temperature", type=float, default=d.temperature, help="data generation (0: greedy)")
-    src = p.add_mutually_exclusive_group()
+    g = p.add_argument_group("data generated here (without --features)")
+    g.add_argument("--sequences", type=int, default=d.sequences, help="target-generated training sequences")
+    g.add_argument("--prompt-len", type=int, default=d.prompt_len)
+    g.add_argument("--gen-len", type=int, default=d.gen_len, help="target tokens generated per prompt")
+    g.add_argument("--gen-batch", type=int, default=d.gen_batch)
+    g.add_argument("--temperature", type=float, default=d.temperature, help="data generation (0: greedy)")
+    src = g.add_mutually_exclusive_group()
     src.add_argument("--random-prompts", "--tokenizer-free", dest="random_prompts", action="store_true",
                      help="random token-id prompts even if the target has a tokenizer (always so without one)")
     src.add_argument("--prompts", dest="prompts_file", type=Path, default=None,
                      help="JSONL prompts ({'prompt': ...} or {'prompt_ids': [...]}), cycled to --sequences")
-    p.add_argument("--corpus-root", type=Path, default=None, help="folder of .py files for prompts (default: stdlib)")
-    p.add_argument("--include-tests", action="store_true")
-    p.add_argument("--max-files", type=int, default=None, help="prompts from the first N training files only")
-    p.add_argument("--batch", type=int, default=d.batch, help="sequences per step")
+    g.add_argument("--corpus-root", type=Path, default=None, help="folder of .py files for prompts (default: stdlib)")
+    g.add_argument("--include-tests", action="store_true")
+    g.add_argument("--max-files", type=int, default=None, help="prompts from the first N training files only")
+    f = p.add_argument_group("data from --features")
+    f.add_argument("--held-out-shards", type=int, default=d.held_out_shards,
+                   help="the last shards, kept for the held-out loss (and prompts, without --eval-prompts)")
+    f.add_argument("--eval-sequences", type=int, default=d.eval_sequences, help="held-out sequences evaluated")
+    f.add_argument("--shuffle-shards", type=int, default=d.shuffle_shards,
+                   help="shards whose rows are shuffled together (memory holds two or three such windows)")
+    p.add_argument("--batch", type=int, default=d.batch, help="sequences per step (over all devices)")
     p.add_argument("--anchors", type=int, default=d.anchors, help="anchors (blocks) per sequence")
+    p.add_argument("--devices", type=int, default=d.devices, help="data parallel over this many devices")
     add_common_args(p, d)
+    p.add_argument("--eval-prompts", type=Path, default=None,
+                   help="JSONL held-out prompts decoded at every evaluation (default: the held-out sequences' prompts)")
+    p.add_argument("--eval-decode", type=int, default=d.eval_decode,
+                   help="prompts decoded with DFlash at every evaluation for tau and acceptance per draft position "
+                        "(0: none)")
+    p.add_argument("--eval-new-tokens", type=int, default=d.eval_new_tokens, help="tokens per decoded prompt")
+    p.add_argument("--select", choices=SELECT_METRICS, default=d.select,
+                   help="held-out metric choosing the exported evaluation: tau_est (anchors in held-out sequences) "
+                        "or tau (decoding the held-out prompts)")
     p.add_argument("--export-dtype", choices=["bfloat16", "float32"], default=d.export_dtype)
     p.add_argument("--check-prompts", type=int, default=d.check_prompts,
                    help="held-out prompts for the final DFlash-vs-AR check (0: skip)")
     a = p.parse_args(argv)
-    ids = tuple(int(x) for x in a.target_layer_ids.split(",")) if a.target_layer_ids else None
     return DrafterTrainConfig(
-        target=a.target, out=a.out, work=a.work, block_size=a.block_size, layers=a.layers, num_taps=a.num_taps,
-        target_layer_ids=ids, intermediate_size=a.intermediate, mask_token_id=a.mask_token_id, gamma=a.gamma,
-        sequences=a.sequences, prompt_len=a.prompt_len, gen_len=a.gen_len, gen_batch=a.gen_batch,
-        temperature=a.temperature, random_prompts=a.random_prompts, prompts_file=a.prompts_file,
-        corpus_root=a.corpus_root, include_tests=a.include_tests, max_files=a.max_files,
+        target=a.target, out=a.out, work=a.work, features=a.features, block_size=a.block_size, layers=a.layers,
+        num_taps=a.num_taps, target_layer_ids=parse_layer_ids(a.target_layer_ids), intermediate_size=a.intermediate,
+        mask_token_id=a.mask_token_id, gamma=a.gamma, sequences=a.sequences, prompt_len=a.prompt_len,
+        gen_len=a.gen_len, gen_batch=a.gen_batch, temperature=a.temperature, random_prompts=a.random_prompts,
+        prompts_file=a.prompts_file, corpus_root=a.corpus_root, include_tests=a.include_tests, max_files=a.max_files,
+        held_out_shards=a.held_out_shards, eval_sequences=a.eval_sequences, shuffle_shards=a.shuffle_shards,
         steps=None if a.minutes else a.steps, minutes=a.minutes, batch=a.batch, anchors=a.anchors, lr=a.lr,
-        warmup=a.warmup, min_lr_ratio=a.min_lr_ratio,
-        weight_decay=a.weight_decay, clip=a.clip, seed=a.seed, dtype=a.dtype, eval_every=a.eval_every,
-        patience=a.patience, save_every=a.save_every, log_every=a.log_every, export_dtype=a.export_dtype,
-        check_prompts=a.check_prompts)
+        warmup=a.warmup, min_lr_ratio=a.min_lr_ratio, weight_decay=a.weight_decay, clip=a.clip, seed=a.seed,
+        dtype=a.dtype, devices=a.devices, eval_every=a.eval_every, eval_prompts=a.eval_prompts,
+        eval_decode=a.eval_decode, eval_new_tokens=a.eval_new_tokens, select=a.select, patience=a.patience,
+        save_every=a.save_every, log_every=a.log_every, export_dtype=a.export_dtype, check_prompts=a.check_prompts)
 
 
 def main(argv=None) -> int:
     from ddtree_jax.checkpoint import CheckpointError
+    from ddtree_jax.cli import BadInput
     from ddtree_jax.config import ConfigError
 
-    cfg = parse_args(argv)
     try:
+        cfg = parse_args(argv)
         summary = train_drafter(cfg)
-    except (CheckpointError, ConfigError, ValueError, OSError) as e:
+    except (BadInput, CheckpointError, ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(summary, default=str))

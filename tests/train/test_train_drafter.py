@@ -169,7 +169,7 @@ def trained(pair, tmp_path_factory):
     cfg = D.DrafterTrainConfig(target=folder, out=out, block_size=4, layers=1, intermediate_size=64, sequences=48,
                                prompt_len=6, gen_len=24, gen_batch=48, steps=40, batch=8, anchors=8, lr=1e-2,
                                warmup=5, eval_every=20, save_every=20, log_every=10, dtype="float32",
-                               check_prompts=3, check_new_tokens=16)
+                               check_prompts=3, check_new_tokens=16, eval_decode=3, eval_new_tokens=16)
     return folder, out, D.train_drafter(cfg)
 
 
