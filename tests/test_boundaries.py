@@ -82,3 +82,11 @@ def test_benchmark_stages_are_the_rounds_own(tiny_abstract_pair, kernels, fused)
     fn, args, static = programs["accept"]
     jaxpr = str(jax.make_jaxpr(lambda *a: fn(*a, **static))(*args))
     assert ("pallas_call" in jaxpr) == fused
+
+
+def test_no_test_folder_shadows_a_package():
+    """pytest puts tests/ on sys.path; a folder there named like a top-level package (no __init__.py) would be
+    imported as an empty namespace package in its place wherever the project is installed in editable mode, as
+    CI installs it (tests/pallas_kernels did that to `pallas_kernels`)."""
+    folders = {p.name for p in (ROOT / "tests").iterdir() if p.is_dir() and not p.name.startswith((".", "_"))}
+    assert folders & set(PACKAGES) == set()
