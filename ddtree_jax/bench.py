@@ -95,7 +95,9 @@ def run_shape(args, parallel) -> dict:
     # them at 27B): prepare those one at a time, just before they are timed. Otherwise compile every row
     # first, in parallel threads, then time them one by one (no two programs on the device at once while
     # timing).
-    workers = 1 if hybrid else max(1, args.compile_workers)
+    # On a CPU too (small shapes, where compiling is quick): jaxlib 0.10.2's CPU backend crashed (segfault)
+    # compiling two rows at once, twice in this project's test suite on 2026-12-01.
+    workers = 1 if hybrid or jax.default_backend() == "cpu" else max(1, args.compile_workers)
     prepared = [None] * len(plan)
     if workers > 1:
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
@@ -328,7 +330,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="--shape: projected tau per mode or budget, e.g. 'dflash=7.8,64=10.7' (default: the paper's)")
     p.add_argument("--repeats", type=int, default=10, help="timed calls per measurement (medians)")
     p.add_argument("--compile-workers", type=int, default=min(8, os.cpu_count() or 1),
-                   help="--shape: threads compiling the rows before any is timed (hybrid shapes: 1)")
+                   help="--shape: threads compiling the rows before any is timed (hybrid shapes and CPUs: 1)")
     p.add_argument("--trace", type=Path, default=None,
                    help=f"--shape: a profiler trace (TensorBoard + Perfetto JSON) of {LOOP_ROUNDS} rounds per row, "
                         "under DIR/ROW")

@@ -105,7 +105,7 @@ def test_topk_probe_times_and_checks_every_chunk(tmp_path):
     """Chunked trees against the unchunked one, and the current builder against a baseline tree.py (here the
     same file: equal by construction, so a DIFFERENT would be the probe's own bug)."""
     assert topk_probe.main(["--out", str(tmp_path), "--vocab", "300", "--budgets", "4,16", "--chunks", "0,64",
-                            "--depths", "3", "--rounds", "1", "--workers", "2"]) == 0
+                            "--depths", "3", "--rounds", "1", "--workers", "1"]) == 0
     report = json.loads((tmp_path / "topk_probe.json").read_text())
     assert [(r["budget"], r["chunk"], r["impl"]) for r in report["records"]] == [
         (b, c, impl) for b in (4, 16) for c in (None, 64) for impl in ("current", "vocab top-k")]
