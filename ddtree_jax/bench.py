@@ -68,7 +68,7 @@ def run_shape(args, parallel) -> dict:
     print(f"ceilings {ceilings}", flush=True)
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     target, drafter = workload.random_pair(args.shape, parallel, dtype, fp8=args.weights == "fp8")
-    jax.block_until_ready(target.flat())
+    jax.block_until_ready(target.state)
     print(f"random weights ready after {time.perf_counter() - start:.0f} s", flush=True)
     hybrid = is_recurrent(target.config)
     modes = [("ar", None)] * ("ar" in args.modes) + [("dflash", None)] * ("dflash" in args.modes) + \

@@ -268,14 +268,18 @@ def stored_layout(config, names) -> tuple[dict[str, str], tuple[str, ...]]:
     return renames, IGNORED_PREFIXES.get(hf_type, ())
 
 
-def _to_device(arrays: dict[str, np.ndarray], dtypes: dict | None,
+def _to_device(arrays: dict[str, np.ndarray | jax.Array], dtypes: dict | None,
                shardings: dict | None = None) -> dict[str, jax.Array]:
-    """Host arrays -> device arrays in `dtypes[name]` (None: as stored), each straight onto its shards (no full
-    copy on one device)."""
+    """Host (or first-device) arrays -> device arrays in `dtypes[name]` (None: as stored), each onto its shards
+    (a host array straight onto them, with no full copy on one device)."""
     out = {}
-    for name, a in arrays.items():
-        host = a if dtypes is None else a.astype(dtypes[name])
-        out[name] = put(host, shardings[name]) if shardings is not None else jnp.asarray(host)
+    for name in list(arrays):
+        a = arrays.pop(name)  # one array at a time in two copies, not the whole model
+        a = a if dtypes is None else a.astype(dtypes[name])
+        if shardings is None:
+            out[name] = jnp.asarray(a)
+        else:
+            out[name] = put(a, shardings[name]) if isinstance(a, np.ndarray) else jax.device_put(a, shardings[name])
     return out
 
 
@@ -448,19 +452,22 @@ def _stored_shape(path: Path, name: str) -> tuple[int, ...] | None:
 def _load(path: Path, abstract: ModelParams, dtype, tied: dict[str, str], progress: bool,
           parallel: Parallel | None) -> ModelParams:
     """`abstract` was built in `dtype` (or float32 when None): its dtypes are the loaded ones, FP8 weights and
-    their float32 scales included; None keeps every stored dtype."""
+    their float32 scales included; None keeps every stored dtype. Files hold HF names (`ModelParams.flat`);
+    the projections the model packs (`PackedProjections`) are packed on the host (HF folders) or on the first
+    device (orbax restores there), then every parameter goes onto its shards."""
     expected, fp8 = _expected_shapes(abstract), _fp8_names(abstract)
-    dtypes = None if dtype is None else {name: a.dtype for name, a in abstract.flat().items()}
-    shardings = param_shardings(abstract, parallel) if parallel is not None else None
     if checkpoint_format(path) == "hf":
         bar = _progress_bar(f"loading {path.name}") if progress else None
         renames, ignored = stored_layout(abstract.config, expected)
-        arrays = _to_device(read_hf_arrays(path, expected, tied, bar, stored_names=renames, ignored_prefixes=ignored,
-                                           fp8=fp8), dtypes, shardings)
+        arrays = read_hf_arrays(path, expected, tied, bar, stored_names=renames, ignored_prefixes=ignored, fp8=fp8)
     else:
-        arrays = read_orbax_arrays(path, expected, dtypes, shardings, fp8,
+        stored_dtypes = None if dtype is None else {name: a.dtype for name, a in abstract.flat().items()}
+        arrays = read_orbax_arrays(path, expected, stored_dtypes, None, fp8,
                                    ignored_prefixes=orbax_ignored(abstract.config))
-    return abstract.replace_flat(arrays)
+    held = abstract.pack(arrays, consume=True)
+    dtypes = None if dtype is None else {name: a.dtype for name, a in abstract.state_flat().items()}
+    shardings = param_shardings(abstract, parallel) if parallel is not None else None
+    return abstract.replace_state_flat(_to_device(held, dtypes, shardings))
 
 
 def orbax_ignored(config) -> tuple[str, ...]:

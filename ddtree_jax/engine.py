@@ -130,7 +130,7 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
-    options = resolve_options(options, drafter, target.flat()["model.embed_tokens.weight"].dtype)
+    options = resolve_options(options, drafter, target.array("model.embed_tokens.weight").dtype)
     if not options.mode.needs_drafter:
         drafter = None
     vocab = target.config.vocab_size

@@ -75,7 +75,7 @@ def estimate(target: ModelParams, drafter: ModelParams | None, options: DecodeOp
     from ddtree_jax.models import dflash, mtp, target_family
 
     config = target.config
-    dtype = target.flat()["model.embed_tokens.weight"].dtype
+    dtype = target.array("model.embed_tokens.weight").dtype
     itemsize = np.dtype(dtype).itemsize
     width, capacity = cache_shape(max_prompt_len, options)
     parallel = options.parallel

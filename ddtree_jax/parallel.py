@@ -179,8 +179,8 @@ def param_shardings(params, parallel: Parallel):
 def shard_params(params, parallel: Parallel):
     """Lay out existing parameters (e.g. random ones) by the parallel rules."""
     shardings = param_shardings(params, parallel)
-    flat = params.flat()
-    return params.replace_flat({name: jax.device_put(flat[name], shardings[name]) for name in flat})
+    held = params.state_flat()
+    return params.replace_state_flat({name: jax.device_put(held[name], shardings[name]) for name in held})
 
 
 def to_host(x: jax.Array) -> np.ndarray:

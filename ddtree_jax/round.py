@@ -375,7 +375,7 @@ def prefill(target: ModelParams, drafter: ModelParams | None, tokens: jax.Array,
     drafter's context cache (MTP: the head runs over the prompt, each position paired with the next token,
     the last with the first emitted one)."""
     b, p = tokens.shape
-    dtype = target.flat()["model.embed_tokens.weight"].dtype
+    dtype = target.array("model.embed_tokens.weight").dtype
     family = target_family(target.config)
     cache = constrain_cache(family.create_cache(target.config, b, capacity, dtype), options.parallel)
     taps = drafter.config.target_layer_ids if drafter is not None else ()

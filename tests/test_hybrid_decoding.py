@@ -375,7 +375,7 @@ def test_tp_warns_once_when_key_heads_do_not_divide(hybrid_pair):
     assert "model.layers.*.linear_attn (4 heads)" in messages[0], messages[0]
     gdn = [s for name, s in shardings.items() if ".linear_attn." in name]
     assert gdn and all(s.is_fully_replicated for s in gdn)
-    assert not shardings["model.layers.0.mlp.gate_proj.weight"].is_fully_replicated  # 48 MLP features: split
+    assert not shardings["model.layers.0.mlp.gate_up_proj.weight"].is_fully_replicated  # 48 MLP features: split
 
 
 # ---- sampling (T > 0): DFlash and DDTree samples follow the hybrid target's own distribution

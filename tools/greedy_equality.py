@@ -31,7 +31,7 @@ def top2_gap(target, prefix: list[int]) -> float:
     from ddtree_jax.models.contract import ForwardMeta
 
     family = target_family(target.config)
-    dtype = target.flat()["model.embed_tokens.weight"].dtype
+    dtype = target.array("model.embed_tokens.weight").dtype
     n = len(prefix)
     cache = family.create_cache(target.config, 1, -(-n // 128) * 128, dtype)
     tokens = jnp.asarray([prefix], jnp.int32)

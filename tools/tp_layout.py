@@ -45,7 +45,7 @@ def layout(shape: str, devices: int) -> dict:
     params = target_family(config).abstract(config, jnp.bfloat16)
     shardings = param_shardings(params, make_parallel(devices, "tp"))
     blocks: dict[str, dict[str, int]] = {}
-    for name, array in params.flat().items():
+    for name, array in params.state_flat().items():
         entry = blocks.setdefault(block_of(name), {"bytes": 0, "bytes_per_device": 0})
         entry["bytes"] += array.size * array.dtype.itemsize
         entry["bytes_per_device"] += int(np.prod(shardings[name].shard_shape(array.shape))) * array.dtype.itemsize

@@ -19,11 +19,11 @@ def floor(bytes_: float, flops: float, ceilings: dict) -> tuple[float, str]:
 
 
 def param_bytes(params) -> int:
-    return sum(a.size * a.dtype.itemsize for a in params.flat().values())
+    return sum(a.size * a.dtype.itemsize for a in params.state_flat().values())
 
 
 def param_count(params) -> int:
-    return sum(a.size for a in params.flat().values())
+    return sum(a.size for a in params.state_flat().values())
 
 
 def floor_terms(target, drafter, mode: str, tokens: int, context: int, block_size: int = 16, batch: int = 1) -> dict:

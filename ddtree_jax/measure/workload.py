@@ -44,11 +44,11 @@ def random_pair(shape: str, parallel, dtype=jnp.bfloat16, fp8: bool = False):
         # takes many minutes to compile a single random-init program of an 8B model.
         shardings = param_shardings(abstract, parallel)
         arrays = {}
-        for i, (name, leaf) in enumerate(abstract.flat().items()):
+        for i, (name, leaf) in enumerate(abstract.state_flat().items()):
             ones = "norm" in name or name.endswith("_scale_inv")
             arrays[name] = random_array(leaf.shape, jnp.dtype(leaf.dtype).name, ones, shardings[name])(
                 jax.random.fold_in(jax.random.key(seed), i))
-        return abstract.replace_flat(arrays)
+        return abstract.replace_state_flat(arrays)
 
     target = init(target_family(t_cfg).abstract(t_cfg, dtype), 0)
     drafter = init(dflash.abstract(d_cfg, t_cfg.hidden_size, dtype), 1)
@@ -85,7 +85,7 @@ def filled_state(target, drafter, context: int, options, parallel, room_rounds: 
                  tokens_per_round: int | None = None, batch: int = 1) -> rnd.DecodeState:
     """`empty_state` whose caches hold `context` committed tokens of random K/V (and, for a hybrid target,
     random recurrent states and conv windows), laid out as the engine lays them out."""
-    dtype = target.flat()["model.embed_tokens.weight"].dtype  # caches in the weights' dtype, as the engine's
+    dtype = target.array("model.embed_tokens.weight").dtype  # caches in the weights' dtype, as the engine's
     abstract = jax.eval_shape(lambda: empty_state(target.config, drafter.config, context, options, room_rounds,
                                                   tokens_per_round, dtype=dtype, batch=batch))
 

@@ -77,8 +77,10 @@ def ingest_context(params: ModelParams, taps: jax.Array, counts: jax.Array, cach
     new_k, new_v = [], []
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
-        k = attn.k_norm(attn.k_proj(ctx).reshape(b, c, -1, config.head_dim))
-        v = attn.v_proj(ctx).reshape(b, c, -1, config.head_dim)
+        # q|k|v are packed; the queries of context rows are not used (a few rows: XLA's cost is the weight pass).
+        _, k, v = attn.qkv_proj(ctx)
+        k = attn.k_norm(k.reshape(b, c, -1, config.head_dim))
+        v = v.reshape(b, c, -1, config.head_dim)
         new_k.append(write_pending(cache.k[i], apply_rope(k, cos, sin), cache.lengths))
         new_v.append(write_pending(cache.v[i], v, cache.lengths))
     return advance(KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths), counts)
@@ -107,9 +109,10 @@ def draft_hidden(params: ModelParams, target: ModelParams, block_tokens: jax.Arr
         with jax.named_scope(f"draft_layer_{i}"):
             attn = layer.self_attn
             x = layer.input_layernorm(h)
-            q = apply_rope(attn.q_norm(attn.q_proj(x).reshape(b, bs, -1, d)), cos, sin)
-            k = apply_rope(attn.k_norm(attn.k_proj(x).reshape(b, bs, -1, d)), cos, sin)
-            v = attn.v_proj(x).reshape(b, bs, -1, d)
+            q, k, v = attn.qkv_proj(x)
+            q = apply_rope(attn.q_norm(q.reshape(b, bs, -1, d)), cos, sin)
+            k = apply_rope(attn.k_norm(k.reshape(b, bs, -1, d)), cos, sin)
+            v = v.reshape(b, bs, -1, d)
             out = cached_attention(q, cache.k[i], cache.v[i], cache.lengths, k, v,
                                    block_mask(b, bs, config.layer_causal[i]), positions,
                                    scale=d ** -0.5, sliding_window=config.layer_windows[i], runtime=runtime)

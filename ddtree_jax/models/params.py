@@ -12,13 +12,18 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
-from ddtree_jax.models.layers import apply_fp8
+from ddtree_jax.models.layers import PackedProjections, apply_fp8
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ModelParams:
-    """state: the NNX `Param` state (device arrays); graphdef and config: static."""
+    """state: the NNX `Param` state (device arrays); graphdef and config: static.
+
+    Two views by dotted name: `state_flat` as held (a `PackedProjections` weight is one array, e.g.
+    'model.layers.0.mlp.gate_up_proj.weight'), and `flat` as Hugging Face names the tensors (its parts,
+    'model.layers.0.mlp.gate_proj.weight' and '...up_proj.weight'): checkpoints and their tests speak HF.
+    """
 
     state: Any
     graphdef: Any = dataclasses.field(metadata=dict(static=True))
@@ -28,12 +33,16 @@ class ModelParams:
         """The NNX module with these parameters (call inside jit)."""
         return nnx.merge(self.graphdef, self.state)
 
-    def flat(self) -> dict[str, jax.Array]:
-        """Parameters by dotted HF name, e.g. 'model.layers.0.self_attn.q_proj.weight'."""
+    def state_flat(self) -> dict[str, jax.Array]:
+        """Parameters as held, by dotted name (no copies)."""
         return {name: var.get_value() for name, var in flat_variables(self.state).items()}
 
-    def replace_flat(self, arrays: dict[str, Any]) -> "ModelParams":
-        """A copy whose parameters are taken from `arrays` (dotted names, all of them)."""
+    def array(self, name: str) -> jax.Array:
+        """One parameter as held, e.g. `array('model.embed_tokens.weight')` (no copy)."""
+        return flat_variables(self.state)[name].get_value()
+
+    def replace_state_flat(self, arrays: dict[str, Any]) -> "ModelParams":
+        """A copy whose parameters are taken from `arrays` (names as held, all of them)."""
         variables = flat_variables(self.state)
         missing = sorted(set(variables) - set(arrays))
         if missing:
@@ -41,6 +50,59 @@ class ModelParams:
         leaves = [arrays[name] for name in variables]
         state = jax.tree.unflatten(jax.tree.structure(self.state), leaves)
         return dataclasses.replace(self, state=state)
+
+    def flat(self) -> dict[str, jax.Array]:
+        """Parameters by HF name, e.g. 'model.layers.0.self_attn.q_proj.weight' (a packed weight's parts are
+        slices: copies on the device). Works on abstract parameters too (ShapeDtypeStructs)."""
+        packed, renamed = hf_layout(self)
+        out = {}
+        for name, array in self.state_flat().items():
+            if name in packed:
+                prefix, module = packed[name]
+                out.update({prefix + part + ".weight": w for part, w in module.unpack(array).items()})
+            else:
+                out[renamed.get(name, name)] = array
+        return out
+
+    def pack(self, arrays: dict[str, Any], consume: bool = False) -> dict[str, Any]:
+        """{HF name: array} (NumPy or JAX, all of them) -> {name as held: array}: what `replace_state_flat` takes.
+        `consume`: remove each packed part from `arrays` once packed (a load then holds one module twice at
+        most, not the whole model)."""
+        packed, renamed = hf_layout(self)
+        hf_names = {name: renamed.get(name, name) for name in flat_variables(self.state)}
+        out = {}
+        for name, hf in hf_names.items():
+            if name in packed:
+                prefix, module = packed[name]
+                take = arrays.pop if consume else arrays.__getitem__
+                parts = {part.name: take(prefix + part.name + ".weight") for part in module.parts}
+                out[name] = module.pack(parts)
+            elif hf not in arrays:
+                raise KeyError(f"no value for {hf}")
+            else:
+                out[name] = arrays[hf]
+        return out
+
+    def replace_flat(self, arrays: dict[str, Any]) -> "ModelParams":
+        """A copy whose parameters are taken from `arrays` (HF names, all of them; packed as held)."""
+        return self.replace_state_flat(self.pack(arrays))
+
+
+def hf_layout(params: ModelParams) -> tuple[dict[str, tuple[str, PackedProjections]], dict[str, str]]:
+    """({packed weight's name as held: (HF prefix of its parts, its module)}, {name as held: HF name} of the
+    parts that FP8 keeps apart under their packed module)."""
+    packed, renamed = {}, {}
+    for path, module in nnx.iter_modules(params.module()):
+        if not isinstance(module, PackedProjections):
+            continue
+        name = ".".join(str(p) for p in path)
+        prefix = name.rpartition(".")[0] + "." if "." in name else ""
+        if module.packed:
+            packed[name + ".weight"] = (prefix, module)
+        else:
+            for held in flat_variables(nnx.state(module, nnx.Param)):
+                renamed[f"{name}.{held}"] = prefix + held
+    return packed, renamed
 
 
 def flat_variables(state) -> dict[str, nnx.Variable]:

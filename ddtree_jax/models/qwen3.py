@@ -16,21 +16,22 @@ from flax import nnx
 from ddtree_jax.cache import KVCache, write_pending
 from ddtree_jax.config import Qwen3Config
 from ddtree_jax.models.contract import ForwardMeta, ForwardOut, Runtime
-from ddtree_jax.models.layers import Embedding, Linear, RMSNorm, SwiGLU, apply_rope, cached_attention, rope_cos_sin
+from ddtree_jax.models.layers import (Embedding, Linear, PackedProjections, Part, RMSNorm, SwiGLU, apply_rope,
+                                      cached_attention, rope_cos_sin)
 from ddtree_jax.models.params import ModelParams, abstract_params, random_params
 
 RECURRENT = False  # attention only: the cache is a KVCache
 
 
 class Attention(nnx.Module):
-    """GQA self-attention with per-head q_norm/k_norm before RoPE."""
+    """GQA self-attention with per-head q_norm/k_norm before RoPE; q|k|v packed by KV-head group."""
 
     def __init__(self, config: Qwen3Config, *, dtype, rngs):
         e, d = config.hidden_size, config.head_dim
         h, n = config.num_heads, config.num_kv_heads
-        self.q_proj = Linear(e, h * d, ("q_heads", "embed"), dtype=dtype, rngs=rngs, groups=h)
-        self.k_proj = Linear(e, n * d, ("kv_heads", "embed"), dtype=dtype, rngs=rngs, groups=n)
-        self.v_proj = Linear(e, n * d, ("kv_heads", "embed"), dtype=dtype, rngs=rngs, groups=n)
+        parts = (Part("q_proj", h // n, ("q_heads", "embed"), h), Part("k_proj", 1, ("kv_heads", "embed"), n),
+                 Part("v_proj", 1, ("kv_heads", "embed"), n))
+        self.qkv_proj = PackedProjections(e, n, d, parts, ("kv_heads", None, None, "embed"), dtype=dtype, rngs=rngs)
         self.o_proj = Linear(h * d, e, ("embed", "q_heads"), dtype=dtype, rngs=rngs, groups=h)
         self.q_norm = RMSNorm(d, config.rms_norm_eps, "head_dim", dtype=dtype)
         self.k_norm = RMSNorm(d, config.rms_norm_eps, "head_dim", dtype=dtype)
@@ -41,9 +42,10 @@ class Attention(nnx.Module):
         """x [b, t, e], cos/sin [b, t, d] -> (out [b, t, e], k_new [b, t, n, d], v_new [b, t, n, d])."""
         b, t, _ = x.shape
         d = self.head_dim
-        q = self.q_norm(self.q_proj(x).reshape(b, t, -1, d))
-        k = self.k_norm(self.k_proj(x).reshape(b, t, -1, d))
-        v = self.v_proj(x).reshape(b, t, -1, d)
+        q, k, v = self.qkv_proj(x)
+        q = self.q_norm(q.reshape(b, t, -1, d))
+        k = self.k_norm(k.reshape(b, t, -1, d))
+        v = v.reshape(b, t, -1, d)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = cached_attention(q, k_cache, v_cache, cache_lengths, k, v, meta.new_mask, meta.positions,
                                scale=d ** -0.5, sliding_window=sliding_window, runtime=runtime)

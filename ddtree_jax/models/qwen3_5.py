@@ -39,7 +39,8 @@ from ddtree_jax.cache import HybridCache, KVCache, NodeStates, RecurrentState, w
 from ddtree_jax.config import FULL_ATTENTION, Qwen3_5Config
 from ddtree_jax.models import qwen3
 from ddtree_jax.models.contract import ForwardMeta, ForwardOut, Runtime
-from ddtree_jax.models.layers import Embedding, Linear, SwiGLU, param, apply_rope, cached_attention, rope_cos_sin
+from ddtree_jax.models.layers import (Embedding, Linear, PackedProjections, Part, SwiGLU, apply_rope, cached_attention,
+                                      param, rope_cos_sin)
 from ddtree_jax.models.params import ModelParams, abstract_params, random_params
 from ddtree_jax.parallel import MODEL_AXIS
 
@@ -238,10 +239,11 @@ class GatedAttention(nnx.Module):
 
     def __init__(self, config: Qwen3_5Config, *, dtype, rngs):
         e, d, h, n = config.hidden_size, config.head_dim, config.num_heads, config.num_kv_heads
-        # q_proj's rows are per head [query | gate], so a split into whole heads keeps each head's gate with it.
-        self.q_proj = Linear(e, h * d * 2, ("q_heads", "embed"), dtype=dtype, rngs=rngs, groups=h)
-        self.k_proj = Linear(e, n * d, ("kv_heads", "embed"), dtype=dtype, rngs=rngs, groups=n)
-        self.v_proj = Linear(e, n * d, ("kv_heads", "embed"), dtype=dtype, rngs=rngs, groups=n)
+        # q_proj's rows are per head [query | gate] (two units of d), so a split into whole heads (here whole KV
+        # groups of q|k|v) keeps each head's gate with it.
+        parts = (Part("q_proj", 2 * (h // n), ("q_heads", "embed"), h), Part("k_proj", 1, ("kv_heads", "embed"), n),
+                 Part("v_proj", 1, ("kv_heads", "embed"), n))
+        self.qkv_proj = PackedProjections(e, n, d, parts, ("kv_heads", None, None, "embed"), dtype=dtype, rngs=rngs)
         self.o_proj = Linear(h * d, e, ("embed", "q_heads"), dtype=dtype, rngs=rngs, groups=h)
         self.q_norm = ZeroCenteredRMSNorm(d, config.rms_norm_eps, "head_dim", dtype=dtype)
         self.k_norm = ZeroCenteredRMSNorm(d, config.rms_norm_eps, "head_dim", dtype=dtype)
@@ -257,11 +259,12 @@ class GatedAttention(nnx.Module):
         k [b, t, n, d] (normed, rotated), v [b, t, n, d]."""
         b, t, _ = x.shape
         d = self.head_dim
-        q_gate = self.q_proj(x).reshape(b, t, -1, 2 * d)
+        q_gate, k, v = self.qkv_proj(x)
+        q_gate = q_gate.reshape(b, t, -1, 2 * d)
         q, gate = q_gate[..., :d], q_gate[..., d:].reshape(b, t, -1)
         q = self._rope(self.q_norm(q), cos, sin)
-        k = self._rope(self.k_norm(self.k_proj(x).reshape(b, t, -1, d)), cos, sin)
-        return q, gate, k, self.v_proj(x).reshape(b, t, -1, d)
+        k = self._rope(self.k_norm(k.reshape(b, t, -1, d)), cos, sin)
+        return q, gate, k, v.reshape(b, t, -1, d)
 
     def output(self, attended, gate):
         """attended [b, t, n*g, d], gate [b, t, n*g*d] -> o_proj(attended * sigmoid(gate)) [b, t, e]."""

@@ -206,7 +206,7 @@ def weighted_ce(logits: jax.Array, labels: jax.Array, weights: jax.Array):
 def target_taps(target: ModelParams, tokens: jax.Array, lengths: jax.Array, layer_ids: tuple[int, ...]) -> jax.Array:
     """[b, L, len(ids) * e] outputs of the frozen target's tapped layers (HF hidden_states[l + 1])."""
     b, L = tokens.shape
-    dtype = target.flat()["model.embed_tokens.weight"].dtype
+    dtype = target.array("model.embed_tokens.weight").dtype
     family = target_family(target.config)
     cache = family.create_cache(target.config, b, L, dtype)
     out = family.forward(target, tokens, ForwardMeta.prompt(lengths, L), cache, tap_layers=layer_ids)

@@ -128,7 +128,7 @@ def lm_loss(params: ModelParams, tokens: jax.Array) -> jax.Array:
     through the project's forward with an empty cache of capacity t and a causal mask."""
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     b, t = inputs.shape
-    dtype = params.flat()["model.embed_tokens.weight"].dtype
+    dtype = params.array("model.embed_tokens.weight").dtype
     cache = qwen3.create_cache(params.config, b, t, dtype)
     out = qwen3.forward(params, inputs, ForwardMeta.prompt(jnp.full((b,), t, jnp.int32), t), cache)
     logits = qwen3.logits(params, out.hidden)  # float32 [b, t, v]
