@@ -221,26 +221,30 @@ def _build_one(top_lp: jax.Array, top_tok: jax.Array, root: jax.Array, budget: i
     beam_lex = positions
     beam_anc = jnp.zeros((budget, depth_limit), jnp.int32).at[:, 0].set(positions)
 
+    num_pairs = pair_i.shape[0]
+    assert num_pairs < 1 << 15, "place and lexicographic rank share one int32 sum (16 bits each)"
+
     def next_depth(carry, x):
         """One depth: the B best children of the beam, best first; lp_d [K] this depth's top-K log-probs."""
         beam_score, beam_lex, beam_anc = carry
         lp_d, d = x
         score = beam_score[pair_i] + lp_d[pair_j]  # [C], summed left to right as Algorithm 1 does
-        lex = beam_lex[pair_i] * k + pair_j  # a child's lexicographic key: (parent's rank, token rank); distinct
+        lex = beam_lex[pair_i] * k + pair_j  # a child's lexicographic key: (parent's label, token rank); distinct
         # Each candidate's place in (score desc, lex asc) order, by counting the candidates ahead of it (one
-        # fused compare-and-count over C x C; a sort of C costs ~20 us per depth on the H200).
-        ahead = (score[None, :] > score[:, None]) | ((score[None, :] == score[:, None]) & (lex[None, :] < lex[:, None]))
-        place = jnp.sum(ahead, axis=1, dtype=jnp.int32)  # a permutation of 0..C-1; C >= B fills every slot
-        slot = jnp.where(place < budget, place, budget)  # out of range: dropped
-        # One scatter of every carried field (score as its bits, the parent's ancestors included), not one each.
-        payload = jnp.concatenate([jnp.stack([jax.lax.bitcast_convert_type(score, jnp.int32), lex, pair_i, pair_j],
-                                             axis=1), beam_anc[pair_i]], axis=1)  # [C, 4 + L]
-        new = jnp.zeros((budget, 4 + depth_limit), jnp.int32).at[slot].set(payload, mode="drop")
-        score = jax.lax.bitcast_convert_type(new[:, 0], jnp.float32)
-        lex, parent, rank = new[:, 1], new[:, 2], new[:, 3]
-        # The new beam's lexicographic ranks among itself: B x B over the kept keys (distinct), not C x C.
-        new_lex = jnp.sum(lex[None, :] < lex[:, None], axis=1, dtype=jnp.int32)
-        anc = new[:, 4:].at[:, d].set(positions)
+        # fused compare-and-count over C x C; a sort of C costs ~20 us per depth on the H200), and in the same
+        # sum (high 16 bits) its rank in lex order among all C: the children's next label. Any labels in the
+        # beam's lex order give the same comparisons, and ranks among C keep them below C.
+        lex_less = lex[None, :] < lex[:, None]
+        ahead = (score[None, :] > score[:, None]) | ((score[None, :] == score[:, None]) & lex_less)
+        packed = jnp.sum(ahead.astype(jnp.int32) + (lex_less.astype(jnp.int32) << 16), axis=1)
+        place, new_lex = packed & 0xFFFF, packed >> 16  # place: a permutation of 0..C-1 (C >= B)
+        # The candidate at each of the B first places (exactly one matches each): a one-hot sum over C, then
+        # every carried field by gathers from it (one small fusion), not one scatter per field into fresh buffers.
+        at = jnp.sum(jnp.where(place[None, :] == positions[:, None], jnp.arange(num_pairs, dtype=jnp.int32), 0),
+                     axis=1)  # [B]
+        parent, rank, new_lex = pair_i[at], pair_j[at], new_lex[at]
+        score = beam_score[parent] + lp_d[rank]  # the same sum as score[at], bit for bit
+        anc = beam_anc[parent].at[:, d].set(positions)
         return (score, new_lex, anc), (score, rank, parent, anc)
 
     # A scan with a static trip count, unrolled: no loop (and no per-iteration predicate read back to the
@@ -260,8 +264,8 @@ def _build_one(top_lp: jax.Array, top_tok: jax.Array, root: jax.Array, budget: i
     skey = total_order_key(score)
     flat_pos = jnp.arange(score.shape[0], dtype=jnp.int32)
     ahead = (skey[None, :] > skey[:, None]) | ((skey[None, :] == skey[:, None]) & (flat_pos[None, :] < flat_pos[:, None]))
-    place = jnp.sum(ahead, axis=1, dtype=jnp.int32)
-    flat = jnp.zeros((budget,), jnp.int32).at[jnp.where(place < budget, place, budget)].set(flat_pos, mode="drop")
+    place = jnp.sum(ahead, axis=1, dtype=jnp.int32)  # a permutation of 0..LB-1
+    flat = jnp.sum(jnp.where(place[None, :] == positions[:, None], flat_pos, 0), axis=1)  # [B], the entry at each place
     chosen_score = score[flat]
     chosen_depth = flat // budget  # 0-based depth index
     chosen_beam = flat % budget
@@ -272,9 +276,8 @@ def _build_one(top_lp: jax.Array, top_tok: jax.Array, root: jax.Array, budget: i
     anc_all = all_depths(beam_anc, ancs)  # [L, B, L]
     token = top_tok[chosen_depth, rank_all[chosen_depth, chosen_beam]]
 
-    # Node index of every (depth, beam entry) that was chosen: node = 1 + position in chosen order.
-    node_of = jnp.full((depth_limit, budget), -1, jnp.int32).at[chosen_depth, chosen_beam].set(
-        jnp.arange(1, budget + 1, dtype=jnp.int32))
+    # Node index of every (depth, beam entry) that was chosen: node = 1 + position in chosen order (-1: not chosen).
+    node_of = jnp.where(place < budget, place + 1, -1).reshape(depth_limit, budget)
     parent_beam = parent_all[chosen_depth, chosen_beam]
     parent_node = jnp.where(chosen_depth == 0, 0, node_of[jnp.maximum(chosen_depth - 1, 0), parent_beam])
     parent_node = jnp.where(valid, parent_node, 0)
