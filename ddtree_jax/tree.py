@@ -10,13 +10,15 @@ it with a heap on the host. Here the same set is built on device with fixed shap
    children are (beam entry i, token rank j) with score beam[i] + lp_d[j]. Only the pairs with
    (i + 1)(j + 1) <= B can be among the B best: every (i', j') with i' <= i and j' <= j scores at least
    as much and comes first on ties, and there are (i + 1)(j + 1) - 1 of them. That is about B ln B
-   candidates (280 at B = 64, 3.4k at B = 512) instead of B x K; one sort orders them.
-2. The global top-B over the L x B beam entries.
+   candidates (280 at B = 64, 3.4k at B = 512) instead of B x K; counting the candidates ahead of each
+   orders them (no sort).
+2. The global top-B over the L x B beam entries (counted the same way).
 
 Ties: order is (score desc, depth asc, rank tuple lexicographic asc), where a prefix's rank tuple lists
 the rank of its token among the top-K at each depth (the order in which Algorithm 1's heap pops). Shallower
-first keeps the set prefix-closed (a child never scores above its parent). Each beam carries every entry's
-lexicographic rank among its depth, so a child's lexicographic key is (parent's rank, token rank).
+first keeps the set prefix-closed (a child never scores above its parent). Each beam carries a label per
+entry in the lexicographic order of its depth (its rank among the depth's candidates), so a child's
+lexicographic key is (parent's label, token rank).
 
 Nodes come out in (score desc, depth asc, lex) order, so parents precede children; index 0 is the root
 (the bonus token, depth 0). Siblings carry distinct tokens (different ranks at one depth). The ancestor
@@ -63,15 +65,28 @@ def default_top_k_chunk(budget: int, vocab: int | None = None) -> int:
     return 16384 if budget <= 16 and (vocab is None or vocab > 16384) else 2048
 
 
+def default_top_k() -> str:
+    """build_tree's vocabulary top-k on the default backend: "chunked" on a CPU (there threshold_top_k's
+    cumsum runs as a log-depth scan: the demo's B = 16 build took 6.6 against 0.6 ms, 15 x 8192, this
+    project's 2-core machine), else "threshold": on a GPU lax.top_k (k > 16) sorts every row it is given,
+    and chunked_top_k's two sorts were 219 of the 499 us of the B = 64 build on the H200 (V = 151936),
+    where threshold_top_k is a handful of reductions, a cumsum and two scatters (tools/topk_probe.py times
+    both)."""
+    return "chunked" if jax.default_backend() == "cpu" else "threshold"
+
+
 def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
                top_k_chunk: int | None | str = "auto", unroll: bool | int = True,
-               top_k: str = "threshold") -> DraftTree:
+               top_k: str = "auto") -> DraftTree:
     """log_probs [b, L, v] float32 per-depth draft log-probabilities (depth d + 1 at index d);
     root_tokens [b] int32; budget B (static); top_k: the per-depth top K = min(B, v) of the vocabulary,
-    "threshold" (`threshold_top_k`, the default) or "chunked" (`chunked_top_k`, the previous default; also
-    `threshold_top_k`'s fallback); top_k_chunk: `chunked_top_k`'s chunk ("auto": `default_top_k_chunk(B)`;
-    None: one `lax.top_k`); unroll: the depth loop's `lax.scan` unrolling (True: none of it runs as a device
-    loop). Every choice gives the same tree. Returns a DraftTree with B + 1 nodes."""
+    "threshold" (`threshold_top_k`), "chunked" (`chunked_top_k`, the only one before 2026-12; also
+    `threshold_top_k`'s fallback) or "auto" (`default_top_k()`); top_k_chunk: `chunked_top_k`'s chunk
+    ("auto": `default_top_k_chunk(B)`; None: one `lax.top_k`); unroll: the depth loop's `lax.scan` unrolling
+    (True: none of it runs as a device loop). Every choice gives the same tree. Returns a DraftTree with
+    B + 1 nodes."""
+    if top_k == "auto":
+        top_k = default_top_k()
     chunk = default_top_k_chunk(budget, log_probs.shape[-1]) if top_k_chunk == "auto" else top_k_chunk
     k = min(budget, log_probs.shape[-1])
     lp = log_probs.astype(jnp.float32)
@@ -154,6 +169,8 @@ def threshold_top_k(x: jax.Array, k: int, chunk: int | None = None, slots: int |
     tokens). Ties (a uniform row: all entries == t) and -inf (a padded vocabulary: a chunk of only -inf has
     maximum -inf, below t unless fewer than k chunks hold a finite entry) do not trigger it. Under a
     vmap the cond's predicate is batched and both branches run (same result): call it on the whole batch.
+    On a GPU, XLA runs a lax.cond by copying the predicate to the host and waiting for it (a sync inside
+    the round; the probe's timing includes it).
     Why: on the GPU lax.top_k (k > 16) sorts every row; this is a few reductions, a cumsum and two
     scatters. Returns (values [..., k], int32 indices [..., k]).
     """
