@@ -102,21 +102,25 @@ def test_gpu_probe_smoke_forms_agree(tmp_path):
 
 
 def test_topk_probe_times_and_checks_every_chunk(tmp_path):
-    """Chunked trees against the unchunked one, and the current builder against a baseline tree.py (here the
-    same file: equal by construction, so a DIFFERENT would be the probe's own bug)."""
-    assert topk_probe.main(["--out", str(tmp_path), "--vocab", "300", "--budgets", "4,16", "--chunks", "0,64",
+    """Chunked and threshold trees against the first chunk's, and the current builder against a baseline
+    tree.py (here the same file: equal by construction, so a DIFFERENT would be the probe's own bug)."""
+    assert topk_probe.main(["--out", str(tmp_path), "--vocab", "3000", "--budgets", "4,16", "--chunks", "0,64",
                             "--depths", "3", "--rounds", "1", "--workers", "1"]) == 0
     report = json.loads((tmp_path / "topk_probe.json").read_text())
     assert [(r["budget"], r["chunk"], r["impl"]) for r in report["records"]] == [
-        (b, c, impl) for b in (4, 16) for c in (None, 64) for impl in ("current", "vocab top-k")]
+        (b, c, impl) for b in (4, 16) for c in (None, 64)
+        for impl in ("current threshold", "current chunked", "top-k threshold", "top-k chunked")]
     assert all(r.get("same_tree", True) and r["us"] >= 0 for r in report["records"])
-    assert "| 300 | 16 | 64 |" in (tmp_path / "topk_probe.md").read_text()
+    assert all(r["threshold_fits"] for r in report["records"])  # random logits: the fast path
+    assert "| 3000 | 16 | 64 |" in (tmp_path / "topk_probe.md").read_text()
     baseline = Path(topk_probe.current.__file__)
     assert topk_probe.main(["--out", str(tmp_path), "--vocab", "300", "--budgets", "8", "--chunks", "auto",
-                            "--depths", "3", "--rounds", "1", "--workers", "1", "--baseline", str(baseline)]) == 0
+                            "--top-k", "chunked", "--depths", "3", "--rounds", "1", "--workers", "1",
+                            "--baseline", str(baseline)]) == 0
     report = json.loads((tmp_path / "topk_probe.json").read_text())
-    assert [r["impl"] for r in report["records"]] == ["current", "baseline", "vocab top-k"]
+    assert [r["impl"] for r in report["records"]] == ["current chunked", "baseline", "top-k chunked"]
     assert all(r.get("same_tree", True) for r in report["records"])
+    assert not report["records"][0]["threshold_fits"]  # 300 entries, 512 slots: no fast path
 
 
 def test_tp_layout_counts_each_devices_share_from_shapes():

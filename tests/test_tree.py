@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax.tree import ancestor_mask, build_tree, chunked_top_k
+from ddtree_jax import tree as tree_module
+from ddtree_jax.tree import ancestor_mask, build_tree, chunked_top_k, threshold_top_k, total_order_key
 
 
 def heap_tree(log_probs: np.ndarray, budget: int) -> list[tuple[int, ...]]:
@@ -187,10 +188,63 @@ def test_chunked_top_k_check_can_fail():
 
 @pytest.mark.parametrize("budget", [16, 100])
 def test_tree_with_chunked_vocabulary_top_k_is_the_same_tree(budget):
+    """One lax.top_k, chunked_top_k and threshold_top_k (its fast path at both budgets: about 1.2 K of
+    3000 entries are candidates, M = 512) give the same tree."""
     rng = np.random.default_rng(budget)
     lp = _log_softmax(rng.standard_normal((2, 6, 3000)) * 2)
     lp[0, :, 100:400] = lp[0, :, 100:101]  # exact ties across chunk borders
-    one = build_tree(jnp.asarray(lp), jnp.array([1, 2]), budget, top_k_chunk=None)
-    two = build_tree(jnp.asarray(lp), jnp.array([1, 2]), budget, top_k_chunk=256)
-    for field in ("tokens", "parents", "depths", "valid", "ancestor", "scores"):
-        np.testing.assert_array_equal(np.asarray(getattr(two, field)), np.asarray(getattr(one, field)))
+    one = build_tree(jnp.asarray(lp), jnp.array([1, 2]), budget, top_k_chunk=None, top_k="chunked")
+    for kwargs in (dict(top_k_chunk=256, top_k="chunked"), dict(top_k="threshold")):
+        two = build_tree(jnp.asarray(lp), jnp.array([1, 2]), budget, **kwargs)
+        for field in ("tokens", "parents", "depths", "valid", "ancestor", "scores"):
+            np.testing.assert_array_equal(np.asarray(getattr(two, field)), np.asarray(getattr(one, field)))
+
+
+def _tie_rows(n: int, seed: int) -> np.ndarray:
+    """[3, 4, n] float32 from a few levels (ties within and across chunks), 30% -inf, and special rows: all
+    -inf, all equal, and +0.0 / -0.0 / +-inf / NaN mixed (lax.top_k orders them in XLA's total order)."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 6, size=(3, 4, n)).astype(np.float32)
+    x[rng.random(x.shape) < 0.3] = -np.inf
+    x[1, 2] = -np.inf
+    x[2, 0] = 1.5
+    x[2, 1] = rng.choice(np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1.0], np.float32), size=n)
+    return x
+
+
+def _threshold(x, **kwargs):  # traced afresh every call, so a monkeypatched fallback takes effect
+    return jax.jit(lambda a: threshold_top_k(a, **kwargs))(x)
+
+
+def _assert_is_lax_top_k(x: np.ndarray, k: int, values, index) -> None:
+    want_values, want_index = jax.lax.top_k(jnp.asarray(x), k)
+    np.testing.assert_array_equal(np.asarray(total_order_key(values)), np.asarray(total_order_key(want_values)))
+    np.testing.assert_array_equal(np.asarray(index), np.asarray(want_index))
+
+
+@pytest.mark.parametrize("n,k,chunk,slots", [(1000, 16, 8, 64), (997, 5, 20, 24), (4096, 64, 8, 512)])
+def test_threshold_top_k_equals_lax_top_k_with_ties_minus_inf_and_signed_zeros(n, k, chunk, slots, monkeypatch):
+    """The fast path alone (the fallback is replaced by zeros, which would fail the comparison): the same
+    values (bit for bit) and indices in the same order as one lax.top_k, ties, -inf and NaN included."""
+    monkeypatch.setattr(tree_module, "chunked_top_k", lambda x, k, chunk: (jnp.zeros(x.shape[:-1] + (k,)),
+                                                                           jnp.zeros(x.shape[:-1] + (k,), jnp.int32)))
+    x = _tie_rows(n, n + k)
+    values, index = _threshold(jnp.asarray(x), k=k, chunk=chunk, slots=slots)
+    _assert_is_lax_top_k(x, k, values, index)
+
+
+def test_threshold_top_k_falls_back_when_candidates_overflow(monkeypatch):
+    """100 large entries in 13 consecutive chunks of 8 (fewer than k = 16 chunks): more than M - k = 48
+    entries lie above the 16th largest chunk maximum, so the slots cannot hold the candidates. The real
+    fallback gives lax.top_k's answer; a wrong one (zeros) shows through, so the fallback did run."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((2, 1000)).astype(np.float32)
+    x[1, 300:400] = 10 + rng.standard_normal(100)
+    values, index = _threshold(jnp.asarray(x), k=16, chunk=8, slots=64)
+    _assert_is_lax_top_k(x, 16, values, index)
+    monkeypatch.setattr(tree_module, "chunked_top_k", lambda x, k, chunk: (jnp.zeros(x.shape[:-1] + (k,)),
+                                                                           jnp.zeros(x.shape[:-1] + (k,), jnp.int32)))
+    values, index = _threshold(jnp.asarray(x), k=16, chunk=8, slots=64)
+    assert not np.asarray(index).any() and not np.asarray(values).any()
+    values, index = _threshold(jnp.asarray(x[:1]), k=16, chunk=8, slots=64)  # row 0 alone fits: fast path
+    _assert_is_lax_top_k(x[:1], 16, values, index)

@@ -1,16 +1,20 @@
 """Device time of the draft-tree build, and of its vocabulary top-k alone, against a baseline implementation.
 
-For each vocabulary size, budget B and chunk: `build_tree(log_softmax(logits), roots, B, chunk)` on
-[1, L, V] float32 drafter logits, timed in a device loop (`measure.timing.in_loop_seconds`: 8 passes
-against 1 in one call, so the call's dispatch cancels out; each pass depends on the previous one through an
-optimization barrier, so nothing is hoisted). `vocab top-k` times the first step alone (the top K = min(B, V)
-of every depth's vocabulary, `tree.chunked_top_k`). With `--baseline FILE` (another version's tree.py, e.g.
-`git show REV:ddtree_jax/tree.py > old_tree.py`) that version's build is timed beside it and every tree is
-checked equal to it (tokens, parents, depths, valid, scores, ancestor mask); without, chunked trees are
-checked against the unchunked one. Writes topk_probe.json and topk_probe.md under --out.
+For each vocabulary size, budget B, chunk and vocabulary top-k (`--top-k`: `build_tree`'s `top_k`,
+"threshold" or "chunked"): `build_tree(log_softmax(logits), roots, B, chunk, top_k=...)` on [1, L, V]
+float32 drafter logits, timed in a device loop (`measure.timing.in_loop_seconds`: 8 passes against 1 in one
+call, so the call's dispatch cancels out; each pass depends on the previous one through an optimization
+barrier, so nothing is hoisted). `top-k <name>` times the first step alone (the top K = min(B, V) of every
+depth's vocabulary, `tree.threshold_top_k` or `tree.chunked_top_k`). With `--baseline FILE` (another
+version's tree.py, e.g. `git show REV:ddtree_jax/tree.py > old_tree.py`) that version's build is timed
+beside it (with its own defaults) and every tree is checked equal to it (tokens, parents, depths, valid,
+scores, ancestor mask); without, every tree is checked against the first chunk's with the first top-k.
+`threshold_fits` says whether threshold_top_k's fast path held the candidates for these logits (else it
+took its fallback). Writes topk_probe.json and topk_probe.md under --out.
 
     python tools/topk_probe.py --out DIR [--vocab 151936,248320] [--budgets 16,64,256,512]
-                               [--chunks auto] [--baseline old_tree.py]      (chunk 0: one lax.top_k)
+                               [--chunks auto] [--top-k threshold,chunked] [--baseline old_tree.py]
+                               (chunk 0: one lax.top_k)
 """
 
 from __future__ import annotations
@@ -36,29 +40,49 @@ from ddtree_jax.measure.workload import compile_program  # noqa: E402
 FIELDS = ("tokens", "parents", "depths", "valid", "scores", "ancestor")
 
 
-def tree_program(build_tree, budget: int, chunk):
-    """(logits [1, L, V] f32, roots [1] i32, passes) -> the last pass's tree fields."""
+def tree_program(build_tree, budget: int, chunk, top_k: str | None = None):
+    """(logits [1, L, V] f32, roots [1] i32, passes) -> the last pass's tree fields. top_k None: the
+    build's own default (a baseline's build may not take the argument)."""
+    kwargs = {} if top_k is None else dict(top_k=top_k)
+
     def run(logits, roots, passes):
         def once(salt):
             lg, s = jax.lax.optimization_barrier((logits, salt))
-            tree = build_tree(jax.nn.log_softmax(lg + s, axis=-1), roots, budget, chunk)
+            tree = build_tree(jax.nn.log_softmax(lg + s, axis=-1), roots, budget, chunk, **kwargs)
             return tuple(getattr(tree, f) for f in FIELDS)
 
         return _passes(once, passes)
     return run
 
 
-def top_k_program(budget: int, chunk):
+def top_k_program(budget: int, chunk, top_k: str):
     """(logits, roots, passes) -> the last pass's per-depth top-K values and indices (the build's first step)."""
     def run(logits, roots, passes):
         def once(salt):
             lg, s = jax.lax.optimization_barrier((logits, salt))
             k = min(budget, lg.shape[-1])
-            return current.chunked_top_k(jax.nn.log_softmax(lg + s, axis=-1),
-                                         k, current.default_top_k_chunk(budget, lg.shape[-1]) if chunk == "auto" else chunk)
+            c = current.default_top_k_chunk(budget, lg.shape[-1]) if chunk == "auto" else chunk
+            lp = jax.nn.log_softmax(lg + s, axis=-1)
+            if top_k == "threshold":
+                return current.threshold_top_k(lp, k, fallback_chunk=c)
+            return current.chunked_top_k(lp, k, c)
 
         return _passes(once, passes)
     return run
+
+
+def threshold_fits(logits: jax.Array, budget: int) -> bool:
+    """Whether threshold_top_k's fast path holds the candidates of log_softmax(logits) [1, L, V] (its
+    fallback replaced by a marker to see which branch ran)."""
+    k = min(budget, logits.shape[-1])
+    original = current.chunked_top_k
+    current.chunked_top_k = lambda x, k, chunk: (jnp.full(x.shape[:-1] + (k,), jnp.nan),
+                                                 jnp.full(x.shape[:-1] + (k,), -1, jnp.int32))
+    try:
+        index = jax.jit(lambda lg: current.threshold_top_k(jax.nn.log_softmax(lg, axis=-1), k)[1])(logits)
+    finally:
+        current.chunked_top_k = original
+    return bool(np.asarray(index).min() >= 0)
 
 
 def _passes(once, passes):
@@ -91,18 +115,21 @@ def main(argv=None) -> int:
     p.add_argument("--vocab", default="151936,248320")
     p.add_argument("--budgets", default="16,64,256,512")
     p.add_argument("--chunks", default="auto", help="comma list: auto, 0 (one lax.top_k) or a chunk size")
+    p.add_argument("--top-k", default="threshold,chunked", help="comma list of build_tree's top_k values")
     p.add_argument("--baseline", type=Path, default=None, help="another version's tree.py, timed and compared")
     p.add_argument("--depths", type=int, default=15, help="L: the drafter's block size - 1")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--workers", type=int, default=8, help="compile threads")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    impls = {"current": current.build_tree}
+    top_ks = [t.strip() for t in args.top_k.split(",") if t.strip()]
+    impls = {f"current {t}": (current.build_tree, t) for t in top_ks}
     if args.baseline:
-        impls["baseline"] = load_tree_module(args.baseline).build_tree
+        impls["baseline"] = (load_tree_module(args.baseline).build_tree, None)
     chunks = _chunks(args.chunks)
+    names = [*impls, *(f"top-k {t}" for t in top_ks)]
     points = [(v, b, c, impl) for v in _ints(args.vocab) for b in _ints(args.budgets) for c in chunks
-              for impl in [*impls, "vocab top-k"]]
+              for impl in names]
     inputs = {}
     for v in _ints(args.vocab):
         logits = 2.0 * jax.random.normal(jax.random.key(v), (1, args.depths, v), jnp.float32)
@@ -112,7 +139,8 @@ def main(argv=None) -> int:
 
     def build(point):
         v, b, c, impl = point
-        program = top_k_program(b, c) if impl == "vocab top-k" else tree_program(impls[impl], b, c)
+        program = top_k_program(b, c, impl[len("top-k "):]) if impl.startswith("top-k ") else tree_program(
+            *impls[impl][:1], b, c, impls[impl][1])
         t0 = time.perf_counter()
         compiled = compile_program(program, (*inputs[v], jnp.int32(1)))
         return point, compiled, time.perf_counter() - t0
@@ -121,26 +149,30 @@ def main(argv=None) -> int:
         programs = {point: (compiled, s) for point, compiled, s in pool.map(build, points)}
     print(f"{len(points)} programs compiled in {time.perf_counter() - start:.0f} s", flush=True)
 
-    # Every tree is compared with the baseline's at the same point, or (no baseline) with the first chunk's.
+    # Every tree is compared with the baseline's at the same point, or (no baseline) with the first chunk's
+    # and first top-k's.
     def reference_key(v, b, c):
-        return (v, b, c) if args.baseline else (v, b, chunks[0])
+        return (v, b, c, "baseline") if args.baseline else (v, b, chunks[0], f"current {top_ks[0]}")
+
+    fits = {(v, b): threshold_fits(inputs[v][0], b) for v in _ints(args.vocab) for b in _ints(args.budgets)}
 
     records, trees = [], {}
     for v, b, c, impl in points:
         compiled, compile_s = programs[(v, b, c, impl)]
         seconds = in_loop_seconds(lambda n: compiled(*inputs[v], jnp.int32(n)), args.rounds)[0]
-        records.append(dict(vocab=v, budget=b, chunk=c, impl=impl, us=seconds * 1e6, compile_s=compile_s))
-        if impl != "vocab top-k":
+        records.append(dict(vocab=v, budget=b, chunk=c, impl=impl, us=seconds * 1e6, compile_s=compile_s,
+                            threshold_fits=fits[(v, b)]))
+        if not impl.startswith("top-k "):
             trees[(v, b, c, impl)] = [np.asarray(x) for x in compiled(*inputs[v], jnp.int32(1))]
     for r in records:
-        if r["impl"] != "vocab top-k":
-            ref = trees[(*reference_key(r["vocab"], r["budget"], r["chunk"]), "baseline" if args.baseline else "current")]
+        if not r["impl"].startswith("top-k "):
+            ref = trees[reference_key(r["vocab"], r["budget"], r["chunk"])]
             r["same_tree"] = all(np.array_equal(a, b) for a, b in zip(trees[(r["vocab"], r["budget"], r["chunk"],
                                                                              r["impl"])], ref))
         print(json.dumps(r), flush=True)
 
-    names = [*impls, "vocab top-k"]
-    lines = ["| V | B | chunk | " + " | ".join(f"{n} us" for n in names) + " |", "|---|---|---|" + "---|" * len(names)]
+    lines = ["| V | B | chunk | " + " | ".join(f"{n} us" for n in names) + " | threshold fits |",
+             "|---|---|---|" + "---|" * (len(names) + 1)]
     for v in _ints(args.vocab):
         for b in _ints(args.budgets):
             for c in chunks:
@@ -148,7 +180,7 @@ def main(argv=None) -> int:
                 for n in names:
                     r = next(r for r in records if (r["vocab"], r["budget"], r["chunk"], r["impl"]) == (v, b, c, n))
                     cells.append(f"{r['us']:.1f}" + ("" if r.get("same_tree", True) else " (DIFFERENT)"))
-                lines.append(f"| {v} | {b} | {c or 'none'} | " + " | ".join(cells) + " |")
+                lines.append(f"| {v} | {b} | {c or 'none'} | " + " | ".join(cells) + f" | {fits[(v, b)]} |")
     table = "\n".join(lines)
     print(table)
     report = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, depths=args.depths,
