@@ -2,7 +2,8 @@
 
 Loading is strict: a missing, unexpected, mis-shaped or non-float tensor, a wrong `model_type`, or a
 truncated or corrupt file raises `CheckpointError` (or `ConfigError`) with one line that names the file
-and the tensor. Names map one to one: the NNX state path of a parameter is its HF name. In a block-scaled
+and the tensor. Files hold HF names, and `ModelParams.flat` gives the parameters under them (each NNX
+state path is the HF name, except a packed projection's weight, which holds several HF tensors). In a block-scaled
 FP8 checkpoint (`config.Fp8Config`) the projections it converts are F8_E4M3 with their `weight_scale_inv`
 (float), every other tensor is not FP8, and FP8 weights stay float8_e4m3fn when loaded (scales float32).
 

@@ -24,8 +24,12 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 # On the CPU, LLVM's optimisation level 0 for XLA's generated code: the tests' programs are tiny, so
 # compiling them is what takes the time (about a third less at level 0), and the level changes no result
 # (XLA's CPU backend does not use fast-math: IEEE semantics at every level).
+# And one LLVM module per program (no parallel codegen threads): jaxlib 0.10.2's CPU compiler crashed
+# (segfault) now and then in the two-worker suite, each time inside a compile or a compiled program's
+# serialisation, and when two threads compiled at once (bench.py); a single test never crashed alone.
 if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+                               " --xla_cpu_parallel_codegen_split_count=1").strip()
 
 import jax  # noqa: E402
 

@@ -53,7 +53,9 @@ class ModelParams:
 
     def flat(self) -> dict[str, jax.Array]:
         """Parameters by HF name, e.g. 'model.layers.0.self_attn.q_proj.weight' (a packed weight's parts are
-        slices: copies on the device). Works on abstract parameters too (ShapeDtypeStructs)."""
+        slices: copies on the device), in the order of the names' dotted parts (numbers as numbers): the
+        order of an unpacked module tree's state, which seeded draws by name follow. Works on abstract
+        parameters too (ShapeDtypeStructs)."""
         packed, renamed = hf_layout(self)
         out = {}
         for name, array in self.state_flat().items():
@@ -62,7 +64,7 @@ class ModelParams:
                 out.update({prefix + part + ".weight": w for part, w in module.unpack(array).items()})
             else:
                 out[renamed.get(name, name)] = array
-        return out
+        return dict(sorted(out.items(), key=lambda item: _path_key(item[0])))
 
     def pack(self, arrays: dict[str, Any], consume: bool = False) -> dict[str, Any]:
         """{HF name: array} (NumPy or JAX, all of them) -> {name as held: array}: what `replace_state_flat` takes.
@@ -86,6 +88,12 @@ class ModelParams:
     def replace_flat(self, arrays: dict[str, Any]) -> "ModelParams":
         """A copy whose parameters are taken from `arrays` (HF names, all of them; packed as held)."""
         return self.replace_state_flat(self.pack(arrays))
+
+
+def _path_key(name: str) -> tuple:
+    """'model.layers.10.mlp' -> ((1, 'model'), (1, 'layers'), (0, 10), (1, 'mlp')): numbers before names, in
+    numeric order, as a module tree's state flattens."""
+    return tuple((0, int(part)) if part.isdigit() else (1, part) for part in name.split("."))
 
 
 def hf_layout(params: ModelParams) -> tuple[dict[str, tuple[str, PackedProjections]], dict[str, str]]:
