@@ -1,11 +1,11 @@
 """Checkpoints: Hugging Face safetensors folders (single or sharded) and orbax folders, both ways.
 
-Loading is strict: a missing, unexpected, mis-shaped or non-float tensor, a wrong `model_type`, or a
-truncated or corrupt file raises `CheckpointError` (or `ConfigError`) with one line that names the file
-and the tensor. Files hold HF names, and `ModelParams.flat` gives the parameters under them (each NNX
-state path is the HF name, except a packed projection's weight, which holds several HF tensors). In a block-scaled
-FP8 checkpoint (`config.Fp8Config`) the projections it converts are F8_E4M3 with their `weight_scale_inv`
-(float), every other tensor is not FP8, and FP8 weights stay float8_e4m3fn when loaded (scales float32).
+Loading is strict: a missing, unexpected, mis-shaped or non-float tensor, a wrong `model_type`, or a truncated
+or corrupt file raises `CheckpointError` (or `ConfigError`) with one line that names the file and the tensor.
+Files hold HF names, and `ModelParams.flat` gives the parameters under them (each NNX state path is the HF
+name, except a packed projection's weight, which holds several HF tensors). In a block-scaled FP8 checkpoint
+(`config.Fp8Config`) the projections it converts are F8_E4M3 with their `weight_scale_inv` (float), every
+other tensor is not FP8, and FP8 weights stay float8_e4m3fn when loaded (scales float32).
 
 An orbax checkpoint folder holds `config.json` (the HF config, verbatim), `ddtree_checkpoint.json`
 (format marker), `params/` (the orbax pytree, keyed by the HF name's dotted parts) and any tokenizer or

@@ -47,7 +47,8 @@ class Linear(nnx.Module):
 
     def __init__(self, in_features: int, out_features: int, axes: tuple[str | None, str | None], *, dtype, rngs,
                  groups: int | None = None):
-        self.weight = param(rngs, (out_features, in_features), dtype, axes, "normal" if rngs is not None else "zeros", groups)
+        init = "normal" if rngs is not None else "zeros"  # no rngs: a placeholder to be assigned
+        self.weight = param(rngs, (out_features, in_features), dtype, axes, init, groups)
         self.block = None  # (bo, bi) once FP8
 
     def to_fp8(self, block: tuple[int, int]) -> None:
@@ -131,8 +132,8 @@ class Part:
 
 class PackedProjections(nnx.Module):
     """Projections of one input held as one weight and run as one matmul: one pass over the weights instead
-    of one per projection (on the H200, Qwen3-8B's 36 layers of q|k|v and gate|up this way took 3.84 against
-    4.18 ms at one row and 4.58 against 5.33 ms at 65, `tools/gpu_probe.py`, docs/performance.md).
+    of one per projection (on the H200 at Qwen3-8B shapes: the AR step 5.36 -> 5.22 ms, the DDTree B = 64
+    round 8.88 -> 8.32 ms, docs/performance.md).
 
     The weight is [G, U, R, in] with logical axes `axes`; U is the parts' units summed. Part p holds units
     [u_p, u_p + units_p) of every group, and its HF weight [G * units_p * R, in] is those rows group after

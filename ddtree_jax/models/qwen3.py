@@ -1,9 +1,9 @@
 """Qwen3 dense target (HF `model_type: qwen3`) as Flax NNX modules and a pure forward function.
 
 The module tree mirrors HF's `Qwen3ForCausalLM`, so the NNX state path of every parameter is its HF
-safetensors name ('model.layers.3.self_attn.k_norm.weight', ...), except q|k|v and gate|up, each packed
-into one weight (`layers.PackedProjections`; `ModelParams.flat` gives the HF tensors). The modules hold parameters and do
-the arithmetic of one call; the decode loop, sampling and cache commits live in the engine.
+safetensors name ('model.layers.3.self_attn.k_norm.weight', ...), except q|k|v and gate|up, each packed into
+one weight (`layers.PackedProjections`; `ModelParams.flat` gives the HF tensors). The modules hold parameters
+and do the arithmetic of one call; the decode loop, sampling and cache commits live in the engine.
 """
 
 from __future__ import annotations

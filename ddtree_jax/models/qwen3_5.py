@@ -2,12 +2,12 @@
 forward function.
 
 Layers are either Gated DeltaNet ("linear_attention": a causal depthwise conv and a gated delta-rule
-recurrence, with a per-row `RecurrentState`) or gated full attention ("full_attention": GQA over the KV
-cache, partial RoPE, output times sigmoid(gate)). The module tree mirrors HF's `Qwen3_5ForCausalLM`, so
-the NNX state path of every parameter is its HF name in a `qwen3_5_text` checkpoint
+recurrence, with a per-row `RecurrentState`) or gated full attention ("full_attention": GQA over the KV cache,
+partial RoPE, output times sigmoid(gate)). The module tree mirrors HF's `Qwen3_5ForCausalLM`, so the NNX state
+path of every parameter is its HF name in a `qwen3_5_text` checkpoint
 ('model.layers.0.linear_attn.in_proj_qkv.weight', ...), except the full attention's q|k|v and the MLP's
-gate|up, packed (`layers.PackedProjections`; `ModelParams.flat` gives HF's tensors); `checkpoint.py` maps the `qwen3_5` layout
-('model.language_model.…') onto these names.
+gate|up, packed (`layers.PackedProjections`; `ModelParams.flat` gives HF's tensors); `checkpoint.py` maps the
+`qwen3_5` layout ('model.language_model.…') onto these names.
 
 Dimension letters: b batch, t new tokens, e hidden, n KV heads, d head dim, H value heads of a GDN layer
 (its Hk key heads are repeated to them), K/V key/value head dims of a GDN layer, C conv channels, c chunk.
