@@ -9,7 +9,9 @@ Two ways to run:
   verify, accept, commit: the engine's own stage functions, `round.STAGES`), for AR, DFlash and DDTree at
   `--budgets`, next to the floor. Random weights accept almost nothing, so tokens/s are projected at a
   given tau (`--tau`, default the paper's MATH-500 Qwen3-8B values), marked as projected. `--weights fp8`
-  makes the target's projections block-scaled FP8 (the floors count those bytes).
+  makes the target's projections block-scaled FP8 (the floors count those bytes). `--modes mtp` (a
+  Qwen3.5/3.6 shape) adds rows of the target's own MTP head (random, `--mtp-steps` drafts per round),
+  projected only at a tau given with `--tau mtp=X`.
 - `--target DIR --drafter DIR --prompts FILE.jsonl`: all modes on real prompts: tau, tokens/s, speedup
   over AR measured in the same run, and the first greedy divergence from AR. With neither `--shape` nor
   `--target`: the demo pair shipped with the package, on its held-out prompts.
@@ -40,10 +42,11 @@ from ddtree_jax.shapes import SHAPES, SMALL_SHAPES, shape_configs
 DEFAULT_TAU = {"ar": 1.0, "dflash": 7.79, 16: 9.0, 64: 10.73, 256: 10.73, 512: 10.73}
 
 
-def projected_tau(taus: dict, mode: str, budget: int | None) -> float:
-    """tau for a mode (and DDTree budget): the given value, else the nearest smaller listed budget's."""
+def projected_tau(taus: dict, mode: str, budget: int | None) -> float | None:
+    """tau for a mode (and DDTree budget): the given value, else the nearest smaller listed budget's; None for
+    MTP unless given (`--tau mtp=X`: no published tau of the Qwen3.6 head to default to)."""
     if mode != "ddtree":
-        return taus.get(mode, 1.0)
+        return taus.get(mode)
     budgets = sorted(k for k in taus if isinstance(k, int))
     below = [k for k in budgets if k <= budget]
     return taus[budget] if budget in taus else taus[below[-1] if below else budgets[0]]
@@ -68,24 +71,31 @@ def run_shape(args, parallel) -> dict:
     print(f"ceilings {ceilings}", flush=True)
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     target, drafter = workload.random_pair(args.shape, parallel, dtype, fp8=args.weights == "fp8")
-    jax.block_until_ready(target.state)
+    head = workload.random_mtp_head(target, parallel, dtype) if "mtp" in args.modes else None
+    jax.block_until_ready((target.state, head.state if head else None))
     print(f"random weights ready after {time.perf_counter() - start:.0f} s", flush=True)
     hybrid = is_recurrent(target.config)
     modes = [("ar", None)] * ("ar" in args.modes) + [("dflash", None)] * ("dflash" in args.modes) + \
-        [("ddtree", b) for b in args.budgets if "ddtree" in args.modes]
+        [("mtp", None)] * ("mtp" in args.modes) + [("ddtree", b) for b in args.budgets if "ddtree" in args.modes]
+    drafters = {"mtp": head}  # the target's own head drafts MTP rows; DFlash's drafter every other mode
+
+    def drafter_of(mode: str):
+        return drafters.get(mode, drafter)
+
     # Each mode with every attention/acceptance implementation in turn, so a cut-short run still compares.
     plan = [(mode, budget, kernels, batch, context) for batch in args.batch for context in args.context
             for mode, budget in modes for kernels in args.kernels]
     taus = {**DEFAULT_TAU, **(args.tau or {})}
-    plan_options = [resolve_options(DecodeOptions(mode=Mode(mode), max_new_tokens=4096, block_size=16,
-                                                  budget=budget or 64, parallel=parallel, kernels=kernels,
-                                                  matmul_precision=args.matmul_precision), drafter, dtype)
+    plan_options = [resolve_options(DecodeOptions(mode=Mode(mode), max_new_tokens=4096,
+                                                  block_size=0 if mode == "mtp" else 16, budget=budget or 64,
+                                                  mtp_steps=args.mtp_steps, parallel=parallel, kernels=kernels,
+                                                  matmul_precision=args.matmul_precision), drafter_of(mode), dtype)
                     for mode, budget, kernels, _, _ in plan]
 
     def prepare(i):
         try:
-            return workload.prepare_row(target, drafter, plan_options[i], plan[i][4], args.repeats, parallel,
-                                        batch=plan[i][3])
+            return workload.prepare_row(target, drafter_of(plan[i][0]), plan_options[i], plan[i][4], args.repeats,
+                                        parallel, batch=plan[i][3])
         except Exception as e:  # noqa: BLE001 - only running out of device memory is survivable
             if not _out_of_memory(e):
                 raise
@@ -130,14 +140,14 @@ def run_shape(args, parallel) -> dict:
             continue
         finally:
             del row
-        terms = costs.floor_terms(target, drafter, mode, tokens, context, options.block_size, batch=batch)
+        terms = costs.floor_terms(target, drafter_of(mode), mode, tokens, context, options.block_size, batch=batch)
         floor = costs.floor(terms["bytes"], terms["flops"], ceilings)[0]
         tau = projected_tau(taus, mode, budget)
         rows.append({"mode": mode, "budget": budget, "kernels": kernels, "batch": batch, "context": context,
                      "verify_tokens": tokens, **{f"{k}_s": v for k, v in stages.items()},
                      "floor_s": floor, "ratio_to_floor": stages["round"] / floor, "tau_projected": tau,
                      # (on a CPU a tiny round can time as 0: the difference of two medians)
-                     "tokens_per_s_projected": batch * tau / stages["round"] if stages["round"] > 0 else None,
+                     "tokens_per_s_projected": batch * tau / stages["round"] if stages["round"] > 0 and tau else None,
                      "recurrent_state_bytes": node_bytes, "recurrent_state_mib": node_bytes / 2**20,
                      "floor_bytes": terms["bytes"], "floor_recurrent_bytes": terms["recurrent_bytes"],
                      "floor_flops": terms["flops"]})
@@ -155,6 +165,7 @@ def run_shape(args, parallel) -> dict:
             "jax": jax.__version__, "ceilings": ceilings, "dtype": args.dtype, "weights": args.weights,
             "matmul_precision": plan_options[0].matmul_precision if plan_options else None,
             "target_bytes": costs.param_bytes(target), "drafter_bytes": costs.param_bytes(drafter),
+            "mtp_bytes": costs.param_bytes(head) if head else None, "mtp_steps": args.mtp_steps if head else None,
             "target_config": shape_configs(args.shape)[0], "hybrid": hybrid,
             "recurrent_committed_bytes": costs.committed_recurrent_bytes(target.config),
             "recurrent_bytes_per_node": costs.recurrent_node_bytes(target.config, 1), "rows": rows,
@@ -236,11 +247,13 @@ def markdown(report: dict) -> str:
         hybrid = report.get("hybrid", False)
         mib = lambda r: _mib(r.get("recurrent_state_bytes", 0)) if hybrid else "-"  # noqa: E731
         ratio = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+        projected = lambda r: ("-" if r["tau_projected"] is None  # noqa: E731
+                               else f"{r['tokens_per_s_projected'] or float('nan'):.0f} ({r['tau_projected']:.2f})")
         lines = [f"| {r['mode']} | {r['budget'] or '-'} | {r['kernels']} | {r['batch']} | {r['context']} | "
                  f"{r['verify_tokens']} | {ms(r, 'draft_s')} | {ms(r, 'tree_s')} | {ms(r, 'verify_s')} | "
                  f"{ms(r, 'accept_s')} | {ms(r, 'commit_s')} | {ms(r, 'round_s')} | {ms(r, 'floor_s')} | "
                  f"{r['ratio_to_floor']:.2f} | {ratio(r['round_over_ar_step'])} | {ms(r, 'round_call_s')} | "
-                 f"{r['tokens_per_s_projected'] or float('nan'):.0f} ({r['tau_projected']:.2f}) | {mib(r)} |"
+                 f"{projected(r)} | {mib(r)} |"
                  for r in report["rows"]]
         notes = " Target projections in block-scaled FP8 (`--weights fp8`)." if report.get("weights") == "fp8" else ""
         if hybrid:
@@ -287,7 +300,7 @@ def plot(report: dict, path: Path) -> None:
             for r in rows:
                 if r["mode"] != "ddtree":
                     ax.axhline(r["round_s"] * 1e3, ls=":" if i == 0 else "-.",
-                               color=f"C{3 * i + (1 if r['mode'] == 'ar' else 2)}",
+                               color=f"C{3 * i + {'ar': 1, 'dflash': 2}.get(r['mode'], 9)}",
                                label=f"{r['mode']} {'step' if r['mode'] == 'ar' else 'round'} ({k})")
         ax.set_xlabel("tree budget B (nodes verified = B + 1)")
         ax.set_ylabel("ms per round")
@@ -323,11 +336,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--context", default="2048", help="--shape: committed tokens in the caches (comma list: a sweep)")
     p.add_argument("--batch", default="1", help="--shape: rows per call (comma list: a sweep)")
     p.add_argument("--budgets", default="16,64,256,512", help="DDTree budgets B (comma list)")
-    p.add_argument("--modes", default="ar,dflash,ddtree", help="comma list of ar, dflash, ddtree")
+    p.add_argument("--modes", default="ar,dflash,ddtree",
+                   help="comma list of ar, dflash, ddtree, mtp (mtp: a Qwen3.5/3.6 --shape, its random MTP head)")
+    p.add_argument("--mtp-steps", type=int, default=3, help="--modes mtp: the head's drafts per round")
     p.add_argument("--kernels", default="jax",
                    help="--shape: comma list of jax,pallas, the attention/acceptance implementations timed")
     p.add_argument("--tau", default=None,
-                   help="--shape: projected tau per mode or budget, e.g. 'dflash=7.8,64=10.7' (default: the paper's)")
+                   help="--shape: projected tau per mode or budget, e.g. 'dflash=7.8,64=10.7,mtp=2.5' (default: the "
+                        "paper's; MTP: none)")
     p.add_argument("--repeats", type=int, default=10, help="timed calls per measurement (medians)")
     p.add_argument("--compile-workers", type=int, default=min(8, os.cpu_count() or 1),
                    help="--shape: threads compiling the rows before any is timed (hybrid shapes and CPUs: 1)")
@@ -364,17 +380,22 @@ def main(argv=None) -> int:
         args.context = _ints(args.context, "--context")
         args.batch = _ints(args.batch, "--batch")
         args.modes = [m for m in args.modes.split(",") if m]
-        if not args.modes or any(m not in ("ar", "dflash", "ddtree") for m in args.modes):
-            raise ValueError(f"--modes takes a comma list of ar, dflash, ddtree, got {','.join(args.modes)!r}")
+        if not args.modes or any(m not in ("ar", "dflash", "ddtree", "mtp") for m in args.modes):
+            raise ValueError(f"--modes takes a comma list of ar, dflash, ddtree, mtp, got {','.join(args.modes)!r}")
+        if "mtp" in args.modes and (args.shape is None or shape_configs(args.shape)[0]["model_type"] != "qwen3_5_text"):
+            raise ValueError("--modes mtp times the target's own MTP head: it needs a Qwen3.5/3.6 --shape "
+                             f"({', '.join(s for s in sorted(SHAPES) if shape_configs(s)[0]['model_type'] == 'qwen3_5_text')})")
+        if args.mtp_steps < 1:
+            raise ValueError(f"--mtp-steps must be >= 1, got {args.mtp_steps}")
         args.kernels = [k for k in args.kernels.split(",") if k]
         if not args.kernels or any(k not in ("jax", "pallas") for k in args.kernels):
             raise ValueError(f"--kernels takes a comma list of jax, pallas, got {','.join(args.kernels)!r}")
         if args.tau:
             try:
-                args.tau = {(k if k in ("ar", "dflash") else int(k)): float(v)
+                args.tau = {(k if k in ("ar", "dflash", "mtp") else int(k)): float(v)
                             for k, v in (item.split("=") for item in args.tau.split(","))}
             except ValueError:
-                raise ValueError(f"--tau takes KEY=VALUE pairs (KEY ar, dflash or a budget), got {args.tau!r}") from None
+                raise ValueError(f"--tau takes KEY=VALUE pairs (KEY ar, dflash, mtp or a budget), got {args.tau!r}") from None
         if args.num_prompts < 1:
             raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
         if args.repeats < 1:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from ddtree_jax.bench import DEFAULT_TAU, main, projected_tau
 
 
@@ -21,6 +23,21 @@ def test_shape_mode_writes_json_table_and_plot(tmp_path, capsys):
     assert (out / "bench.png").stat().st_size > 1000 and "| ddtree | 16 | jax | 1 | 32 | 17 |" in (out / "bench.md").read_text()
     assert all(r["recurrent_state_bytes"] == 0 for r in report["rows"]) and not report["hybrid"]
     assert "Measured ceilings" in capsys.readouterr().out
+
+
+def test_mtp_rows_on_a_hybrid_shape(tmp_path):
+    """`--modes mtp`: rows of the hybrid's own (random) MTP head, m + 1 verified tokens, its weights counted once
+    per step in the floor, projected tokens/s only at a given tau; a dense shape is refused before any work."""
+    out = tmp_path / "out"
+    assert main(["--shape", "tiny-hybrid", "--context", "16", "--modes", "ar,mtp", "--mtp-steps", "2", "--tau",
+                 "mtp=2.5", "--repeats", "1", "--out", str(out)]) == 0
+    report = json.loads((out / "bench.json").read_text())
+    ar, mtp = report["rows"]
+    assert (ar["mode"], mtp["mode"], mtp["verify_tokens"], report["mtp_steps"]) == ("ar", "mtp", 3, 2)
+    assert mtp["round_s"] > 0 and all(mtp[f"{k}_s"] > 0 for k in ("draft", "verify", "accept", "commit"))
+    assert mtp["tokens_per_s_projected"] == pytest.approx(2.5 / mtp["round_s"])
+    assert mtp["floor_bytes"] - ar["floor_bytes"] >= 2 * report["mtp_bytes"]  # two sequential steps of the head
+    assert main(["--shape", "tiny", "--modes", "mtp", "--out", str(tmp_path / "x")]) == 2
 
 
 def test_checkpoint_mode_reports_speedup_and_divergence(tmp_path):

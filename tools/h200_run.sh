@@ -22,7 +22,8 @@
 #             highest and default                                                        -> f32_highest/, f32_default/
 #   demo_e2e  the bench on the shipped demo pair (checkpoints, bf16, held-out prompts)    -> demo/
 #   demo_bg, demo_pack   the demo pair's training in the background, and collecting it in a later call
-# Variables: BENCH_LIMIT, BUDGETS, KERNELS, MODES, REPEATS, KERNEL_LIMIT, KERNEL_ARGS, HYBRID_BUDGETS.
+# Variables: BENCH_LIMIT, BUDGETS, KERNELS, MODES, REPEATS, KERNEL_LIMIT, KERNEL_ARGS, HYBRID_BUDGETS, HYBRID_MODES
+# (e.g. ar,dflash,mtp,ddtree: the 27B's MTP head beside DFlash and DDTree).
 set -uo pipefail
 export PYTHONPATH="$PWD:$PWD/tests" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
 OUT="${OUT:-/tmp/out}"
@@ -71,7 +72,7 @@ for step in "$@"; do
     hybrid)
       log "bench qwen3.6-27b"
       timeout "${HYBRID_LIMIT:-420}" python3 -m ddtree_jax.bench --shape qwen3.6-27b --context 2048 \
-        --budgets "${HYBRID_BUDGETS:-16,64,256}" --modes ar,dflash,ddtree --repeats 5 --kernels pallas \
+        --budgets "${HYBRID_BUDGETS:-16,64,256}" --modes "${HYBRID_MODES:-ar,dflash,ddtree}" --repeats 5 --kernels pallas \
         --out "$OUT/hybrid" 2>&1 | grep -v '^{"mode"'
       ;;
     bench_ab)

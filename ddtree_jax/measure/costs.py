@@ -37,12 +37,16 @@ def floor_terms(target, drafter, mode: str, tokens: int, context: int, block_siz
     FLOPs: 2 x (target parameters, less an untied input embedding) per verified token, attention over the
     cache, on a hybrid the delta-rule update of every Gated DeltaNet layer per token, and 2 x the drafter's
     parameters per block slot. Everything but the weights scales with the rows.
+    MTP (`drafter`: the target's head, `block_size` = its steps + 1): the head's steps run one after another,
+    so its weights count once per step, and 2 x its parameters per step (the lm_head that each step shares
+    with the target is counted once, as every mode's drafter logits are).
     """
     cfg = target.config
     hybrid = is_recurrent(cfg)
     attn_layers = len(cfg.attention_layers) if hybrid else cfg.num_layers
     speculative = mode != "ar"
-    weight_bytes = param_bytes(target) + (param_bytes(drafter) if speculative else 0)
+    draft_passes, draft_tokens = (block_size - 1, 1) if mode == "mtp" else (1, block_size)
+    weight_bytes = param_bytes(target) + (draft_passes * param_bytes(drafter) if speculative else 0)
     kv_bytes = batch * 2 * attn_layers * context * cfg.num_kv_heads * cfg.head_dim * 2
     recurrent_bytes = batch * 2 * committed_recurrent_bytes(cfg)
     if speculative:
@@ -54,7 +58,7 @@ def floor_terms(target, drafter, mode: str, tokens: int, context: int, block_siz
         flops += 7 * len(cfg.linear_layers) * cfg.linear_num_value_heads * cfg.linear_key_head_dim \
             * cfg.linear_value_head_dim * tokens
     if speculative:
-        flops += 2 * param_count(drafter) * block_size  # the drafter's block
+        flops += 2 * param_count(drafter) * draft_tokens * draft_passes  # the drafter's block, or the head's steps
     flops *= batch
     return {"weight_bytes": weight_bytes, "kv_bytes": kv_bytes, "recurrent_bytes": recurrent_bytes,
             "bytes": weight_bytes + kv_bytes + recurrent_bytes, "flops": flops}

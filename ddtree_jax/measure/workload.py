@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 
 from ddtree_jax import round as rnd
-from ddtree_jax.cache import HybridCache, RecurrentState
+from ddtree_jax.cache import HybridCache, MTPCache, RecurrentState
 from ddtree_jax.measure.timing import LOOP_ROUNDS, in_loop_seconds, median_seconds
-from ddtree_jax.models import dflash, target_family
+from ddtree_jax.models import dflash, mtp, target_family
 from ddtree_jax.shapes import shape_configs
 
 BUCKET = 128  # cache capacity rounding, as the engine's
@@ -31,7 +31,6 @@ def random_pair(shape: str, parallel, dtype=jnp.bfloat16, fp8: bool = False):
     initialised on the device in `dtype`, laid out by `parallel`. `fp8`: the target's projections are
     block-scaled FP8 as `quantize-fp8` writes them (random FP8 values, scales 1)."""
     from ddtree_jax.config import TARGET_PARSERS, check_pair, fp8_quantization_config, parse_dflash
-    from ddtree_jax.parallel import param_shardings
 
     target_raw, drafter_raw = shape_configs(shape)
     if fp8:
@@ -39,20 +38,35 @@ def random_pair(shape: str, parallel, dtype=jnp.bfloat16, fp8: bool = False):
     t_cfg, d_cfg = TARGET_PARSERS[target_raw["model_type"]](target_raw), parse_dflash(drafter_raw)
     check_pair(t_cfg, d_cfg, where=f"{shape} drafter")
 
-    def init(abstract, seed: int):
-        # One small jitted initialiser per (shape, sharding), not one program for the whole model: XLA
-        # takes many minutes to compile a single random-init program of an 8B model.
-        shardings = param_shardings(abstract, parallel)
-        arrays = {}
-        for i, (name, leaf) in enumerate(abstract.state_flat().items()):
-            ones = "norm" in name or name.endswith("_scale_inv")
-            arrays[name] = random_array(leaf.shape, jnp.dtype(leaf.dtype).name, ones, shardings[name])(
-                jax.random.fold_in(jax.random.key(seed), i))
-        return abstract.replace_state_flat(arrays)
-
-    target = init(target_family(t_cfg).abstract(t_cfg, dtype), 0)
-    drafter = init(dflash.abstract(d_cfg, t_cfg.hidden_size, dtype), 1)
+    target = random_params(target_family(t_cfg).abstract(t_cfg, dtype), parallel, 0)
+    drafter = random_params(dflash.abstract(d_cfg, t_cfg.hidden_size, dtype), parallel, 1)
     return target, drafter
+
+
+def random_mtp_head(target, parallel, dtype=jnp.bfloat16):
+    """A random MTP head for a random Qwen3.5/3.6 target (`random_pair`): the target config's
+    `mtp_num_hidden_layers` layers, or one (the published checkpoints' head) where the shape leaves it out."""
+    from ddtree_jax.config import mtp_config
+
+    config = target.config
+    if getattr(config, "mtp_num_hidden_layers", None) == 0:
+        config = dataclasses.replace(config, mtp_num_hidden_layers=1)
+    return random_params(mtp.abstract(mtp_config(config), dtype), parallel, 2)
+
+
+def random_params(abstract, parallel, seed: int):
+    """Random parameters of `abstract`'s shapes laid out by `parallel`: normal * 0.02, ones for norms and FP8
+    scales. One small jitted initialiser per (shape, sharding), not one program for the whole model: XLA
+    takes many minutes to compile a single random-init program of an 8B model."""
+    from ddtree_jax.parallel import param_shardings
+
+    shardings = param_shardings(abstract, parallel)
+    arrays = {}
+    for i, (name, leaf) in enumerate(abstract.state_flat().items()):
+        ones = "norm" in name or name.endswith("_scale_inv")
+        arrays[name] = random_array(leaf.shape, jnp.dtype(leaf.dtype).name, ones, shardings[name])(
+            jax.random.fold_in(jax.random.key(seed), i))
+    return abstract.replace_state_flat(arrays)
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,7 +90,8 @@ def empty_state(target_config, drafter_config, context: int, options, room_round
     per_round = tokens_per_round or (options.block_size + 1 if options.mode.needs_drafter else 1)
     capacity = -(-(context + room_rounds * per_round + options.verify_width) // BUCKET) * BUCKET
     cache = target_family(target_config).create_cache(target_config, b, capacity, dtype)
-    draft_cache = dflash.create_cache(drafter_config, b, capacity, dtype) if options.mode.needs_drafter else None
+    drafter_family = mtp if options.mode is rnd.Mode.MTP else dflash
+    draft_cache = drafter_family.create_cache(drafter_config, b, capacity, dtype) if options.mode.needs_drafter else None
     return rnd.DecodeState.start(cache, draft_cache, jnp.ones((b,), jnp.int32), jax.random.key(0), options,
                                  num_generated=jnp.ones((b,), jnp.int32))
 
@@ -110,7 +125,13 @@ def filled_state(target, drafter, context: int, options, parallel, room_rounds: 
                           for i, (r, (state, conv)) in enumerate(zip(cache.recurrent, specs)))
         return HybridCache(kv=filled(cache.kv, seed), recurrent=recurrent)
 
-    draft_cache = filled(abstract.draft_cache, 2) if abstract.draft_cache is not None else None
+    def filled_draft(cache):
+        if isinstance(cache, MTPCache):  # the head's K/V and its last output (rows over dp)
+            hidden = random_like(cache.hidden, parallel.sharding(parallel.batch_spec(2)), 2 * 1000 + 800)
+            return MTPCache(kv=filled(cache.kv, 2), hidden=hidden)
+        return filled(cache, 2)
+
+    draft_cache = filled_draft(abstract.draft_cache) if abstract.draft_cache is not None else None
     def ones():  # a fresh buffer each (the loop donates its state: no buffer may appear twice)
         return jax.device_put(jnp.ones((batch,), jnp.int32), parallel.sharding(parallel.batch_spec(1)))
 
