@@ -1,6 +1,8 @@
 """`python -m ddtree_jax.doctor [--target DIR --drafter DIR]`: is this drafter wired right for this target?
 
-Without `--target` it checks the demo pair shipped with the package, on its held-out prompts.
+Without `--target` it checks the demo pair shipped with the package, on its held-out prompts. With `--mode mtp`
+it checks a Qwen3.5/3.6 target's own MTP head instead (no drafter): steps 1 and 2 with greedy MTP rounds of
+`--mtp-steps` drafts (acceptance per draft step, tau, lossless against AR), no wirings to try; OK or WEAK.
 
 1. Checks the pair from the configs (mask token, tap layers, widths, vocab, layer count) and loads
    both checkpoints strictly; any failure is one `error:` line and exit 2.
@@ -69,6 +71,7 @@ class Trial:
 
 @dataclasses.dataclass
 class Report:
+    mode: str  # "dflash" or "mtp": what drafted
     rounds: int
     tau: float
     position_acceptance: list[float]  # rate at which draft position j (0-based) was accepted
@@ -115,18 +118,27 @@ def beats_clearly(alternative: Trial, given: Trial) -> bool:
             or alternative.tau >= given.tau * TAU_GAIN)
 
 
+# What a weak MTP head may come from (nothing to rewire: the head is the checkpoint's own).
+MTP_CAUSES = (
+    "the checkpoint's mtp.* weights were not trained with this target (or are placeholders)",
+    "prompts unlike the model's training data (e.g. chat prompts without the chat template or thinking setting)",
+)
+
+
 def diagnose(acceptance_lengths: list[list[int]], block_size: int, lossless: bool, first_divergence: int | None,
-             alternatives: list[Trial] = ()) -> Report:
-    """The verdict from the given wiring's acceptance and the alternatives' (Trials with a field set)."""
+             alternatives: list[Trial] = (), mode: str = "dflash") -> Report:
+    """The verdict from the given wiring's acceptance and the alternatives' (Trials with a field set).
+    `block_size`: drafts per round + 1 (MTP: its steps + 1)."""
     rates = position_acceptance(acceptance_lengths, block_size)
     tau = _tau(acceptance_lengths)
     given = Trial(None, None, "", tau, rates[0])
     better = [t for t in alternatives if beats_clearly(t, given)]
     fix = max(better, key=lambda t: (t.tau, t.first_position)) if better else None
     verdict = "miswired" if fix else "weak" if rates[0] < FIRST_POSITION_FLOOR else "ok"
-    return Report(rounds=sum(len(row) for row in acceptance_lengths), tau=tau, position_acceptance=rates,
+    causes = MTP_CAUSES if mode == "mtp" else UNTESTED_CAUSES
+    return Report(mode=mode, rounds=sum(len(row) for row in acceptance_lengths), tau=tau, position_acceptance=rates,
                   lossless=lossless, first_divergence=first_divergence, verdict=verdict, fix=fix,
-                  trials=[given, *alternatives], causes=list(UNTESTED_CAUSES) if verdict == "weak" else [])
+                  trials=[given, *alternatives], causes=list(causes) if verdict == "weak" else [])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -203,6 +215,14 @@ def doctor_prompts(args, tokenizer, chat, vocab_size: int, mask_id: int) -> list
     return [rng.choice(choices, size=12).tolist() for _ in range(args.num_prompts)]
 
 
+def first_divergence(ar, spec) -> int | None:
+    """The token index of the first difference in the first row where `spec`'s output differs from AR's."""
+    for a, b in zip(ar.output_ids, spec.output_ids):
+        if a != b:
+            return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return None
+
+
 def run(args) -> Report:
     from ddtree_jax.checkpoint import load_drafter, load_target
     from ddtree_jax.config import check_pair, load_drafter_config, load_target_config, read_config_json
@@ -211,9 +231,12 @@ def run(args) -> Report:
     setup_compilation_cache(args)
     parallel = parallel_from_args(args)
     chat = chat_options(args)
-    for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens)):
+    for flag, value in (("--num-prompts", args.num_prompts), ("--max-new-tokens", args.max_new_tokens),
+                        ("--mtp-steps", args.mtp_steps)):
         if value < 1:
             raise BadInput(f"{flag}: expected >= 1, got {value}")
+    if args.mode == "mtp":
+        return run_mtp(args, parallel, chat)
     check_pair(load_target_config(args.target), load_drafter_config(args.drafter),
                allow_layer_mismatch=args.allow_layer_mismatch, where=str(args.drafter / "config.json"))
     dtype = resolve_dtype(args.dtype)
@@ -228,11 +251,7 @@ def run(args) -> Report:
     dflash = dataclasses.replace(base, mode=Mode.DFLASH, block_size=bs)
     spec = generate(target, prompts, dflash, drafter=drafter)
     ar = generate(target, prompts, base)
-    divergence = None
-    for a, b in zip(ar.output_ids, spec.output_ids):
-        if a != b:
-            divergence = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            break
+    divergence = first_divergence(ar, spec)
     trials = []
     wirings = alternative_wirings(drafter.config, read_config_json(args.drafter), target.config, tokenizer)
     for field, value, note, config in wirings:
@@ -241,19 +260,41 @@ def run(args) -> Report:
     return diagnose(spec.acceptance_lengths, bs, divergence is None, divergence, trials)
 
 
+def run_mtp(args, parallel, chat) -> Report:
+    """The target's own MTP head (`--mode mtp`): greedy MTP rounds against AR on the prompts; a target without
+    a head is an error before any weight is read (`checkpoint.check_mtp`)."""
+    from ddtree_jax.checkpoint import check_mtp, load_mtp, load_target
+    from ddtree_jax.config import load_target_config
+    from ddtree_jax.engine import DecodeOptions, Mode, generate
+
+    check_mtp(args.target, load_target_config(args.target))
+    dtype = resolve_dtype(args.dtype)
+    target = load_target(args.target, dtype, parallel=parallel)
+    head = load_mtp(args.target, target.config, dtype, parallel=parallel)
+    tokenizer = load_tokenizer(args.target)
+    warn_unread_template_kwargs(tokenizer, args.target, chat)
+    prompts = doctor_prompts(args, tokenizer, chat, target.config.vocab_size, mask_id=-1)
+    base = DecodeOptions(max_new_tokens=args.max_new_tokens, parallel=parallel)  # EOS ignored: more rounds
+    spec = generate(target, prompts, dataclasses.replace(base, mode=Mode.MTP, mtp_steps=args.mtp_steps), drafter=head)
+    divergence = first_divergence(generate(target, prompts, base), spec)
+    return diagnose(spec.acceptance_lengths, args.mtp_steps + 1, divergence is None, divergence, mode="mtp")
+
+
 def print_report(report: Report, drafter: Path | None = None, out=None) -> None:
     out = out or sys.stdout
     print(f"rounds: {report.rounds}   tau (tokens per round, bonus included): {report.tau:.2f}", file=out)
     print("acceptance per draft position:", file=out)
     for line in acceptance_table(report.position_acceptance):
         print(line, file=out)
-    print("greedy DFlash == AR: " + ("yes" if report.lossless else
-                                     f"NO, first difference at token {report.first_divergence}"), file=out)
-    print("wirings tried (same weights and prompts):", file=out)
-    width = max(len(t.label()) for t in report.trials)
-    print(f"  {'drafter config':<{width}}  first draft accepted    tau", file=out)
-    for t in report.trials:
-        print(f"  {t.label():<{width}}  {t.first_position:20.1%}  {t.tau:5.2f}", file=out)
+    name = {"dflash": "DFlash", "mtp": "MTP"}[report.mode]
+    print(f"greedy {name} == AR: " + ("yes" if report.lossless else
+                                      f"NO, first difference at token {report.first_divergence}"), file=out)
+    if len(report.trials) > 1:
+        print("wirings tried (same weights and prompts):", file=out)
+        width = max(len(t.label()) for t in report.trials)
+        print(f"  {'drafter config':<{width}}  first draft accepted    tau", file=out)
+        for t in report.trials:
+            print(f"  {t.label():<{width}}  {t.first_position:20.1%}  {t.tau:5.2f}", file=out)
     given = report.trials[0]
     if report.verdict == "miswired":
         fix = report.fix
@@ -262,14 +303,15 @@ def print_report(report: Report, drafter: Path | None = None, out=None) -> None:
               f"rounds (as given: {given.first_position:.1%}) and tau is {fix.tau:.2f} (as given: {given.tau:.2f}). "
               f"Fix: set {fix.field} to {json.dumps(fix.value)}{where}.", file=out)
     elif report.verdict == "weak":
+        tried = (f", and none of the {len(report.trials) - 1} other wirings tried does clearly better, so the "
+                 "drafter is wired as well as the doctor can tell" if report.mode == "dflash" else "")
         print(f"WEAK: the first draft position is accepted in {given.first_position:.1%} of rounds "
-              f"(< {FIRST_POSITION_FLOOR:.0%}), and none of the {len(report.trials) - 1} other wirings tried does "
-              "clearly better, so the drafter is wired as well as the doctor can tell. Other possible causes:",
-              file=out)
+              f"(< {FIRST_POSITION_FLOOR:.0%}){tried}. Possible causes:", file=out)
         for cause in report.causes:
             print(f"  - {cause}", file=out)
     else:
-        print("OK: acceptance looks healthy, and no other wiring tried does clearly better.", file=out)
+        print("OK: acceptance looks healthy" + (", and no other wiring tried does clearly better."
+                                                if report.mode == "dflash" else "."), file=out)
 
 
 def main(argv=None) -> int:
@@ -277,6 +319,9 @@ def main(argv=None) -> int:
                                 epilog=TAU_HELP + ".", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", type=Path, default=None, help="target folder (default: the shipped demo pair)")
     p.add_argument("--drafter", type=Path, default=None, help="drafter folder (default with no --target: the demo's)")
+    p.add_argument("--mode", choices=("dflash", "mtp"), default="dflash",
+                   help="what drafts: the DFlash --drafter, or the --target's own MTP head (Qwen3.5/3.6)")
+    p.add_argument("--mtp-steps", type=int, default=3, help="--mode mtp: the head's drafts per round")
     p.add_argument("--prompts", type=Path, default=None,
                    help="JSONL with 'prompt', 'messages' or 'prompt_ids' per line, as generate --prompts reads it "
                         "(default with no --target: the demo's held-out prompts; else a few built-in ones)")
@@ -296,6 +341,9 @@ def main(argv=None) -> int:
     from ddtree_jax.config import ConfigError
 
     try:
+        if args.target is None and args.mode == "mtp":
+            raise BadInput("--mode mtp needs --target DIR: a Qwen3.5/3.6 checkpoint that ships its MTP head (the "
+                           "demo target has none)")
         if args.target is None:
             from ddtree_jax.demo_pair import DEMO_NOTE, demo_drafter, demo_prompts, demo_target
 
@@ -303,8 +351,10 @@ def main(argv=None) -> int:
             args.drafter = args.drafter or demo_drafter()
             args.prompts = args.prompts or demo_prompts()
             print(f"note: no --target given, so this checks the demo pair: {DEMO_NOTE}.", file=sys.stderr)
-        elif args.drafter is None:
-            raise BadInput("--target needs --drafter DIR")
+        elif args.drafter is None and args.mode == "dflash":
+            raise BadInput("--target needs --drafter DIR (or --mode mtp for the target's own MTP head)")
+        if args.mode == "mtp" and args.drafter is not None:
+            raise BadInput("--mode mtp checks the target's own MTP head: give --target DIR without --drafter")
         report = run(args)
     except (BadInput, CheckpointError, ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

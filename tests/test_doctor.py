@@ -142,3 +142,24 @@ def test_causal_and_window_alternatives_where_the_config_leaves_them_open():
     assert found["use_sliding_window", "true"].layer_windows == (8, None)
     assert set(tried(use_sliding_window=True, is_causal=True, **sliding)) == {("use_sliding_window", "false")}
     assert tried() == {}  # all full attention: nothing is open
+
+
+def test_mtp_mode_reports_the_heads_acceptance(tmp_path, capsys):
+    """`--mode mtp`: greedy MTP rounds of the target's own (here random) head against AR: lossless, one rate
+    per draft step, WEAK with the head's own causes (no wirings to try); a target without a head, or no
+    --target, is one error line before any weight is read."""
+    from ddtree_jax.random_checkpoint import write_random_qwen3_5
+
+    folder = write_random_qwen3_5(tmp_path / "t", seed=2, published=True, mtp_layers=1, hidden_size=32,
+                                  intermediate_size=48, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8)
+    assert main(["--target", str(folder), "--mode", "mtp", "--mtp-steps", "2", "--num-prompts", "2",
+                 "--max-new-tokens", "8", "--dtype", "float32", "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert (report["mode"], report["verdict"], report["lossless"]) == ("mtp", "weak", True)
+    assert len(report["position_acceptance"]) == 2 and len(report["trials"]) == 1
+    assert report["causes"] and all("mask" not in c for c in report["causes"])
+    headless = write_random_qwen3_5(tmp_path / "h", seed=2)
+    assert main(["--target", str(headless), "--mode", "mtp"]) == 2
+    assert "mtp_num_hidden_layers" in capsys.readouterr().err
+    assert main(["--mode", "mtp"]) == 2
+    assert "--mode mtp needs --target DIR" in capsys.readouterr().err
