@@ -382,9 +382,10 @@ def main(argv=None) -> int:
         args.modes = [m for m in args.modes.split(",") if m]
         if not args.modes or any(m not in ("ar", "dflash", "ddtree", "mtp") for m in args.modes):
             raise ValueError(f"--modes takes a comma list of ar, dflash, ddtree, mtp, got {','.join(args.modes)!r}")
-        if "mtp" in args.modes and (args.shape is None or shape_configs(args.shape)[0]["model_type"] != "qwen3_5_text"):
-            raise ValueError("--modes mtp times the target's own MTP head: it needs a Qwen3.5/3.6 --shape "
-                             f"({', '.join(s for s in sorted(SHAPES) if shape_configs(s)[0]['model_type'] == 'qwen3_5_text')})")
+        hybrid_shapes = [s for s in sorted(SHAPES) if shape_configs(s)[0]["model_type"] == "qwen3_5_text"]
+        if "mtp" in args.modes and args.shape not in hybrid_shapes:
+            raise ValueError(f"--modes mtp times the target's own MTP head: it needs a Qwen3.5/3.6 --shape "
+                             f"({', '.join(hybrid_shapes)})")
         if args.mtp_steps < 1:
             raise ValueError(f"--mtp-steps must be >= 1, got {args.mtp_steps}")
         args.kernels = [k for k in args.kernels.split(",") if k]
@@ -395,7 +396,8 @@ def main(argv=None) -> int:
                 args.tau = {(k if k in ("ar", "dflash", "mtp") else int(k)): float(v)
                             for k, v in (item.split("=") for item in args.tau.split(","))}
             except ValueError:
-                raise ValueError(f"--tau takes KEY=VALUE pairs (KEY ar, dflash, mtp or a budget), got {args.tau!r}") from None
+                raise ValueError(f"--tau takes KEY=VALUE pairs (KEY ar, dflash, mtp or a budget), "
+                                 f"got {args.tau!r}") from None
         if args.num_prompts < 1:
             raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
         if args.repeats < 1:

@@ -90,8 +90,10 @@ def empty_state(target_config, drafter_config, context: int, options, room_round
     per_round = tokens_per_round or (options.block_size + 1 if options.mode.needs_drafter else 1)
     capacity = -(-(context + room_rounds * per_round + options.verify_width) // BUCKET) * BUCKET
     cache = target_family(target_config).create_cache(target_config, b, capacity, dtype)
-    drafter_family = mtp if options.mode is rnd.Mode.MTP else dflash
-    draft_cache = drafter_family.create_cache(drafter_config, b, capacity, dtype) if options.mode.needs_drafter else None
+    draft_cache = None
+    if options.mode.needs_drafter:
+        drafter_family = mtp if options.mode is rnd.Mode.MTP else dflash
+        draft_cache = drafter_family.create_cache(drafter_config, b, capacity, dtype)
     return rnd.DecodeState.start(cache, draft_cache, jnp.ones((b,), jnp.int32), jax.random.key(0), options,
                                  num_generated=jnp.ones((b,), jnp.int32))
 

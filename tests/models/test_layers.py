@@ -1,6 +1,5 @@
 """Packed projections (`layers.PackedProjections`) against the separate HF projections they hold."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
