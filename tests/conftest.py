@@ -12,10 +12,9 @@ import pytest
 # Tests compare float32 results to 1e-4; keep XLA on CPU from using lower-precision matmuls.
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# No persistent XLA compilation cache in the tests (subprocesses included: they inherit the variable). With one
-# shared over the run, three of six full runs on 2026-12-01 crashed once each (segfault; different tests, never
-# alone): twice inside jaxlib 0.10.2's `executable.serialize()` writing an entry, once in a compile after
-# entries had been read. A crashed pytest-xdist worker can also leave the run hanging.
+# No persistent XLA compilation cache in the tests (subprocesses included: they inherit the variable): with one
+# shared over the run, jaxlib 0.10.2 crashed (segfault) twice inside `executable.serialize()` writing an entry
+# (2026-12-01); without it a crash inside a compile still came (pyproject.toml: a crashed test runs again).
 os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
 # On the CPU, LLVM's optimisation level 0 for XLA's generated code: the tests' programs are tiny, so
 # compiling them is what takes the time (about a third less at level 0), and the level changes no result
