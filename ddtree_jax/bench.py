@@ -382,10 +382,11 @@ def main(argv=None) -> int:
         args.modes = [m for m in args.modes.split(",") if m]
         if not args.modes or any(m not in ("ar", "dflash", "ddtree", "mtp") for m in args.modes):
             raise ValueError(f"--modes takes a comma list of ar, dflash, ddtree, mtp, got {','.join(args.modes)!r}")
-        hybrid_shapes = [s for s in sorted(SHAPES) if shape_configs(s)[0]["model_type"] == "qwen3_5_text"]
-        if "mtp" in args.modes and args.shape not in hybrid_shapes:
-            raise ValueError(f"--modes mtp times the target's own MTP head: it needs a Qwen3.5/3.6 --shape "
-                             f"({', '.join(hybrid_shapes)})")
+        if "mtp" in args.modes:
+            hybrid_shapes = [s for s in sorted(SHAPES) if shape_configs(s)[0]["model_type"] == "qwen3_5_text"]
+            if args.shape not in hybrid_shapes:
+                raise ValueError(f"--modes mtp times the target's own MTP head: it needs a Qwen3.5/3.6 --shape "
+                                 f"({', '.join(hybrid_shapes)})")
         if args.mtp_steps < 1:
             raise ValueError(f"--mtp-steps must be >= 1, got {args.mtp_steps}")
         args.kernels = [k for k in args.kernels.split(",") if k]

@@ -272,7 +272,7 @@ def stored_layout(config, names) -> tuple[dict[str, str], tuple[str, ...]]:
 def _to_device(arrays: dict[str, np.ndarray | jax.Array], dtypes: dict | None,
                shardings: dict | None = None) -> dict[str, jax.Array]:
     """Host (or first-device) arrays -> device arrays in `dtypes[name]` (None: as stored), each onto its shards
-    (a host array straight onto them, with no full copy on one device)."""
+    (a host array straight onto them, with no full copy on one device). Empties `arrays` as it goes."""
     out = {}
     for name in list(arrays):
         a = arrays.pop(name)  # one array at a time in two copies, not the whole model
