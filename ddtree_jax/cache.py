@@ -1,9 +1,10 @@
 """Static-capacity KV cache with per-row lengths.
 
-A forward pass writes the K/V of its `t` new tokens into slots `[length, length + t)` of every row
-("pending" rows) and leaves `lengths` alone; the caller then decides how many of them to keep
-(`advance`). Slots at or beyond a row's length are free and hold garbage that later writes overwrite,
-so a rejected draft needs no clean-up. Capacity must cover `length + t` for every call: the engine sizes
+A forward pass over a prompt or one token writes the K/V of its `t` new tokens into slots `[length, length + t)`
+of every row ("pending" rows) and leaves `lengths` alone; the caller then decides how many of them to keep
+(`advance`). A verification returns its nodes' K/V beside the cache instead (`PendingKV`), and the round
+writes the kept ones (`commit_pending`). Slots at or beyond a row's length are free and hold garbage that later
+writes overwrite, so a rejected draft needs no clean-up. Capacity must cover `length + t` for every call: the engine sizes
 it as prompt + new tokens + the widest call, rounded up to a bucket.
 """
 
@@ -61,21 +62,36 @@ def advance(cache: "KVCache | HybridCache", counts: jax.Array) -> "KVCache | Hyb
     return dataclasses.replace(cache, lengths=cache.lengths + counts.astype(jnp.int32))
 
 
-def commit_path(cache: KVCache, path: jax.Array, counts: jax.Array) -> KVCache:
-    """Keep an accepted tree path: the pending rows at slots `lengths + path[r, i]` move to
-    `lengths + i`, and `counts[r]` of them are committed.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PendingKV:
+    """The K/V a verification computed for its T nodes, per attention layer, kept out of the cache until the
+    round knows which nodes it keeps (`commit_pending`): one gather-and-write per layer and array, where writing
+    every node during the verify and moving the accepted ones afterwards took several small kernels
+    (docs/performance.md).
 
-    path [b, P] int32 node indices by depth (root first), counts [b]. Path indices never decrease and
-    path[i] >= i (parents precede children), and every row is gathered before any is written, so the
-    move is safe in place. Example: length 5, path [0 2 5] -> slots 5, 7, 10 move to 5, 6, 7.
+    Fields:
+      k, v: per attention layer, device [b, T, n, d] in the model's dtype, node order.
     """
-    rows = (cache.lengths[:, None] + path)[:, :, None, None]  # [b, P, 1, 1]
 
-    def move(layer):
-        kept = jnp.take_along_axis(layer, rows, axis=1)  # [b, P, n, d]
-        return write_pending(layer, kept, cache.lengths)
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
 
-    return KVCache(k=tuple(move(k) for k in cache.k), v=tuple(move(v) for v in cache.v),
+
+def commit_pending(cache: KVCache, pending: PendingKV, counts: jax.Array, path: jax.Array | None = None) -> KVCache:
+    """Write the kept nodes' K/V into slots `[length, length + P)` of every row and commit `counts[r]` of them.
+
+    counts [b] int. path: [b, P] int32 node indices by depth, root first (a tree's accepted path, padded with
+    its deepest node): node path[r, i] goes to slot `lengths[r] + i`; None: a chain, whose nodes are in order,
+    all T written (slots past a row's count are free again). Example: length 5, path [0 2 5], count 3 -> the
+    K/V of nodes 0, 2, 5 land in slots 5, 6, 7.
+    """
+    def write(layer, nodes):
+        if path is not None:
+            nodes = jnp.take_along_axis(nodes, path[:, :, None, None], axis=1)  # [b, P, n, d]
+        return write_pending(layer, nodes, cache.lengths)
+
+    return KVCache(k=tuple(map(write, cache.k, pending.k)), v=tuple(map(write, cache.v, pending.v)),
                    lengths=cache.lengths + counts.astype(jnp.int32))
 
 

@@ -2,8 +2,8 @@
 
 `estimate` counts what a request keeps on one device: the weights, the target's KV cache (or a hybrid
 target's attention K/V plus its Gated DeltaNet states), the drafter's context cache, a hybrid's per-node
-verify records, the decode loop's output arrays, and the float32 buffers of the widest call (its logits and,
-on the pure-JAX attention path, one layer's attention scores). The caches are measured on the models' own
+verify records, the decode loop's output arrays, and the buffers of the widest call (its float32 logits, the
+verified nodes' K/V and, on the pure-JAX attention path, one layer's attention scores). The caches are measured on the models' own
 `create_cache` under `jax.eval_shape`, so their layout has one definition. XLA's other temporaries are
 not counted: the estimate is a floor, and a request above the device's memory cannot run.
 
@@ -34,7 +34,7 @@ class MemoryEstimate:
     drafter_cache: int  # the drafter's context K/V
     recurrent: int  # hybrid: Gated DeltaNet state and conv window per row
     node_records: int  # hybrid: what each verified tree node keeps per Gated DeltaNet layer (cache.NodeStates)
-    verify_buffers: int  # float32 logits of the widest call, plus attention scores on the pure-JAX path
+    verify_buffers: int  # float32 logits of the widest call, the verified nodes' K/V, attention scores (pure JAX)
     outputs: int  # the decode loop's output tokens and per-round counts
     capacity: int
 
@@ -95,6 +95,9 @@ def estimate(target: ModelParams, drafter: ModelParams | None, options: DecodeOp
     logits = rows * nodes * config.vocab_size * 4
     if options.mode.needs_drafter:
         logits += rows * (options.block_size - 1) * config.vocab_size * 4
+    # The verified nodes' K/V, held beside the cache until the commit (`cache.PendingKV`).
+    _, _, kv_heads, head_dim = kv.k[0].shape
+    pending = 2 * len(kv.k) * rows * nodes * kv_heads * head_dim * itemsize if options.mode.needs_drafter else 0
     scores = 0
     if not options.runtime.pallas:
         t = max(width, nodes)
@@ -102,7 +105,7 @@ def estimate(target: ModelParams, drafter: ModelParams | None, options: DecodeOp
     weights = _nbytes(target.state) + (_nbytes(drafter.state) if drafter_cache else 0)
     return MemoryEstimate(weights=weights // split, kv_cache=_nbytes(kv) // split,
                           drafter_cache=drafter_cache // split, recurrent=_nbytes(recurrent),
-                          node_records=node_records, verify_buffers=(logits + scores) // split,
+                          node_records=node_records, verify_buffers=(logits + pending + scores) // split,
                           outputs=rows * 2 * options.max_new_tokens * 4, capacity=capacity)
 
 

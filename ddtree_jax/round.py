@@ -8,11 +8,11 @@ round composes and that the benchmark and the tools compile and time as they are
     tree    DDTree: the B most probable prefixes under those marginals (`tree.build_tree`); DFlash and MTP:
             the chain of per-position argmaxes (`accept.chain_tree`)
     verify  the target runs every node in one pass (node at position start + depth, seeing the committed
-            cache and its own ancestors): logits per node, hidden taps, pending K/V (and a hybrid's
-            per-node recurrent records)
+            cache and its own ancestors): logits per node, hidden taps, every node's K/V beside the cache
+            (`cache.PendingKV`) and a hybrid's per-node recurrent records
     accept  the target's decoding rule at every node and the walk to the deepest agreeing node: path,
             count, the tokens the round emits (greedy on the Pallas kernels: one fused kernel)
-    commit  the accepted nodes' K/V move into place, a hybrid's recurrent state becomes the deepest
+    commit  the accepted nodes' K/V are written into the cache, a hybrid's recurrent state becomes the deepest
             accepted node's, and the accepted taps become the drafter's next context (MTP: the head runs
             over the emitted tokens with the target's hidden states and keeps their K/V, `mtp.ingest`)
 
@@ -271,18 +271,18 @@ def accept(tree: DraftTree, node_logits: jax.Array, key: jax.Array, options: Dec
 def commit(drafter: ModelParams, target: ModelParams, out: ForwardOut, acc: Accepted, counts: jax.Array,
            draft_cache: kv.KVCache | kv.MTPCache, options: DecodeOptions):
     """Keep the accepted path (`counts` [b] nodes per row; 0 for rows that are done): returns (target cache,
-    drafter cache). The accepted nodes' pending K/V rows move to slots [start, start + count) (a chain's are
-    already there), a recurrent family installs the deepest accepted node's state and conv window, and the
-    accepted nodes' taps become the drafter's next context rows. MTP: the head runs over the tokens the round
-    emits, each paired with the target's hidden state one position earlier (node i's: the chain's nodes are
-    positions start + i), and keeps `counts` of them (`mtp.ingest`; `target` gives the embedding)."""
+    drafter cache). The accepted nodes' K/V (`out.pending`) go to slots [start, start + count), a recurrent
+    family installs the deepest accepted node's state and conv window, and the accepted nodes' taps become
+    the drafter's next context rows. MTP: the head runs over the tokens the round emits, each paired with the
+    target's hidden state one position earlier (node i's: the chain's nodes are positions start + i), and keeps
+    `counts` of them (`mtp.ingest`; `target` gives the embedding)."""
     hybrid = out.nodes is not None
     target_kv = out.cache.kv if hybrid else out.cache
     if options.mode is Mode.DDTREE:
-        target_kv = kv.commit_path(target_kv, acc.path, counts)
+        target_kv = kv.commit_pending(target_kv, out.pending, counts, acc.path)
         taps = jnp.take_along_axis(out.taps, acc.path[:, :, None], axis=1)
-    else:  # a chain's path is 0, 1, 2, ...: its rows are in place
-        target_kv, taps = kv.advance(target_kv, counts), out.taps
+    else:  # a chain's path is 0, 1, 2, ...: its nodes are in order
+        target_kv, taps = kv.commit_pending(target_kv, out.pending, counts), out.taps
     cache = target_kv
     if hybrid:
         cache = kv.HybridCache(kv=target_kv, recurrent=tuple(kv.commit_recurrent(r, n, acc.path, counts)

@@ -24,9 +24,10 @@ def test_demo_pair_ddtree_float32():
     assert need.kv_cache == 6 * 2 * 256 * 2 * 64 * 4 + 4
     assert need.drafter_cache == 2 * 2 * 256 * 2 * 64 * 4 + 4
     assert need.weights == (6_819_840 + 1_771_264) * 4  # the demo's parameter counts (assets/demo/summary.json)
-    # float32 logits of the 65 nodes and the 15 drafted slots; one layer's attention scores of the widest call
-    # (the 65-node verify: 4 heads x 65 x (256 cached + 65 new)).
-    assert need.verify_buffers == (65 + 15) * 8192 * 4 + 4 * 65 * (256 + 65) * 4
+    # float32 logits of the 65 nodes and the 15 drafted slots; the nodes' K/V (6 layers x K, V x 2 kv heads x
+    # head_dim 64); one layer's attention scores of the widest call (the 65-node verify: 4 heads x 65 x (256
+    # cached + 65 new)).
+    assert need.verify_buffers == (65 + 15) * 8192 * 4 + 6 * 2 * 65 * 2 * 64 * 4 + 4 * 65 * (256 + 65) * 4
     assert need.recurrent == need.node_records == 0 and need.outputs == 2 * 100 * 4
     assert need.total == sum([need.weights, need.kv_cache, need.drafter_cache, need.verify_buffers, need.outputs])
     # AR: no drafter cache, one-token calls; a long prompt's prefill is the widest call.

@@ -6,7 +6,8 @@
 #   smoke     GPU, versions
 #   probe     tools/gpu_probe.py: bandwidth ceilings and the projections of 36 Qwen3-8B layers  -> probe.json
 #   bench     python -m ddtree_jax.bench --shape qwen3-8b (AR, DFlash, DDTree 16..512; pallas and jax),
-#             with a profiler trace of every row                                   -> bench/, traces.tar
+#             with a profiler trace of every row, summarised ($TRACE_TOP kernel names)  -> bench/, traces.tar,
+#             trace_summary.json
 #   equality  tools/greedy_equality.py in bf16 with the default kernels: random 8B weights, the demo pair
 #   kernels   tools/kernel_check.py (per-layer attention/acceptance timing and checks) -> kernels/
 #   tests     the GPU-marked tests and the greedy DDTree decoding tests, compiled on the GPU
@@ -15,7 +16,7 @@
 #             older commit, carried) and at this one, with traces of this one's rows summarised -> ab/
 #   tree      tools/topk_probe.py: the tree build (and its vocabulary top-k) against $BASELINE's tree.py -> tree/
 #   matmul    tools/gpu_probe.py projections at T = 1..128 ($MATMUL_FORMS, streaming configs in $MATMUL_ARGS), and the
-#             hf form under each further XLA_FLAGS variant of $MATMUL_VARIANTS             -> matmul/
+#             $MATMUL_VARIANT_FORMS (hf) under each further XLA_FLAGS variant of $MATMUL_VARIANTS  -> matmul/
 #   sweeps    the bench at qwen3-8b over --batch 1,4,16 (context 2048) and --context 8192,32768 (batch 1), AR, DFlash
 #             and DDTree $SWEEP_BUDGETS, pallas                                           -> sweep_batch/, sweep_context/
 #   float32   the float32 GPU tests (float64 reference) and the float32 AR/DDTree cost at --matmul-precision
@@ -48,6 +49,7 @@ for step in "$@"; do
         --kernels "${KERNELS:-pallas,jax}" --trace /tmp/traces --out "$OUT/bench" 2>&1 | grep -v '^{"mode"'
       # The Perfetto JSON of each row's trace, one tar (the TensorBoard files stay behind).
       (cd /tmp/traces 2>/dev/null && find . -name perfetto_trace.json.gz | tar -cf "$OUT/traces.tar" -T -)
+      timeout 60 python3 tools/trace_summary.py /tmp/traces --top "${TRACE_TOP:-12}" --json > "$OUT/trace_summary.json"
       ;;
     equality)
       log "greedy equality, bf16, default kernels"
@@ -102,11 +104,12 @@ for step in "$@"; do
           cublas) flags="--xla_gpu_enable_triton_gemm=false" ;;
           cublaslt) flags="--xla_gpu_enable_cublaslt=true" ;;
           exhaustive) flags="--xla_gpu_exhaustive_tiling_search=true" ;;
+          triton) flags="--xla_gpu_cublas_fallback=false" ;;
           *) flags="$variant" ;;
         esac
         extra="--no-ceilings"; [ $first = 1 ] && extra=""; first=0
         # shellcheck disable=SC2086
-        forms="${MATMUL_FORMS:-hf,fused,stream}"; [ "$variant" != default ] && forms=hf
+        forms="${MATMUL_FORMS:-hf,fused,stream}"; [ "$variant" != default ] && forms="${MATMUL_VARIANT_FORMS:-hf}"
         XLA_FLAGS="$flags" timeout "${MATMUL_LIMIT:-120}" python3 tools/gpu_probe.py --out "$OUT/matmul/$variant" \
           --label "$variant" --forms "$forms" $extra ${MATMUL_ARGS:-} 2>&1 | grep '^|' | grep -v lm_head
       done

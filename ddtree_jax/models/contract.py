@@ -9,8 +9,8 @@ A target family (`qwen3`, `qwen3_5`; looked up by `models.target_family(config)`
     RECURRENT: bool                                    True where the cache holds recurrent states
 
 The model never owns the cache or the loop: `forward` takes the committed cache and returns it with the
-new tokens' K/V written as pending rows (lengths unchanged); the round decides what to keep
-(`ddtree_jax.cache`). `ForwardMeta` says where the new tokens sit and what they see, for a prompt, one
+new tokens' K/V written as pending rows (lengths unchanged), or, for a verification tree, returns those K/V
+beside the cache; the round decides what to keep (`ddtree_jax.cache`). `ForwardMeta` says where the new tokens sit and what they see, for a prompt, one
 decode token or a verification tree alike, so every family's forward reads the same arguments.
 """
 
@@ -145,8 +145,10 @@ class ForwardOut:
     hidden: [b, t, e] after the final norm.
     taps:   [b, t, len(tap_layers) * e], the outputs of the tapped decoder layers concatenated in the order
             asked (HF `hidden_states[l + 1]`), or None.
-    cache:  the input cache with the new tokens' K/V written as pending rows (lengths unchanged); a hybrid's
-            recurrent states advanced over the valid tokens (chain mode) or left as committed (tree mode).
+    cache:  chain mode: the input cache with the new tokens' K/V written as pending rows (lengths unchanged)
+            and a hybrid's recurrent states advanced over the valid tokens; tree mode: the input cache as it
+            was (the round writes what it keeps: `cache.commit_pending`, `cache.commit_recurrent`).
+    pending: tree mode: the nodes' K/V per attention layer (`cache.PendingKV`); None otherwise.
     nodes:  tree mode on a recurrent family: one `cache.NodeStates` per recurrent layer, from which
             `cache.commit_recurrent` installs an accepted node's state; None otherwise.
     """
@@ -154,4 +156,5 @@ class ForwardOut:
     hidden: jax.Array
     taps: jax.Array | None
     cache: object
+    pending: object = None
     nodes: tuple | None = None

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ddtree_jax.cache import KVCache, write_pending
+from ddtree_jax.cache import KVCache, PendingKV, write_pending
 from ddtree_jax.config import Qwen3Config
 from ddtree_jax.models.contract import ForwardMeta, ForwardOut, Runtime
 from ddtree_jax.models.layers import (Embedding, Linear, PackedProjections, Part, RMSNorm, SwiGLU, apply_rope,
@@ -95,8 +95,9 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: KV
             tap_layers: tuple[int, ...] = (), runtime: Runtime = Runtime()) -> ForwardOut:
     """Run the target on new tokens (the family contract, `models/contract.py`).
 
-    tokens [b, t] int; meta: positions and the new tokens' mask (`valid` and `parents` do not matter to an
-    attention-only model: every token sees the committed cache and the new tokens its mask allows);
+    tokens [b, t] int; meta: positions and the new tokens' mask (`valid` does not matter to an attention-only
+    model: every token sees the committed cache and the new tokens its mask allows; `parents` given, a tree,
+    the new K/V come back as `ForwardOut.pending` instead of written into the cache);
     cache: committed K/V; tap_layers: decoder layer ids whose outputs to return (static).
     """
     config: Qwen3Config = params.config
@@ -112,12 +113,16 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: KV
                                              runtime=runtime)
             x = x + attn_out
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        new_k.append(write_pending(cache.k[i], k, cache.lengths))
-        new_v.append(write_pending(cache.v[i], v, cache.lengths))
+        new_k.append(k)
+        new_v.append(v)
         if i in tap_layers:
             taps[i] = x
     hidden = model.model.norm(x)
     tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1) if tap_layers else None
+    if meta.is_tree:  # the round writes the nodes it keeps
+        return ForwardOut(hidden=hidden, taps=tapped, cache=cache, pending=PendingKV(k=tuple(new_k), v=tuple(new_v)))
+    new_k = [write_pending(layer, rows, cache.lengths) for layer, rows in zip(cache.k, new_k)]
+    new_v = [write_pending(layer, rows, cache.lengths) for layer, rows in zip(cache.v, new_v)]
     return ForwardOut(hidden=hidden, taps=tapped, cache=dataclasses.replace(cache, k=tuple(new_k), v=tuple(new_v)))
 
 

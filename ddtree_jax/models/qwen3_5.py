@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ddtree_jax.cache import HybridCache, KVCache, NodeStates, RecurrentState, write_pending
+from ddtree_jax.cache import HybridCache, KVCache, NodeStates, PendingKV, RecurrentState, write_pending
 from ddtree_jax.config import FULL_ATTENTION, Qwen3_5Config
 from ddtree_jax.models import qwen3
 from ddtree_jax.models.contract import ForwardMeta, ForwardOut, Runtime
@@ -461,8 +461,9 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: Hy
       has every recurrent state advanced over the valid tokens.
     - tree mode (`meta.parents` given, `meta.new_mask` the tree's ancestor mask, node depths =
       `positions - cache.lengths`): each Gated DeltaNet layer runs the tree recurrence
-      (`tree_gated_delta_rule`) over every node's root path; the returned cache keeps the committed
-      recurrent states and `ForwardOut.nodes` has what forms any node's state (`cache.commit_recurrent`).
+      (`tree_gated_delta_rule`) over every node's root path; the returned cache is the input cache as it was,
+      `ForwardOut.nodes` has what forms any node's state (`cache.commit_recurrent`) and `ForwardOut.pending`
+      the attention layers' K/V of every node (`cache.commit_pending`).
     """
     config: Qwen3_5Config = params.config
     model = params.module()
@@ -482,7 +483,8 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: Hy
             if i in attn_index:
                 j = attn_index[i]
                 mixed, k, v = layer.self_attn(h, cos, sin, kv.k[j], kv.v[j], lengths, meta, runtime=runtime)
-                new_k[j], new_v[j] = write_pending(kv.k[j], k, lengths), write_pending(kv.v[j], v, lengths)
+                new_k[j], new_v[j] = (k, v) if tree else (write_pending(kv.k[j], k, lengths),
+                                                          write_pending(kv.v[j], v, lengths))
             else:
                 j = linear_index[i]
                 mixed, new_states[j], nodes[j] = layer.linear_attn(
@@ -494,8 +496,11 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: Hy
             taps[i] = x
     hidden = model.model.norm(x)
     tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1) if tap_layers else None
+    if tree:  # the round writes the nodes it keeps
+        return ForwardOut(hidden=hidden, taps=tapped, cache=cache, pending=PendingKV(k=tuple(new_k), v=tuple(new_v)),
+                          nodes=tuple(nodes))
     new_cache = HybridCache(kv=dataclasses.replace(kv, k=tuple(new_k), v=tuple(new_v)), recurrent=tuple(new_states))
-    return ForwardOut(hidden=hidden, taps=tapped, cache=new_cache, nodes=tuple(nodes) if tree else None)
+    return ForwardOut(hidden=hidden, taps=tapped, cache=new_cache)
 
 
 # lm_head (or the tied embedding) has the same names as in qwen3.
