@@ -17,9 +17,9 @@ inference", 2023; the online softmax of FlashAttention-2, arXiv 2307.08691, Algo
   under `new_mask`. Each program writes its normalised partial output and its log-sum-exp;
   `_merge_partials` combines the C + 1 partials in plain jnp. The cache split lets batch 1 fill the GPU.
 
-Triton wants power-of-two tiles of at least 16 for dots: the wrapper pads the rows to a multiple of
-`block_q` and the head dim to a power of two (>= 16); key blocks past the cache length or past T are
-masked loads, so S and T need no padding.
+Triton wants power-of-two tiles of at least 16 for dots: the wrapper pads the head dim to a power of two
+(>= 16); query rows past t * g, key blocks past the cache length or past T are masked loads, so rows, S
+and T need no padding (a padded copy of q cost one more kernel per layer, ~2 us on the H200).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def _online_softmax_step(q, k, v, visible, carry, *, scale, precision):
 
 def _tree_attention_kernel(
     # inputs
-    q_ref,     # [block_q, d] query rows of one KV head (row = token * g + head in group)
+    q_ref,     # [r, d] query rows of one KV head (row = token * g + head in group)
     k_ref,     # [s, d] committed keys of this row and KV head
     v_ref,     # [s, d] committed values
     kn_ref,    # [t, d] the new tokens' keys
@@ -118,9 +118,10 @@ def _tree_attention_kernel(
 ):
     row_block, chunk_id = pl.program_id(2), pl.program_id(3)
     d = q_ref.shape[-1]
-    q = q_ref[...]
     rows = row_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
     row_ok = rows < num_new * group
+    # A masked load of this block's rows: the last block may run past r (no padded copy of q beforehand).
+    q = plt.load(q_ref.at[pl.ds(row_block * block_q, block_q), :], mask=row_ok[:, None], other=0)
     row_token = jnp.minimum(lax.div(rows, jnp.int32(group)), num_new - 1)  # clamped: padding rows stay in bounds
     row_pos = pos_ref[row_token] if window is not None else None
     step = functools.partial(_online_softmax_step, scale=scale, precision=precision)
@@ -241,9 +242,8 @@ def _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, n
     def pad_d(x):
         return x if dp == d else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, dp - d)])
 
-    # [b, t, n*g, d] -> rows of each KV head, token-major: [b, n, t*g, dp], padded to whole row blocks.
-    q_rows = q.reshape(b, t, n, group, d).transpose(0, 2, 1, 3, 4).reshape(b, n, t * group, d)
-    q_rows = jnp.pad(pad_d(q_rows), [(0, 0), (0, 0), (0, lay["padded_rows"] - lay["rows"]), (0, 0)])
+    # [b, t, n*g, d] -> rows of each KV head, token-major: [b, n, t*g, dp] (the kernel masks the last row block).
+    q_rows = pad_d(q.reshape(b, t, n, group, d).transpose(0, 2, 1, 3, 4).reshape(b, n, t * group, d))
     k_cache, v_cache, k_new, v_new = map(pad_d, (k_cache, v_cache, k_new, v_new))
     mask8 = new_mask.astype(jnp.int8)
     positions = positions.astype(jnp.int32)
@@ -261,7 +261,7 @@ def _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, n
         kernel,
         grid=(b, n, lay["row_blocks"], num_splits),
         in_specs=[
-            pl.BlockSpec((None, None, block_q, dp), lambda i, h, r, c: (i, h, r, 0)),  # q rows
+            pl.BlockSpec((None, None, lay["rows"], dp), lambda i, h, r, c: (i, h, 0, 0)),  # q rows of the head
             pl.BlockSpec((None, s, None, dp), lambda i, h, r, c: (i, 0, h, 0)),  # k_cache
             pl.BlockSpec((None, s, None, dp), lambda i, h, r, c: (i, 0, h, 0)),  # v_cache
             pl.BlockSpec((None, t, None, dp), lambda i, h, r, c: (i, 0, h, 0)),  # k_new
