@@ -86,8 +86,10 @@ for step in "$@"; do
         (cd "$dir" && PYTHONPATH="$dir" timeout "${AB_LIMIT:-200}" python3 -m ddtree_jax.bench --shape qwen3-8b \
           --context 2048 --budgets "${AB_BUDGETS:-16,64}" --modes ar,dflash,ddtree --repeats 10 --kernels pallas \
           $trace --out "$OUT/ab/$side" 2>&1 | grep -v '^{"mode"' | tail -12)
+        rm -f "$OUT/ab/$side"/bench.{md,png,partial.json}  # the table is in the log; few files come back
       done
       timeout 60 python3 tools/trace_summary.py /tmp/ab_traces --top 8 2>&1 | tail -60
+      timeout 60 python3 tools/trace_summary.py /tmp/ab_traces --top "${TRACE_TOP:-12}" --json > "$OUT/ab/trace_summary.json"
       ;;
     tree)
       log "tree build against ${BASELINE:?}"

@@ -89,6 +89,8 @@ ATTN_SWEEP = [
     ta.TreeAttentionConfig(block_k=128, num_stages=3),
     ta.TreeAttentionConfig(num_stages=1),
     ta.TreeAttentionConfig(num_stages=2),
+    ta.TreeAttentionConfig(num_chunks=8),
+    ta.TreeAttentionConfig(num_chunks=16),
 ]
 ACCEPT_SWEEP = [
     tac.TreeAcceptConfig(block_t=16, block_v=512),
