@@ -45,7 +45,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._dispatch import cdiv, check_knobs, next_pow2
+from pallas_kernels._dispatch import cdiv, check_knobs, next_pow2, resolve_interpret
 
 MAX_BUDGET = 128  # C = 620 candidates per depth at B = 128; larger budgets stay on the XLA builder
 
@@ -378,3 +378,11 @@ def tree_build_pallas(top_lp, top_tok, root_tokens, *, budget: int, config: Tree
     )(top_lp.astype(jnp.float32), top_tok.astype(jnp.int32), root_tokens.astype(jnp.int32).reshape(b, 1),
       jnp.asarray(table))
     return BuiltTree(*outs[:6])
+
+
+def tree_build(top_lp, top_tok, root_tokens, *, budget: int, config: TreeBuildConfig | None = None,
+               interpret: bool | None = None) -> BuiltTree:
+    """`tree_build_pallas`, interpreted where there is no GPU (interpret None). There is no reference branch
+    here: the reference is the application's `ddtree_jax.tree._build_one`, and `build_tree` chooses."""
+    return tree_build_pallas(top_lp, top_tok, root_tokens, budget=budget, config=config,
+                             interpret=resolve_interpret(interpret))
