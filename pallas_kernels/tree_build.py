@@ -112,9 +112,14 @@ def _count_ahead(rows, row_idx, col_ref, lo, hi, *, block: int, num_cols: int, t
     (every column comes first), "never" (every column comes later) or "index" (compare indices).
     masked: also test index < num_cols (for integer values, where `other` may tie)."""
 
-    def body(q, acc):
+    def load(q):
         col_idx = q * block + jnp.arange(block, dtype=jnp.int32)
-        cols = plt.load(col_ref.at[pl.ds(q * block, block)], mask=col_idx < num_cols, other=other)
+        return plt.load(col_ref.at[pl.ds(q * block, block)], mask=col_idx < num_cols, other=other)
+
+    def body(q, carry):
+        acc, cols = carry
+        upcoming = load(q + 1)  # issued before this block's compares use `cols`: its latency overlaps them
+        col_idx = q * block + jnp.arange(block, dtype=jnp.int32)
         c, r = cols[None, :], rows[:, None]
         if tie == "always":
             ahead = c >= r
@@ -124,9 +129,9 @@ def _count_ahead(rows, row_idx, col_ref, lo, hi, *, block: int, num_cols: int, t
             ahead = (c > r) | ((c == r) & (col_idx[None, :] < row_idx[:, None]))
         if masked:
             ahead = ahead & (col_idx < num_cols)[None, :]
-        return acc + ahead.astype(jnp.int32)
+        return acc + ahead.astype(jnp.int32), upcoming
 
-    acc = lax.fori_loop(lo, hi, body, jnp.zeros((rows.shape[0], block), jnp.int32))
+    acc, _ = lax.fori_loop(lo, hi, body, (jnp.zeros((rows.shape[0], block), jnp.int32), load(lo)))
     return jnp.sum(acc, axis=1)
 
 
@@ -221,9 +226,6 @@ def _tree_build_kernel(
     barrier()
     merge(0, score0, first=True)
 
-    cand = jnp.arange(cp, dtype=jnp.int32)
-    cand_ok = cand < c_
-    pair_i, pair_j = pair_ref[0, :], pair_ref[1, :]
     num_blocks = cdiv(c_, block_c)
 
     def next_depth(d, _):
@@ -241,7 +243,11 @@ def _tree_build_kernel(
                          axis=1)
         offset_ref[...] = offset
         barrier()
-        # 2. Every candidate's score into its lexicographic slot.
+        # 2. Every candidate's score into its lexicographic slot (the [cp] vectors are made here, not kept
+        # live across the depth loop: registers).
+        cand = jnp.arange(cp, dtype=jnp.int32)
+        cand_ok = cand < c_
+        pair_i, pair_j = pair_ref[0, :], pair_ref[1, :]
         slot = jnp.where(cand_ok, offset_ref[pair_i] + pair_j, cp_out)
         score = score_ref[d - 1, pair_i] + lp_ref[d, jnp.minimum(pair_j, k_ - 1)]  # left to right, as _build_one
         plt.store(slot_score_ref.at[slot], score, mask=cand_ok)
