@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import tree_build
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -77,14 +79,18 @@ def default_top_k() -> str:
 
 def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
                top_k_chunk: int | None | str = "auto", unroll: bool | int = True,
-               top_k: str = "auto") -> DraftTree:
+               top_k: str = "auto", implementation: str = "reference",
+               interpret: bool | None = None) -> DraftTree:
     """log_probs [b, L, v] float32 per-depth draft log-probabilities (depth d + 1 at index d);
     root_tokens [b] int32; budget B (static); top_k: the per-depth top K = min(B, v) of the vocabulary,
     "threshold" (`threshold_top_k`), "chunked" (`chunked_top_k`, the only one before 2026-12; also
     `threshold_top_k`'s fallback) or "auto" (`default_top_k()`); top_k_chunk: `chunked_top_k`'s chunk
     ("auto": `default_top_k_chunk(B)`; None: one `lax.top_k`); unroll: the depth loop's `lax.scan` unrolling
-    (True: none of it runs as a device loop). Every choice gives the same tree. Returns a DraftTree with
-    B + 1 nodes."""
+    (True: none of it runs as a device loop). implementation: what builds the tree from the top-k,
+    "reference" (`_build_one`, vmapped: ~116 small XLA kernels at B = 64, L = 15) or "pallas" (one launch of
+    `pallas_kernels.tree_build`, bit-identical) for B <= its MAX_BUDGET (128), `_build_one` above it;
+    interpret: the kernel's (None: interpreted where there is no GPU). Every choice gives the same tree.
+    Returns a DraftTree with B + 1 nodes."""
     if top_k == "auto":
         top_k = default_top_k()
     chunk = default_top_k_chunk(budget, log_probs.shape[-1]) if top_k_chunk == "auto" else top_k_chunk
@@ -98,6 +104,11 @@ def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
         top_lp, top_tok = chunked_top_k(lp, k, chunk)
     else:
         raise ValueError(f"top_k must be 'threshold' or 'chunked', not {top_k!r}")
+    if implementation not in ("reference", "pallas"):
+        raise ValueError(f"implementation must be 'reference' or 'pallas', not {implementation!r}")
+    if implementation == "pallas" and budget <= tree_build.MAX_BUDGET:
+        built = tree_build.tree_build(top_lp, top_tok, root_tokens, budget=budget, interpret=interpret)
+        return DraftTree(**built._asdict())
     return jax.vmap(lambda t_lp, t_tok, root: _build_one(t_lp, t_tok, root, budget, unroll))(
         top_lp, top_tok, root_tokens)
 

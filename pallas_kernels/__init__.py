@@ -5,6 +5,8 @@
 - `pallas_kernels.tree_accept`: greedy tree acceptance (argmax over the vocabulary per node, then the
   vectorised walk); `tree_accept(..., implementation=)` is the one entry the engine calls, and
   `tree_walk` the walk it shares with every other decoding rule.
+- `pallas_kernels.tree_build`: the draft-tree build after the vocabulary top-k in one launch, bit-identical
+  to `ddtree_jax.tree._build_one`; `tree.build_tree(..., implementation="pallas")` calls `tree_build`.
 
 A dispatcher runs the kernel on a GPU and the reference elsewhere; `implementation=` or the
 environment variable DDTREE_JAX_KERNELS=pallas|reference overrides (`resolve_implementation`). Kernels

@@ -8,12 +8,14 @@ barrier, so nothing is hoisted). `top-k <name>` times the first step alone (the 
 depth's vocabulary, `tree.threshold_top_k` or `tree.chunked_top_k`). With `--baseline FILE` (another
 version's tree.py, e.g. `git show REV:ddtree_jax/tree.py > old_tree.py`) that version's build is timed
 beside it (with its own defaults) and every tree is checked equal to it (tokens, parents, depths, valid,
-scores, ancestor mask); without, every tree is checked against the first chunk's with the first top-k.
+scores, ancestor mask); without, every tree is checked against the first chunk's with the first top-k and the first `--tree-build`
+(`reference`, the XLA builder, or `pallas`, the tree-build kernel: `current <top-k> pallas` in the table).
 `threshold_fits` says whether threshold_top_k's fast path held the candidates for these logits (else it
 took its fallback). Writes topk_probe.json and topk_probe.md under --out.
 
     python tools/topk_probe.py --out DIR [--vocab 151936,248320] [--budgets 16,64,256,512]
-                               [--chunks auto] [--top-k threshold,chunked] [--baseline old_tree.py]
+                               [--chunks auto] [--top-k threshold,chunked] [--tree-build reference,pallas]
+                               [--baseline old_tree.py]
                                (chunk 0: one lax.top_k)
 """
 
@@ -40,10 +42,13 @@ from ddtree_jax.measure.workload import compile_program  # noqa: E402
 FIELDS = ("tokens", "parents", "depths", "valid", "scores", "ancestor")
 
 
-def tree_program(build_tree, budget: int, chunk, top_k: str | None = None):
-    """(logits [1, L, V] f32, roots [1] i32, passes) -> the last pass's tree fields. top_k None: the
-    build's own default (a baseline's build may not take the argument)."""
+def tree_program(build_tree, budget: int, chunk, top_k: str | None = None, tree_build: str | None = None):
+    """(logits [1, L, V] f32, roots [1] i32, passes) -> the last pass's tree fields. top_k / tree_build None:
+    the build's own default (a baseline's build may not take the arguments); tree_build: build_tree's
+    `implementation` after the top-k ("reference": the XLA builder, "pallas": the tree-build kernel)."""
     kwargs = {} if top_k is None else dict(top_k=top_k)
+    if tree_build is not None:
+        kwargs["implementation"] = tree_build
 
     def run(logits, roots, passes):
         def once(salt):
@@ -116,6 +121,8 @@ def main(argv=None) -> int:
     p.add_argument("--budgets", default="16,64,256,512")
     p.add_argument("--chunks", default="auto", help="comma list: auto, 0 (one lax.top_k) or a chunk size")
     p.add_argument("--top-k", default="threshold,chunked", help="comma list of build_tree's top_k values")
+    p.add_argument("--tree-build", default="reference",
+                   help="comma list of build_tree's implementation after the top-k: reference (XLA), pallas (kernel)")
     p.add_argument("--baseline", type=Path, default=None, help="another version's tree.py, timed and compared")
     p.add_argument("--depths", type=int, default=15, help="L: the drafter's block size - 1")
     p.add_argument("--rounds", type=int, default=7)
@@ -123,9 +130,11 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     top_ks = [t.strip() for t in args.top_k.split(",") if t.strip()]
-    impls = {f"current {t}": (current.build_tree, t) for t in top_ks}
+    builds = [x.strip() for x in args.tree_build.split(",") if x.strip()]
+    impls = {f"current {t}" + ("" if tb == "reference" else f" {tb}"): (current.build_tree, t, tb)
+             for t in top_ks for tb in builds}
     if args.baseline:
-        impls["baseline"] = (load_tree_module(args.baseline).build_tree, None)
+        impls["baseline"] = (load_tree_module(args.baseline).build_tree, None, None)
     chunks = _chunks(args.chunks)
     names = [*impls, *(f"top-k {t}" for t in top_ks)]
     points = [(v, b, c, impl) for v in _ints(args.vocab) for b in _ints(args.budgets) for c in chunks
@@ -140,7 +149,7 @@ def main(argv=None) -> int:
     def build(point):
         v, b, c, impl = point
         program = top_k_program(b, c, impl[len("top-k "):]) if impl.startswith("top-k ") else tree_program(
-            *impls[impl][:1], b, c, impls[impl][1])
+            impls[impl][0], b, c, *impls[impl][1:])
         t0 = time.perf_counter()
         compiled = compile_program(program, (*inputs[v], jnp.int32(1)))
         return point, compiled, time.perf_counter() - t0
@@ -152,7 +161,7 @@ def main(argv=None) -> int:
     # Every tree is compared with the baseline's at the same point, or (no baseline) with the first chunk's
     # and first top-k's.
     def reference_key(v, b, c):
-        return (v, b, c, "baseline") if args.baseline else (v, b, chunks[0], f"current {top_ks[0]}")
+        return (v, b, c, "baseline") if args.baseline else (v, b, chunks[0], next(iter(impls)))
 
     fits = {(v, b): threshold_fits(inputs[v][0], b) for v in _ints(args.vocab) for b in _ints(args.budgets)}
 

@@ -30,6 +30,7 @@ import jax.numpy as jnp  # noqa: E402
 import kernel_check  # noqa: E402
 from pallas_kernels import tree_accept as tac  # noqa: E402
 from pallas_kernels import tree_attention as ta  # noqa: E402
+from pallas_kernels import tree_build as tbk  # noqa: E402
 
 SMEM_PER_SM = 233472  # bytes on sm_90 (228 KiB); one block may take up to 227 KiB; 1 KiB is reserved per block
 SMEM_PER_BLOCK = 232448
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs = []
     for dtype in (jnp.bfloat16, jnp.float32):
         configs = [ta.TreeAttentionConfig()] + ([] if args.quick or dtype == jnp.float32 else kernel_check.ATTN_SWEEP)
-        for t in shape["attn_t"]:
+        for t in shape["t"]:
             attn_args = [sds((b, t, hq, d), dtype), sds((b, s, n, d), dtype), sds((b, s, n, d), dtype),
                          sds((b,), jnp.int32), sds((b, t, n, d), dtype), sds((b, t, n, d), dtype),
                          sds((b, t, t), bool), sds((b, t), jnp.int32)]
@@ -107,8 +108,16 @@ def main(argv: list[str] | None = None) -> int:
             for config in configs:
                 fn = functools.partial(tac.greedy_tokens_pallas, config=config)
                 jobs.append((f"tree_accept {jnp.dtype(dtype).name} T={t}", config, fn, acc_args))
+    for budget in (16, 64, 128):  # the tree build after the top-k, L = 15 (block 16), batch 1 and 4
+        for rows in (1, 4):
+            build_args = [sds((rows, 15, budget), jnp.float32), sds((rows, 15, budget), jnp.int32),
+                          sds((rows,), jnp.int32)]
+            config = tbk.TreeBuildConfig()
+            fn = functools.partial(tbk.tree_build_pallas, budget=budget, config=config)
+            jobs.append((f"tree_build B={budget} b={rows}", config, fn, build_args))
     for name, config, fn, fn_args in jobs:
-        label = f"{name:<32} {config!r}".replace("TreeAttentionConfig", "").replace("TreeAcceptConfig", "")
+        label = f"{name:<32} {config!r}".replace("TreeAttentionConfig", "").replace("TreeAcceptConfig", "").replace(
+            "TreeBuildConfig", "")
         try:
             print(label, resources(triton_ir(fn, fn_args), config.num_warps, config.num_stages), flush=True)
         except Exception as exc:  # noqa: BLE001 - report and go on

@@ -1,0 +1,394 @@
+"""The draft-tree build after the vocabulary top-k, in one kernel launch (Pallas, Triton).
+
+The contract is `ddtree_jax.tree._build_one` (the B most probable prefixes under per-depth top-K
+log-probabilities, node order (score desc, depth asc, lexicographic rank tuple asc), ancestor mask),
+bit for bit: the same float32 sums, the same comparisons, the same tie order. Its reference is that
+function (`build_tree(..., implementation="reference")`), which tests/test_tree.py checks against the
+paper's heap Algorithm 1; kernels never import the application, so the two meet in the tests.
+
+Letters: b batch, l depths (L, the drafter's block - 1), k top entries per depth (K = min(B, V)),
+B budget, c candidate pairs (C, `candidate_pairs`: (i + 1)(j + 1) <= B), t tree nodes (T = B + 1).
+A trailing p means the power of two at or above (Triton blocks): bp, cp, tp.
+
+One program per batch row (grid (b,)); the whole build runs inside it, depth after depth, with
+per-row scratch in global memory (extra outputs) and CTA barriers between a store and the loads of
+other threads. Per depth d >= 1:
+1. Lexicographic slots. The beam's labels are in lexicographic order; entry i's candidates (i, j),
+   j < width(i) = min(K, B // (i + 1)), take the slots offset(i) + j, where offset(i) sums the widths
+   of the entries with smaller labels (a B x B count). Slot order is then the lexicographic order
+   of `_build_one`'s `lex` keys, so its tie-break "lex' < lex" becomes "slot' < slot".
+2. Places. Each candidate's place in (score desc, slot asc) order counts the candidates ahead of it,
+   in [block, block] tiles of slots: a column block before the row block needs only score' >= score,
+   one after it score' > score, the diagonal tile both tests (float compares, as `_build_one`).
+   The candidate at place n < B is scattered to `select[n]`.
+3. The new beam, best first: parent, token rank, score = beam_score[parent] + lp_d[rank] (the same
+   float32 sum) and, as its label, its slot (lexicographic order again; only the order matters).
+The global top B (score desc in XLA's total order, then flat index d * B + i asc) is merged depth by
+depth into a running best-first list of B entries (its own index is its count among itself; 3 B x B
+counts per depth instead of one (L B)^2). Last, node numbering (node = 1 + place), parents through
+`node_of[d, i]`, and the ancestor mask: the identity, then a scatter of True at every (node,
+ancestor) found by walking the beam's parent pointers up the depths (what `_build_one` carries).
+
+Scores are taken to be NaN-free (log-softmax outputs): NaN compares differ between the two counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+from pallas_kernels._dispatch import cdiv, check_knobs, next_pow2, resolve_interpret
+
+MAX_BUDGET = 128  # C = 620 candidates per depth at B = 128; larger budgets stay on the XLA builder
+
+_NEG_INF = float("-inf")
+_INT32_MIN = int(np.iinfo(np.int32).min)
+
+
+class BuiltTree(NamedTuple):
+    """`ddtree_jax.tree.DraftTree`'s fields in its order (device), T = B + 1:
+      tokens [b, T] int32, parents [b, T] int32, depths [b, T] int32, valid [b, T] bool,
+      ancestor [b, T, T] bool, scores [b, T] float32."""
+
+    tokens: jax.Array
+    parents: jax.Array
+    depths: jax.Array
+    valid: jax.Array
+    ancestor: jax.Array
+    scores: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeBuildConfig:
+    """Tuning knobs of the kernel (static, hashable).
+
+    block:      side of the counting tiles (candidates x candidates, entries x entries); a power of
+                two >= 16, clamped to the padded sizes.
+    num_warps:  Triton's warps per program (one program per batch row).
+    num_stages: Triton's software pipelining; 1, because the depth loop stores and reloads scratch
+                across barriers and must not have loads hoisted into an earlier iteration.
+    """
+
+    block: int = 32
+    num_warps: int = 4
+    num_stages: int = 1
+
+    def __post_init__(self):
+        check_knobs(self, pow2={"block": 16})
+
+
+def candidate_table(budget: int, k: int) -> np.ndarray:
+    """int32 [2, cp]: `_build_one`'s candidate pairs (beam entry i, token rank j), (i + 1)(j + 1) <= B,
+    j < K, in (i, j) order, padded with zeros to a power of two. Example, B = 4, K = 4:
+    i = [0 0 0 0 1 1 2 3], j = [0 1 2 3 0 1 0 0]."""
+    pairs = [(i, j) for i in range(budget) for j in range(min(k, budget // (i + 1)))]
+    table = np.zeros((2, next_pow2(len(pairs))), np.int32)
+    table[:, :len(pairs)] = np.array(pairs, np.int32).T
+    return table
+
+
+# ----------------------------------------------------------------------------------------------------
+# Kernel body
+
+
+def _total_order_key(x):
+    """float32 -> int32 in XLA's total order of floats (-0.0 < +0.0), as `tree.total_order_key`."""
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def _count_ahead(rows, row_idx, col_ref, lo, hi, *, block: int, num_cols: int, tie: str, other, masked: bool):
+    """rows [r] values (row_idx [r] their indices in col_ref's index space); columns: blocks [lo, hi) of
+    `block` entries of col_ref [>= num_cols], entries >= num_cols read as `other`. Per row, the number of
+    columns ahead of it in (value desc, index asc) order, where a tie counts if `tie` is "always"
+    (every column comes first), "never" (every column comes later) or "index" (compare indices).
+    masked: also test index < num_cols (for integer values, where `other` may tie)."""
+
+    def load(q):
+        col_idx = q * block + jnp.arange(block, dtype=jnp.int32)
+        return plt.load(col_ref.at[pl.ds(q * block, block)], mask=col_idx < num_cols, other=other)
+
+    def body(q, carry):
+        acc, cols = carry
+        upcoming = load(q + 1)  # issued before this block's compares use `cols`: its latency overlaps them
+        col_idx = q * block + jnp.arange(block, dtype=jnp.int32)
+        c, r = cols[None, :], rows[:, None]
+        if tie == "always":
+            ahead = c >= r
+        elif tie == "never":
+            ahead = c > r
+        else:
+            ahead = (c > r) | ((c == r) & (col_idx[None, :] < row_idx[:, None]))
+        if masked:
+            ahead = ahead & (col_idx < num_cols)[None, :]
+        return acc + ahead.astype(jnp.int32), upcoming
+
+    acc, _ = lax.fori_loop(lo, hi, body, (jnp.zeros((rows.shape[0], block), jnp.int32), load(lo)))
+    return jnp.sum(acc, axis=1)
+
+
+def _tree_build_kernel(
+    # inputs
+    lp_ref,        # [l, k] float32 top-K log-probs per depth, rank order
+    tok_ref,       # [l, k] int32 their tokens
+    root_ref,      # [1] int32 the root (bonus) token
+    pair_ref,      # [2, cp] int32 candidate pairs (i, j), `candidate_table`
+    # outputs
+    tokens_ref,    # [t] int32
+    parents_ref,   # [t] int32
+    depths_ref,    # [t] int32
+    valid_ref,     # [t] bool
+    ancestor_ref,  # [t, t] bool
+    scores_ref,    # [t] float32
+    # scratch (per row, global memory)
+    score_ref,     # [l, bp] float32 beam scores per depth, best first (-inf past K at depth 0)
+    parent_ref,    # [l, bp] int32 beam parent (position in the previous depth's beam)
+    rank_ref,      # [l, bp] int32 token rank
+    node_ref,      # [l, bp] int32 node of each beam entry (1 + global place), -1 if not chosen
+    label_ref,     # [bp] int32 the current beam's labels (lexicographic order)
+    offset_ref,    # [bp] int32 first slot of each beam entry's candidates
+    slot_score_ref,  # [cp] float32 candidate scores by slot
+    slot_cand_ref,   # [cp] int32 candidate index (into pair_ref) by slot
+    select_ref,    # [bp] int32 slot at each of the B first places
+    new_key_ref,   # [bp] int32 total-order keys of the depth being merged
+    run_key_ref,   # [bp] int32 running global top B: keys, best first
+    run_flat_ref,  # [bp] int32 and flat indices d * B + i
+    *,
+    budget: int,
+    k: int,
+    depth_limit: int,
+    num_pairs: int,
+    bp: int,
+    cp: int,
+    tp: int,
+    block_c: int,
+    block_b: int,
+    block_t: int,
+    interpret: bool,
+):
+    b_, k_, l_, c_ = budget, k, depth_limit, num_pairs
+    t_ = budget + 1
+    pos = jnp.arange(bp, dtype=jnp.int32)
+    in_beam = pos < b_
+    # Masked lanes of a scatter get an out-of-range index: the interpreter drops those writes (a masked
+    # lane writing back the old value at a shared index could overwrite a real one); Triton masks them.
+    bp_out, cp_out, t_out = bp, cp, t_
+
+    def barrier():  # the interpreter runs a program as one sequential program and has no barrier
+        if not interpret:
+            plt.debug_barrier()
+
+    def merge(d, score, first: bool):
+        """Merge depth d's beam (score [bp], position i = flat d * B + i) into the running global list."""
+        key = jnp.where(in_beam, _total_order_key(score), _INT32_MIN)
+        new_key_ref[...] = key
+        barrier()
+        kw = dict(block=block_b, num_cols=b_, other=_INT32_MIN, masked=True)
+        nb = cdiv(b_, block_b)
+        place_new = _count_ahead(key, pos, new_key_ref, 0, nb, tie="index", **kw)
+        if not first:
+            run_key, run_flat = run_key_ref[...], run_flat_ref[...]
+            place_new += _count_ahead(key, pos, run_key_ref, 0, nb, tie="always", **kw)  # shallower: first on ties
+            place_run = pos + _count_ahead(run_key, pos, new_key_ref, 0, nb, tie="never", **kw)
+        barrier()  # every read of the running list is done
+        if not first:
+            keep = in_beam & (place_run < b_)
+            at = jnp.where(keep, place_run, bp_out)
+            plt.store(run_key_ref.at[at], run_key, mask=keep)
+            plt.store(run_flat_ref.at[at], run_flat, mask=keep)
+        keep = in_beam & (place_new < b_)
+        at = jnp.where(keep, place_new, bp_out)
+        plt.store(run_key_ref.at[at], key, mask=keep)
+        plt.store(run_flat_ref.at[at], d * b_ + pos, mask=keep)
+        barrier()
+
+    # Nothing chosen yet.
+    def clear(e, _):
+        node_ref[e, :] = jnp.full((bp,), -1, jnp.int32)
+        return 0
+
+    lax.fori_loop(0, l_, clear, 0)
+
+    # Depth 1 (index 0): the top-K in rank order, best first; positions K..B-1 empty (-inf).
+    score0 = jnp.where(pos < k_, lp_ref[0, jnp.minimum(pos, k_ - 1)], _NEG_INF)
+    score_ref[0, :] = score0
+    parent_ref[0, :] = jnp.zeros((bp,), jnp.int32)
+    rank_ref[0, :] = pos
+    label_ref[...] = pos
+    barrier()
+    merge(0, score0, first=True)
+
+    num_blocks = cdiv(c_, block_c)
+
+    def next_depth(d, _):
+        # 1. offset(i) = sum of width(i') over the beam entries with smaller labels.
+        label = label_ref[...]
+
+        def offset_body(q, acc):  # width(i') = min(K, B // (i' + 1)): entry i' has that many candidates
+            col = q * block_b + jnp.arange(block_b, dtype=jnp.int32)
+            col_ok = col < b_
+            col_label = plt.load(label_ref.at[pl.ds(q * block_b, block_b)], mask=col_ok, other=0)
+            col_width = jnp.where(col_ok, jnp.minimum(k_, lax.div(jnp.int32(b_), col + 1)), 0)
+            return acc + jnp.where(col_label[None, :] < label[:, None], col_width[None, :], 0)
+
+        offset = jnp.sum(lax.fori_loop(0, cdiv(b_, block_b), offset_body, jnp.zeros((bp, block_b), jnp.int32)),
+                         axis=1)
+        offset_ref[...] = offset
+        barrier()
+        # 2. Every candidate's score into its lexicographic slot (the [cp] vectors are made here, not kept
+        # live across the depth loop: registers).
+        cand = jnp.arange(cp, dtype=jnp.int32)
+        cand_ok = cand < c_
+        pair_i, pair_j = pair_ref[0, :], pair_ref[1, :]
+        slot = jnp.where(cand_ok, offset_ref[pair_i] + pair_j, cp_out)
+        score = score_ref[d - 1, pair_i] + lp_ref[d, jnp.minimum(pair_j, k_ - 1)]  # left to right, as _build_one
+        plt.store(slot_score_ref.at[slot], score, mask=cand_ok)
+        plt.store(slot_cand_ref.at[slot], cand, mask=cand_ok)
+        barrier()
+
+        # 3. Places in (score desc, slot asc) order; the first B scattered to `select`.
+        def place_block(r, _):
+            row_idx = r * block_c + jnp.arange(block_c, dtype=jnp.int32)
+            row_ok = row_idx < c_
+            rows = plt.load(slot_score_ref.at[pl.ds(r * block_c, block_c)], mask=row_ok, other=0.0)
+            kw = dict(block=block_c, num_cols=c_, other=float("nan"), masked=False)
+            place = (_count_ahead(rows, row_idx, slot_score_ref, 0, r, tie="always", **kw)
+                     + _count_ahead(rows, row_idx, slot_score_ref, r, r + 1, tie="index", **kw)
+                     + _count_ahead(rows, row_idx, slot_score_ref, r + 1, num_blocks, tie="never", **kw))
+            keep = row_ok & (place < b_)
+            plt.store(select_ref.at[jnp.where(keep, place, bp_out)], row_idx, mask=keep)
+            return 0
+
+        lax.fori_loop(0, num_blocks, place_block, 0)
+        barrier()
+        # 4. The new beam, best first; labels = slots.
+        at = select_ref[jnp.minimum(pos, b_ - 1)]
+        c = slot_cand_ref[at]
+        parent, rank = pair_ref[0, c], pair_ref[1, c]
+        new_score = score_ref[d - 1, parent] + lp_ref[d, rank]  # the same sum as the candidate's, bit for bit
+        new_score = jnp.where(in_beam, new_score, _NEG_INF)
+        score_ref[d, :] = new_score
+        parent_ref[d, :] = parent
+        rank_ref[d, :] = rank
+        label_ref[...] = at
+        barrier()
+        merge(d, new_score, first=False)
+        return 0
+
+    lax.fori_loop(1, l_, next_depth, 0)
+
+    # Nodes: node n + 1 is the running list's entry n.
+    node_ok = in_beam
+    flat = run_flat_ref[jnp.minimum(pos, b_ - 1)]
+    depth = lax.div(flat, jnp.int32(b_))  # 0-based depth index
+    beam = lax.rem(flat, jnp.int32(b_))
+    score = score_ref[depth, beam]
+    valid = node_ok & (jnp.abs(score) < jnp.inf)  # finite (NaN: False)
+    plt.store(node_ref.at[jnp.where(node_ok, depth, l_), beam], pos + 1, mask=node_ok)
+    barrier()
+    token = tok_ref[depth, jnp.minimum(rank_ref[depth, beam], k_ - 1)]  # _build_one's gather clamps too
+    parent_node = node_ref[jnp.maximum(depth - 1, 0), parent_ref[depth, beam]]
+    parent_node = jnp.where(valid & (depth > 0), parent_node, 0)
+    out = jnp.where(node_ok, pos + 1, t_out)
+    plt.store(tokens_ref.at[out], token, mask=node_ok)
+    plt.store(parents_ref.at[out], parent_node, mask=node_ok)
+    plt.store(depths_ref.at[out], jnp.where(valid, depth + 1, 0), mask=node_ok)
+    plt.store(valid_ref.at[out], valid, mask=node_ok)
+    plt.store(scores_ref.at[out], score, mask=node_ok)
+    tokens_ref[0] = root_ref[0]
+    parents_ref[0] = jnp.int32(0)
+    depths_ref[0] = jnp.int32(0)
+    valid_ref[0] = jnp.bool_(True)
+    scores_ref[0] = jnp.float32(0.0)
+
+    # Ancestor mask: the identity (a padding node sees only itself), then the root and the ancestors of every
+    # valid node, level by level up its beam parents (node_of may say -1 where _build_one's does).
+    def eye_block(r, _):
+        row = r * block_t + jnp.arange(block_t, dtype=jnp.int32)
+        col = jnp.arange(tp, dtype=jnp.int32)
+        plt.store(ancestor_ref.at[pl.ds(r * block_t, block_t), pl.ds(0, tp)], row[:, None] == col[None, :],
+                  mask=(row < t_)[:, None] & (col < t_)[None, :])
+        return 0
+
+    lax.fori_loop(0, cdiv(t_, block_t), eye_block, 0)
+    barrier()
+    true = jnp.ones((bp,), jnp.bool_)
+    row_out = jnp.where(valid, pos + 1, t_out)
+    plt.store(ancestor_ref.at[row_out, jnp.zeros((bp,), jnp.int32)], true, mask=valid)
+
+    def up(i, cur):
+        e = l_ - 1 - i
+        active = valid & (e <= depth)
+        anc = node_ref[e, cur]
+        hit = active & (anc >= 0)
+        plt.store(ancestor_ref.at[jnp.where(hit, pos + 1, t_out), jnp.maximum(anc, 0)], true, mask=hit)
+        return jnp.where(active, parent_ref[e, cur], cur)
+
+    lax.fori_loop(0, l_, up, beam)
+
+
+# ----------------------------------------------------------------------------------------------------
+# pallas_call wrapper and public function
+
+
+@functools.partial(jax.jit, static_argnames=("budget", "config", "interpret", "debug"))
+def tree_build_pallas(top_lp, top_tok, root_tokens, *, budget: int, config: TreeBuildConfig | None = None,
+                      interpret: bool = False, debug: bool = False) -> BuiltTree:
+    """top_lp [b, L, K] float32 and top_tok [b, L, K] int32: every depth's top K = min(B, V) log-probs and
+    tokens in rank order (the vocabulary top-k's output); root_tokens [b] int32; budget B (static,
+    1 <= B <= MAX_BUDGET). Returns BuiltTree, equal to `ddtree_jax.tree._build_one` vmapped."""
+    config = TreeBuildConfig() if config is None else config
+    if not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget <= MAX_BUDGET:
+        raise ValueError(f"budget={budget!r}: the tree-build kernel takes 1 <= B <= {MAX_BUDGET}")
+    if top_lp.ndim != 3 or top_tok.shape != top_lp.shape:
+        raise ValueError(f"top_lp and top_tok must both be [b, L, K], got {top_lp.shape} and {top_tok.shape}")
+    b, depth_limit, k = top_lp.shape
+    if k > budget:
+        raise ValueError(f"K={k} top entries per depth: must be min(B, V) <= B={budget}")
+    if root_tokens.shape != (b,):
+        raise ValueError(f"root_tokens must be [b] = ({b},), got {root_tokens.shape}")
+    table = candidate_table(budget, k)
+    num_pairs = sum(min(k, budget // (i + 1)) for i in range(budget))
+    bp, cp, t = next_pow2(budget), table.shape[1], budget + 1
+    tp = next_pow2(t)
+    kernel = functools.partial(
+        _tree_build_kernel, budget=budget, k=k, depth_limit=depth_limit, num_pairs=num_pairs, bp=bp, cp=cp,
+        tp=tp, block_c=min(config.block, cp), block_b=min(config.block, bp), block_t=min(config.block, tp), interpret=interpret)
+
+    def row(*shape):
+        return pl.BlockSpec((None, *shape), lambda i: (i,) + (0,) * len(shape))
+
+    out_dims = [((t,), jnp.int32), ((t,), jnp.int32), ((t,), jnp.int32), ((t,), jnp.bool_), ((t, t), jnp.bool_),
+                ((t,), jnp.float32),
+                ((depth_limit, bp), jnp.float32), ((depth_limit, bp), jnp.int32), ((depth_limit, bp), jnp.int32),
+                ((depth_limit, bp), jnp.int32), ((bp,), jnp.int32), ((bp,), jnp.int32), ((cp,), jnp.float32),
+                ((cp,), jnp.int32), ((bp,), jnp.int32), ((bp,), jnp.int32), ((bp,), jnp.int32), ((bp,), jnp.int32)]
+    outs = pl.pallas_call(
+        kernel,
+        grid=(b,),
+        in_specs=[row(depth_limit, k), row(depth_limit, k), row(1), pl.BlockSpec((2, cp), lambda i: (0, 0))],
+        out_specs=[row(*shape) for shape, _ in out_dims],
+        out_shape=[jax.ShapeDtypeStruct((b, *shape), dtype) for shape, dtype in out_dims],
+        compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        debug=debug,
+        name="tree_build",
+    )(top_lp.astype(jnp.float32), top_tok.astype(jnp.int32), root_tokens.astype(jnp.int32).reshape(b, 1),
+      jnp.asarray(table))
+    return BuiltTree(*outs[:6])
+
+
+def tree_build(top_lp, top_tok, root_tokens, *, budget: int, config: TreeBuildConfig | None = None,
+               interpret: bool | None = None) -> BuiltTree:
+    """`tree_build_pallas`, interpreted where there is no GPU (interpret None). There is no reference branch
+    here: the reference is the application's `ddtree_jax.tree._build_one`, and `build_tree` chooses."""
+    return tree_build_pallas(top_lp, top_tok, root_tokens, budget=budget, config=config,
+                             interpret=resolve_interpret(interpret))

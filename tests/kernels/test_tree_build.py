@@ -1,0 +1,108 @@
+"""The tree-build kernel against the XLA builder (`build_tree(..., implementation="reference")`, i.e. the vmapped
+`tree._build_one`, itself checked against the heap Algorithm 1 in tests/test_tree.py): every DraftTree field equal,
+bit for bit, on random log-softmax inputs, heavy ties, a vocabulary smaller than the budget (padding nodes), budgets
+that are not powers of two, and depth 1.
+
+Every kernel test class runs interpreted on CPU and compiled on a GPU (marked `gpu`, skipped without one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ddtree_jax.tree import build_tree
+from pallas_kernels import tree_build as tb
+
+INTERPRET = [pytest.param(True, id="interpret"), pytest.param(False, id="compiled", marks=pytest.mark.gpu)]
+FIELDS = ("tokens", "parents", "depths", "valid", "ancestor", "scores")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    b: int
+    depth: int  # L
+    vocab: int
+    budget: int
+    levels: int | None = None  # log-probs rounded to multiples of 1 / levels: many exact ties
+
+    def __str__(self):
+        return f"b{self.b}-L{self.depth}-V{self.vocab}-B{self.budget}" + (f"-q{self.levels}" if self.levels else "")
+
+
+# Cases of equal (b, L, K, B) share the kernel's compilation (its input is the top-k), those of equal shapes the
+# reference's.
+CASES = [
+    Case(2, 3, 50, 1),
+    Case(2, 3, 300, 24),  # B not a power of two
+    Case(2, 15, 1000, 64),
+    Case(2, 15, 1000, 64, levels=1),  # ties everywhere
+    Case(2, 2, 5, 64),  # V < B: K = V, beam slots past K at -inf, and 5 + 25 finite prefixes < B: padding nodes
+    Case(1, 2, 300, 128),
+]
+
+
+def log_probs(case: Case) -> jax.Array:
+    rng = np.random.default_rng(zlib.crc32(str(case).encode()))
+    lp = jax.nn.log_softmax(jnp.asarray(2.0 * rng.normal(size=(case.b, case.depth, case.vocab)), jnp.float32), -1)
+    if case.levels:
+        lp = jnp.round(lp * case.levels) / case.levels
+    return lp
+
+
+@functools.partial(jax.jit, static_argnames=("budget", "implementation", "interpret"))
+def build(lp, roots, budget, implementation, interpret=None):
+    return build_tree(lp, roots, budget, implementation=implementation, interpret=interpret)
+
+
+def assert_same_tree(got, want):
+    for field in FIELDS:
+        np.testing.assert_array_equal(np.asarray(getattr(got, field)), np.asarray(getattr(want, field)),
+                                      err_msg=field)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+class TestTreeBuildKernel:
+    @pytest.mark.parametrize("case", CASES, ids=str)
+    def test_matches_xla_builder(self, case: Case, interpret: bool):
+        lp = log_probs(case)
+        roots = jnp.arange(case.b, dtype=jnp.int32) + 5
+        want = build(lp, roots, case.budget, "reference")
+        got = build(lp, roots, case.budget, "pallas", interpret)
+        assert_same_tree(got, want)
+        if case.vocab < case.budget:  # the padding case has padding nodes
+            assert not np.asarray(want.valid).all()
+
+    def test_a_perturbed_input_gives_another_tree(self, interpret: bool):
+        """Negative control: the comparison sees a change of one log-prob (depth 1's best token made the worst),
+        so the equal trees above are not vacuous."""
+        case = CASES[1]
+        lp = log_probs(case)
+        roots = jnp.arange(case.b, dtype=jnp.int32) + 5
+        perturbed = lp.at[0, 0, int(jnp.argmax(lp[0, 0]))].set(-50.0)
+        got = build(perturbed, roots, case.budget, "pallas", interpret)
+        with pytest.raises(AssertionError):
+            assert_same_tree(got, build(lp, roots, case.budget, "reference"))
+        assert_same_tree(got, build(perturbed, roots, case.budget, "reference"))
+
+
+def test_budget_above_the_kernel_maximum():
+    """The kernel refuses B > MAX_BUDGET naming it; build_tree keeps those on the XLA builder."""
+    budget = tb.MAX_BUDGET + 1
+    top = jnp.zeros((1, 1, budget), jnp.float32)
+    with pytest.raises(ValueError, match=f"budget={budget}"):
+        tb.tree_build_pallas(top, top.astype(jnp.int32), jnp.zeros((1,), jnp.int32), budget=budget, interpret=True)
+    lp = log_probs(Case(1, 2, 300, budget))
+    roots = jnp.array([5], jnp.int32)
+    assert_same_tree(build(lp, roots, budget, "pallas"), build(lp, roots, budget, "reference"))
+
+
+def test_config_is_validated():
+    with pytest.raises(ValueError, match="block=24"):
+        tb.TreeBuildConfig(block=24)
