@@ -47,6 +47,11 @@ from ddtree_jax.tree import DraftTree, build_tree
 from pallas_kernels.tree_accept import tree_accept
 
 
+# Budgets up to which the Pallas kernels build the tree (`pallas_kernels.tree_build`, one program per row):
+# on the H200 it took 43 us after the top-k at B = 16 against 128 us for XLA's builder, and 254 against
+# 111 us at B = 64 (tools/topk_probe.py, V = 151936, L = 15, 2026-12-01; docs/performance.md).
+TREE_BUILD_KERNEL_UP_TO = 16
+
 # Matmul precision of a decode: "auto" (`engine.resolve_options`: "highest" for a float32 target, "default"
 # otherwise), or one of JAX's names, applied to every dot of target and drafter (`at_matmul_precision`).
 MATMUL_PRECISIONS = ("auto", "default", "high", "highest")
@@ -235,11 +240,13 @@ def propose(logits: jax.Array, last_token: jax.Array, options: DecodeOptions) ->
     """The tree to verify, rooted at each row's bonus `last_token` [b]: DDTree's B most probable prefixes
     under the drafter's marginals (T = B + 1 nodes), or the chain of argmaxes (DFlash: T = bs; MTP: m + 1)."""
     if options.mode is Mode.DDTREE:
-        # The kernel off tp: there the drafter's logits are split over the vocabulary and the build runs
-        # replicated, where XLA's partitioning of a Triton custom call is not checked on a GPU yet.
+        # The kernel only where it was measured faster, and off tp: there the drafter's logits are split
+        # over the vocabulary and the build runs replicated, where XLA's partitioning of a Triton custom
+        # call is not checked on a GPU yet.
         runtime = options.runtime
+        kernel = runtime.pallas and runtime.tp_mesh is None and options.budget <= TREE_BUILD_KERNEL_UP_TO
         return build_tree(jax.nn.log_softmax(logits, axis=-1), last_token, options.budget,
-                          implementation="pallas" if runtime.pallas and runtime.tp_mesh is None else "reference")
+                          implementation="pallas" if kernel else "reference")
     drafts = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return chain_tree(jnp.concatenate([last_token[:, None], drafts], axis=1))
 
