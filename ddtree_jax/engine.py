@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import statistics
+import sys
 import time
 from typing import Callable, Sequence
 
@@ -16,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax import budget as auto
 from ddtree_jax.config import MTPConfig
 from ddtree_jax.models.contract import resolve_kernels
 from ddtree_jax.models.params import ModelParams
@@ -23,8 +26,8 @@ from ddtree_jax.parallel import put, to_host
 from ddtree_jax.round import DecodeOptions, DecodeState, Mode, RoundTrace, decode_loop, prefill
 
 # The Python API: generate and its types here; the device-side names re-exported from round.py.
-__all__ = ["generate", "GenerationResult", "resolve_options", "cache_shape", "DecodeOptions", "DecodeState", "Mode",
-           "RoundTrace", "decode_loop", "prefill"]
+__all__ = ["generate", "GenerationResult", "resolve_options", "cache_shape", "calibrate", "DecodeOptions",
+           "DecodeState", "Mode", "RoundTrace", "decode_loop", "prefill"]
 
 CAPACITY_BUCKET = 128
 PROMPT_BUCKET = 32
@@ -41,6 +44,12 @@ class GenerationResult:
     decode_seconds: float
     compile_seconds: float
     trees: list[dict] | None = None  # with options.record_trees: one dict per row per round
+    # --budget auto: per row, the budget each round verified (0: the chain), as acceptance_lengths; the seconds
+    # per round of each candidate that the choice used (options.budgets order), and the seconds spent measuring
+    # them (0 when they came from the cost cache or the caller)
+    budgets_chosen: list[list[int]] | None = None
+    round_costs: list[float] | None = None
+    calibration_seconds: float = 0.0
 
     def acceptance_histogram(self, block_size: int) -> list[int]:
         """Rounds by committed length: entry k counts rounds that committed k + 1 tokens (k + 1 = depth
@@ -121,18 +130,26 @@ def resolve_options(options: DecodeOptions, drafter: ModelParams | None, dtype=N
 
 def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: DecodeOptions, *,
              drafter: ModelParams | None = None, seed: int = 0, steps_per_call: int | None = None,
-             on_tokens: Callable[[list[list[int]]], None] | None = None) -> GenerationResult:
+             on_tokens: Callable[[list[list[int]]], None] | None = None,
+             round_costs: Sequence[float] | None = None, recalibrate: bool = False) -> GenerationResult:
     """Generate for a batch of token-id prompts (unequal lengths allowed).
 
     drafter: the DFlash drafter (dflash and ddtree modes), or the target's MTP head (mtp mode:
     `checkpoint.load_mtp`). steps_per_call: rounds per device call (None: the whole loop in one call);
     `on_tokens` receives every row's tokens so far after each call, for streaming.
+    `--budget auto` (options.budgets): round_costs, seconds per round of each candidate; None takes them from
+    the cost cache, or measures them on these prompts first (`calibrate`) and caches them (`recalibrate`:
+    measure even when cached).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     options = resolve_options(options, drafter, target.array("model.embed_tokens.weight").dtype)
     if not options.mode.needs_drafter:
         drafter = None
+    if options.record_trees and not options.mode.needs_drafter:
+        raise ValueError("record_trees needs a speculative mode (dflash, ddtree or mtp)")
+    if round_costs is not None and len(round_costs) != len(options.budgets):
+        raise ValueError(f"round_costs: one per candidate budget {options.budgets}, got {len(round_costs)}")
     vocab = target.config.vocab_size
     for r, prompt in enumerate(prompts):
         bad = [t for t in prompt if not 0 <= int(t) < vocab]
@@ -160,13 +177,28 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
     prefill_s = time.perf_counter() - start
 
     if options.record_trees:
-        if not options.mode.needs_drafter:
-            raise ValueError("record_trees needs a speculative mode (dflash, ddtree or mtp)")
         steps_per_call = 1  # the trace holds one round; read it after every round
-    trees: list[dict] | None = [] if options.record_trees else None
     steps = jnp.asarray(steps_per_call or options.max_new_tokens, jnp.int32)  # a round emits >= 1 token
     loop_fn, loop_compile_s = _compiled("decode_loop", decode_loop, (target, drafter, state, steps),
                                         dict(options=options), donate=(2,))
+    calibration_s = 0.0
+    if options.auto_budget and round_costs is None:
+        key = auto.cost_key(target.config, drafter.config, options, b, capacity,
+                            target.array("model.embed_tokens.weight").dtype)
+        round_costs = None if recalibrate else auto.load_costs(key)
+        if round_costs is None:
+            start = time.perf_counter()
+            round_costs, complete = calibrate(lambda: prefill_fn(target, drafter, tokens, lengths_dev, rng),
+                                              lambda s, n: loop_fn(target, drafter, s, jnp.asarray(n, jnp.int32)),
+                                              options)
+            calibration_s = time.perf_counter() - start
+            if complete and auto.save_costs(key, round_costs) is None:
+                print(f"warning: cannot write the round-cost cache in {auto.cost_cache_dir()}; the costs hold "
+                      "for this run only", file=sys.stderr)
+    if options.auto_budget:
+        state = with_round_costs(state, round_costs)
+
+    trees: list[dict] | None = [] if options.record_trees else None
     decode_s = 0.0
     while True:
         if on_tokens is not None:
@@ -181,6 +213,7 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
         if trees is not None:
             trees.extend(_trace_rows(state, running))
     round_lengths, num_rounds = to_host(state.round_lengths), to_host(state.num_rounds)
+    chosen = to_host(state.budget.chosen) if options.auto_budget else None
     return GenerationResult(
         output_ids=_rows(state)[:n_prompts],
         acceptance_lengths=[round_lengths[r, :num_rounds[r]].tolist() for r in range(n_prompts)],
@@ -188,12 +221,57 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
         decode_seconds=decode_s,
         compile_seconds=compile_s + loop_compile_s,
         trees=trees,
+        budgets_chosen=None if chosen is None else [chosen[r, :num_rounds[r]].tolist() for r in range(n_prompts)],
+        round_costs=[float(c) for c in round_costs] if options.auto_budget else None,
+        calibration_seconds=calibration_s,
     )
+
+
+def with_round_costs(state: DecodeState, seconds: Sequence[float]) -> DecodeState:
+    """The state with `--budget auto`'s seconds per round of each candidate (an array argument of the loop)."""
+    costs = jax.device_put(np.asarray(seconds, np.float32), state.budget.costs.sharding)
+    return dataclasses.replace(state, budget=dataclasses.replace(state.budget, costs=costs))
+
+
+CALIBRATION_ROUNDS = 8  # timed rounds per call of the calibration
+CALIBRATION_REPEATS = 3  # calls per candidate (median)
+FORCED_OUT = 1e30  # the cost that keeps a candidate from being chosen while another one is measured
+
+
+def calibrate(run_prefill: Callable[[], DecodeState], run_loop: Callable[[DecodeState, int], DecodeState],
+              options: DecodeOptions) -> tuple[list[float], bool]:
+    """Seconds per round of each `--budget auto` candidate, measured with the compiled prefill and decode loop
+    that the generation runs: per candidate, the choice forced to it (every other candidate's cost FORCED_OUT),
+    a fresh prefill, one untimed round, then CALIBRATION_ROUNDS rounds in one call (fewer when every row
+    finishes first), timed; the median of CALIBRATION_REPEATS such calls. Returns (seconds, complete): a
+    candidate that got no timed round (the rows finished within one round) is given seconds in proportion to
+    its verified tokens against the measured ones, and `complete` is False (not worth caching)."""
+    budgets = options.budgets
+    seconds: list[float | None] = []
+    for i in range(len(budgets)):
+        forced = [FORCED_OUT] * len(budgets)
+        forced[i] = 1.0
+        times = []
+        for _ in range(CALIBRATION_REPEATS):
+            state = jax.block_until_ready(run_loop(with_round_costs(run_prefill(), forced), 1))
+            first = int(to_host(state.step))
+            start = time.perf_counter()
+            state = jax.block_until_ready(run_loop(state, CALIBRATION_ROUNDS))
+            elapsed, rounds = time.perf_counter() - start, int(to_host(state.step)) - first
+            if rounds:
+                times.append(elapsed / rounds)
+        seconds.append(statistics.median(times) if times else None)
+    widths = [options.candidate(b).verify_width for b in budgets]
+    measured = [(s, w) for s, w in zip(seconds, widths) if s is not None]
+    per_token = statistics.median(s / w for s, w in measured) if measured else 1.0
+    return [s if s is not None else per_token * w for s, w in zip(seconds, widths)], len(measured) == len(budgets)
 
 
 def _trace_rows(state: DecodeState, running: np.ndarray) -> list[dict]:
     """The last round's trees of the rows that were running, as JSON-ready dicts (valid nodes only)."""
     t = jax.tree.map(to_host, state.trace)
+    chosen = to_host(state.budget.chosen) if state.budget is not None else None
+    num_rounds = to_host(state.num_rounds)
     out = []
     for r in np.flatnonzero(running):
         keep = t.valid[r]
@@ -201,6 +279,8 @@ def _trace_rows(state: DecodeState, running: np.ndarray) -> list[dict]:
         out.append({"round": int(to_host(state.step)) - 1, "row": int(r), "start": int(t.start[r]),
                     "tokens": t.tokens[r][keep].tolist(), "parents": t.parents[r][keep].tolist(),
                     "depths": t.depths[r][keep].tolist(), "accepted": t.path[r][:count].tolist()})
+        if chosen is not None:  # --budget auto: the budget this round verified (0: the chain)
+            out[-1]["budget"] = int(chosen[r, num_rounds[r] - 1])
     return out
 
 

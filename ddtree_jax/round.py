@@ -38,12 +38,13 @@ import jax.numpy as jnp
 
 from ddtree_jax import cache as kv
 from ddtree_jax.accept import Accepted, accept_tree, chain_tree
+from ddtree_jax.budget import CHAIN, BudgetState, chain_reach, check_candidates, choose, observe, tree_reach
 from ddtree_jax.models import dflash, mtp, target_family
 from ddtree_jax.models.contract import KERNEL_CHOICES, ForwardMeta, ForwardOut, Kernels, Runtime, resolve_kernels
 from ddtree_jax.models.params import ModelParams
 from ddtree_jax.parallel import Parallel, constrain_cache
 from ddtree_jax.sampling import SamplingConfig, decode_tokens
-from ddtree_jax.tree import DraftTree, build_tree
+from ddtree_jax.tree import DraftTree, build_tree, first_nodes
 from pallas_kernels.tree_accept import tree_accept
 
 
@@ -76,6 +77,9 @@ class DecodeOptions:
     block_size: drafter block (bonus + bs - 1 drafts); 0 takes the drafter's own. MTP: the chain's length,
       mtp_steps + 1 (`engine.resolve_options` sets it).
     budget: DDTree tree nodes besides the root (B); the target verifies B + 1 tokens per round.
+    budgets: DDTree with `--budget auto` when not empty: the candidate budgets, ascending, 0 meaning the chain
+      (a DFlash round); every round verifies the one expected to commit the most tokens per second
+      (`auto_round`, `budget.py`), and `budget` is unused.
     mtp_steps: MTP steps per round (m): the head drafts m tokens and the target verifies m + 1.
     kernels: "auto" (the Pallas kernels on a GPU for 16-bit weights, pure JAX elsewhere;
       $DDTREE_JAX_KERNELS overrides), "jax" or "pallas" (`models.contract.resolve_kernels`);
@@ -94,6 +98,7 @@ class DecodeOptions:
     eos_ids: tuple[int, ...] = ()  # empty: never stop on a token
     block_size: int = 0
     budget: int = 64
+    budgets: tuple[int, ...] = ()
     mtp_steps: int = 3
     record_trees: bool = False  # keep each round's tree and accepted path in the state (--save-trees)
     parallel: Parallel = Parallel()  # device layout (parallel.py)
@@ -107,6 +112,11 @@ class DecodeOptions:
             raise ValueError(f"block_size must be >= 2 for {self.mode.value}, got {self.block_size}")
         if self.mode is Mode.DDTREE and self.budget < 1:
             raise ValueError(f"budget must be >= 1, got {self.budget}")
+        if self.budgets:
+            if self.mode is not Mode.DDTREE:
+                raise ValueError(f"budgets (--budget auto) is a ddtree option, not {self.mode.value}'s")
+            if self.budgets != check_candidates(self.budgets):
+                raise ValueError(f"budgets must be distinct and ascending, got {self.budgets}")
         if self.mode is Mode.MTP and self.mtp_steps < 1:
             raise ValueError(f"mtp_steps must be >= 1, got {self.mtp_steps}")
         if self.mode is Mode.MTP and self.block_size not in (0, self.mtp_steps + 1):
@@ -126,8 +136,22 @@ class DecodeOptions:
         return Runtime(kernels=resolve_kernels(self.kernels), tp_mesh=tp_mesh)
 
     @property
+    def auto_budget(self) -> bool:
+        """DDTree choosing its budget every round among `budgets` (`auto_round`)."""
+        return bool(self.budgets)
+
+    def candidate(self, budget: int) -> "DecodeOptions":
+        """The options of one `--budget auto` candidate's fixed round: a DFlash round for 0 (the chain), else a
+        DDTree round of that budget."""
+        if budget == CHAIN:
+            return dataclasses.replace(self, mode=Mode.DFLASH, budgets=())
+        return dataclasses.replace(self, budget=budget, budgets=())
+
+    @property
     def verify_width(self) -> int:
-        """Tokens the target verifies per round (the widest call after prefill)."""
+        """Tokens the target verifies per round (the widest call after prefill; auto: the widest candidate)."""
+        if self.auto_budget:
+            return max(self.candidate(b).verify_width for b in self.budgets)
         return {Mode.AR: 1, Mode.DFLASH: self.block_size, Mode.DDTREE: self.budget + 1,
                 Mode.MTP: self.mtp_steps + 1}[self.mode]
 
@@ -151,6 +175,7 @@ class DecodeState:
       rng:            PRNG key (sampling).
       step:           [] int32, rounds run (all rows).
       trace:          the last round's tree and accepted path (RoundTrace), when options.record_trees.
+      budget:         `--budget auto`'s costs, acceptance correction and chosen budgets (budget.BudgetState).
     """
 
     cache: kv.KVCache | kv.HybridCache
@@ -164,6 +189,7 @@ class DecodeState:
     rng: jax.Array
     step: jax.Array
     trace: "RoundTrace | None" = None
+    budget: BudgetState | None = None
 
     @classmethod
     def start(cls, cache, draft_cache, last_token: jax.Array, rng: jax.Array, options: DecodeOptions,
@@ -176,7 +202,9 @@ class DecodeState:
                    done=jnp.zeros((b,), bool), round_lengths=jnp.zeros((b, options.max_new_tokens), jnp.int32),
                    num_rounds=jnp.zeros((b,), jnp.int32), rng=rng, step=jnp.zeros((), jnp.int32),
                    trace=RoundTrace.empty(b, options.verify_width, options.block_size)
-                   if options.record_trees else None)
+                   if options.record_trees else None,
+                   budget=BudgetState.start(b, options.max_new_tokens, len(options.budgets), options.block_size - 1)
+                   if options.auto_budget else None)
 
 
 @jax.tree_util.register_dataclass
@@ -199,6 +227,12 @@ class RoundTrace:
         z = lambda *shape: jnp.zeros(shape, jnp.int32)  # noqa: E731
         return cls(start=z(batch), tokens=z(batch, nodes), parents=z(batch, nodes), depths=z(batch, nodes),
                    valid=jnp.zeros((batch, nodes), bool), path=z(batch, path_len), count=z(batch))
+
+    def padded(self, nodes: int) -> "RoundTrace":
+        """The same trace over `nodes` >= T node slots (the extra ones invalid): one shape for every budget."""
+        pad = lambda x: jnp.pad(x, ((0, 0), (0, nodes - x.shape[1])))  # noqa: E731
+        return dataclasses.replace(self, tokens=pad(self.tokens), parents=pad(self.parents), depths=pad(self.depths),
+                                   valid=pad(self.valid))
 
 
 def at_matmul_precision(fn):
@@ -325,12 +359,19 @@ def speculative_round(target: ModelParams, drafter: ModelParams, state: DecodeSt
     sample of the target's rule (sample-and-match), so every emitted token is an exact sample given its
     prefix.
     """
-    running = ~state.done
-    start = state.cache.lengths
     with jax.named_scope("draft"):
         logits = draft(drafter, target, state.last_token, state.draft_cache, options)
     with jax.named_scope("tree"):
         tree = propose(logits, state.last_token, options)
+    return verify_round(target, drafter, state, tree, options)
+
+
+@at_matmul_precision
+def verify_round(target: ModelParams, drafter: ModelParams, state: DecodeState, tree: DraftTree,
+                 options: DecodeOptions) -> DecodeState:
+    """The rest of a speculative round once its tree is drafted: verify, accept, commit, emit."""
+    running = ~state.done
+    start = state.cache.lengths
     with jax.named_scope("verify"):
         out, node_logits = verify(target, tree, state.cache, drafter.config.target_layer_ids, options)
     rng, key = jax.random.split(state.rng)
@@ -362,15 +403,61 @@ def ar_round(target: ModelParams, drafter: None, state: DecodeState, options: De
     return _record_round(_emit(state, token[:, None], counts, options), counts, running)
 
 
+@at_matmul_precision
+def auto_round(target: ModelParams, drafter: ModelParams, state: DecodeState, options: DecodeOptions) -> DecodeState:
+    """`--budget auto`: draft once, predict every candidate's reach (`budget.py`), verify the candidate with the
+    most expected tokens per second of its round cost, then correct the drafter's confidence by what the
+    target accepted.
+
+    Each branch of the `lax.switch` is a fixed round (`verify_round`) with `options.candidate(budget)`: the chain
+    of argmaxes (DFlash) or the first B + 1 nodes of the widest tree, which are exactly budget B's tree
+    (`tree.first_nodes`). Only the trace differs in shape between branches; it is padded to the widest.
+    """
+    budgets, depths = options.budgets, options.block_size - 1
+    running = ~state.done
+    with jax.named_scope("draft"):
+        logits = draft(drafter, target, state.last_token, state.draft_cache, options)
+    with jax.named_scope("tree"):
+        log_probs = jax.nn.log_softmax(logits, axis=-1)
+        trees = [b for b in budgets if b != CHAIN]
+        widest = propose(logits, state.last_token, options.candidate(trees[-1])) if trees else None
+        reach = [chain_reach(log_probs)[:, None, :]] if CHAIN in budgets else []
+        if trees:
+            reach.append(tree_reach(widest, tuple(trees), depths))
+        reach = jnp.concatenate(reach, axis=1)  # [b, N, L] in `budgets` order (the chain first)
+        pick = choose(reach, running, state.budget)
+
+    def branch(budget: int):
+        sub = options.candidate(budget)
+
+        def run(s: DecodeState) -> DecodeState:
+            tree = propose(logits, s.last_token, sub) if budget == CHAIN else first_nodes(widest, budget)
+            s = verify_round(target, drafter, s, tree, sub)
+            return dataclasses.replace(s, trace=s.trace.padded(options.verify_width)) if options.record_trees else s
+
+        return run
+
+    after = jax.lax.switch(pick, [branch(b) for b in budgets], state)
+    counts = after.cache.lengths - state.cache.lengths  # what each row committed (0 for rows already done)
+    budget_state = observe(state.budget, jnp.take(reach, pick, axis=1), counts, running,
+                           jnp.asarray(budgets, jnp.int32)[pick], state.num_rounds)
+    return dataclasses.replace(after, budget=budget_state)
+
+
 ROUNDS = {Mode.AR: ar_round, Mode.DFLASH: speculative_round, Mode.DDTREE: speculative_round,
           Mode.MTP: speculative_round}
+
+
+def round_function(options: DecodeOptions):
+    """The round the decode loop runs for these options (`auto_round` for `--budget auto`)."""
+    return auto_round if options.auto_budget else ROUNDS[options.mode]
 
 
 @at_matmul_precision
 def decode_loop(target: ModelParams, drafter: ModelParams | None, state: DecodeState, max_steps: jax.Array,
                 options: DecodeOptions) -> DecodeState:
     """Run rounds until every row is done or `max_steps` more rounds have run (all on device)."""
-    round_fn = ROUNDS[options.mode]
+    round_fn = round_function(options)
     stop_at = state.step + max_steps
 
     def cond(s: DecodeState):
@@ -453,5 +540,5 @@ def _record_round(state: DecodeState, counts: jax.Array, running: jax.Array) -> 
 
 
 __all__ = ["MATMUL_PRECISIONS", "Mode", "DecodeOptions", "DecodeState", "RoundTrace", "Kernels", "at_matmul_precision",
-           "STAGES", "draft", "propose", "verify", "accept", "commit", "speculative_round", "ar_round", "ROUNDS",
-           "decode_loop", "prefill"]
+           "STAGES", "draft", "propose", "verify", "accept", "commit", "speculative_round", "verify_round", "auto_round",
+           "ar_round", "ROUNDS", "round_function", "decode_loop", "prefill"]
