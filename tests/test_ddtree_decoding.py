@@ -4,6 +4,7 @@ transfers inside the decode loop."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -167,3 +168,67 @@ def test_decode_loop_makes_no_host_transfers(pair16):
         final = loop(target, drafter, state, steps, options=options)
         final.step.block_until_ready()
     assert int(final.step) > 3 and bool(final.done.all())  # many rounds ran inside the one call
+
+
+# ---- --budget auto: each round verifies one candidate (chain, 4, 16), chosen on device; always an exact round
+
+
+AUTO = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=40, block_size=4, budgets=(0, 4, 16))
+# Seconds per round of (chain, 4, 16) and what pair16 then chooses: only 16; 4 and 16; chain and 4; only the chain.
+AUTO_COSTS = [(1.0, 1.0, 1.2), (1.0, 1.0, 1.4), (1.0, 1.2, 2.0), (1.0, 1.3, 2.0)]
+
+
+def test_auto_budget_greedy_equals_ar_whichever_budgets_it_chooses(pair16, ar_outputs):
+    """Costs are an argument of the compiled loop (no recompile); every cost table gives AR's tokens, the
+    choices differ between tables and inside one run, and one budget is recorded per round."""
+    target, drafter = pair16
+    seen = []
+    for i, costs in enumerate(AUTO_COSTS):
+        spec = generate(target, PROMPTS, AUTO, drafter=drafter, round_costs=costs)
+        assert spec.output_ids == ar_outputs, costs
+        assert spec.round_costs == list(costs) and spec.calibration_seconds == 0
+        assert i == 0 or spec.compile_seconds == 0
+        assert [len(r) for r in spec.budgets_chosen] == [len(r) for r in spec.acceptance_lengths]
+        seen.append({b for row in spec.budgets_chosen for b in row})
+    assert set().union(*seen) == {0, 4, 16}, seen
+    assert any(len(s) > 1 for s in seen), seen
+
+
+@pytest.mark.parametrize("forced,fixed", [(4, dataclasses.replace(AUTO, budgets=(), budget=4)),
+                                          (0, dataclasses.replace(AUTO, budgets=(), mode=Mode.DFLASH))])
+def test_auto_budget_forced_to_one_candidate_is_that_fixed_round(pair16, forced, fixed):
+    """With every other candidate priced out, auto runs exactly the fixed round of that budget: the same
+    rounds, trees and accepted paths (budget 4's tree is the first 5 nodes of the widest, budget 16's)."""
+    target, drafter = pair16
+    costs = [1.0 if b == forced else 1e30 for b in AUTO.budgets]
+    spec = generate(target, PROMPTS, dataclasses.replace(AUTO, record_trees=True), drafter=drafter, round_costs=costs)
+    ref = generate(target, PROMPTS, dataclasses.replace(fixed, record_trees=True), drafter=drafter)
+    assert spec.acceptance_lengths == ref.acceptance_lengths
+    assert spec.budgets_chosen == [[forced] * len(r) for r in ref.acceptance_lengths]
+    assert [{**t, "budget": forced} for t in ref.trees] == spec.trees
+
+
+def test_auto_budget_calibrates_once_and_caches_the_costs(pair16, ar_outputs, tmp_path, monkeypatch):
+    """No costs given: measured with the compiled loop, written to the cache folder, read back next time."""
+    monkeypatch.setenv("DDTREE_JAX_ROUND_COSTS", str(tmp_path / "costs"))
+    target, drafter = pair16
+    first = generate(target, PROMPTS, AUTO, drafter=drafter)
+    assert first.output_ids == ar_outputs and first.calibration_seconds > 0
+    assert len(first.round_costs) == 3 and all(c > 0 for c in first.round_costs)
+    [entry] = (tmp_path / "costs").iterdir()
+    assert json.loads(entry.read_text())["key"]["budgets"] == [0, 4, 16]
+    again = generate(target, PROMPTS, AUTO, drafter=drafter)
+    assert again.calibration_seconds == 0 and again.round_costs == first.round_costs
+    assert again.output_ids == ar_outputs
+
+
+def test_auto_budget_sampling_follows_the_ar_distribution(tmp_path):
+    """As the fixed-budget test, with costs under which the first round verifies the budget-6 tree and the second
+    the chain (the drafter's correction after round one tips it)."""
+    target, drafter, prompt, exact = sampling_pair(tmp_path)
+    options = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=3, block_size=4, budgets=(0, 2, 6),
+                            sampling=SamplingConfig(temperature=1.0, top_k=0, top_p=1.0))
+    result = generate(target, [prompt] * 4000, options, drafter=drafter, seed=321, round_costs=[1.0, 1.1, 1.2])
+    assert {b for row in result.budgets_chosen for b in row} == {0, 6}
+    assert sum(m - 1 for row in result.acceptance_lengths for m in row) > 1000
+    assert chi2_pvalue(np.array(result.output_ids), exact) > 1e-3

@@ -150,6 +150,22 @@ def test_ddtree_accepts_off_spine_nodes(hybrid_pair):
     assert off_spine >= 1
 
 
+def test_auto_budget_greedy_equals_ar(hybrid_pair, hybrid_ar):
+    """`--budget auto` over (chain, 4, 16) through the recurrent layers, batch 2: AR's tokens under cost tables
+    that make it verify different candidates (costs are an argument of the one compiled loop)."""
+    target, drafter = hybrid_pair
+    options = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=MAX_NEW, block_size=8, budgets=(0, 4, 16))
+    chosen = set()
+    for costs in HYBRID_AUTO_COSTS:
+        spec = generate(target, PROMPTS, options, drafter=drafter, round_costs=costs)
+        assert spec.output_ids == hybrid_ar, costs
+        chosen |= {b for row in spec.budgets_chosen for b in row}
+    assert chosen == {0, 4, 16}, chosen
+
+
+HYBRID_AUTO_COSTS = [(1.0, 1.0, 1.2), (1.0, 1.0, 1.6), (1.0, 1.3, 2.0)]
+
+
 @pytest.fixture
 def chain_ordered_recurrence(monkeypatch):
     """Switch the recurrence to node-index order. The flag is read when tracing, so drop every trace and
