@@ -4,7 +4,9 @@ One prompt: streams text to the terminal and ends with one summary line on stder
 object with `--json`: {"mode", "output_ids", "text" (with a tokenizer), "acceptance_lengths", "tau",
 "new_tokens", "decode_seconds", "tokens_per_second", "prefill_seconds", "compile_seconds",
 "matmul_precision" (as resolved)}, plus "block_size" and "acceptance_histogram" for dflash, ddtree and mtp,
-"budget" for ddtree and "mtp_steps" for mtp.
+"budget" for ddtree and "mtp_steps" for mtp; with `--budget auto` "budget" is "auto", plus "budget_candidates", "budgets_chosen"
+(the budget each round verified, 0 the chain), "round_costs_s" (seconds per round of each candidate, as used) and
+"calibration_seconds".
 Many prompts (`--prompts FILE.jsonl`): runs them in batches and writes one such JSON line per prompt, with
 its "index", "line" and "id", to `--out` or stdout; a line that cannot run gets {"index", "line", "id",
 "error"} instead, and the others still run (exit status 1 then).
@@ -33,6 +35,7 @@ DEFAULT_PROMPT = "def fibonacci(n):"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ddtree_jax.budget import DEFAULT_CANDIDATES
     from ddtree_jax.round import DecodeOptions  # the one default budget
 
     p = argparse.ArgumentParser(prog="python -m ddtree_jax.generate", description=__doc__.split("\n")[0],
@@ -58,8 +61,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", type=Path, default=None,
                    help="DFlash drafter checkpoint folder (ddtree and dflash modes); default with no "
                         "--target: the demo drafter")
-    p.add_argument("--budget", type=int, default=DecodeOptions.budget,
-                   help="DDTree: draft-tree nodes besides the root (the target verifies budget + 1 per round)")
+    p.add_argument("--budget", default=str(DecodeOptions.budget),
+                   help="DDTree: draft-tree nodes besides the root (the target verifies budget + 1 per round), or "
+                        "auto: every round the candidate of --budget-candidates expected to commit the most tokens "
+                        "per second, from the drafter's confidence and measured round costs")
+    p.add_argument("--budget-candidates", default=",".join("chain" if b == 0 else str(b) for b in DEFAULT_CANDIDATES),
+                   help="--budget auto: the budgets to choose from, comma-separated; chain (or 0) is a DFlash round")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="--budget auto: measure the round costs again even when the cost cache has them")
     p.add_argument("--mtp-steps", type=int, default=DecodeOptions.mtp_steps,
                    help="mtp: draft steps of the head per round (the target verifies mtp-steps + 1 tokens)")
     p.add_argument("--block-size", type=int, default=0,
@@ -110,7 +119,20 @@ def sampling_from_args(args):
 
 def check_flags(args) -> None:
     """What needs no checkpoint, so that bad flags fail at once."""
-    for flag, value, minimum in (("--max-new-tokens", args.max_new_tokens, 1), ("--budget", args.budget, 1),
+    from ddtree_jax.budget import parse_candidates
+
+    if args.budget == "auto":
+        try:
+            args.budget_candidates = parse_candidates(args.budget_candidates)
+        except ValueError as e:
+            raise BadInput(f"--budget-candidates: {e}") from None
+    else:
+        try:
+            args.budget = int(args.budget)
+        except ValueError:
+            raise BadInput(f"--budget: expected an integer >= 1 or auto, got {args.budget!r}") from None
+    for flag, value, minimum in (("--max-new-tokens", args.max_new_tokens, 1),
+                                 ("--budget", 1 if args.budget == "auto" else args.budget, 1),
                                  ("--stream-every", args.stream_every, 1), ("--batch-size", args.batch_size, 1),
                                  ("--mtp-steps", args.mtp_steps, 1)):
         if value < minimum:
@@ -185,7 +207,9 @@ def prepare(args) -> Request:
     eos = () if args.ignore_eos else tuple(dict.fromkeys(target_config.eos_token_ids + generation_eos_ids(folder)))
     options = DecodeOptions(mode=mode, max_new_tokens=args.max_new_tokens, sampling=sampling, eos_ids=eos,
                             block_size=args.block_size if mode in (Mode.DFLASH, Mode.DDTREE) else 0,
-                            budget=args.budget, mtp_steps=args.mtp_steps,
+                            budget=DecodeOptions.budget if args.budget == "auto" else args.budget,
+                            budgets=args.budget_candidates if args.budget == "auto" and mode is Mode.DDTREE else (),
+                            mtp_steps=args.mtp_steps,
                             record_trees=args.save_trees is not None, parallel=parallel, kernels=args.kernels,
                             matmul_precision=args.matmul_precision)
     return Request(folder, args.drafter if mode in (Mode.DFLASH, Mode.DDTREE) else None, target_config,
@@ -266,7 +290,7 @@ def row_report(mode: str, options, result, row: int, tokenizer) -> dict:
     from ddtree_jax.engine import Mode
 
     one = dataclasses.replace(result, output_ids=[result.output_ids[row]],
-                              acceptance_lengths=[result.acceptance_lengths[row]], trees=None)
+                              acceptance_lengths=[result.acceptance_lengths[row]], trees=None, budgets_chosen=None)
     out = one.output_ids[0]
     report = {
         "mode": mode,
@@ -286,7 +310,12 @@ def row_report(mode: str, options, result, row: int, tokenizer) -> dict:
         report["block_size"] = options.block_size
         report["acceptance_histogram"] = one.acceptance_histogram(options.block_size)
     if options.mode is Mode.DDTREE:
-        report["budget"] = options.budget
+        report["budget"] = "auto" if options.auto_budget else options.budget
+    if options.auto_budget:
+        report["budget_candidates"] = list(options.budgets)
+        report["budgets_chosen"] = result.budgets_chosen[row]
+        report["round_costs_s"] = result.round_costs
+        report["calibration_seconds"] = result.calibration_seconds
     if options.mode is Mode.MTP:
         report["mtp_steps"] = options.mtp_steps
     return report
@@ -321,7 +350,7 @@ def run(args: argparse.Namespace) -> dict:
     try:
         result = generate(params, [prompt], options, drafter=drafter, seed=args.seed,
                           steps_per_call=None if args.json else args.stream_every,
-                          on_tokens=None if args.json else stream)
+                          on_tokens=None if args.json else stream, recalibrate=args.recalibrate)
     except ValueError as e:
         raise BadInput(str(e)) from None
     report = row_report(args.mode, options, result, 0, tokenizer)
@@ -375,7 +404,7 @@ def run_prompts(args: argparse.Namespace) -> int:
             batch = runnable[start:start + args.batch_size]
             try:
                 result = generate(params, [line.ids for line in batch], options, drafter=drafter,
-                                  seed=args.seed + b)
+                                  seed=args.seed + b, recalibrate=args.recalibrate and b == 0)
             except ValueError as e:
                 raise BadInput(str(e)) from None
             for row, line in enumerate(batch):

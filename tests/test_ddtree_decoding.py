@@ -194,12 +194,11 @@ def test_auto_budget_greedy_equals_ar_whichever_budgets_it_chooses(pair16, ar_ou
     assert any(len(s) > 1 for s in seen), seen
 
 
-@pytest.mark.parametrize("forced,fixed", [(4, dataclasses.replace(AUTO, budgets=(), budget=4)),
-                                          (0, dataclasses.replace(AUTO, budgets=(), mode=Mode.DFLASH))])
-def test_auto_budget_forced_to_one_candidate_is_that_fixed_round(pair16, forced, fixed):
+def test_auto_budget_forced_to_one_candidate_is_that_fixed_round(pair16):
     """With every other candidate priced out, auto runs exactly the fixed round of that budget: the same
     rounds, trees and accepted paths (budget 4's tree is the first 5 nodes of the widest, budget 16's)."""
     target, drafter = pair16
+    forced, fixed = 4, dataclasses.replace(AUTO, budgets=(), budget=4)
     costs = [1.0 if b == forced else 1e30 for b in AUTO.budgets]
     spec = generate(target, PROMPTS, dataclasses.replace(AUTO, record_trees=True), drafter=drafter, round_costs=costs)
     ref = generate(target, PROMPTS, dataclasses.replace(fixed, record_trees=True), drafter=drafter)

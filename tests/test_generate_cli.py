@@ -112,6 +112,7 @@ def test_readme_command_prints_what_ar_prints():
     (["--stream-every", "0", "--prompt-ids", "1"], "--stream-every: expected >= 1, got 0"),
     (["--stream-every", "-1", "--prompt-ids", "1"], "--stream-every: expected >= 1, got -1"),
     (["--chat", "--prompt", "hi"], "has no chat template (drop --chat)"),
+    (["--budget", "big", "--prompt-ids", "1"], "--budget: expected an integer >= 1 or auto, got 'big'"),
     (["--prompt-ids", "1", "--max-new-tokens", "5000"],
      "1 prompt tokens + --max-new-tokens 5000 = 5001 tokens: beyond the target's max_position_embeddings 4096"),
 ])
@@ -120,6 +121,21 @@ def test_bad_input_exits_2_with_one_line(random_target, args, message):
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("error: ") and message in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--budget", "0"], "--budget: expected >= 1, got 0"),
+    (["--budget", "auto", "--budget-candidates", "chain"], "--budget-candidates: expected at least two distinct budgets"),
+    (["--budget", "auto", "--budget-candidates", "chain,x"], "--budget-candidates: expected a comma list of budgets"),
+    (["--budget", "auto", "--budget-candidates=-4,16"], "--budget-candidates: expected at least two distinct"),
+])
+def test_bad_budget_flags_are_bad_input(args, message):
+    """The flag checks `main` turns into one `error:` line and exit status 2 (as the case above shows)."""
+    from ddtree_jax.cli import BadInput
+    from ddtree_jax.generate import check_flags, parse_args
+
+    with pytest.raises(BadInput, match="^" + re.escape(message)):
+        check_flags(parse_args(args))
 
 
 def test_long_requests_fail_in_seconds_before_allocating():
@@ -225,6 +241,28 @@ def test_ddtree_mode_json_and_saved_trees(tmp_path):
         assert [r["depths"][i] for i in r["accepted"]] == [0, 1, 2, 3]
     bad = run_ar("--target", target, "--prompt-ids", "1", "--save-trees", trees)
     assert bad.returncode == 2 and "--save-trees: needs --mode ddtree, dflash or mtp" in bad.stderr
+
+
+def test_auto_budget_json_and_saved_trees_record_the_budget_of_every_round(tmp_path):
+    """--budget auto on the signal pair (a confident drafter: every round takes the tree of 5, which accepts as
+    much as the chain and costs about the same): calibrates into the cost cache, reports the candidates, costs
+    and the budget of each round, and saves it with each tree."""
+    from pairs import write_signal_pair
+
+    target, drafter = write_signal_pair(tmp_path)
+    trees, cache = tmp_path / "trees.jsonl", tmp_path / "costs"
+    proc = run_cli("--target", target, "--drafter", drafter, "--prompt-ids", "1,2,3", "--json", "--max-new-tokens", 13,
+                   "--dtype", "float32", "--budget", "auto", "--budget-candidates", "chain,5", "--save-trees", trees,
+                   env={"DDTREE_JAX_ROUND_COSTS": str(cache)})
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["budget"] == "auto" and report["budget_candidates"] == [0, 5]
+    assert len(report["round_costs_s"]) == 2 and report["calibration_seconds"] > 0 and len(list(cache.iterdir())) == 1
+    assert report["acceptance_lengths"] == [4, 4, 4] and len(report["budgets_chosen"]) == 3
+    assert set(report["budgets_chosen"]) <= {0, 5}
+    rows = [json.loads(line) for line in trees.read_text().splitlines()]
+    assert [r["budget"] for r in rows] == report["budgets_chosen"]
+    assert [len(r["tokens"]) for r in rows] == [6 if b else 4 for b in report["budgets_chosen"]]
 
 
 def test_mtp_mode_json_and_one_error_without_a_head(tmp_path, random_target):
