@@ -13,7 +13,9 @@ Two ways to run:
   Qwen3.5/3.6 shape) adds rows of the target's own MTP head (random, `--mtp-steps` drafts per round),
   projected only at a tau given with `--tau mtp=X`.
 - `--target DIR --drafter DIR --prompts FILE.jsonl`: all modes on real prompts: tau, tokens/s, speedup
-  over AR measured in the same run, and the first greedy divergence from AR. With neither `--shape` nor
+  over AR measured in the same run, and the first greedy divergence from AR. `--budgets 16,64,auto` adds a
+  `--budget auto` row over `--budget-candidates` (its round costs calibrated, or read from the cost cache, by
+  `generate` itself, outside the timed decode), with how often each budget was chosen. With neither `--shape` nor
   `--target`: the demo pair shipped with the package, on its held-out prompts.
 
 Writes bench.json (every figure), bench.md (the table) and bench.png (time per round against the budget,
@@ -200,9 +202,13 @@ def run_checkpoints(args, parallel) -> dict:
         [("ddtree", b) for b in args.budgets if "ddtree" in args.modes]
     rows, reference = [], None
     for mode, budget in tqdm(plan, desc="bench", disable=None):
-        options = DecodeOptions(mode=Mode(mode), max_new_tokens=args.max_new_tokens, budget=budget or 64,
-                                parallel=parallel, matmul_precision=args.matmul_precision)
-        generate(target, prompts[:1], options, drafter=drafter)  # warm-up (compilation)
+        auto = budget == "auto"
+        options = DecodeOptions(mode=Mode(mode), max_new_tokens=args.max_new_tokens,
+                                budget=64 if auto or budget is None else budget,
+                                budgets=args.budget_candidates if auto else (), parallel=parallel,
+                                matmul_precision=args.matmul_precision)
+        # Warm-up: compilation, and for auto the round costs (calibrated unless cached).
+        generate(target, prompts[:1], options, drafter=drafter, recalibrate=auto and args.recalibrate)
         results = [generate(target, [p], options, drafter=drafter) for p in prompts]
         outputs = [r.output_ids[0] for r in results]
         decode_s = sum(r.decode_seconds for r in results)
@@ -219,6 +225,12 @@ def run_checkpoints(args, parallel) -> dict:
                     break
         rows.append({"mode": mode, "budget": budget, "tau": float(np.mean(rounds)), "tokens": tokens,
                      "decode_s": decode_s, "tokens_per_s": tokens / decode_s, "first_divergence": divergence})
+        if auto:
+            chosen = [b for r in results for b in r.budgets_chosen[0]]
+            rows[-1].update(budget_candidates=list(options.budgets),
+                            rounds_by_budget={str(b): chosen.count(b) for b in options.budgets},
+                            round_costs_s=results[-1].round_costs,
+                            calibration_s=sum(r.calibration_seconds for r in results))
     for r in rows:
         r["speedup_over_ar"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
     return {"kind": "checkpoints", "target": str(args.target), "drafter": str(args.drafter),
@@ -271,9 +283,12 @@ def markdown(report: dict) -> str:
                 f"functions each compiled and called alone (dispatch included). Projected tokens/s = batch x tau / "
                 f"round time." + notes + "\n")
     head = "| mode | B | tau | tokens/s | speedup over AR | first divergence from AR |\n|---|---|---|---|---|---|\n"
+    notes = "".join(f"\n\nddtree auto: rounds by budget {r['rounds_by_budget']} (0: the chain), round costs "
+                    f"{', '.join(f'{c * 1e3:.2f}' for c in r['round_costs_s'])} ms."
+                    for r in report["rows"] if r["budget"] == "auto")
     return head + "\n".join(f"| {r['mode']} | {r['budget'] or '-'} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
                             f"{r['speedup_over_ar']:.2f} | {r['first_divergence'] or 'none'} |"
-                            for r in report["rows"]) + "\n"
+                            for r in report["rows"]) + notes + "\n"
 
 
 def plot(report: dict, path: Path) -> None:
@@ -335,7 +350,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="time rounds on random weights of this shape (else --target, else the demo pair)")
     p.add_argument("--context", default="2048", help="--shape: committed tokens in the caches (comma list: a sweep)")
     p.add_argument("--batch", default="1", help="--shape: rows per call (comma list: a sweep)")
-    p.add_argument("--budgets", default="16,64,256,512", help="DDTree budgets B (comma list)")
+    p.add_argument("--budgets", default="16,64,256,512",
+                   help="DDTree budgets B (comma list); with checkpoints also auto (`generate --budget auto`)")
+    p.add_argument("--budget-candidates", default="chain,16,64",
+                   help="--budgets auto: the budgets it chooses from (chain or 0: a DFlash round)")
+    p.add_argument("--recalibrate", action="store_true",
+                   help="--budgets auto: measure the round costs afresh even when the cost cache has them")
     p.add_argument("--modes", default="ar,dflash,ddtree",
                    help="comma list of ar, dflash, ddtree, mtp (mtp: a Qwen3.5/3.6 --shape, its random MTP head)")
     p.add_argument("--mtp-steps", type=int, default=3, help="--modes mtp: the head's drafts per round")
@@ -376,7 +396,20 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     try:
-        args.budgets = _ints(args.budgets, "--budgets")
+        from ddtree_jax.budget import parse_candidates
+
+        budgets = [b for b in args.budgets.split(",") if b]
+        fixed = [b for b in budgets if b != "auto"]
+        args.budgets = _ints(",".join(fixed), "--budgets") if fixed or "auto" not in budgets else []
+        if "auto" in budgets:
+            if args.shape is not None:
+                raise ValueError("--budgets auto needs checkpoints (--target, or the demo pair): it chooses from "
+                                 "the drafter's confidence, which random --shape weights do not have")
+            args.budgets.append("auto")
+            try:
+                args.budget_candidates = parse_candidates(args.budget_candidates)
+            except ValueError as e:
+                raise ValueError(f"--budget-candidates: {e}") from None
         args.context = _ints(args.context, "--context")
         args.batch = _ints(args.batch, "--batch")
         args.modes = [m for m in args.modes.split(",") if m]

@@ -40,21 +40,26 @@ def test_mtp_rows_on_a_hybrid_shape(tmp_path):
     assert main(["--shape", "tiny", "--modes", "mtp", "--out", str(tmp_path / "x")]) == 2
 
 
-def test_checkpoint_mode_reports_speedup_and_divergence(tmp_path):
+def test_checkpoint_mode_reports_speedup_and_divergence(tmp_path, monkeypatch):
     from pairs import write_signal_pair
 
+    monkeypatch.setenv("DDTREE_JAX_ROUND_COSTS", str(tmp_path / "costs"))
     target, drafter = write_signal_pair(tmp_path)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt_ids": [1, 2, 3]}\n{"prompt_ids": [4, 5]}\n')
     out = tmp_path / "out"
-    assert main(["--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts), "--budgets", "4",
-                 "--max-new-tokens", "12", "--dtype", "float32", "--out", str(out)]) == 0
+    assert main(["--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts), "--budgets", "4,auto",
+                 "--budget-candidates", "chain,4", "--max-new-tokens", "12", "--dtype", "float32", "--out", str(out)]) == 0
     rows = json.loads((out / "bench.json").read_text())["rows"]
-    assert [(r["mode"], r["budget"]) for r in rows] == [("ar", None), ("dflash", None), ("ddtree", 4)]
-    assert [r["tokens"] for r in rows] == [24, 24, 24]  # 2 prompts x 12 tokens, no EOS in this vocabulary
+    assert [(r["mode"], r["budget"]) for r in rows] == [("ar", None), ("dflash", None), ("ddtree", 4),
+                                                        ("ddtree", "auto")]
+    assert [r["tokens"] for r in rows] == [24, 24, 24, 24]  # 2 prompts x 12 tokens, no EOS in this vocabulary
     assert rows[0]["tau"] == 1.0  # AR commits one token per round
-    assert rows[1]["tau"] == 4.0 and rows[2]["tau"] == 4.0  # the hand-built pair accepts every draft
+    assert all(r["tau"] == 4.0 for r in rows[1:])  # the hand-built pair accepts every draft
     assert all(r["first_divergence"] is None for r in rows)
+    auto = rows[3]
+    assert auto["budget_candidates"] == [0, 4] and sum(auto["rounds_by_budget"].values()) == 6  # 2 x 3 rounds
+    assert len(auto["round_costs_s"]) == 2 and "ddtree auto: rounds by budget" in (out / "bench.md").read_text()
 
 
 def test_projected_tau_and_bad_flags(capsys):
@@ -65,6 +70,10 @@ def test_projected_tau_and_bad_flags(capsys):
     assert main(["--shape", "tiny", "--target", "somewhere"]) == 2  # (no flags at all runs the demo pair)
     assert main(["--weights", "fp8", "--target", "somewhere"]) == 2
     assert "give either --shape" in capsys.readouterr().err
+    assert main(["--shape", "tiny", "--budgets", "16,auto"]) == 2
+    assert "--budgets auto needs checkpoints" in capsys.readouterr().err
+    assert main(["--budgets", "auto", "--budget-candidates", "16"]) == 2
+    assert "--budget-candidates: expected at least two" in capsys.readouterr().err
 
 
 def test_shape_mode_under_tp(tmp_path):

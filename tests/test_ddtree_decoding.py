@@ -173,14 +173,16 @@ def test_decode_loop_makes_no_host_transfers(pair16):
 # ---- --budget auto: each round verifies one candidate (chain, 4, 16), chosen on device; always an exact round
 
 
-AUTO = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=40, block_size=4, budgets=(0, 4, 16))
+AUTO = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=40, block_size=4, budgets=(0, 4, 16), record_trees=True)
 # Seconds per round of (chain, 4, 16) and what pair16 then chooses: only 16; 4 and 16; chain and 4; only the chain.
 AUTO_COSTS = [(1.0, 1.0, 1.2), (1.0, 1.0, 1.4), (1.0, 1.2, 2.0), (1.0, 1.3, 2.0)]
 
 
 def test_auto_budget_greedy_equals_ar_whichever_budgets_it_chooses(pair16, ar_outputs):
     """Costs are an argument of the compiled loop (no recompile); every cost table gives AR's tokens, the
-    choices differ between tables and inside one run, and one budget is recorded per round."""
+    choices differ between tables and inside one run, and one budget is recorded per round and per saved tree.
+    With every other candidate priced out, auto runs exactly the fixed round of that budget: the same rounds,
+    trees and accepted paths (budget 4's tree is the first 5 nodes of the widest, budget 16's)."""
     target, drafter = pair16
     seen = []
     for i, costs in enumerate(AUTO_COSTS):
@@ -189,22 +191,16 @@ def test_auto_budget_greedy_equals_ar_whichever_budgets_it_chooses(pair16, ar_ou
         assert spec.round_costs == list(costs) and spec.calibration_seconds == 0
         assert i == 0 or spec.compile_seconds == 0
         assert [len(r) for r in spec.budgets_chosen] == [len(r) for r in spec.acceptance_lengths]
+        assert sorted(spec.budgets_chosen[0] + spec.budgets_chosen[1]) == sorted(t["budget"] for t in spec.trees)
         seen.append({b for row in spec.budgets_chosen for b in row})
     assert set().union(*seen) == {0, 4, 16}, seen
     assert any(len(s) > 1 for s in seen), seen
 
-
-def test_auto_budget_forced_to_one_candidate_is_that_fixed_round(pair16):
-    """With every other candidate priced out, auto runs exactly the fixed round of that budget: the same
-    rounds, trees and accepted paths (budget 4's tree is the first 5 nodes of the widest, budget 16's)."""
-    target, drafter = pair16
-    forced, fixed = 4, dataclasses.replace(AUTO, budgets=(), budget=4)
-    costs = [1.0 if b == forced else 1e30 for b in AUTO.budgets]
-    spec = generate(target, PROMPTS, dataclasses.replace(AUTO, record_trees=True), drafter=drafter, round_costs=costs)
-    ref = generate(target, PROMPTS, dataclasses.replace(fixed, record_trees=True), drafter=drafter)
+    spec = generate(target, PROMPTS, AUTO, drafter=drafter, round_costs=[1e30, 1.0, 1e30])
+    ref = generate(target, PROMPTS, dataclasses.replace(AUTO, budgets=(), budget=4), drafter=drafter)
     assert spec.acceptance_lengths == ref.acceptance_lengths
-    assert spec.budgets_chosen == [[forced] * len(r) for r in ref.acceptance_lengths]
-    assert [{**t, "budget": forced} for t in ref.trees] == spec.trees
+    assert spec.budgets_chosen == [[4] * len(r) for r in ref.acceptance_lengths]
+    assert [{**t, "budget": 4} for t in ref.trees] == spec.trees
 
 
 def test_auto_budget_calibrates_once_and_caches_the_costs(pair16, ar_outputs, tmp_path, monkeypatch):
