@@ -16,6 +16,7 @@ Speculative rounds (round.py, tree.py, accept.py, pallas_kernels/tree_accept.py)
     L  draft depths (block size - 1)             P  path slots (the block size: root + L)
     K  tokens kept per depth (min(B, v))         C  candidate children of one depth
     m  MTP steps per round (models/mtp.py): the chain has m + 1 tokens (T = P = m + 1)
+    N  candidate budgets of `--budget auto` (budget.py; 0 = the chain)
 
 Gated DeltaNet layers (models/qwen3_5.py, cache.py): H value heads (key heads repeated to them), Dk / Dv key
 and value head dims, C conv channels, c chunk length. The Pallas kernels name their own tiling letters at
