@@ -186,6 +186,15 @@ def read_prompts(path: Path, target_dir: Path, vocab_size: int) -> list[list[int
     return [p.ids for p in lines]
 
 
+def _shown(path) -> str:
+    """A checkpoint folder as a record shows it: relative to the working directory when it lies under it (the
+    shipped demo pair's records then carry no machine paths), else as given."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def run_checkpoints(args, parallel) -> dict:
     import jax
     import jax.numpy as jnp
@@ -233,7 +242,7 @@ def run_checkpoints(args, parallel) -> dict:
                             calibration_s=sum(r.calibration_seconds for r in results))
     for r in rows:
         r["speedup_over_ar"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
-    return {"kind": "checkpoints", "target": str(args.target), "drafter": str(args.drafter),
+    return {"kind": "checkpoints", "target": _shown(args.target), "drafter": _shown(args.drafter),
             "prompts": len(prompts), "device": str(jax.devices()[0].device_kind), "devices": parallel.size,
             "parallel": parallel.mode, "jax": jax.__version__, "dtype": args.dtype,
             "matmul_precision": resolve_options(options, drafter, dtype).matmul_precision, "rows": rows}
@@ -342,6 +351,7 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from ddtree_jax.budget import DEFAULT_CANDIDATES, candidates_text
     from ddtree_jax.cli import add_compilation_cache_args, add_parallel_args
 
     p = argparse.ArgumentParser(prog="python -m ddtree_jax.bench", description=__doc__.split("\n")[0],
@@ -352,7 +362,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batch", default="1", help="--shape: rows per call (comma list: a sweep)")
     p.add_argument("--budgets", default="16,64,256,512",
                    help="DDTree budgets B (comma list); with checkpoints also auto (`generate --budget auto`)")
-    p.add_argument("--budget-candidates", default="chain,16,64",
+    p.add_argument("--budget-candidates", default=candidates_text(DEFAULT_CANDIDATES),
                    help="--budgets auto: the budgets it chooses from (chain or 0: a DFlash round)")
     p.add_argument("--recalibrate", action="store_true",
                    help="--budgets auto: measure the round costs afresh even when the cost cache has them")

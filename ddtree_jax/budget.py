@@ -48,7 +48,14 @@ import jax.numpy as jnp
 from ddtree_jax.tree import DraftTree
 
 CHAIN = 0  # the candidate budget that means a DFlash round (the chain of per-depth argmaxes)
-DEFAULT_CANDIDATES = (CHAIN, 16, 64)
+# The chain and B = 16: on the H200 (docs/performance.md, 2026-12-02) B = 64 projected only 2% above B = 16 at
+# the Qwen3-8B shape and ran slower on the demo pair, and a wider candidate makes every round build its tree.
+DEFAULT_CANDIDATES = (CHAIN, 16)
+
+
+def candidates_text(candidates: tuple[int, ...]) -> str:
+    """(0, 16) -> 'chain,16': the flag's spelling of a candidate tuple."""
+    return ",".join("chain" if b == CHAIN else str(b) for b in candidates)
 DECAY = 0.9  # per round, of the observed / predicted reach averages (about 10 rounds of memory)
 PRIOR = 0.05  # pseudo-count of both averages: the correction starts at 1 and moves once data arrives
 COST_CACHE_ENV = "DDTREE_JAX_ROUND_COSTS"  # a folder that overrides the cost cache's default place
@@ -213,6 +220,6 @@ def save_costs(key: dict, seconds) -> Path | None:
     return path
 
 
-__all__ = ["CHAIN", "DEFAULT_CANDIDATES", "BudgetState", "parse_candidates", "check_candidates", "tree_reach",
+__all__ = ["CHAIN", "DEFAULT_CANDIDATES", "candidates_text", "BudgetState", "parse_candidates", "check_candidates", "tree_reach",
            "chain_reach", "choose", "observe", "cost_key", "cost_cache_dir", "cost_cache_path", "load_costs",
            "save_costs"]

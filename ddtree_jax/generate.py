@@ -35,7 +35,7 @@ DEFAULT_PROMPT = "def fibonacci(n):"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ddtree_jax.budget import DEFAULT_CANDIDATES
+    from ddtree_jax.budget import DEFAULT_CANDIDATES, candidates_text
     from ddtree_jax.round import DecodeOptions  # the one default budget
 
     p = argparse.ArgumentParser(prog="python -m ddtree_jax.generate", description=__doc__.split("\n")[0],
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="DDTree: draft-tree nodes besides the root (the target verifies budget + 1 per round), or "
                         "auto: every round the candidate of --budget-candidates expected to commit the most tokens "
                         "per second, from the drafter's confidence and measured round costs")
-    p.add_argument("--budget-candidates", default=",".join("chain" if b == 0 else str(b) for b in DEFAULT_CANDIDATES),
+    p.add_argument("--budget-candidates", default=candidates_text(DEFAULT_CANDIDATES),
                    help="--budget auto: the budgets to choose from, comma-separated; chain (or 0) is a DFlash round")
     p.add_argument("--recalibrate", action="store_true",
                    help="--budget auto: measure the round costs again even when the cost cache has them")

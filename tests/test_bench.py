@@ -48,9 +48,12 @@ def test_checkpoint_mode_reports_speedup_and_divergence(tmp_path, monkeypatch):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt_ids": [1, 2, 3]}\n{"prompt_ids": [4, 5]}\n')
     out = tmp_path / "out"
+    monkeypatch.chdir(tmp_path)  # checkpoint folders under the working directory are recorded relative to it
     assert main(["--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts), "--budgets", "4,auto",
                  "--budget-candidates", "chain,4", "--max-new-tokens", "12", "--dtype", "float32", "--out", str(out)]) == 0
-    rows = json.loads((out / "bench.json").read_text())["rows"]
+    record = json.loads((out / "bench.json").read_text())
+    assert (record["target"], record["drafter"]) == (str(target.relative_to(tmp_path)), str(drafter.relative_to(tmp_path)))
+    rows = record["rows"]
     assert [(r["mode"], r["budget"]) for r in rows] == [("ar", None), ("dflash", None), ("ddtree", 4),
                                                         ("ddtree", "auto")]
     assert [r["tokens"] for r in rows] == [24, 24, 24, 24]  # 2 prompts x 12 tokens, no EOS in this vocabulary
