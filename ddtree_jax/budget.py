@@ -15,9 +15,13 @@ the budget, so the tree of budget B' < B is the first B' + 1 nodes of the tree o
 over its nodes. The chain's reach is the product of the per-depth top-1 probabilities.
 
 Correction. Drafters are over- or under-confident, so the reach the target actually grants is tracked
-against the reach predicted for the tree that ran: per depth, exponential moving averages of the observed
-indicator (committed count - 1 >= d) and of the predicted reach, over the running rows of each round; their
-ratio (with a pseudo-count `PRIOR`) scales every candidate's predicted reach before the next choice. All of
+against the reach predicted for the tree that ran: per candidate and depth, exponential moving averages of the
+observed indicator (committed count - 1 >= d) and of the predicted reach, over the running rows of each round;
+their ratio (with a pseudo-count `PRIOR`) scales that candidate's predicted reach before the next choice. A
+candidate keeps its own factor because how far the drafter's confidence carries depends on the tree (the
+chain's top-1 products are not a wide tree's sums), and one that has not run keeps the drafter's own
+prediction: a disappointing choice lets the others be tried (with one shared factor, a CPU run stayed on a
+budget of 4 whose correction had dragged every candidate down). All of
 it lives in the decode state (`BudgetState`) and updates on device.
 
 Costs. Seconds per round of each candidate come from a short calibration on the actual model, device and
@@ -51,14 +55,14 @@ CHAIN = 0  # the candidate budget that means a DFlash round (the chain of per-de
 # The chain and B = 16: on the H200 (docs/performance.md, 2026-12-02) B = 64 projected only 2% above B = 16 at
 # the Qwen3-8B shape and ran slower on the demo pair, and a wider candidate makes every round build its tree.
 DEFAULT_CANDIDATES = (CHAIN, 16)
+DECAY = 0.9  # per round, of the observed / predicted reach averages (about 10 rounds of memory)
+PRIOR = 0.05  # pseudo-count of both averages: the correction starts at 1 and moves once data arrives
+COST_CACHE_ENV = "DDTREE_JAX_ROUND_COSTS"  # a folder that overrides the cost cache's default place
 
 
 def candidates_text(candidates: tuple[int, ...]) -> str:
     """(0, 16) -> 'chain,16': the flag's spelling of a candidate tuple."""
     return ",".join("chain" if b == CHAIN else str(b) for b in candidates)
-DECAY = 0.9  # per round, of the observed / predicted reach averages (about 10 rounds of memory)
-PRIOR = 0.05  # pseudo-count of both averages: the correction starts at 1 and moves once data arrives
-COST_CACHE_ENV = "DDTREE_JAX_ROUND_COSTS"  # a folder that overrides the cost cache's default place
 
 
 def parse_candidates(text: str) -> tuple[int, ...]:
@@ -89,8 +93,9 @@ class BudgetState:
 
     costs:    [N] float32 seconds per round of each candidate (`DecodeOptions.budgets` order); set by the host
               (`engine.generate`) before the loop: an argument, not part of the compiled program.
-    seen:     [L] float32 moving average of the observed reach (the accepted path got to depth d + 1).
-    expected: [L] float32 moving average of the reach predicted for the trees that ran.
+    seen:     [N, L] float32 per candidate, moving average of the observed reach (the accepted path got to
+              depth d + 1) over the rounds that verified it.
+    expected: [N, L] float32 per candidate, moving average of the reach predicted for those rounds.
     chosen:   [b, max_new] int32 the budget each round of a row verified (0 the chain), as
               `DecodeState.round_lengths`.
     """
@@ -102,12 +107,12 @@ class BudgetState:
 
     @classmethod
     def start(cls, batch: int, max_new: int, candidates: int, depths: int) -> "BudgetState":
-        return cls(costs=jnp.ones((candidates,), jnp.float32), seen=jnp.zeros((depths,), jnp.float32),
-                   expected=jnp.zeros((depths,), jnp.float32), chosen=jnp.zeros((batch, max_new), jnp.int32))
+        return cls(costs=jnp.ones((candidates,), jnp.float32), seen=jnp.zeros((candidates, depths), jnp.float32),
+                   expected=jnp.zeros((candidates, depths), jnp.float32), chosen=jnp.zeros((batch, max_new), jnp.int32))
 
     @property
     def correction(self) -> jax.Array:
-        """[L] observed over predicted reach, per depth (1 before any round)."""
+        """[N, L] observed over predicted reach, per candidate and depth (1 before the candidate runs)."""
         return (self.seen + PRIOR) / (self.expected + PRIOR)
 
 
@@ -131,20 +136,20 @@ def chain_reach(log_probs: jax.Array) -> jax.Array:
 def choose(reach: jax.Array, running: jax.Array, budget_state: BudgetState) -> jax.Array:
     """The candidate index [] int32 with the most expected tokens per second over the batch's running rows.
 
-    reach [b, N, L] predicted by the drafter, corrected per depth (capped at 1); a row expects
+    reach [b, N, L] predicted by the drafter, corrected per candidate and depth (capped at 1); a row expects
     1 + sum_d reach_d tokens. One choice for the batch: a `lax.switch` on a batched index would run every
     branch."""
-    corrected = jnp.minimum(reach * budget_state.correction, 1.0)
+    corrected = jnp.minimum(reach * budget_state.correction[None], 1.0)
     tokens = 1.0 + corrected.sum(-1)  # [b, N]
     per_second = jnp.sum(jnp.where(running[:, None], tokens, 0.0), axis=0) / budget_state.costs
     return jnp.argmax(per_second).astype(jnp.int32)
 
 
-def observe(budget_state: BudgetState, predicted: jax.Array, counts: jax.Array, running: jax.Array,
+def observe(budget_state: BudgetState, pick: jax.Array, predicted: jax.Array, counts: jax.Array, running: jax.Array,
             budget: jax.Array, num_rounds: jax.Array) -> BudgetState:
-    """After a round: fold the running rows' observed reach (counts [b] committed tokens, root included) and
-    the reach predicted for the tree that ran (predicted [b, L]) into the averages, and record the round's
-    `budget` [] at each running row's round index `num_rounds` [b]."""
+    """After a round that verified candidate `pick` [] (its budget `budget` []): fold the running rows' observed
+    reach (counts [b] committed tokens, root included) and the reach predicted for its tree (predicted [b, L])
+    into that candidate's averages, and record `budget` at each running row's round index `num_rounds` [b]."""
     depths = predicted.shape[-1]
     n = jnp.maximum(running.sum(), 1).astype(jnp.float32)
     got = (counts[:, None] - 1 >= jnp.arange(1, depths + 1)[None, :]) & running[:, None]
@@ -155,8 +160,9 @@ def observe(budget_state: BudgetState, predicted: jax.Array, counts: jax.Array, 
     b, max_new = budget_state.chosen.shape
     idx = jnp.where(running, num_rounds, max_new)
     chosen = budget_state.chosen.at[jnp.arange(b), idx].set(budget, mode="drop")
-    return dataclasses.replace(budget_state, seen=blend(budget_state.seen, seen_now),
-                               expected=blend(budget_state.expected, expected_now), chosen=chosen)
+    seen = budget_state.seen.at[pick].set(blend(budget_state.seen[pick], seen_now))
+    expected = budget_state.expected.at[pick].set(blend(budget_state.expected[pick], expected_now))
+    return dataclasses.replace(budget_state, seen=seen, expected=expected, chosen=chosen)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -220,6 +226,6 @@ def save_costs(key: dict, seconds) -> Path | None:
     return path
 
 
-__all__ = ["CHAIN", "DEFAULT_CANDIDATES", "candidates_text", "BudgetState", "parse_candidates", "check_candidates", "tree_reach",
-           "chain_reach", "choose", "observe", "cost_key", "cost_cache_dir", "cost_cache_path", "load_costs",
-           "save_costs"]
+__all__ = ["CHAIN", "DEFAULT_CANDIDATES", "candidates_text", "BudgetState", "parse_candidates", "check_candidates",
+           "tree_reach", "chain_reach", "choose", "observe", "cost_key", "cost_cache_dir", "cost_cache_path",
+           "load_costs", "save_costs"]

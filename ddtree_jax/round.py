@@ -439,7 +439,7 @@ def auto_round(target: ModelParams, drafter: ModelParams, state: DecodeState, op
 
     after = jax.lax.switch(pick, [branch(b) for b in budgets], state)
     counts = after.cache.lengths - state.cache.lengths  # what each row committed (0 for rows already done)
-    budget_state = observe(state.budget, jnp.take(reach, pick, axis=1), counts, running,
+    budget_state = observe(state.budget, pick, jnp.take(reach, pick, axis=1), counts, running,
                            jnp.asarray(budgets, jnp.int32)[pick], state.num_rounds)
     return dataclasses.replace(after, budget=budget_state)
 

@@ -45,24 +45,34 @@ def test_reach_and_choice_of_the_worked_example():
     assert int(auto.choose(two, jnp.asarray([True, True]), state2)) == 1
 
 
-def test_observe_corrects_an_overconfident_drafter_per_depth():
-    """The drafter predicts reach [.8 .4 0]; the target grants depth 1 half as often as predicted (counts 2, 1:
-    one row reaches depth 1, one does not): the correction at depth 1 falls below 1, depth 3 stays 1; the round's
-    budget is written at each running row's round index."""
+def test_observe_corrects_an_overconfident_drafter_per_candidate_and_depth():
+    """Candidate 1 (budget 4) predicts reach [.8 .4 0]; the target grants depth 1 half as often as predicted
+    (counts 2, 1: one row reaches depth 1, one does not): its correction at depth 1 falls below 1, depth 3 stays
+    1, and candidate 0, which never ran, keeps 1 everywhere; the round's budget is written at each running row's
+    round index."""
     state = auto.BudgetState.start(3, 4, 2, 3)
     predicted = jnp.asarray([[.8, .4, 0], [.8, .4, 0], [.9, .9, .9]], jnp.float32)
     for _ in range(20):
-        state = auto.observe(state, predicted, jnp.asarray([2, 1, 0]), jnp.asarray([True, True, False]),
+        state = auto.observe(state, jnp.asarray(1), predicted, jnp.asarray([2, 1, 0]), jnp.asarray([True, True, False]),
                              jnp.asarray(4), jnp.asarray([1, 1, 0]))
     seen = np.asarray(state.seen)
-    assert seen[0] == pytest.approx(0.5 * (1 - auto.DECAY ** 20), rel=1e-5) and seen[1] == seen[2] == 0
-    np.testing.assert_allclose(np.asarray(state.expected), np.array([.8, .4, 0]) * (1 - auto.DECAY ** 20), rtol=1e-5)
+    assert seen[1, 0] == pytest.approx(0.5 * (1 - auto.DECAY ** 20), rel=1e-5) and seen[1, 1] == seen[1, 2] == 0
+    np.testing.assert_allclose(np.asarray(state.expected)[1], np.array([.8, .4, 0]) * (1 - auto.DECAY ** 20),
+                               rtol=1e-5)
     correction = np.asarray(state.correction)
-    assert 0.6 < correction[0] < 0.7 and correction[1] < 0.2 and correction[2] == 1
+    assert 0.6 < correction[1, 0] < 0.7 and correction[1, 1] < 0.2 and correction[1, 2] == 1
+    np.testing.assert_array_equal(correction[0], 1.0)
     assert np.asarray(state.chosen).tolist() == [[0, 4, 0, 0], [0, 4, 0, 0], [0, 0, 0, 0]]
     # A round in which no row runs changes nothing.
-    idle = auto.observe(state, predicted, jnp.zeros(3, jnp.int32), jnp.zeros(3, bool), jnp.asarray(0), jnp.zeros(3, jnp.int32))
+    idle = auto.observe(state, jnp.asarray(1), predicted, jnp.zeros(3, jnp.int32), jnp.zeros(3, bool), jnp.asarray(0),
+                        jnp.zeros(3, jnp.int32))
     np.testing.assert_array_equal(np.asarray(idle.seen), seen)
+    # The corrected candidate loses the choice it won before: at equal costs, 4's tree expected 1 + 1.2 tokens
+    # against the chain's 1 + 1.0; corrected, about 1 + .8 x .65 + .4 x .1.
+    reach = jnp.asarray([[[.6, .3, .1], [.8, .4, 0]]], jnp.float32)
+    fresh = auto.BudgetState.start(1, 4, 2, 3)
+    assert int(auto.choose(reach, jnp.asarray([True]), fresh)) == 1
+    assert int(auto.choose(reach, jnp.asarray([True]), dataclasses.replace(state, costs=fresh.costs))) == 0
 
 
 @pytest.mark.parametrize("text,want", [("chain,16,64", (0, 16, 64)), ("64, 0 ,16", (0, 16, 64)), ("4,8", (4, 8))])
