@@ -28,9 +28,9 @@ from pathlib import Path
 import numpy as np
 
 from ddtree_jax.cli import (EXIT_BAD_INPUT, TAU_HELP, BadInput, add_chat_args, add_compilation_cache_args,
-                            add_dtype_arg, add_parallel_args, chat_options, encode_prompt, load_tokenizer,
-                            parallel_from_args, read_prompt_file, resolve_dtype, setup_compilation_cache,
-                            warn_unread_template_kwargs)
+                            add_dtype_arg, add_parallel_args, chat_options, check_writable, encode_prompt,
+                            load_tokenizer, parallel_from_args, read_prompt_file, resolve_dtype,
+                            setup_compilation_cache, warn_unread_template_kwargs)
 
 EXIT_FLAGGED = 1
 FIRST_POSITION_FLOOR = 0.2
@@ -72,6 +72,7 @@ class Trial:
 @dataclasses.dataclass
 class Report:
     mode: str  # "dflash" or "mtp": what drafted
+    prompts: int  # prompts decoded
     rounds: int
     tau: float
     position_acceptance: list[float]  # rate at which draft position j (0-based) was accepted
@@ -136,9 +137,10 @@ def diagnose(acceptance_lengths: list[list[int]], block_size: int, lossless: boo
     fix = max(better, key=lambda t: (t.tau, t.first_position)) if better else None
     verdict = "miswired" if fix else "weak" if rates[0] < FIRST_POSITION_FLOOR else "ok"
     causes = MTP_CAUSES if mode == "mtp" else UNTESTED_CAUSES
-    return Report(mode=mode, rounds=sum(len(row) for row in acceptance_lengths), tau=tau, position_acceptance=rates,
-                  lossless=lossless, first_divergence=first_divergence, verdict=verdict, fix=fix,
-                  trials=[given, *alternatives], causes=list(causes) if verdict == "weak" else [])
+    return Report(mode=mode, prompts=len(acceptance_lengths), rounds=sum(len(row) for row in acceptance_lengths),
+                  tau=tau, position_acceptance=rates, lossless=lossless, first_divergence=first_divergence,
+                  verdict=verdict, fix=fix, trials=[given, *alternatives],
+                  causes=list(causes) if verdict == "weak" else [])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -314,6 +316,37 @@ def print_report(report: Report, drafter: Path | None = None, out=None) -> None:
                                                 if report.mode == "dflash" else "."), file=out)
 
 
+def plot_report(report: Report, path: Path, title: str) -> None:
+    """The acceptance rate per draft position as bars (tau in the title), written as a PNG to `path` through a
+    temporary file beside it (no half-written file)."""
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = report.position_acceptance
+    fig, ax = plt.subplots(figsize=(7, 3.6), dpi=110)
+    ax.bar(range(len(rates)), rates, color="C0")
+    for j, rate in enumerate(rates):
+        ax.text(j, rate + 0.01, f"{rate:.0%}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(range(len(rates)))
+    ax.set_xlabel("draft position (0: the first draft after the bonus token)")
+    ax.set_ylabel("rounds accepting it")
+    ax.set_ylim(0, 1.08)
+    ax.set_title(f"{title}\ntau {report.tau:.2f} tokens per round over {report.rounds} rounds", fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+        plt.close(fig)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m ddtree_jax.doctor", description=__doc__.split("\n")[0],
                                 epilog=TAU_HELP + ".", formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -333,6 +366,8 @@ def main(argv=None) -> int:
     p.add_argument("--allow-layer-mismatch", action="store_true",
                    help="check a drafter whose num_target_layers differs from the target's layer count")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
+    p.add_argument("--plot", type=Path, default=None, metavar="FILE.png",
+                   help="also draw the acceptance per draft position into this PNG")
     add_parallel_args(p)
     add_compilation_cache_args(p)
     args = p.parse_args(argv)
@@ -344,7 +379,8 @@ def main(argv=None) -> int:
         if args.target is None and args.mode == "mtp":
             raise BadInput("--mode mtp needs --target DIR: a Qwen3.5/3.6 checkpoint that ships its MTP head (the "
                            "demo target has none)")
-        if args.target is None:
+        demo = args.target is None
+        if demo:
             from ddtree_jax.demo_pair import DEMO_NOTE, demo_drafter, demo_prompts, demo_target
 
             args.target = demo_target()
@@ -355,6 +391,8 @@ def main(argv=None) -> int:
             raise BadInput("--target needs --drafter DIR (or --mode mtp for the target's own MTP head)")
         if args.mode == "mtp" and args.drafter is not None:
             raise BadInput("--mode mtp checks the target's own MTP head: give --target DIR without --drafter")
+        if args.plot is not None:
+            check_writable(args.plot, "--plot")
         report = run(args)
     except (BadInput, CheckpointError, ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -363,6 +401,13 @@ def main(argv=None) -> int:
         print(json.dumps(report.as_dict()))
     else:
         print_report(report, args.drafter)
+    if args.plot is not None:
+        pair = ("the demo pair" if demo else f"{args.target.name} + its MTP head" if report.mode == "mtp"
+                else f"{args.target.name} + {args.drafter.name}")
+        prompts = report.prompts
+        plot_report(report, args.plot, f"{pair}: greedy {'MTP' if report.mode == 'mtp' else 'DFlash'}, {prompts} "
+                                       f"prompts x {args.max_new_tokens} tokens, "
+                                       f"{np.dtype(resolve_dtype(args.dtype)).name}")
     return EXIT_FLAGGED if report.flagged else 0
 
 

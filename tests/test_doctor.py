@@ -32,10 +32,16 @@ def test_verdicts():
 
 def test_right_pair_passes(tmp_path, capsys):
     target, drafter = write_signal_pair(tmp_path)
-    assert main(["--target", str(target), "--drafter", str(drafter), "--dtype", "float32"]) == 0
+    assert main(["--target", str(target), "--drafter", str(drafter), "--dtype", "float32", "--plot",
+                 str(tmp_path)]) == 2  # a folder where the PNG goes: refused before any work
+    assert capsys.readouterr().err.startswith(f"error: --plot {tmp_path}: is a folder")
+    plot = tmp_path / "acceptance.png"
+    assert main(["--target", str(target), "--drafter", str(drafter), "--dtype", "float32", "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
     assert "OK: acceptance looks healthy" in out and "greedy DFlash == AR: yes" in out
     assert "tau (tokens per round, bonus included): 4.00" in out
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and sorted(p.name for p in tmp_path.glob("*.png")) == [
+        "acceptance.png"]  # no temporary file left
 
 
 def test_shifted_tap_layers_are_flagged_with_the_fix(tmp_path):
