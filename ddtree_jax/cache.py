@@ -1,11 +1,12 @@
 """Static-capacity KV cache with per-row lengths.
 
-A forward pass over a prompt or one token writes the K/V of its `t` new tokens into slots `[length, length + t)`
-of every row ("pending" rows) and leaves `lengths` alone; the caller then decides how many of them to keep
-(`advance`). A verification returns its nodes' K/V beside the cache instead (`PendingKV`), and the round
-writes the kept ones (`commit_pending`). Slots at or beyond a row's length are free and hold garbage that later
-writes overwrite, so a rejected draft needs no clean-up. Capacity must cover `length + t` for every call: the engine sizes
-it as prompt + new tokens + the widest call, rounded up to a bucket.
+A forward pass over a prompt or one token writes the K/V of its `t` new tokens into slots
+`[length, length + t)` of every row ("pending" rows) and leaves `lengths` alone; the caller then decides how
+many of them to keep (`advance`). A verification returns its nodes' K/V beside the cache instead
+(`PendingKV`), and the round writes the kept ones (`commit_pending`). Slots at or beyond a row's length are
+free and hold garbage that later writes overwrite, so a rejected draft needs no clean-up. Capacity must cover
+`length + t` for every call: the engine sizes it as prompt + new tokens + the widest call, rounded up to a
+bucket.
 """
 
 from __future__ import annotations

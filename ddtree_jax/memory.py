@@ -3,9 +3,10 @@
 `estimate` counts what a request keeps on one device: the weights, the target's KV cache (or a hybrid
 target's attention K/V plus its Gated DeltaNet states), the drafter's context cache, a hybrid's per-node
 verify records, the decode loop's output arrays, and the buffers of the widest call (its float32 logits, the
-verified nodes' K/V and, on the pure-JAX attention path, one layer's attention scores). The caches are measured on the models' own
-`create_cache` under `jax.eval_shape`, so their layout has one definition. XLA's other temporaries are
-not counted: the estimate is a floor, and a request above the device's memory cannot run.
+verified nodes' K/V and, on the pure-JAX attention path, one layer's attention scores). The caches are
+measured on the models' own `create_cache` under `jax.eval_shape`, so their layout has one definition. XLA's
+other temporaries are not counted: the estimate is a floor, and a request above the device's memory cannot
+run.
 
 `device_memory` is what one device can hold: the accelerator's allocator limit, or on the CPU the
 machine's available memory (less under a cgroup limit).

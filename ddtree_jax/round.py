@@ -540,5 +540,5 @@ def _record_round(state: DecodeState, counts: jax.Array, running: jax.Array) -> 
 
 
 __all__ = ["MATMUL_PRECISIONS", "Mode", "DecodeOptions", "DecodeState", "RoundTrace", "Kernels", "at_matmul_precision",
-           "STAGES", "draft", "propose", "verify", "accept", "commit", "speculative_round", "verify_round", "auto_round",
-           "ar_round", "ROUNDS", "round_function", "decode_loop", "prefill"]
+           "STAGES", "draft", "propose", "verify", "accept", "commit", "speculative_round", "verify_round",
+           "auto_round", "ar_round", "ROUNDS", "round_function", "decode_loop", "prefill"]

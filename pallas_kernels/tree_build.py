@@ -361,7 +361,8 @@ def tree_build_pallas(top_lp, top_tok, root_tokens, *, budget: int, config: Tree
     tp = next_pow2(t)
     kernel = functools.partial(
         _tree_build_kernel, budget=budget, k=k, depth_limit=depth_limit, num_pairs=num_pairs, bp=bp, cp=cp,
-        tp=tp, block_c=min(config.block, cp), block_b=min(config.block, bp), block_t=min(config.block, tp), interpret=interpret)
+        tp=tp, block_c=min(config.block, cp), block_b=min(config.block, bp), block_t=min(config.block, tp),
+        interpret=interpret)
 
     def row(*shape):
         return pl.BlockSpec((None, *shape), lambda i: (i,) + (0,) * len(shape))

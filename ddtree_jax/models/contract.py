@@ -10,8 +10,9 @@ A target family (`qwen3`, `qwen3_5`; looked up by `models.target_family(config)`
 
 The model never owns the cache or the loop: `forward` takes the committed cache and returns it with the
 new tokens' K/V written as pending rows (lengths unchanged), or, for a verification tree, returns those K/V
-beside the cache; the round decides what to keep (`ddtree_jax.cache`). `ForwardMeta` says where the new tokens sit and what they see, for a prompt, one
-decode token or a verification tree alike, so every family's forward reads the same arguments.
+beside the cache; the round decides what to keep (`ddtree_jax.cache`). `ForwardMeta` says where the new
+tokens sit and what they see, for a prompt, one decode token or a verification tree alike, so every family's
+forward reads the same arguments.
 """
 
 from __future__ import annotations
