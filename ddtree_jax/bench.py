@@ -238,6 +238,7 @@ def run_checkpoints(args, parallel) -> dict:
             chosen = [b for r in results for b in r.budgets_chosen[0]]
             rows[-1].update(budget_candidates=list(options.budgets),
                             rounds_by_budget={str(b): chosen.count(b) for b in options.budgets},
+                            budgets_by_round=[r.budgets_chosen[0] for r in results],
                             round_costs_s=results[-1].round_costs,
                             calibration_s=sum(r.calibration_seconds for r in results))
     for r in rows:
@@ -308,7 +309,11 @@ def plot(report: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    auto = [r for r in report["rows"] if r.get("budgets_by_round")]
+    fig, axes = plt.subplots(1, 1 + bool(auto), figsize=(6.4 * (1 + bool(auto)), 4.2), squeeze=False)
+    ax = axes[0, 0]
+    if auto:  # checkpoints with --budget auto: the budget each round of each prompt verified
+        _plot_chosen_budgets(axes[0, 1], auto[0])
     if report["kind"] == "shape":
         first = [r for r in report["rows"] if r["batch"] == report["batch"][0] and r["context"] == report["context"][0]]
         kernels = list(dict.fromkeys(r["kernels"] for r in first))
@@ -338,6 +343,26 @@ def plot(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def _plot_chosen_budgets(ax, row: dict) -> None:
+    """A prompts x rounds grid of the candidate each `--budget auto` round verified (blank: the prompt was done)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import BoundaryNorm, ListedColormap
+
+    candidates = row["budget_candidates"]
+    per_prompt = row["budgets_by_round"]
+    grid = np.full((len(per_prompt), max(map(len, per_prompt))), np.nan)
+    for i, chosen in enumerate(per_prompt):
+        grid[i, :len(chosen)] = [candidates.index(b) for b in chosen]
+    colors = ListedColormap([plt.get_cmap("tab10")(i) for i in range(len(candidates))])
+    image = ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=colors,
+                      norm=BoundaryNorm(np.arange(len(candidates) + 1) - 0.5, len(candidates)))
+    bar = ax.figure.colorbar(image, ax=ax, ticks=range(len(candidates)))
+    bar.ax.set_yticklabels(["chain" if b == 0 else f"B = {b}" for b in candidates])
+    ax.set_xlabel("round")
+    ax.set_ylabel("prompt")
+    ax.set_title("--budget auto: the budget each round verified")
 
 
 def _ints(text: str, flag: str) -> list[int]:

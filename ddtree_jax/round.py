@@ -370,14 +370,31 @@ def speculative_round(target: ModelParams, drafter: ModelParams, state: DecodeSt
 def verify_round(target: ModelParams, drafter: ModelParams, state: DecodeState, tree: DraftTree,
                  options: DecodeOptions) -> DecodeState:
     """The rest of a speculative round once its tree is drafted: verify, accept, commit, emit."""
-    running = ~state.done
-    start = state.cache.lengths
+    rng, key = jax.random.split(state.rng)
+    out, acc = verify_accept(target, drafter, state, tree, key, options)
+    return finish_round(target, drafter, state, tree, out, acc, rng, options)
+
+
+@at_matmul_precision
+def verify_accept(target: ModelParams, drafter: ModelParams, state: DecodeState, tree: DraftTree, key: jax.Array,
+                  options: DecodeOptions) -> tuple[ForwardOut, Accepted]:
+    """The target over the tree and its decoding rule at every node: (the verify's ForwardOut, the accepted
+    path). Reads the caches, writes nothing."""
     with jax.named_scope("verify"):
         out, node_logits = verify(target, tree, state.cache, drafter.config.target_layer_ids, options)
-    rng, key = jax.random.split(state.rng)
     with jax.named_scope("accept"):
         acc = accept(tree, node_logits, key, options)
-        counts = jnp.where(running, acc.count, 0)
+    return out, acc
+
+
+@at_matmul_precision
+def finish_round(target: ModelParams, drafter: ModelParams, state: DecodeState, tree: DraftTree, out: ForwardOut,
+                 acc: Accepted, rng: jax.Array, options: DecodeOptions) -> DecodeState:
+    """Commit the accepted path into the caches, emit its tokens, record the round (rows that are done keep
+    everything)."""
+    running = ~state.done
+    start = state.cache.lengths
+    counts = jnp.where(running, acc.count, 0)
     with jax.named_scope("commit"):
         cache, draft_cache = commit(drafter, target, out, acc, counts, state.draft_cache, options)
     trace = RoundTrace(start=start, tokens=tree.tokens, parents=tree.parents, depths=tree.depths,
@@ -409,9 +426,11 @@ def auto_round(target: ModelParams, drafter: ModelParams, state: DecodeState, op
     most expected tokens per second of its round cost, then correct the drafter's confidence by what the
     target accepted.
 
-    Each branch of the `lax.switch` is a fixed round (`verify_round`) with `options.candidate(budget)`: the chain
-    of argmaxes (DFlash) or the first B + 1 nodes of the widest tree, which are exactly budget B's tree
-    (`tree.first_nodes`). Only the trace differs in shape between branches; it is padded to the widest.
+    Each branch of the `lax.switch` verifies and accepts (`verify_accept`) as the fixed round of
+    `options.candidate(budget)` does: the chain of argmaxes (DFlash) or the first B + 1 nodes of the widest
+    tree, which are exactly budget B's tree (`tree.first_nodes`). What the commit reads comes out padded to the
+    widest candidate, and one commit after the switch (`finish_round`, gathering by the accepted path, which for
+    a chain is its nodes in order) writes the caches: the round of every branch is the fixed round's.
     """
     budgets, depths = options.budgets, options.block_size - 1
     running = ~state.done
@@ -427,21 +446,43 @@ def auto_round(target: ModelParams, drafter: ModelParams, state: DecodeState, op
         reach = jnp.concatenate(reach, axis=1)  # [b, N, L] in `budgets` order (the chain first)
         pick = choose(reach, running, state.budget)
 
+    rng, key = jax.random.split(state.rng)
+    nodes = options.verify_width
+
     def branch(budget: int):
         sub = options.candidate(budget)
 
-        def run(s: DecodeState) -> DecodeState:
-            tree = propose(logits, s.last_token, sub) if budget == CHAIN else first_nodes(widest, budget)
-            s = verify_round(target, drafter, s, tree, sub)
-            return dataclasses.replace(s, trace=s.trace.padded(options.verify_width)) if options.record_trees else s
+        def run():
+            tree = propose(logits, state.last_token, sub) if budget == CHAIN else first_nodes(widest, budget)
+            out, acc = verify_accept(target, drafter, state, tree, key, sub)
+            # One shape for every branch: what the commit and the trace read, padded to the widest candidate's
+            # nodes (the commit gathers by the accepted path, which stays inside the real ones).
+            return pad_nodes((out.taps, out.pending, out.nodes, tree), nodes), acc
 
         return run
 
-    after = jax.lax.switch(pick, [branch(b) for b in budgets], state)
-    counts = after.cache.lengths - state.cache.lengths  # what each row committed (0 for rows already done)
+    # Only reads of the caches inside the switch, and the commit after it: caches carried through a branch's
+    # output were copied in and out on every round (44 cache-sized copies per round, the CPU's compiled loop).
+    (taps, pending, node_states, tree), acc = jax.lax.switch(pick, [branch(b) for b in budgets])
+    out = ForwardOut(hidden=None, taps=taps, cache=state.cache, pending=pending, nodes=node_states)
+    after = finish_round(target, drafter, state, tree, out, acc, rng, options)
+    counts = jnp.where(running, acc.count, 0)
     budget_state = observe(state.budget, pick, jnp.take(reach, pick, axis=1), counts, running,
                            jnp.asarray(budgets, jnp.int32)[pick], state.num_rounds)
     return dataclasses.replace(after, budget=budget_state)
+
+
+def pad_nodes(tree_of_arrays, nodes: int):
+    """Every array of a pytree padded along axis 1 (the node axis) to `nodes` entries (zeros, False; a tree's
+    ancestor mask along both node axes), for `lax.switch` branches that verify trees of different sizes."""
+    def pad(x):
+        widths = [(0, 0)] * x.ndim
+        widths[1] = (0, nodes - x.shape[1])
+        if x.ndim == 3 and x.dtype == jnp.bool_ and x.shape[1] == x.shape[2]:  # DraftTree.ancestor [b, T, T]
+            widths[2] = widths[1]
+        return jnp.pad(x, widths)
+
+    return jax.tree.map(pad, tree_of_arrays)
 
 
 ROUNDS = {Mode.AR: ar_round, Mode.DFLASH: speculative_round, Mode.DDTREE: speculative_round,
@@ -541,4 +582,4 @@ def _record_round(state: DecodeState, counts: jax.Array, running: jax.Array) -> 
 
 __all__ = ["MATMUL_PRECISIONS", "Mode", "DecodeOptions", "DecodeState", "RoundTrace", "Kernels", "at_matmul_precision",
            "STAGES", "draft", "propose", "verify", "accept", "commit", "speculative_round", "verify_round",
-           "auto_round", "ar_round", "ROUNDS", "round_function", "decode_loop", "prefill"]
+           "verify_accept", "finish_round", "auto_round", "pad_nodes", "ar_round", "ROUNDS", "round_function", "decode_loop", "prefill"]

@@ -62,6 +62,8 @@ def test_checkpoint_mode_reports_speedup_and_divergence(tmp_path, monkeypatch):
     assert all(r["first_divergence"] is None for r in rows)
     auto = rows[3]
     assert auto["budget_candidates"] == [0, 4] and sum(auto["rounds_by_budget"].values()) == 6  # 2 x 3 rounds
+    assert [len(r) for r in auto["budgets_by_round"]] == [3, 3] and {b for r in auto["budgets_by_round"] for b in r} \
+        <= {0, 4} and (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert len(auto["round_costs_s"]) == 2 and "ddtree auto: rounds by budget" in (out / "bench.md").read_text()
 
 
