@@ -213,15 +213,15 @@ def load_costs(key: dict) -> list[float] | None:
 def save_costs(key: dict, seconds) -> Path | None:
     """Write the entry atomically (a temporary file, then a rename); None (and nothing written) when the
     cache folder cannot be written: the costs then hold for this process only."""
+    from ddtree_jax.cli import atomic_path
+
     path = cost_cache_path(key)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"key": key, "seconds": [float(s) for s in seconds],
-                                   "date": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1) + "\n")
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            tmp.write_text(json.dumps({"key": key, "seconds": [float(s) for s in seconds],
+                                       "date": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1) + "\n")
     except OSError:
-        tmp.unlink(missing_ok=True)
         return None
     return path
 

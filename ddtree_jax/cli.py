@@ -8,6 +8,7 @@ paths checked before any work and written atomically, and the one-line run summa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -314,20 +315,27 @@ def check_writable(path: Path, flag: str, *, folder: bool = False) -> None:
         raise BadInput(f"{flag} {path}: cannot write in {parent} ({e.strerror or e})") from None
 
 
+@contextlib.contextmanager
+def atomic_path(path: Path):
+    """A temporary path beside `path` for the block to write; renamed into place when the block ends without
+    an error, removed otherwise (no half-written file at `path`)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_lines_atomic(path: Path, lines) -> None:
     """Write text lines to a temporary file beside `path`, then rename it into place (no half-written file).
     The file gets the usual permissions (0666 less the umask), not mkstemp's 0600."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "x") as f:
-            for line in lines:
-                f.write(line + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "x") as f:
+        for line in lines:
+            f.write(line + "\n")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from ddtree_jax.cli import (EXIT_BAD_INPUT, TAU_HELP, BadInput, add_chat_args, add_compilation_cache_args,
-                            add_dtype_arg, add_parallel_args, chat_options, check_writable, encode_prompt,
+                            add_dtype_arg, add_parallel_args, atomic_path, chat_options, check_writable, encode_prompt,
                             load_tokenizer, parallel_from_args, read_prompt_file, resolve_dtype,
                             setup_compilation_cache, warn_unread_template_kwargs)
 
@@ -319,8 +319,6 @@ def print_report(report: Report, drafter: Path | None = None, out=None) -> None:
 def plot_report(report: Report, path: Path, title: str) -> None:
     """The acceptance rate per draft position as bars (tau in the title), written as a PNG to `path` through a
     temporary file beside it (no half-written file)."""
-    import os
-
     import matplotlib
 
     matplotlib.use("Agg")
@@ -337,13 +335,10 @@ def plot_report(report: Report, path: Path, title: str) -> None:
     ax.set_ylim(0, 1.08)
     ax.set_title(f"{title}\ntau {report.tau:.2f} tokens per round over {report.rounds} rounds", fontsize=9)
     fig.tight_layout()
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            fig.savefig(tmp, format="png")
     finally:
-        tmp.unlink(missing_ok=True)
         plt.close(fig)
 
 
