@@ -192,8 +192,9 @@ def threshold_top_k(x: jax.Array, k: int, chunk: int | None = None, slots: int |
     tokens). Ties (a uniform row: all entries == t) and -inf (a padded vocabulary: a chunk of only -inf has
     maximum -inf, below t unless fewer than k chunks hold a finite entry) do not trigger it. Under a
     vmap the cond's predicate is batched and both branches run (same result): call it on the whole batch.
-    On a GPU, XLA runs a lax.cond by copying the predicate to the host and waiting for it (a sync inside
-    the round; the probe's timing includes it).
+    Inside the compiled decode loop on the H200 the cond ran as a conditional node of XLA's CUDA graph (a
+    `set_case_condition` kernel in the round's trace, no device-to-host copy beyond the loop's own:
+    docs/data/trace_summary_qwen3_8b_h200_2026-12-01_pending.json), so it does not sync with the host.
     Why: on the GPU lax.top_k (k > 16) sorts every row; this is a few reductions, a cumsum and two
     scatters. Returns (values [..., k], int32 indices [..., k]).
     """
