@@ -92,7 +92,7 @@ def default_top_k() -> str:
 def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
                top_k_chunk: int | None | str = "auto", unroll: bool | int = True,
                top_k: str = "auto", implementation: str = "reference",
-               interpret: bool | None = None) -> DraftTree:
+               interpret: bool | None = None, kernel_config: tree_build.TreeBuildConfig | None = None) -> DraftTree:
     """log_probs [b, L, v] float32 per-depth draft log-probabilities (depth d + 1 at index d);
     root_tokens [b] int32; budget B (static); top_k: the per-depth top K = min(B, v) of the vocabulary,
     "threshold" (`threshold_top_k`), "chunked" (`chunked_top_k`, the only one before 2026-12; also
@@ -101,7 +101,8 @@ def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
     (True: none of it runs as a device loop). implementation: what builds the tree from the top-k,
     "reference" (`_build_one`, vmapped: ~116 small XLA kernels at B = 64, L = 15) or "pallas" (one launch of
     `pallas_kernels.tree_build`, bit-identical) for B <= its MAX_BUDGET (128), `_build_one` above it;
-    interpret: the kernel's (None: interpreted where there is no GPU). Every choice gives the same tree.
+    interpret, kernel_config: the kernel's (interpret None: interpreted where there is no GPU; config None: its
+    defaults). Every choice gives the same tree.
     Returns a DraftTree with B + 1 nodes."""
     if top_k == "auto":
         top_k = default_top_k()
@@ -119,7 +120,8 @@ def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
     if implementation not in ("reference", "pallas"):
         raise ValueError(f"implementation must be 'reference' or 'pallas', not {implementation!r}")
     if implementation == "pallas" and budget <= tree_build.MAX_BUDGET:
-        built = tree_build.tree_build(top_lp, top_tok, root_tokens, budget=budget, interpret=interpret)
+        built = tree_build.tree_build(top_lp, top_tok, root_tokens, budget=budget, config=kernel_config,
+                                      interpret=interpret)
         return DraftTree(**built._asdict())
     return jax.vmap(lambda t_lp, t_tok, root: _build_one(t_lp, t_tok, root, budget, unroll))(
         top_lp, top_tok, root_tokens)

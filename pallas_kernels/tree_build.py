@@ -17,9 +17,9 @@ other threads. Per depth d >= 1:
    j < width(i) = min(K, B // (i + 1)), take the slots offset(i) + j, where offset(i) sums the widths
    of the entries with smaller labels (a B x B count). Slot order is then the lexicographic order
    of `_build_one`'s `lex` keys, so its tie-break "lex' < lex" becomes "slot' < slot".
-2. Places. Each candidate's place in (score desc, slot asc) order counts the candidates ahead of it,
-   in [block, block] tiles of slots: a column block before the row block needs only score' >= score,
-   one after it score' > score, the diagonal tile both tests (float compares, as `_build_one`).
+2. Places. Each candidate's place in (score desc, slot asc) order counts the candidates ahead of it
+   (score' > score, or score' == score and slot' < slot: float compares, as `_build_one`), in
+   [block_rows, block] tiles: few wide steps, since one program's dependent steps are its latency.
    The candidate at place n < B is scattered to `select[n]`.
 3. The new beam, best first: parent, token rank, score = beam_score[parent] + lp_d[rank] (the same
    float32 sum) and, as its label, its slot (lexicographic order again; only the order matters).
@@ -70,19 +70,24 @@ class BuiltTree(NamedTuple):
 class TreeBuildConfig:
     """Tuning knobs of the kernel (static, hashable).
 
-    block:      side of the counting tiles (candidates x candidates, entries x entries); a power of
+    block:      columns of a counting tile (the candidates or beam entries compared against); a power of
                 two >= 16, clamped to the padded sizes.
+    block_rows: rows of a candidate-place counting tile: the candidates placed at once, each step comparing
+                them with `block` others. Wide, because one program does the whole build: at B = 64 (280
+                candidates) 32 x 32 tiles took 81 dependent steps per depth, 128 x 32 take 27 and 256 x 32 18.
+                A power of two >= 16, clamped to the padded candidate count.
     num_warps:  Triton's warps per program (one program per batch row).
     num_stages: Triton's software pipelining; 1, because the depth loop stores and reloads scratch
                 across barriers and must not have loads hoisted into an earlier iteration.
     """
 
     block: int = 32
+    block_rows: int = 128
     num_warps: int = 4
     num_stages: int = 1
 
     def __post_init__(self):
-        check_knobs(self, pow2={"block": 16})
+        check_knobs(self, pow2={"block": 16, "block_rows": 16})
 
 
 def candidate_table(budget: int, k: int) -> np.ndarray:
@@ -170,6 +175,7 @@ def _tree_build_kernel(
     cp: int,
     tp: int,
     block_c: int,
+    block_r: int,
     block_b: int,
     block_t: int,
     interpret: bool,
@@ -226,7 +232,7 @@ def _tree_build_kernel(
     barrier()
     merge(0, score0, first=True)
 
-    num_blocks = cdiv(c_, block_c)
+    num_col_blocks = cdiv(c_, block_c)
 
     def next_depth(d, _):
         # 1. offset(i) = sum of width(i') over the beam entries with smaller labels.
@@ -254,20 +260,19 @@ def _tree_build_kernel(
         plt.store(slot_cand_ref.at[slot], cand, mask=cand_ok)
         barrier()
 
-        # 3. Places in (score desc, slot asc) order; the first B scattered to `select`.
+        # 3. Places in (score desc, slot asc) order; the first B scattered to `select`. Columns past C read
+        # as NaN, which is never ahead.
         def place_block(r, _):
-            row_idx = r * block_c + jnp.arange(block_c, dtype=jnp.int32)
+            row_idx = r * block_r + jnp.arange(block_r, dtype=jnp.int32)
             row_ok = row_idx < c_
-            rows = plt.load(slot_score_ref.at[pl.ds(r * block_c, block_c)], mask=row_ok, other=0.0)
-            kw = dict(block=block_c, num_cols=c_, other=float("nan"), masked=False)
-            place = (_count_ahead(rows, row_idx, slot_score_ref, 0, r, tie="always", **kw)
-                     + _count_ahead(rows, row_idx, slot_score_ref, r, r + 1, tie="index", **kw)
-                     + _count_ahead(rows, row_idx, slot_score_ref, r + 1, num_blocks, tie="never", **kw))
+            rows = plt.load(slot_score_ref.at[pl.ds(r * block_r, block_r)], mask=row_ok, other=0.0)
+            place = _count_ahead(rows, row_idx, slot_score_ref, 0, num_col_blocks, tie="index", block=block_c,
+                                 num_cols=c_, other=float("nan"), masked=False)
             keep = row_ok & (place < b_)
             plt.store(select_ref.at[jnp.where(keep, place, bp_out)], row_idx, mask=keep)
             return 0
 
-        lax.fori_loop(0, num_blocks, place_block, 0)
+        lax.fori_loop(0, cdiv(c_, block_r), place_block, 0)
         barrier()
         # 4. The new beam, best first; labels = slots.
         at = select_ref[jnp.minimum(pos, b_ - 1)]
@@ -361,7 +366,8 @@ def tree_build_pallas(top_lp, top_tok, root_tokens, *, budget: int, config: Tree
     tp = next_pow2(t)
     kernel = functools.partial(
         _tree_build_kernel, budget=budget, k=k, depth_limit=depth_limit, num_pairs=num_pairs, bp=bp, cp=cp,
-        tp=tp, block_c=min(config.block, cp), block_b=min(config.block, bp), block_t=min(config.block, tp),
+        tp=tp, block_c=min(config.block, cp), block_r=min(config.block_rows, cp), block_b=min(config.block, bp),
+        block_t=min(config.block, tp),
         interpret=interpret)
 
     def row(*shape):

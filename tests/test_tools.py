@@ -115,10 +115,11 @@ def test_topk_probe_times_and_checks_every_chunk(tmp_path):
     assert "| 3000 | 16 | 64 |" in (tmp_path / "topk_probe.md").read_text()
     baseline = Path(topk_probe.current.__file__)
     assert topk_probe.main(["--out", str(tmp_path), "--vocab", "300", "--budgets", "8", "--chunks", "auto",
-                            "--top-k", "chunked", "--depths", "3", "--rounds", "1", "--workers", "1",
-                            "--baseline", str(baseline)]) == 0
+                            "--top-k", "chunked", "--tree-build", "reference,pallas:block=16:block_rows=16",
+                            "--depths", "3", "--rounds", "1", "--workers", "1", "--baseline", str(baseline)]) == 0
     report = json.loads((tmp_path / "topk_probe.json").read_text())
-    assert [r["impl"] for r in report["records"]] == ["current chunked", "baseline", "top-k chunked"]
+    assert [r["impl"] for r in report["records"]] == [
+        "current chunked", "current chunked pallas:block=16:block_rows=16", "baseline", "top-k chunked"]
     assert all(r.get("same_tree", True) for r in report["records"])
     assert not report["records"][0]["threshold_fits"]  # 300 entries, 512 slots: no fast path
 

@@ -14,7 +14,8 @@ scores, ancestor mask); without, every tree is checked against the first chunk's
 took its fallback). Writes topk_probe.json and topk_probe.md under --out.
 
     python tools/topk_probe.py --out DIR [--vocab 151936,248320] [--budgets 16,64,256,512]
-                               [--chunks auto] [--top-k threshold,chunked] [--tree-build reference,pallas]
+                               [--chunks auto] [--top-k threshold,chunked]
+                               [--tree-build reference,pallas,pallas:block_rows=256:num_warps=8]
                                [--baseline old_tree.py]
                                (chunk 0: one lax.top_k)
 """
@@ -38,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ddtree_jax import tree as current  # noqa: E402
 from ddtree_jax.measure.timing import in_loop_seconds  # noqa: E402
 from ddtree_jax.measure.workload import compile_program  # noqa: E402
+from pallas_kernels.tree_build import TreeBuildConfig  # noqa: E402
 
 FIELDS = ("tokens", "parents", "depths", "valid", "scores", "ancestor")
 
@@ -45,10 +47,14 @@ FIELDS = ("tokens", "parents", "depths", "valid", "scores", "ancestor")
 def tree_program(build_tree, budget: int, chunk, top_k: str | None = None, tree_build: str | None = None):
     """(logits [1, L, V] f32, roots [1] i32, passes) -> the last pass's tree fields. top_k / tree_build None:
     the build's own default (a baseline's build may not take the arguments); tree_build: build_tree's
-    `implementation` after the top-k ("reference": the XLA builder, "pallas": the tree-build kernel)."""
+    `implementation` after the top-k ("reference": the XLA builder, "pallas": the tree-build kernel, and
+    "pallas:KNOB=N:..." the kernel with those `TreeBuildConfig` knobs)."""
     kwargs = {} if top_k is None else dict(top_k=top_k)
     if tree_build is not None:
-        kwargs["implementation"] = tree_build
+        implementation, *knobs = tree_build.split(":")
+        kwargs["implementation"] = implementation
+        if knobs:
+            kwargs["kernel_config"] = TreeBuildConfig(**{k: int(v) for k, v in (knob.split("=") for knob in knobs)})
 
     def run(logits, roots, passes):
         def once(salt):
@@ -122,7 +128,8 @@ def main(argv=None) -> int:
     p.add_argument("--chunks", default="auto", help="comma list: auto, 0 (one lax.top_k) or a chunk size")
     p.add_argument("--top-k", default="threshold,chunked", help="comma list of build_tree's top_k values")
     p.add_argument("--tree-build", default="reference",
-                   help="comma list of build_tree's implementation after the top-k: reference (XLA), pallas (kernel)")
+                   help="comma list of build_tree's implementation after the top-k: reference (XLA), pallas (kernel), "
+                        "pallas:block_rows=256:num_warps=8 (the kernel with those knobs)")
     p.add_argument("--baseline", type=Path, default=None, help="another version's tree.py, timed and compared")
     p.add_argument("--depths", type=int, default=15, help="L: the drafter's block size - 1")
     p.add_argument("--rounds", type=int, default=7)

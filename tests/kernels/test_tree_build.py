@@ -92,6 +92,18 @@ class TestTreeBuildKernel:
         assert_same_tree(got, build(perturbed, roots, case.budget, "reference"))
 
 
+def test_narrow_tiles_give_the_same_tree():
+    """The counting tiles are knobs: 16 x 16 tiles (18 row blocks of candidates at B = 64, many ties) give the
+    default's tree, i.e. the XLA builder's."""
+    case = CASES[3]
+    lp = log_probs(case)
+    roots = jnp.arange(case.b, dtype=jnp.int32) + 5
+    config = tb.TreeBuildConfig(block=16, block_rows=16)
+    got = jax.jit(functools.partial(build_tree, budget=case.budget, implementation="pallas", interpret=True,
+                                    kernel_config=config))(lp, roots)
+    assert_same_tree(got, build(lp, roots, case.budget, "reference"))
+
+
 def test_budget_above_the_kernel_maximum():
     """The kernel refuses B > MAX_BUDGET naming it; build_tree keeps those on the XLA builder."""
     budget = tb.MAX_BUDGET + 1
@@ -106,3 +118,5 @@ def test_budget_above_the_kernel_maximum():
 def test_config_is_validated():
     with pytest.raises(ValueError, match="block=24"):
         tb.TreeBuildConfig(block=24)
+    with pytest.raises(ValueError, match="block_rows=8"):
+        tb.TreeBuildConfig(block_rows=8)
