@@ -15,6 +15,10 @@
 #   bench_ab  the bench (qwen3-8b, $AB_BUDGETS, pallas) at a baseline tree ($BASELINE, e.g. a `git archive` of an
 #             older commit, carried) and at this one, with traces of this one's rows summarised -> ab/
 #   tree      tools/topk_probe.py: the tree build (and its vocabulary top-k) against $BASELINE's tree.py -> tree/
+#   build     the tree-build kernel compiled (its GPU tests), then tools/topk_probe.py: XLA builder against the
+#             kernel and its $BUILD_KERNELS knob variants, $BUILD_VOCAB x $BUILD_BUDGETS        -> build/
+#   demo_trace  the bench at the demo pair's shape (random weights), AR, DFlash, DDTree $DEMO_SHAPE_BUDGETS, with
+#             traces summarised: where a small model's round goes           -> demo_shape/, demo_trace_summary.json
 #   matmul    tools/gpu_probe.py projections at T = 1..128 ($MATMUL_FORMS, streaming configs in $MATMUL_ARGS), and the
 #             $MATMUL_VARIANT_FORMS (hf) under each further XLA_FLAGS variant of $MATMUL_VARIANTS  -> matmul/
 #   sweeps    the bench at qwen3-8b over --batch 1,4,16 (context 2048) and --context 8192,32768 (batch 1), AR, DFlash
@@ -96,6 +100,24 @@ for step in "$@"; do
       timeout "${TREE_LIMIT:-150}" python3 tools/topk_probe.py --out "$OUT/tree" --vocab 151936 \
         --budgets 16,64,256,512 --baseline "$BASELINE/ddtree_jax/tree.py" 2>&1 | grep -v '^{'
       ;;
+    build)
+      log "tree-build kernel: GPU tests, then the probe"
+      timeout 150 python3 -m pytest -q -o addopts=-ra -p no:cacheprovider -m gpu tests/kernels/test_tree_build.py \
+        2>&1 | tail -3
+      timeout "${BUILD_LIMIT:-200}" python3 tools/topk_probe.py --out "$OUT/build" --vocab "${BUILD_VOCAB:-151936,8192}" \
+        --budgets "${BUILD_BUDGETS:-16,64,128}" --top-k threshold --tree-build "reference,${BUILD_KERNELS:-pallas}" \
+        --depths 15 2>&1 | grep -v '^{'
+      rm -f "$OUT/build/topk_probe.md"
+      ;;
+    demo_trace)
+      log "demo shape, traced"
+      timeout "${DEMO_TRACE_LIMIT:-200}" python3 -m ddtree_jax.bench --shape demo --budgets "${DEMO_SHAPE_BUDGETS:-16,64}" \
+        --modes ar,dflash,ddtree --repeats 10 --kernels pallas --trace /tmp/demo_traces --out "$OUT/demo_shape" 2>&1 \
+        | grep -v '^{"mode"' | grep '^|'
+      rm -f "$OUT/demo_shape"/bench.{md,png,partial.json}
+      timeout 60 python3 tools/trace_summary.py /tmp/demo_traces --top "${TRACE_TOP:-30}" --json \
+        > "$OUT/demo_trace_summary.json"
+      ;;
     matmul)
       log "matmul forms and XLA variants"
       mkdir -p "$OUT/matmul"
@@ -139,7 +161,8 @@ for step in "$@"; do
     demo_e2e)
       log "demo pair end to end"
       timeout "${DEMO_LIMIT:-240}" python3 -m ddtree_jax.bench --budgets "${DEMO_BUDGETS:-16,64}" --max-new-tokens 128 \
-        --num-prompts "${DEMO_PROMPTS:-12}" --out "$OUT/demo" 2>&1 | tail -8
+        --num-prompts "${DEMO_PROMPTS:-12}" ${DEMO_ARGS:-} --out "$OUT/demo" 2>&1 | tail -8
+      rm -f "$OUT/demo"/bench.{md,partial.json}
       ;;
     demo_bg)
       # The demo training (python -m ddtree_jax.train.demo) in its own process session on GPU $DEMO_GPU, so it

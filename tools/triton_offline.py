@@ -113,9 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         for rows in (1, 4):
             build_args = [sds((rows, 15, budget), jnp.float32), sds((rows, 15, budget), jnp.int32),
                           sds((rows,), jnp.int32)]
-            config = tbk.TreeBuildConfig()
-            fn = functools.partial(tbk.tree_build_pallas, budget=budget, config=config)
-            jobs.append((f"tree_build B={budget} b={rows}", config, fn, build_args))
+            configs = [tbk.TreeBuildConfig()] + ([] if args.quick or rows > 1 else [
+                tbk.TreeBuildConfig(block_rows=256), tbk.TreeBuildConfig(num_warps=8),
+                tbk.TreeBuildConfig(block_rows=256, num_warps=8)])
+            for config in configs:
+                fn = functools.partial(tbk.tree_build_pallas, budget=budget, config=config)
+                jobs.append((f"tree_build B={budget} b={rows}", config, fn, build_args))
     for name, config, fn, fn_args in jobs:
         label = f"{name:<32} {config!r}".replace("TreeAttentionConfig", "").replace("TreeAcceptConfig", "").replace(
             "TreeBuildConfig", "")
