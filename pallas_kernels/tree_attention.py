@@ -15,7 +15,8 @@ inference", 2023; the online softmax of FlashAttention-2, arXiv 2307.08691, Algo
   all g query heads of the group (GQA) and all T tokens in the block;
 - chunks 0..C-1 are slices of the committed cache (keys at slots < length); chunk C is the T new keys
   under `new_mask`. Each program writes its normalised partial output and its log-sum-exp;
-  `_merge_partials` combines the C + 1 partials in plain jnp. The cache split lets batch 1 fill the GPU.
+  `_merge_partials` combines the C + 1 partials in a second, small kernel that writes the output in q's
+  layout (in plain jnp that merge was three XLA kernels per layer). The cache split lets batch 1 fill the GPU.
 
 Triton wants power-of-two tiles of at least 16 for dots: the wrapper pads the head dim to a power of two
 (>= 16); query rows past t * g, key blocks past the cache length or past T are masked loads, so rows, S
@@ -286,19 +287,50 @@ def _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, n
     return o, lse, lay
 
 
-def _merge_partials(o, lse, lay, out_shape, dtype):
-    """Log-sum-exp merge of the chunks' partials: o [c, b, n, R, dp], lse [c, b, n, R] -> [b, t, n*g, d]."""
-    b, t, hq, d = out_shape
-    n, group, rows = hq // lay["group"], lay["group"], lay["rows"]
-    o, lse = o[:, :, :, :rows, :d], lse[:, :, :, :rows]
-    top = jnp.max(lse, axis=0)
+def _merge_kernel(o_ref, lse_ref, out_ref, *, num_splits: int, block_q: int, group: int, heads: int, rows: int,
+                  d: int):
+    """Log-sum-exp merge of one (row, KV head, row block)'s partials: o_ref [c, block_q, dp] and lse_ref
+    [c, block_q] f32 -> its rows of out_ref [t * heads, d] (row = token * heads + query head), in out's dtype."""
+    h, row_block = pl.program_id(1), pl.program_id(2)
+    lse = [lse_ref[c, :] for c in range(num_splits)]
+    top = lse[0]
+    for c in range(1, num_splits):
+        top = jnp.maximum(top, lse[c])
     top = jnp.where(top == _NEG_INF, 0.0, top)  # rows that saw nothing: all weights 0, output 0
-    weights = jnp.exp(lse - top[None])
-    total = jnp.sum(weights, axis=0)
-    out = jnp.einsum("cbnr,cbnrd->bnrd", weights, o, precision=lax.Precision.HIGHEST)
-    out = out / jnp.where(total == 0.0, 1.0, total)[..., None]
-    out = out.reshape(b, n, t, group, d).transpose(0, 2, 1, 3, 4).reshape(b, t, hq, d)
-    return out.astype(dtype)
+    acc = jnp.zeros(o_ref.shape[1:], jnp.float32)
+    total = jnp.zeros(top.shape, jnp.float32)
+    for c in range(num_splits):  # a fixed order
+        weight = jnp.exp(lse[c] - top)
+        acc += weight[:, None] * o_ref[c, :, :]
+        total += weight
+    out = acc / jnp.where(total == 0.0, 1.0, total)[:, None]
+    row = row_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
+    flat = lax.div(row, jnp.int32(group)) * heads + h * group + lax.rem(row, jnp.int32(group))
+    cols = jnp.arange(o_ref.shape[-1], dtype=jnp.int32)
+    plt.store(out_ref.at[flat[:, None], cols[None, :]], out.astype(out_ref.dtype),
+              mask=(row < rows)[:, None] & (cols < d)[None, :])
+
+
+def _merge_partials(o, lse, lay, out_shape, dtype, *, interpret: bool):
+    """The chunks' partials o [c, b, n, R, dp], lse [c, b, n, R] -> [b, t, n*g, d] in `dtype`: one launch
+    (`_merge_kernel`) writing the output in q's layout (in jnp it took XLA three kernels per layer)."""
+    b, t, hq, d = out_shape
+    num_splits, _, n, padded_rows, dp = o.shape
+    block_q = lay["block_q"]
+    out = pl.pallas_call(
+        functools.partial(_merge_kernel, num_splits=num_splits, block_q=block_q, group=lay["group"], heads=hq,
+                          rows=lay["rows"], d=d),
+        grid=(b, n, lay["row_blocks"]),
+        in_specs=[pl.BlockSpec((num_splits, None, None, block_q, dp), lambda i, h, r: (0, i, h, r, 0)),
+                  pl.BlockSpec((num_splits, None, None, block_q), lambda i, h, r: (0, i, h, r))],
+        out_specs=pl.BlockSpec((None, t * hq, d), lambda i, h, r: (i, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, t * hq, d), dtype),
+        # Eight warps once the float32 accumulator passes 32 registers a thread at four (at T = 16 four spilled).
+        compiler_params=plt.CompilerParams(num_warps=8 if block_q * dp >= 8192 else 4, num_stages=1),
+        interpret=interpret,
+        name="tree_attention_merge",
+    )(o, lse)
+    return out.reshape(b, t, hq, d)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -319,7 +351,7 @@ def tree_attention_pallas(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_
     o, lse, lay = _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask,
                                            positions, scale=scale, sliding_window=sliding_window,
                                            config=config, interpret=interpret, debug=debug)
-    return _merge_partials(o, lse, lay, q.shape, q.dtype)
+    return _merge_partials(o, lse, lay, q.shape, q.dtype, interpret=interpret)
 
 
 def tree_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions, *,

@@ -1,4 +1,5 @@
-"""The Pallas kernels behind the engine (interpreted on CPU) give the tokens of the pure-JAX path."""
+"""The Pallas kernels behind the engine (interpreted on CPU) give the tokens of the pure-JAX path: the tree
+attention, the greedy acceptance, the tree build and the add + RMSNorm."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from ddtree_jax.checkpoint import load_drafter, load_target
 from ddtree_jax.engine import DecodeOptions, Mode, generate
 from ddtree_jax.models.contract import Kernels, Runtime
 from ddtree_jax.parallel import make_parallel
-from ddtree_jax.random_checkpoint import tiny_qwen3_config, write_random_dflash, write_random_qwen3
+from ddtree_jax.random_checkpoint import (tiny_qwen3_5_config, tiny_qwen3_config, write_random_dflash,
+                                         write_random_qwen3, write_random_qwen3_5)
 from pallas_kernels import ENV_VAR
 
 
@@ -23,6 +25,21 @@ def test_ddtree_with_pallas_kernels_matches_jax(tmp_path):
         options = DecodeOptions(mode=mode, max_new_tokens=8, budget=6)
         jax_out = generate(target, prompts, options, drafter=drafter)
         pallas_out = generate(target, prompts, DecodeOptions(mode=mode, max_new_tokens=8, budget=6, kernels="pallas"),
+                              drafter=drafter)
+        assert pallas_out.output_ids == jax_out.output_ids
+        assert pallas_out.acceptance_lengths == jax_out.acceptance_lengths
+
+
+def test_hybrid_with_pallas_kernels_matches_jax(tmp_path):
+    """Qwen3.5/3.6 hybrid: the zero-centred add + RMSNorm kernel (every layer) and the tree attention
+    (its full-attention layers), interpreted, give the pure-JAX path's tokens, AR and DDTree."""
+    target = load_target(write_random_qwen3_5(tmp_path / "t", seed=6), jnp.float32)
+    drafter = load_drafter(write_random_dflash(tmp_path / "d", tiny_qwen3_5_config(), seed=7), target.config,
+                           jnp.float32)
+    prompts = [[1, 2, 3, 4, 5], [3, 9]]
+    for mode in (Mode.AR, Mode.DDTREE):
+        jax_out = generate(target, prompts, DecodeOptions(mode=mode, max_new_tokens=6, budget=4), drafter=drafter)
+        pallas_out = generate(target, prompts, DecodeOptions(mode=mode, max_new_tokens=6, budget=4, kernels="pallas"),
                               drafter=drafter)
         assert pallas_out.output_ids == jax_out.output_ids
         assert pallas_out.acceptance_lengths == jax_out.acceptance_lengths

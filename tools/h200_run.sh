@@ -17,6 +17,8 @@
 #   tree      tools/topk_probe.py: the tree build (and its vocabulary top-k) against $BASELINE's tree.py -> tree/
 #   build     the tree-build kernel compiled (its GPU tests), then tools/topk_probe.py: XLA builder against the
 #             kernel and its $BUILD_KERNELS knob variants, $BUILD_VOCAB x $BUILD_BUDGETS        -> build/
+#   hlo       the bench (qwen3-8b, $HLO_MODES, DDTree $HLO_BUDGETS, pallas) traced, with XLA's optimised HLO dumped:
+#             which fusion each kernel of a round is                                  -> hlo.tar.xz, hlo_traces.tar
 #   demo_trace  the bench at the demo pair's shape (random weights), AR, DFlash, DDTree $DEMO_SHAPE_BUDGETS, with
 #             traces summarised: where a small model's round goes           -> demo_shape/, demo_trace_summary.json
 #   matmul    tools/gpu_probe.py projections at T = 1..128 ($MATMUL_FORMS, streaming configs in $MATMUL_ARGS), and the
@@ -108,6 +110,15 @@ for step in "$@"; do
         --budgets "${BUILD_BUDGETS:-16,64,128}" --top-k threshold --tree-build "reference,${BUILD_KERNELS:-pallas}" \
         --depths 15 2>&1 | grep -v '^{'
       rm -f "$OUT/build/topk_probe.md"
+      ;;
+    hlo)
+      log "HLO dump and traces"
+      XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text" timeout "${HLO_LIMIT:-150}" python3 -m ddtree_jax.bench \
+        --shape qwen3-8b --context 2048 --budgets "${HLO_BUDGETS:-64}" --modes "${HLO_MODES:-ar,dflash,ddtree}" \
+        --repeats 3 --kernels pallas --trace /tmp/hlo_traces --out /tmp/hlo_bench 2>&1 | grep '^|'
+      (cd /tmp/hlo && ls -S | grep 'after_optimizations.txt$' | head -"${HLO_FILES:-12}" | tar -cJf "$OUT/hlo.tar.xz" -T -)
+      (cd /tmp/hlo_traces && find . -name perfetto_trace.json.gz | tar -cf "$OUT/hlo_traces.tar" -T -)
+      ls -la "$OUT"
       ;;
     demo_trace)
       log "demo shape, traced"

@@ -30,15 +30,18 @@ import jax.numpy as jnp  # noqa: E402
 import kernel_check  # noqa: E402
 from pallas_kernels import tree_accept as tac  # noqa: E402
 from pallas_kernels import tree_attention as ta  # noqa: E402
+from pallas_kernels import rms_norm as rn  # noqa: E402
 from pallas_kernels import tree_build as tbk  # noqa: E402
 
 SMEM_PER_SM = 233472  # bytes on sm_90 (228 KiB); one block may take up to 227 KiB; 1 KiB is reserved per block
 SMEM_PER_BLOCK = 232448
 REGS_PER_SM = 65536
+MERGE = ta.TreeAttentionConfig(num_warps=8, num_stages=1)  # the merge kernel at these shapes (tree_attention._merge_partials)
 
 
-def triton_ir(fn, args) -> str:
-    """The Triton IR (text) of the last pallas_call that lowering `fn(*args)` for CUDA produces."""
+def triton_ir(fn, args, which: int = 0) -> str:
+    """The Triton IR (text) of the `which`-th pallas_call that lowering `fn(*args)` for CUDA produces (the tree
+    attention's first is the attention, its second the merge of its chunks)."""
     from jax._src.pallas.triton import lowering
 
     captured = []
@@ -54,7 +57,7 @@ def triton_ir(fn, args) -> str:
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     finally:
         lowering.lower_jaxpr_to_triton_module = original
-    return captured[-1]
+    return captured[which]
 
 
 def resources(ir_text: str, num_warps: int, num_stages: int) -> dict:
@@ -103,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
             for config in configs:
                 fn = functools.partial(ta.tree_attention_pallas, scale=d ** -0.5, config=config)
                 jobs.append((f"tree_attention {jnp.dtype(dtype).name} T={t}", config, fn, attn_args))
+            fn = functools.partial(ta.tree_attention_pallas, scale=d ** -0.5)
+            jobs.append((f"attention merge {jnp.dtype(dtype).name} T={t}", MERGE, fn, attn_args, 1))
+        for rows in (1, 65):
+            jobs.append((f"add_rms_norm {jnp.dtype(dtype).name} rows={rows}", rn.RMSNormConfig(),
+                         functools.partial(rn.add_rms_norm_pallas, eps=1e-6),
+                         [sds((rows, 4096), dtype), sds((rows, 4096), dtype), sds((4096,), dtype)]))
         configs = [tac.TreeAcceptConfig()] + ([] if args.quick or dtype == jnp.float32 else kernel_check.ACCEPT_SWEEP)
         for t in shape["accept_t"]:
             acc_args = [sds((1, t, shape["vocab"]), dtype)]
@@ -119,11 +128,11 @@ def main(argv: list[str] | None = None) -> int:
             for config in configs:
                 fn = functools.partial(tbk.tree_build_pallas, budget=budget, config=config)
                 jobs.append((f"tree_build B={budget} b={rows}", config, fn, build_args))
-    for name, config, fn, fn_args in jobs:
+    for name, config, fn, fn_args, *which in jobs:
         label = f"{name:<32} {config!r}".replace("TreeAttentionConfig", "").replace("TreeAcceptConfig", "").replace(
             "TreeBuildConfig", "")
         try:
-            print(label, resources(triton_ir(fn, fn_args), config.num_warps, config.num_stages), flush=True)
+            print(label, resources(triton_ir(fn, fn_args, *which), config.num_warps, config.num_stages), flush=True)
         except Exception as exc:  # noqa: BLE001 - report and go on
             print(label, "FAILED", kernel_check.error_text(exc, 400).replace("\n", " | "), flush=True)
     return 0

@@ -26,7 +26,7 @@ from ddtree_jax.cache import KVCache, advance, write_pending
 from ddtree_jax.config import DFlashConfig
 from ddtree_jax.models import qwen3
 from ddtree_jax.models.contract import Runtime
-from ddtree_jax.models.layers import Linear, RMSNorm, apply_rope, cached_attention, rope_cos_sin
+from ddtree_jax.models.layers import Linear, RMSNorm, add_and_norm, apply_rope, cached_attention, rope_cos_sin
 from ddtree_jax.models.params import ModelParams, abstract_params, random_params
 
 
@@ -105,10 +105,11 @@ def draft_hidden(params: ModelParams, target: ModelParams, block_tokens: jax.Arr
     positions = cache.lengths[:, None] + jnp.arange(bs, dtype=jnp.int32)[None, :]
     cos, sin = rope_cos_sin(positions, config.rope, config.head_dim)
     d = config.head_dim
+    delta = None  # what the previous layer's MLP adds to the stream: added by the next norm's call
     for i, layer in enumerate(model.layers):
         with jax.named_scope(f"draft_layer_{i}"):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
+            h, x = add_and_norm(layer.input_layernorm, h, delta, runtime)
             q, k, v = attn.qkv_proj(x)
             q = apply_rope(attn.q_norm(q.reshape(b, bs, -1, d)), cos, sin)
             k = apply_rope(attn.k_norm(k.reshape(b, bs, -1, d)), cos, sin)
@@ -116,9 +117,9 @@ def draft_hidden(params: ModelParams, target: ModelParams, block_tokens: jax.Arr
             out = cached_attention(q, cache.k[i], cache.v[i], cache.lengths, k, v,
                                    block_mask(b, bs, config.layer_causal[i]), positions,
                                    scale=d ** -0.5, sliding_window=config.layer_windows[i], runtime=runtime)
-            h = h + attn.o_proj(out.reshape(b, bs, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-    return model.norm(h)
+            h, x = add_and_norm(layer.post_attention_layernorm, h, attn.o_proj(out.reshape(b, bs, -1)), runtime)
+            delta = layer.mlp(x)
+    return add_and_norm(model.norm, h, delta, runtime)[1]
 
 
 def draft_logits(params: ModelParams, target: ModelParams, block_tokens: jax.Array, cache: KVCache,

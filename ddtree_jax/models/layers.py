@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from ddtree_jax.models import fp8
 from ddtree_jax.models.contract import Runtime
+from pallas_kernels.rms_norm import add_rms_norm
 from pallas_kernels.tree_attention import tree_attention
 
 from ddtree_jax.config import RopeConfig
@@ -108,6 +109,8 @@ class Embedding(nnx.Module):
 class RMSNorm(nnx.Module):
     """HF Qwen3 RMSNorm: normalise in float32, cast back, then scale by the weight (init 1)."""
 
+    kind = "qwen3"  # `pallas_kernels.rms_norm`'s name for this scaling
+
     def __init__(self, dim: int, eps: float, axis_name: str = "embed", *, dtype, rngs=None):
         self.weight = param(rngs, (dim,), dtype, (axis_name,), "ones")
         self.eps = eps
@@ -116,6 +119,23 @@ class RMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
         return self.weight[...].astype(x.dtype) * normed.astype(x.dtype)
+
+
+def add_and_norm(norm, x: jax.Array, delta: jax.Array | None, runtime: Runtime) -> tuple[jax.Array, jax.Array]:
+    """The residual stream after a block and the next norm of it: (s, norm(s)) with s = x + delta (x when delta is
+    None), x/delta [..., e]. `norm` is an RMSNorm module with `kind`, `eps` and `weight`. On the Pallas path one
+    kernel (`pallas_kernels.rms_norm`: XLA ran two or three per norm), replicated under tensor parallelism (the
+    stream is); else the jnp ops of `x + delta` and `norm`."""
+    if not runtime.pallas:
+        s = x if delta is None else x + delta
+        return s, norm(s)
+    fused = functools.partial(add_rms_norm, eps=norm.eps, kind=norm.kind, implementation="pallas")
+    if runtime.tp_mesh is not None:
+        args = (x, norm.weight[...]) if delta is None else (x, delta, norm.weight[...])
+        call = (lambda a, w: fused(a, None, w)) if delta is None else fused
+        return jax.shard_map(call, mesh=runtime.tp_mesh, in_specs=(P(),) * len(args), out_specs=(P(), P()),
+                             check_vma=False)(*args)
+    return fused(x, delta, norm.weight[...])
 
 
 @dataclasses.dataclass(frozen=True)

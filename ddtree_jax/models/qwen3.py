@@ -17,8 +17,8 @@ from flax import nnx
 from ddtree_jax.cache import KVCache, PendingKV, write_pending
 from ddtree_jax.config import Qwen3Config
 from ddtree_jax.models.contract import ForwardMeta, ForwardOut, Runtime
-from ddtree_jax.models.layers import (Embedding, Linear, PackedProjections, Part, RMSNorm, SwiGLU, apply_rope,
-                                      cached_attention, rope_cos_sin)
+from ddtree_jax.models.layers import (Embedding, Linear, PackedProjections, Part, RMSNorm, SwiGLU, add_and_norm,
+                                      apply_rope, cached_attention, rope_cos_sin)
 from ddtree_jax.models.params import ModelParams, abstract_params, random_params
 
 RECURRENT = False  # attention only: the cache is a KVCache
@@ -106,18 +106,21 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: KV
     x = model.model.embed_tokens(tokens)
     cos, sin = rope_cos_sin(meta.positions, config.rope, config.head_dim)
     new_k, new_v, taps = [], [], {}
+    delta = None  # what the previous layer's MLP adds to the stream: added by the next norm's call
     for i, layer in enumerate(model.model.layers):
         with jax.named_scope(f"layer_{i}"):
-            attn_out, k, v = layer.self_attn(layer.input_layernorm(x), cos, sin, cache.k[i], cache.v[i],
-                                             cache.lengths, meta, sliding_window=config.sliding_windows[i],
-                                             runtime=runtime)
-            x = x + attn_out
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x, h = add_and_norm(layer.input_layernorm, x, delta, runtime)
+            if i - 1 in tap_layers:
+                taps[i - 1] = x
+            attn_out, k, v = layer.self_attn(h, cos, sin, cache.k[i], cache.v[i], cache.lengths, meta,
+                                             sliding_window=config.sliding_windows[i], runtime=runtime)
+            x, h = add_and_norm(layer.post_attention_layernorm, x, attn_out, runtime)
+            delta = layer.mlp(h)
         new_k.append(k)
         new_v.append(v)
-        if i in tap_layers:
-            taps[i] = x
-    hidden = model.model.norm(x)
+    x, hidden = add_and_norm(model.model.norm, x, delta, runtime)
+    if config.num_layers - 1 in tap_layers:
+        taps[config.num_layers - 1] = x
     tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1) if tap_layers else None
     if meta.is_tree:  # the round writes the nodes it keeps
         return ForwardOut(hidden=hidden, taps=tapped, cache=cache, pending=PendingKV(k=tuple(new_k), v=tuple(new_v)))

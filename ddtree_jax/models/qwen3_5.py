@@ -40,8 +40,8 @@ from ddtree_jax.cache import HybridCache, KVCache, NodeStates, PendingKV, Recurr
 from ddtree_jax.config import FULL_ATTENTION, Qwen3_5Config
 from ddtree_jax.models import qwen3
 from ddtree_jax.models.contract import ForwardMeta, ForwardOut, Runtime
-from ddtree_jax.models.layers import (Embedding, Linear, PackedProjections, Part, SwiGLU, apply_rope, cached_attention,
-                                      param, rope_cos_sin)
+from ddtree_jax.models.layers import (Embedding, Linear, PackedProjections, Part, SwiGLU, add_and_norm, apply_rope,
+                                      cached_attention, param, rope_cos_sin)
 from ddtree_jax.models.params import ModelParams, abstract_params, random_params
 from ddtree_jax.parallel import MODEL_AXIS
 
@@ -203,6 +203,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state, chunk_size: int = CH
 
 class ZeroCenteredRMSNorm(nnx.Module):
     """HF `Qwen3_5RMSNorm`: `x / rms(x) * (1 + w)` in float32, then cast to x's dtype (weight init 0)."""
+
+    kind = "zero_centered"  # `pallas_kernels.rms_norm`'s name for this scaling
 
     def __init__(self, dim: int, eps: float, axis_name: str = "embed", *, dtype):
         self.weight = param(None, (dim,), dtype, (axis_name,), "zeros")
@@ -477,9 +479,12 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: Hy
     depths = (meta.positions - lengths[:, None]).astype(jnp.int32) if tree else None
     attn_index = {layer: j for j, layer in enumerate(config.attention_layers)}
     linear_index = {layer: j for j, layer in enumerate(config.linear_layers)}
+    delta = None  # what the previous layer's MLP adds to the stream: added by the next norm's call
     for i, layer in enumerate(model.model.layers):
         with jax.named_scope(f"layer_{i}"):
-            h = layer.input_layernorm(x)
+            x, h = add_and_norm(layer.input_layernorm, x, delta, runtime)
+            if i - 1 in tap_layers:
+                taps[i - 1] = x
             if i in attn_index:
                 j = attn_index[i]
                 mixed, k, v = layer.self_attn(h, cos, sin, kv.k[j], kv.v[j], lengths, meta, runtime=runtime)
@@ -490,11 +495,11 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: Hy
                 mixed, new_states[j], nodes[j] = layer.linear_attn(
                     h, cache.recurrent[j], meta.valid, meta.parents, depths, meta.new_mask if tree else None,
                     runtime=runtime)
-            x = x + mixed
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        if i in tap_layers:
-            taps[i] = x
-    hidden = model.model.norm(x)
+            x, h = add_and_norm(layer.post_attention_layernorm, x, mixed, runtime)
+            delta = layer.mlp(h)
+    x, hidden = add_and_norm(model.model.norm, x, delta, runtime)
+    if config.num_layers - 1 in tap_layers:
+        taps[config.num_layers - 1] = x
     tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1) if tap_layers else None
     if tree:  # the round writes the nodes it keeps
         return ForwardOut(hidden=hidden, taps=tapped, cache=cache, pending=PendingKV(k=tuple(new_k), v=tuple(new_v)),

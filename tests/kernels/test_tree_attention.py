@@ -96,7 +96,7 @@ def kernel_with_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_m
     o, lse, lay = ta._tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions,
                                               scale=scale, sliding_window=sliding_window, config=config,
                                               interpret=interpret)
-    return ta._merge_partials(o, lse, lay, q.shape, q.dtype), o, lse
+    return ta._merge_partials(o, lse, lay, q.shape, q.dtype, interpret=interpret), o, lse
 
 
 def tolerance(dtype: str) -> dict:

@@ -1,0 +1,84 @@
+"""The add + RMSNorm kernel and its reference against a float64 NumPy restatement of HF's RMSNorms, interpreted
+on CPU and compiled on a GPU (marked `gpu`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import rms_norm as rn
+
+INTERPRET = [pytest.param(True, id="interpret"), pytest.param(False, id="compiled", marks=pytest.mark.gpu)]
+# (rows shape, e, dtype, kind, with delta): one AR row, a tree's 65 rows of a width that is not a power of two.
+CASES = [((1, 1), 256, "bfloat16", "qwen3", True),
+         ((2, 65), 96, "float32", "zero_centered", True),
+         ((3,), 160, "bfloat16", "zero_centered", False),
+         ((1, 4), 64, "float32", "qwen3", False)]
+EPS = 1e-6
+
+
+def _inputs(rows, e, dtype, seed):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(3.0 * rng.standard_normal((*rows, e)), jnp.float32).astype(dtype)
+    delta = jnp.asarray(rng.standard_normal((*rows, e)), jnp.float32).astype(dtype)
+    weight = jnp.asarray(1.0 + 0.3 * rng.standard_normal(e), jnp.float32).astype(dtype)
+    return x, delta, weight
+
+
+def _float64(x, delta, weight, kind):
+    """HF's arithmetic in float64: the sum, then x / rms(x) scaled by w (qwen3) or (1 + w) (zero_centered)."""
+    s = np.asarray(x, np.float64) if delta is None else np.asarray(x + delta, np.float64)  # the add rounds in x's dtype
+    normed = s / np.sqrt(np.mean(s * s, axis=-1, keepdims=True) + EPS)
+    w = np.asarray(weight, np.float64)
+    return s, normed * (w if kind == "qwen3" else 1.0 + w)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("rows,e,dtype,kind,with_delta", CASES, ids=[f"r{c[0]}-e{c[1]}-{c[2]}-{c[3]}-{c[4]}"
+                                                                    for c in CASES])
+def test_matches_float64(rows, e, dtype, kind, with_delta, interpret):
+    x, delta, weight = _inputs(rows, e, dtype, seed=e)
+    delta = delta if with_delta else None
+    want_s, want_y = _float64(x, delta, weight, kind)
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    for s, y in (rn.add_rms_norm_pallas(x, delta, weight, eps=EPS, kind=kind, interpret=interpret),
+                 rn.add_rms_norm_reference(x, delta, weight, eps=EPS, kind=kind)):
+        assert s.shape == y.shape == x.shape and s.dtype == y.dtype == x.dtype
+        np.testing.assert_array_equal(np.asarray(s, np.float64), want_s)  # the add: exact, in x's dtype
+        np.testing.assert_allclose(np.asarray(y, np.float64), want_y, atol=tol, rtol=tol)
+
+
+def test_rows_do_not_depend_on_the_call():
+    """A row normalises to the same bits alone and among 65 others (what greedy equality between AR and a tree
+    verify needs of it)."""
+    x, delta, weight = _inputs((1, 65), 256, "bfloat16", seed=3)
+    s_all, y_all = rn.add_rms_norm_pallas(x, delta, weight, eps=EPS, interpret=True)
+    s_one, y_one = rn.add_rms_norm_pallas(x[:, 17:18], delta[:, 17:18], weight, eps=EPS, interpret=True)
+    np.testing.assert_array_equal(np.asarray(s_one), np.asarray(s_all[:, 17:18]))
+    np.testing.assert_array_equal(np.asarray(y_one), np.asarray(y_all[:, 17:18]))
+
+
+def test_check_can_fail():
+    """Negative control: a changed weight entry is caught by the same comparison."""
+    x, delta, weight = _inputs((1, 2), 64, "float32", seed=4)
+    _, want_y = _float64(x, delta, weight, "qwen3")
+    _, got = rn.add_rms_norm_pallas(x, delta, weight.at[5].add(0.5), eps=EPS, interpret=True)
+    assert not np.allclose(np.asarray(got), want_y, atol=1e-5, rtol=1e-5)
+
+
+def test_dispatcher_and_bad_input():
+    x, delta, weight = _inputs((2,), 32, "float32", seed=5)
+    _, y = rn.add_rms_norm(x, delta, weight, eps=EPS, implementation="reference")
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(rn.add_rms_norm_reference(x, delta, weight, eps=EPS)[1]))
+    with pytest.raises(ValueError, match="kind='layer'"):
+        rn.add_rms_norm_reference(x, delta, weight, eps=EPS, kind="layer")
+    with pytest.raises(ValueError, match=r"weight \[e\]"):
+        rn.add_rms_norm_reference(x, delta, weight[:16], eps=EPS)
+    with pytest.raises(ValueError, match="delta must have x's shape"):
+        rn.add_rms_norm_reference(x, delta[:1], weight, eps=EPS)
+    with pytest.raises(ValueError, match=r"RMSNormConfig\.num_warps=3"):
+        rn.RMSNormConfig(num_warps=3)
+    s, _ = jax.jit(lambda a: rn.add_rms_norm(a, None, weight, eps=EPS, implementation="reference"))(x)
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(x))  # nothing added: the stream passes through
