@@ -30,13 +30,14 @@ import jax.numpy as jnp  # noqa: E402
 import kernel_check  # noqa: E402
 from pallas_kernels import tree_accept as tac  # noqa: E402
 from pallas_kernels import tree_attention as ta  # noqa: E402
+from pallas_kernels import qk_norm_rope as qk  # noqa: E402
 from pallas_kernels import rms_norm as rn  # noqa: E402
 from pallas_kernels import tree_build as tbk  # noqa: E402
 
 SMEM_PER_SM = 233472  # bytes on sm_90 (228 KiB); one block may take up to 227 KiB; 1 KiB is reserved per block
 SMEM_PER_BLOCK = 232448
 REGS_PER_SM = 65536
-MERGE = ta.TreeAttentionConfig(num_warps=8, num_stages=1)  # the merge kernel at these shapes (tree_attention._merge_partials)
+MERGE = ta.TreeAttentionConfig(num_warps=4, num_stages=1)  # the merge kernel's launch settings (tree_attention._merge_partials)
 
 
 def triton_ir(fn, args, which: int = 0) -> str:
@@ -112,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
             jobs.append((f"add_rms_norm {jnp.dtype(dtype).name} rows={rows}", rn.RMSNormConfig(),
                          functools.partial(rn.add_rms_norm_pallas, eps=1e-6),
                          [sds((rows, 4096), dtype), sds((rows, 4096), dtype), sds((4096,), dtype)]))
+            jobs.append((f"qk_norm_rope {jnp.dtype(dtype).name} rows={rows}", rn.RMSNormConfig(),
+                         functools.partial(qk.qk_norm_rope_pallas, eps=1e-6),
+                         [sds((rows, n, hq // n + 2, d), dtype), sds((d,), dtype), sds((d,), dtype),
+                          sds((rows, d), jnp.float32), sds((rows, d), jnp.float32)]))
         configs = [tac.TreeAcceptConfig()] + ([] if args.quick or dtype == jnp.float32 else kernel_check.ACCEPT_SWEEP)
         for t in shape["accept_t"]:
             acc_args = [sds((1, t, shape["vocab"]), dtype)]

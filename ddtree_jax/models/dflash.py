@@ -26,7 +26,8 @@ from ddtree_jax.cache import KVCache, advance, write_pending
 from ddtree_jax.config import DFlashConfig
 from ddtree_jax.models import qwen3
 from ddtree_jax.models.contract import Runtime
-from ddtree_jax.models.layers import Linear, RMSNorm, add_and_norm, apply_rope, cached_attention, rope_cos_sin
+from ddtree_jax.models.layers import (Linear, RMSNorm, add_and_norm, apply_rope, cached_attention, project_qk_norm_rope,
+                                      rope_cos_sin)
 from ddtree_jax.models.params import ModelParams, abstract_params, random_params
 
 
@@ -110,10 +111,7 @@ def draft_hidden(params: ModelParams, target: ModelParams, block_tokens: jax.Arr
         with jax.named_scope(f"draft_layer_{i}"):
             attn = layer.self_attn
             h, x = add_and_norm(layer.input_layernorm, h, delta, runtime)
-            q, k, v = attn.qkv_proj(x)
-            q = apply_rope(attn.q_norm(q.reshape(b, bs, -1, d)), cos, sin)
-            k = apply_rope(attn.k_norm(k.reshape(b, bs, -1, d)), cos, sin)
-            v = v.reshape(b, bs, -1, d)
+            q, k, v = project_qk_norm_rope(attn, x, cos, sin, runtime)
             out = cached_attention(q, cache.k[i], cache.v[i], cache.lengths, k, v,
                                    block_mask(b, bs, config.layer_causal[i]), positions,
                                    scale=d ** -0.5, sliding_window=config.layer_windows[i], runtime=runtime)

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from ddtree_jax.models import fp8
 from ddtree_jax.models.contract import Runtime
+from pallas_kernels.qk_norm_rope import qk_norm_rope
 from pallas_kernels.rms_norm import add_rms_norm
 from pallas_kernels.tree_attention import tree_attention
 
@@ -121,6 +122,23 @@ class RMSNorm(nnx.Module):
         return self.weight[...].astype(x.dtype) * normed.astype(x.dtype)
 
 
+def project_qk_norm_rope(attn, x: jax.Array, cos: jax.Array, sin: jax.Array,
+                         runtime: Runtime) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Qwen3 attention's q, k, v of x [b, t, e]: the packed q|k|v projection, `attn.q_norm` / `attn.k_norm` per
+    head and RoPE (cos/sin [b, t, d], the whole head) on q and k. Returns q [b, t, n*g, d], k and v [b, t, n, d].
+    On the Pallas path with one device and a packed projection, one kernel after the matmul
+    (`pallas_kernels.qk_norm_rope`: XLA ran six or seven); else the jnp ops of the modules."""
+    b, t, _ = x.shape
+    d = attn.head_dim
+    if runtime.pallas and runtime.tp_mesh is None and attn.qkv_proj.packed:
+        return qk_norm_rope(attn.qkv_proj.packed_output(x), attn.q_norm.weight[...], attn.k_norm.weight[...], cos,
+                            sin, eps=attn.q_norm.eps, implementation="pallas")
+    q, k, v = attn.qkv_proj(x)
+    q = apply_rope(attn.q_norm(q.reshape(b, t, -1, d)), cos, sin)
+    k = apply_rope(attn.k_norm(k.reshape(b, t, -1, d)), cos, sin)
+    return q, k, v.reshape(b, t, -1, d)
+
+
 def add_and_norm(norm, x: jax.Array, delta: jax.Array | None, runtime: Runtime) -> tuple[jax.Array, jax.Array]:
     """The residual stream after a block and the next norm of it: (s, norm(s)) with s = x + delta (x when delta is
     None), x/delta [..., e]. `norm` is an RMSNorm module with `kind`, `eps` and `weight`. On the Pallas path one
@@ -184,12 +202,16 @@ class PackedProjections(nnx.Module):
         """x [..., in] -> one output [..., G * units_p * R] per part, in x's dtype."""
         if not self.packed:
             return tuple(getattr(self, part.name)(x) for part in self.parts)
-        y = jnp.einsum("...i,guri->...gur", x, self.weight[...].astype(x.dtype))
+        y = self.packed_output(x)
         outs, start = [], 0
         for part in self.parts:
             outs.append(y[..., start:start + part.units, :].reshape(*x.shape[:-1], -1))
             start += part.units
         return tuple(outs)
+
+    def packed_output(self, x: jax.Array) -> jax.Array:
+        """x [..., in] -> every part's output unsplit, [..., G, U, R] in x's dtype (while `packed`)."""
+        return jnp.einsum("...i,guri->...gur", x, self.weight[...].astype(x.dtype))
 
     def unpack(self, weight) -> dict[str, object]:
         """The packed weight [G, U, R, in] (an array or a ShapeDtypeStruct) -> {part name: HF weight}."""

@@ -18,7 +18,7 @@ from ddtree_jax.cache import KVCache, PendingKV, write_pending
 from ddtree_jax.config import Qwen3Config
 from ddtree_jax.models.contract import ForwardMeta, ForwardOut, Runtime
 from ddtree_jax.models.layers import (Embedding, Linear, PackedProjections, Part, RMSNorm, SwiGLU, add_and_norm,
-                                      apply_rope, cached_attention, rope_cos_sin)
+                                      cached_attention, project_qk_norm_rope, rope_cos_sin)
 from ddtree_jax.models.params import ModelParams, abstract_params, random_params
 
 RECURRENT = False  # attention only: the cache is a KVCache
@@ -43,11 +43,7 @@ class Attention(nnx.Module):
         """x [b, t, e], cos/sin [b, t, d] -> (out [b, t, e], k_new [b, t, n, d], v_new [b, t, n, d])."""
         b, t, _ = x.shape
         d = self.head_dim
-        q, k, v = self.qkv_proj(x)
-        q = self.q_norm(q.reshape(b, t, -1, d))
-        k = self.k_norm(k.reshape(b, t, -1, d))
-        v = v.reshape(b, t, -1, d)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = project_qk_norm_rope(self, x, cos, sin, runtime)
         out = cached_attention(q, k_cache, v_cache, cache_lengths, k, v, meta.new_mask, meta.positions,
                                scale=d ** -0.5, sliding_window=sliding_window, runtime=runtime)
         return self.o_proj(out.reshape(b, t, -1)), k, v
