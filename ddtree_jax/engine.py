@@ -242,24 +242,33 @@ def calibrate(run_prefill: Callable[[], DecodeState], run_loop: Callable[[Decode
               options: DecodeOptions) -> tuple[list[float], bool]:
     """Seconds per round of each `--budget auto` candidate, measured with the compiled prefill and decode loop
     that the generation runs: per candidate, the choice forced to it (every other candidate's cost FORCED_OUT),
-    a fresh prefill, one untimed round, then CALIBRATION_ROUNDS rounds in one call (fewer when every row
-    finishes first), timed; the median of CALIBRATION_REPEATS such calls. Returns (seconds, complete): a
-    candidate that got no timed round (the rows finished within one round) is given seconds in proportion to
-    its verified tokens against the measured ones, and `complete` is False (not worth caching)."""
+    the time of a call of 1 + CALIBRATION_ROUNDS rounds less that of a call of one round (each after a fresh
+    prefill and one untimed round), per round of difference, so that a call's own dispatch cancels (timing
+    the long call alone read 0.70 ms for both the chain and B = 16 on the demo pair on the H200, 2026-12-02,
+    whose rounds take 0.33 and 0.39 ms); the median of CALIBRATION_REPEATS such pairs. Returns (seconds,
+    complete): a candidate that got no timed round (the rows finished within one round) is given seconds in
+    proportion to its verified tokens against the measured ones, and `complete` is False (not worth caching)."""
     budgets = options.budgets
+
+    def timed(forced: list[float], rounds: int) -> tuple[float, int]:
+        state = jax.block_until_ready(run_loop(with_round_costs(run_prefill(), forced), 1))
+        first = int(to_host(state.step))
+        start = time.perf_counter()
+        state = jax.block_until_ready(run_loop(state, rounds))
+        return time.perf_counter() - start, int(to_host(state.step)) - first
+
     seconds: list[float | None] = []
     for i in range(len(budgets)):
         forced = [FORCED_OUT] * len(budgets)
         forced[i] = 1.0
         times = []
         for _ in range(CALIBRATION_REPEATS):
-            state = jax.block_until_ready(run_loop(with_round_costs(run_prefill(), forced), 1))
-            first = int(to_host(state.step))
-            start = time.perf_counter()
-            state = jax.block_until_ready(run_loop(state, CALIBRATION_ROUNDS))
-            elapsed, rounds = time.perf_counter() - start, int(to_host(state.step)) - first
-            if rounds:
-                times.append(elapsed / rounds)
+            long_s, long_rounds = timed(forced, 1 + CALIBRATION_ROUNDS)
+            short_s, short_rounds = timed(forced, 1)
+            if long_rounds > short_rounds and long_s > short_s:
+                times.append((long_s - short_s) / (long_rounds - short_rounds))
+            elif long_rounds:  # timer noise above the difference: the long call alone
+                times.append(long_s / long_rounds)
         seconds.append(statistics.median(times) if times else None)
     widths = [options.candidate(b).verify_width for b in budgets]
     measured = [(s, w) for s, w in zip(seconds, widths) if s is not None]
