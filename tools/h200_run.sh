@@ -19,6 +19,8 @@
 #             kernel and its $BUILD_KERNELS knob variants, $BUILD_VOCAB x $BUILD_BUDGETS        -> build/
 #   hlo       the bench (qwen3-8b, $HLO_MODES, DDTree $HLO_BUDGETS, pallas) traced, with XLA's optimised HLO dumped:
 #             which fusion each kernel of a round is                                  -> hlo.tar.xz, hlo_traces.tar
+#   splitk    the bench (qwen3-8b, DDTree 16/64, pallas, traced) as is and with XLA's split-K GEMMs off: their final
+#             reductions no longer fuse into the Pallas norm / q-k kernels after them   -> splitk_on/, splitk_off/
 #   demo_trace  the bench at the demo pair's shape (random weights), AR, DFlash, DDTree $DEMO_SHAPE_BUDGETS, with
 #             traces summarised: where a small model's round goes           -> demo_shape/, demo_trace_summary.json
 #   matmul    tools/gpu_probe.py projections at T = 1..128 ($MATMUL_FORMS, streaming configs in $MATMUL_ARGS), and the
@@ -119,6 +121,17 @@ for step in "$@"; do
       (cd /tmp/hlo && ls -S | grep 'after_optimizations.txt$' | head -"${HLO_FILES:-12}" | tar -cJf "$OUT/hlo.tar.xz" -T -)
       (cd /tmp/hlo_traces && find . -name perfetto_trace.json.gz | tar -cf "$OUT/hlo_traces.tar" -T -)
       ls -la "$OUT"
+      ;;
+    splitk)
+      log "split-K on and off"
+      for side in on off; do
+        flags=""; [ "$side" = off ] && flags="--xla_gpu_enable_split_k_autotuning=false"
+        XLA_FLAGS="$flags" timeout "${SPLITK_LIMIT:-170}" python3 -m ddtree_jax.bench --shape qwen3-8b --context 2048 \
+          --budgets 16,64 --modes ar,dflash,ddtree --repeats 10 --kernels pallas --trace "/tmp/splitk_$side" \
+          --out "$OUT/splitk_$side" 2>&1 | grep '^|'
+        rm -f "$OUT/splitk_$side"/bench.{md,png,partial.json}
+        timeout 60 python3 tools/trace_summary.py "/tmp/splitk_$side" --top 8 2>&1 | grep -v '^    '
+      done
       ;;
     demo_trace)
       log "demo shape, traced"
