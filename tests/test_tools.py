@@ -48,6 +48,9 @@ def test_trace_summary_counts_gpu_kernels_per_round(tmp_path):
     assert [trace_summary.category(n) for n in ("nvjet_sm90_tss_128x72", "tree_attention_", "sort_44_1", "fusion")] \
         == ["matmul", "tree attention", "sort/top-k", "other"]
     assert trace_summary.main([str(tmp_path), "--rounds", "2"]) == 0
+    assert trace_summary.sequence(next(tmp_path.glob("ar-pallas/**/perfetto_trace.json.gz")), 2, 2) == [
+        ("loop_add_fusion_7", 2.0), ("gemm_fusion_dot_12", 30.0)]  # launch order across the rounds
+    assert trace_summary.main([str(tmp_path), "--rounds", "2", "--sequence", "1:3"]) == 0
 
 
 def test_greedy_equality_on_random_weights(tmp_path):

@@ -1,6 +1,6 @@
 """Summarise the GPU side of the profiler traces that `python -m ddtree_jax.bench --trace DIR` writes.
 
-    python tools/trace_summary.py DIR [--top 12]
+    python tools/trace_summary.py DIR [--top 12] [--sequence START:COUNT]
 
 For every row folder under DIR (its `perfetto_trace.json.gz`), over the traced rounds: wall time from the
 first kernel's start to the last kernel's end, the sum of kernel times (busy), the gaps between kernels
@@ -9,6 +9,9 @@ first kernel's start to the last kernel's end, the sum of kernel times (busy), t
 Per round = divided by the number of rounds traced (`--rounds`: the bench traces one call of its device
 loop, `bench.LOOP_ROUNDS` = 8 rounds). Times come from the profiler, which slows dispatch but not kernels:
 busy time is the figure to compare with the bench's round time.
+`--sequence 300:30` prints kernels 300..329 of each trace in launch order with their times (e.g. one decoder
+layer, to see which small kernels sit between its matmuls; map their names to fusions with an HLO dump, the
+`hlo` step of tools/h200_run.sh).
 """
 
 from __future__ import annotations
@@ -76,17 +79,28 @@ def summarise(path: Path, rounds: int, top: int = 12) -> dict:
                      "share_of_busy": t / busy} for n, (c, t) in ranked]}
 
 
+def sequence(path: Path, start: int, count: int) -> list[tuple[str, float]]:
+    """(name, us) of kernels start .. start + count - 1 of a trace, in launch order."""
+    return [(name, dur) for _, dur, name in gpu_kernels(path)[start:start + count]]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("dir", type=Path)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--rounds", type=int, default=8, help="rounds in each trace (bench: LOOP_ROUNDS)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--sequence", default=None, metavar="START:COUNT",
+                   help="also print these kernels of each trace in launch order")
     args = p.parse_args(argv)
-    report = {}
+    report, traces = {}, {}
     for trace in sorted(args.dir.glob("*/**/perfetto_trace.json.gz")):
         row = trace.relative_to(args.dir).parts[0]
-        report[row] = summarise(trace, args.rounds, top=args.top)
+        report[row], traces[row] = summarise(trace, args.rounds, top=args.top), trace
+    if args.sequence:
+        start, count = (int(x) for x in args.sequence.split(":"))
+        for row, trace in traces.items():
+            report[row]["sequence"] = [{"name": n, "us": us} for n, us in sequence(trace, start, count)]
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
@@ -100,6 +114,10 @@ def main(argv=None) -> int:
                                         for k, v in s["by_kind"].items()))
         for k in s["top"]:
             print(f"  {k['ms_per_round']:7.3f} ms  {k['share_of_busy']:5.1%}  x{k['count_per_round']:<5.0f} {k['name'][:90]}")
+        if "sequence" in s:
+            print(f"  kernels {args.sequence} in launch order:")
+            for k in s["sequence"]:
+                print(f"    {k['us']:8.2f} us  {k['name'][:90]}")
     return 0
 
 
