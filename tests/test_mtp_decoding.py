@@ -6,6 +6,7 @@ follow the target's exact distribution (chi-square), which emitting the drafts u
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -233,3 +234,17 @@ def test_unverified_drafts_fail_the_sampling_check(sampling_pair, drafts_matched
     above rejects them at p < 1e-6 with 1000 samples."""
     samples, _ = _sample(sampling_pair, seed=123, n=1000)
     assert chi2_pvalue(samples, sampling_pair[3]) < 1e-6
+
+
+def test_pallas_kernels_give_the_jax_tokens(mtp_pair):
+    """The head's layer on the Pallas path (add + RMSNorm kernels, tree attention; interpreted here) drafts and
+    verifies as the pure-JAX path does: the same tokens and the same acceptance (a fitted head, so drafts are
+    accepted)."""
+    target, head, ar = mtp_pair
+    options = DecodeOptions(mode=Mode.MTP, mtp_steps=3, max_new_tokens=MAX_NEW)
+    jax_run = generate(target, PROMPTS, options, drafter=head)
+    pallas_run = generate(target, PROMPTS, dataclasses.replace(options, kernels="pallas"), drafter=head)
+    assert pallas_run.output_ids == jax_run.output_ids == ar
+    assert pallas_run.acceptance_lengths == jax_run.acceptance_lengths
+    assert max(n for row in pallas_run.acceptance_lengths for n in row) > 1
+

@@ -43,7 +43,7 @@ from ddtree_jax.cache import KVCache, MTPCache, advance, write_pending
 from ddtree_jax.config import FULL_ATTENTION, MTPConfig
 from ddtree_jax.models import qwen3, qwen3_5
 from ddtree_jax.models.contract import Runtime, causal_mask
-from ddtree_jax.models.layers import Linear, cached_attention, rope_cos_sin
+from ddtree_jax.models.layers import Linear, add_and_norm, cached_attention, rope_cos_sin
 from ddtree_jax.models.params import ModelParams, abstract_params, random_params
 
 PREFIX = "mtp."  # where a checkpoint keeps the head's tensors, beside the target's
@@ -99,20 +99,21 @@ def fuse(head: MultiTokenPredictor, target: ModelParams, tokens: jax.Array, hidd
     return head.fc(jnp.concatenate([head.pre_fc_norm_embedding(embedded), head.pre_fc_norm_hidden(hidden)], axis=-1))
 
 
-def project(head: MultiTokenPredictor, config: MTPConfig, x: jax.Array, positions: jax.Array):
+def project(head: MultiTokenPredictor, config: MTPConfig, x: jax.Array, positions: jax.Array, runtime: Runtime):
     """Layer 0's attention inputs for x [b, t, e] at positions [b, t]: (q, gate, k, v) as
     `qwen3_5.GatedAttention.project`."""
     cos, sin = rope_cos_sin(positions, config.target.rope, config.target.rotary_dim)
     layer = head.layers[0]
-    return layer.self_attn.project(layer.input_layernorm(x), cos, sin)
+    return layer.self_attn.project(add_and_norm(layer.input_layernorm, x, None, runtime)[1], cos, sin)
 
 
-def finish(head: MultiTokenPredictor, x: jax.Array, attended: jax.Array, gate: jax.Array) -> jax.Array:
-    """The rest of the step after attention (attended [b, t, n*g, d]): residual, MLP, final norm -> [b, t, e]."""
+def finish(head: MultiTokenPredictor, x: jax.Array, attended: jax.Array, gate: jax.Array,
+           runtime: Runtime) -> jax.Array:
+    """The rest of the step after attention (attended [b, t, n*g, d]): residual, MLP, final norm -> [b, t, e]
+    (the residual adds inside the norms' calls, `layers.add_and_norm`)."""
     layer = head.layers[0]
-    x = x + layer.self_attn.output(attended, gate)
-    x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return head.norm(x)
+    x, h = add_and_norm(layer.post_attention_layernorm, x, layer.self_attn.output(attended, gate), runtime)
+    return add_and_norm(head.norm, x, layer.mlp(h), runtime)[1]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -138,10 +139,10 @@ def ingest(params: ModelParams, target: ModelParams, tokens: jax.Array, hidden: 
     kv = cache.kv
     positions = kv.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     x = fuse(head, target, tokens, hidden.astype(kv.k[0].dtype))
-    q, gate, k, v = project(head, config, x, positions)
+    q, gate, k, v = project(head, config, x, positions, runtime)
     attended = cached_attention(q, kv.k[0], kv.v[0], kv.lengths, k, v, causal_mask(counts, t), positions,
                                 scale=config.target.head_dim ** -0.5, runtime=runtime)
-    out = finish(head, x, attended, gate)
+    out = finish(head, x, attended, gate, runtime)
     last = jnp.take_along_axis(out, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
     kv = KVCache(k=(write_pending(kv.k[0], k, kv.lengths),), v=(write_pending(kv.v[0], v, kv.lengths),),
                  lengths=kv.lengths)
@@ -174,11 +175,11 @@ def draft_logits(params: ModelParams, target: ModelParams, cache: MTPCache, step
         with jax.named_scope(f"mtp_step_{i + 2}"):
             token = jnp.argmax(logits[-1], axis=-1).astype(jnp.int32)
             x = fuse(head, target, token[:, None], hidden[:, None])
-            q, gate, k, v = project(head, config, x, positions[:, i:i + 1])
+            q, gate, k, v = project(head, config, x, positions[:, i:i + 1], runtime)
             buffer_k, buffer_v = buffer_k.at[:, i].set(k[:, 0]), buffer_v.at[:, i].set(v[:, 0])
             rows = jnp.broadcast_to(q, (b, chain) + q.shape[2:])
             attended = cached_attention(rows, kv.k[0], kv.v[0], kv.lengths, buffer_k, buffer_v, mask, positions,
                                         scale=config.target.head_dim ** -0.5, runtime=runtime)[:, i:i + 1]
-            hidden = finish(head, x, attended, gate)[:, 0]
+            hidden = finish(head, x, attended, gate, runtime)[:, 0]
             logits.append(qwen3.logits(target, hidden))
     return jnp.stack(logits, axis=1)
