@@ -48,7 +48,16 @@ class KVCache:
 
 
 def write_pending(layer_cache: jax.Array, rows: jax.Array, lengths: jax.Array) -> jax.Array:
-    """Write rows [b, t, n, d] into layer_cache [b, s, n, d] at slots [lengths[r], lengths[r] + t) per row."""
+    """Write rows [b, t, n, d] into layer_cache [b, s, n, d] at slots [lengths[r], lengths[r] + t) per row
+    (a start past s - t is clamped to it, as `lax.dynamic_update_slice` does)."""
+    if layer_cache.shape[0] == 1:
+        # One row: a plain in-place dynamic-update-slice. The vmapped form below becomes a scatter, which XLA
+        # on the H200 ran as a bounds-checked select plus the update: two kernels per layer and array in the AR
+        # step and the DFlash commit (docs/performance.md, 2026-12-02).
+        start = jnp.zeros((), lengths.dtype)
+        return jax.lax.dynamic_update_slice(layer_cache, rows.astype(layer_cache.dtype),
+                                            (start, lengths[0], start, start))
+
     def one_row(cache_row, new_row, start):
         return jax.lax.dynamic_update_slice(cache_row, new_row.astype(cache_row.dtype), (start, 0, 0))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from ddtree_jax.cache import KVCache, PendingKV, commit_pending
+from ddtree_jax.cache import KVCache, PendingKV, commit_pending, write_pending
 
 
 def _cache_and_pending():
@@ -42,3 +42,19 @@ def test_a_chain_writes_its_nodes_in_order():
     np.testing.assert_array_equal(k[0, 5:11], 10 + np.arange(6))
     np.testing.assert_array_equal(k[1, 3:9], 110 + np.arange(6))
     np.testing.assert_array_equal(k[1, :3], -1.0)
+
+
+def test_write_pending_puts_rows_at_each_rows_length_one_row_or_many():
+    """One row (a plain dynamic-update-slice) and two rows (vmapped) against NumPy slicing, a start near the end
+    clamped so the rows fit (lax.dynamic_update_slice's rule), and a negative control."""
+    rng = np.random.default_rng(0)
+    cache = rng.standard_normal((2, 10, 2, 3)).astype(np.float32)
+    rows = rng.standard_normal((2, 4, 2, 3)).astype(np.float32)
+    for lengths, b in (([3], 1), ([8], 1), ([0, 5], 2), ([9, 2], 2)):
+        want = cache[:b].copy()
+        for r, length in enumerate(lengths):
+            start = min(length, 10 - 4)
+            want[r, start:start + 4] = rows[r]
+        got = write_pending(jnp.asarray(cache[:b]), jnp.asarray(rows[:b]), jnp.asarray(lengths, jnp.int32))
+        np.testing.assert_array_equal(np.asarray(got), want)
+        assert not np.array_equal(np.asarray(got), cache[:b])
