@@ -2,8 +2,8 @@
 split the packed projection, RMSNorm every query and key head (`q_norm`, `k_norm`), rotate both (RoPE,
 neox halves, the whole head), pass the values through.
 
-XLA ran this as six or seven small kernels per layer (slices, float32 converts, the two norms with their
-rotations, a select), about 1.3 us each on the H200: ~0.3 ms of an 8B AR step. One program per token row
+XLA ran this as three to five small kernels per layer (a slice, float32 converts, the two norms with their
+rotations), about 1.3 us each on the H200: ~0.2 ms of an 8B AR step. One program per token row
 here reads its row of the projection once and writes q, k and v. A row's result never depends on the
 other rows (greedy equality between AR and a tree verify needs that of every per-token kernel).
 

@@ -127,7 +127,7 @@ def project_qk_norm_rope(attn, x: jax.Array, cos: jax.Array, sin: jax.Array,
     """Qwen3 attention's q, k, v of x [b, t, e]: the packed q|k|v projection, `attn.q_norm` / `attn.k_norm` per
     head and RoPE (cos/sin [b, t, d], the whole head) on q and k. Returns q [b, t, n*g, d], k and v [b, t, n, d].
     On the Pallas path with one device and a packed projection, one kernel after the matmul
-    (`pallas_kernels.qk_norm_rope`: XLA ran six or seven); else the jnp ops of the modules."""
+    (`pallas_kernels.qk_norm_rope`: XLA ran three to five); else the jnp ops of the modules."""
     b, t, _ = x.shape
     d = attn.head_dim
     if runtime.pallas and runtime.tp_mesh is None and attn.qkv_proj.packed:
