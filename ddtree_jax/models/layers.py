@@ -149,10 +149,8 @@ def add_and_norm(norm, x: jax.Array, delta: jax.Array | None, runtime: Runtime) 
         return s, norm(s)
     fused = functools.partial(add_rms_norm, eps=norm.eps, kind=norm.kind, implementation="pallas")
     if runtime.tp_mesh is not None:
-        args = (x, norm.weight[...]) if delta is None else (x, delta, norm.weight[...])
-        call = (lambda a, w: fused(a, None, w)) if delta is None else fused
-        return jax.shard_map(call, mesh=runtime.tp_mesh, in_specs=(P(),) * len(args), out_specs=(P(), P()),
-                             check_vma=False)(*args)
+        fused = jax.shard_map(fused, mesh=runtime.tp_mesh, in_specs=(P(), P(), P()), out_specs=(P(), P()),
+                              check_vma=False)
     return fused(x, delta, norm.weight[...])
 
 
