@@ -91,7 +91,8 @@ def run_shape(args, parallel) -> dict:
     plan_options = [resolve_options(DecodeOptions(mode=Mode(mode), max_new_tokens=4096,
                                                   block_size=0 if mode == "mtp" else 16, budget=budget or 64,
                                                   mtp_steps=args.mtp_steps, parallel=parallel, kernels=kernels,
-                                                  matmul_precision=args.matmul_precision), drafter_of(mode), dtype)
+                                                  matmul_precision=args.matmul_precision, split_k=args.split_k),
+                                   drafter_of(mode), dtype)
                     for mode, budget, kernels, _, _ in plan]
 
     def prepare(i):
@@ -145,8 +146,8 @@ def run_shape(args, parallel) -> dict:
         terms = costs.floor_terms(target, drafter_of(mode), mode, tokens, context, options.block_size, batch=batch)
         floor = costs.floor(terms["bytes"], terms["flops"], ceilings)[0]
         tau = projected_tau(taus, mode, budget)
-        rows.append({"mode": mode, "budget": budget, "kernels": kernels, "batch": batch, "context": context,
-                     "verify_tokens": tokens, **{f"{k}_s": v for k, v in stages.items()},
+        rows.append({"mode": mode, "budget": budget, "kernels": kernels, "split_k": options.split_k, "batch": batch,
+                     "context": context, "verify_tokens": tokens, **{f"{k}_s": v for k, v in stages.items()},
                      "floor_s": floor, "ratio_to_floor": stages["round"] / floor, "tau_projected": tau,
                      # (on a CPU a tiny round can time as 0: the difference of two medians)
                      "tokens_per_s_projected": batch * tau / stages["round"] if stages["round"] > 0 and tau else None,
@@ -215,7 +216,7 @@ def run_checkpoints(args, parallel) -> dict:
         options = DecodeOptions(mode=Mode(mode), max_new_tokens=args.max_new_tokens,
                                 budget=64 if auto or budget is None else budget,
                                 budgets=args.budget_candidates if auto else (), parallel=parallel,
-                                matmul_precision=args.matmul_precision)
+                                matmul_precision=args.matmul_precision, split_k=args.split_k)
         # Warm-up: compilation, and for auto the round costs (calibrated unless cached).
         generate(target, prompts[:1], options, drafter=drafter, recalibrate=auto and args.recalibrate)
         results = [generate(target, [p], options, drafter=drafter) for p in prompts]
@@ -232,7 +233,8 @@ def run_checkpoints(args, parallel) -> dict:
                     at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                     divergence = {"prompt": i, "token": at}
                     break
-        rows.append({"mode": mode, "budget": budget, "tau": float(np.mean(rounds)), "tokens": tokens,
+        rows.append({"mode": mode, "budget": budget, "split_k": resolve_options(options, drafter, dtype).split_k,
+                     "tau": float(np.mean(rounds)), "tokens": tokens,
                      "decode_s": decode_s, "tokens_per_s": tokens / decode_s, "first_divergence": divergence})
         if auto:
             chosen = [b for r in results for b in r.budgets_chosen[0]]
@@ -377,7 +379,7 @@ def _ints(text: str, flag: str) -> list[int]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     from ddtree_jax.budget import DEFAULT_CANDIDATES, candidates_text
-    from ddtree_jax.cli import add_compilation_cache_args, add_parallel_args
+    from ddtree_jax.cli import add_compilation_cache_args, add_matmul_args, add_parallel_args
 
     p = argparse.ArgumentParser(prog="python -m ddtree_jax.bench", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -416,8 +418,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--weights", choices=["dtype", "fp8"], default="dtype",
                    help="--shape: the weights in --dtype, or the target's projections in block-scaled FP8 (128 x 128 "
                         "blocks, float32 scales; embeddings, lm_head, norms and the drafter in --dtype)")
-    p.add_argument("--matmul-precision", choices=["auto", "default", "high", "highest"], default="auto",
-                   help="as generate's: auto is highest for float32 (no TF32), default for bfloat16")
+    add_matmul_args(p)
     p.add_argument("--out", type=Path, default=Path("bench_out"), help="folder for bench.json, bench.md, bench.png")
     add_parallel_args(p)
     add_compilation_cache_args(p)

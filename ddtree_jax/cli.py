@@ -69,6 +69,17 @@ def add_dtype_arg(p: argparse.ArgumentParser) -> None:
                         "bfloat16 on an accelerator")
 
 
+def add_matmul_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--matmul-precision", choices=["auto", "default", "high", "highest"], default="auto",
+                   help="precision of every matmul: highest is true float32 (on a GPU, no TF32), default lets a "
+                        "GPU round float32 inputs to TF32 (faster, not exact), high in between; auto: highest "
+                        "for --dtype float32, default for bfloat16 (CPUs compute float32 fully either way)")
+    p.add_argument("--split-k", choices=["auto", "xla", "off"], default="auto",
+                   help="GPU: may XLA split a matmul's reduction into partial sums (xla: its autotuner decides) or "
+                        "not (off); auto: off for dflash, ddtree and mtp (which verify several tokens per call), "
+                        "xla for ar")
+
+
 def resolve_dtype(name: str):
     """'auto' | 'bfloat16' | 'float32' -> a jnp dtype; 'auto' is float32 on the CPU backend, bfloat16 elsewhere."""
     import jax

@@ -26,8 +26,8 @@ from ddtree_jax.parallel import put, to_host
 from ddtree_jax.round import DecodeOptions, DecodeState, Mode, RoundTrace, decode_loop, prefill
 
 # The Python API: generate and its types here; the device-side names re-exported from round.py.
-__all__ = ["generate", "GenerationResult", "resolve_options", "cache_shape", "calibrate", "DecodeOptions",
-           "DecodeState", "Mode", "RoundTrace", "decode_loop", "prefill"]
+__all__ = ["generate", "GenerationResult", "resolve_options", "cache_shape", "calibrate", "compile_program",
+           "DecodeOptions", "DecodeState", "Mode", "RoundTrace", "decode_loop", "prefill"]
 
 CAPACITY_BUCKET = 128
 PROMPT_BUCKET = 32
@@ -86,17 +86,46 @@ def cache_shape(max_prompt_len: int, options: DecodeOptions) -> tuple[int, int]:
 COMPILED_KEPT = 16  # compiled programs kept per process (least recently used dropped first)
 _COMPILED: collections.OrderedDict = collections.OrderedDict()
 
+# XLA's compiler option for DecodeOptions.split_k == "off": every GEMM with one split of K. An experimental
+# option (jaxlib 0.10-0.11 have it); a jaxlib without it compiles as "xla", with one note.
+SPLIT_K_OFF = {"xla_gpu_experimental_force_split_k": 1}
+_NOTED: set[str] = set()
+
+
+def compiler_options(options: DecodeOptions | None) -> dict:
+    """XLA compiler options of a program compiled for these (resolved) decode options."""
+    return dict(SPLIT_K_OFF) if options is not None and options.split_k == "off" else {}
+
+
+def compile_program(fn: Callable, args: tuple, static: dict | None = None, donate: tuple[int, ...] = ()):
+    """`fn` AOT-compiled for these arguments (static keyword arguments hashed into the program), with the
+    compiler options its `options` (a static DecodeOptions, if any) ask for."""
+    static = static or {}
+    lowered = jax.jit(fn, static_argnames=tuple(static), donate_argnums=donate).lower(*args, **static)
+    extra = compiler_options(static.get("options"))
+    if extra:
+        try:
+            return lowered.compile(extra)
+        except jax.errors.JaxRuntimeError as e:  # raised while parsing the options, before any compiling
+            if "No such compile option" not in str(e):
+                raise
+            if str(extra) not in _NOTED:
+                _NOTED.add(str(extra))
+                print(f"note: this jaxlib ({jax.__version__}) has no XLA option {extra}; compiling without it",
+                      file=sys.stderr)
+    return lowered.compile()
+
 
 def _compiled(name: str, fn: Callable, args: tuple, static: dict, donate: tuple[int, ...] = ()):
-    """AOT-compile `fn` for these argument shapes, keeping the last COMPILED_KEPT programs; returns
-    (compiled, seconds spent compiling: 0 when it was kept)."""
+    """`compile_program`, keeping the last COMPILED_KEPT programs; returns (compiled, seconds spent
+    compiling: 0 when it was kept)."""
     shapes = jax.tree.map(lambda a: (a.shape, a.dtype) if hasattr(a, "shape") else a, args)
     key = (name, jax.tree.structure(args), str(jax.tree.leaves(shapes)), tuple(sorted(static.items())))
     if key in _COMPILED:
         _COMPILED.move_to_end(key)
         return _COMPILED[key], 0.0
     start = time.perf_counter()
-    compiled = jax.jit(fn, static_argnames=tuple(static), donate_argnums=donate).lower(*args, **static).compile()
+    compiled = compile_program(fn, args, static, donate)
     _COMPILED[key] = compiled
     while len(_COMPILED) > COMPILED_KEPT:
         _COMPILED.popitem(last=False)
@@ -104,16 +133,20 @@ def _compiled(name: str, fn: Callable, args: tuple, static: dict, donate: tuple[
 
 
 def resolve_options(options: DecodeOptions, drafter: ModelParams | None, dtype=None) -> DecodeOptions:
-    """Fill in what the drafter decides (block size) and what "auto" kernels and matmul precision mean here,
+    """Fill in what the drafter decides (block size) and what "auto" kernels, matmul precision and split-K mean here,
     and check that the mode has what it needs. `dtype`: the target's compute dtype; "auto" kernels keep the
     pure-JAX path for float32, where the Pallas attention is many times slower than XLA's on the H200 (910
     vs 61 us per call at T = 16, docs/kernels.md); "auto" precision is "highest" for float32 (a GPU would
-    otherwise round its matmul inputs to TF32) and "default" otherwise (16-bit runs as before)."""
+    otherwise round its matmul inputs to TF32) and "default" otherwise (16-bit runs as before); "auto" split-K
+    is "off" for the speculative modes on a GPU and "xla" otherwise (`DecodeOptions.split_k`)."""
     if options.kernels == "auto":
         options = dataclasses.replace(options, kernels=resolve_kernels(options.kernels, dtype).value)
     if options.matmul_precision == "auto":
         float32 = dtype is not None and np.dtype(dtype) == np.float32
         options = dataclasses.replace(options, matmul_precision="highest" if float32 else "default")
+    if options.split_k == "auto":
+        several = options.mode.needs_drafter and jax.default_backend() == "gpu"
+        options = dataclasses.replace(options, split_k="off" if several else "xla")
     if options.mode.needs_drafter:
         if drafter is None:
             raise ValueError(f"mode {options.mode.value} needs a drafter"

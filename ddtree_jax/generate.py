@@ -3,7 +3,7 @@
 One prompt: streams text to the terminal and ends with one summary line on stderr, or prints one JSON
 object with `--json`: {"mode", "output_ids", "text" (with a tokenizer), "acceptance_lengths", "tau",
 "new_tokens", "decode_seconds", "tokens_per_second", "prefill_seconds", "compile_seconds",
-"matmul_precision" (as resolved)}, plus "block_size" and "acceptance_histogram" for dflash, ddtree and mtp,
+"matmul_precision" and "split_k" (as resolved)}, plus "block_size" and "acceptance_histogram" for dflash, ddtree and mtp,
 "budget" for ddtree and "mtp_steps" for mtp; with `--budget auto` "budget" is "auto", plus
 "budget_candidates", "budgets_chosen" (the budget each round verified, 0 the chain), "round_costs_s" (seconds
 per round of each candidate, as used) and "calibration_seconds".
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from ddtree_jax.cli import (EXIT_BAD_INPUT, TAU_HELP, BadInput, ChatOptions, add_chat_args,
-                            add_compilation_cache_args, add_dtype_arg, add_parallel_args, chat_options,
+                            add_compilation_cache_args, add_dtype_arg, add_matmul_args, add_parallel_args, chat_options,
                             check_token_ids, check_writable, encode_prompt, load_tokenizer, mode_label,
                             parallel_from_args, parse_prompt_ids, read_prompt_file, resolve_dtype,
                             setup_compilation_cache, summary_line, warn, warn_unread_template_kwargs,
@@ -92,10 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="attention and acceptance: auto (the Pallas kernels on a GPU, pure JAX elsewhere; "
                         "$DDTREE_JAX_KERNELS=pallas|jax overrides auto), pure JAX, or the Pallas kernels "
                         "(interpreted without a GPU)")
-    p.add_argument("--matmul-precision", choices=["auto", "default", "high", "highest"], default="auto",
-                   help="precision of every matmul: highest is true float32 (on a GPU, no TF32), default lets a "
-                        "GPU round float32 inputs to TF32 (faster, not exact), high in between; auto: highest "
-                        "for --dtype float32, default for bfloat16 (CPUs compute float32 fully either way)")
+    add_matmul_args(p)
     add_parallel_args(p)
     add_compilation_cache_args(p)
     p.add_argument("--json", action="store_true",
@@ -211,7 +208,7 @@ def prepare(args) -> Request:
                             budgets=args.budget_candidates if args.budget == "auto" and mode is Mode.DDTREE else (),
                             mtp_steps=args.mtp_steps,
                             record_trees=args.save_trees is not None, parallel=parallel, kernels=args.kernels,
-                            matmul_precision=args.matmul_precision)
+                            matmul_precision=args.matmul_precision, split_k=args.split_k)
     return Request(folder, args.drafter if mode in (Mode.DFLASH, Mode.DDTREE) else None, target_config,
                    drafter_config, tokenizer, chat, dtype, options)
 
@@ -303,6 +300,7 @@ def row_report(mode: str, options, result, row: int, tokenizer) -> dict:
         "prefill_seconds": result.prefill_seconds,
         "compile_seconds": result.compile_seconds,
         "matmul_precision": options.matmul_precision,  # what "auto" became
+        "split_k": options.split_k,
     }
     if tokenizer is not None:
         report["text"] = tokenizer.decode(out, skip_special_tokens=True)

@@ -57,6 +57,10 @@ TREE_BUILD_KERNEL_UP_TO = 16
 # otherwise), or one of JAX's names, applied to every dot of target and drafter (`at_matmul_precision`).
 MATMUL_PRECISIONS = ("auto", "default", "high", "highest")
 
+# Whether XLA's GEMMs may split their reduction over K on a GPU: "auto" (`engine.resolve_options`), "xla" (its
+# autotuner decides) or "off" (one split; `engine.compile_program` passes XLA the compiler option).
+SPLIT_K_CHOICES = ("auto", "xla", "off")
+
 
 class Mode(str, enum.Enum):
     AR = "ar"
@@ -90,6 +94,13 @@ class DecodeOptions:
       between; "auto" is pinned by `engine.resolve_options` ("highest" for a float32 target, "default"
       otherwise); left "auto", JAX's own default applies. The Pallas attention multiplies float32 inputs at
       full precision whatever this says.
+    split_k: whether XLA's GEMMs may split their reduction over K on a GPU. "xla" leaves it to XLA's autotuner;
+      "off" forbids it (a split-K GEMM ends in a separate reduction kernel, which XLA cannot fuse into the
+      Pallas kernel after it: three per layer at 65 rows). "auto" is pinned by `engine.resolve_options`: "off"
+      for the modes that verify several tokens per call (dflash, ddtree, mtp) on a GPU, "xla" otherwise (at
+      one row split-K streams the weights faster). Measured on the H200 at the Qwen3-8B shape, 2026-12-02:
+      off took the B = 64 DDTree round from 7.74 to 7.26 ms and DFlash's from 6.37 to 6.31, and the AR step
+      from 4.84 to 5.11 (docs/performance.md). Arithmetic changes with it (reduction order), not exactness.
     """
 
     mode: Mode = Mode.AR
@@ -104,6 +115,7 @@ class DecodeOptions:
     parallel: Parallel = Parallel()  # device layout (parallel.py)
     kernels: str = "auto"
     matmul_precision: str = "auto"
+    split_k: str = "auto"
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -127,6 +139,8 @@ class DecodeOptions:
         if self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"matmul_precision must be one of {', '.join(map(repr, MATMUL_PRECISIONS))}, "
                              f"got {self.matmul_precision!r}")
+        if self.split_k not in SPLIT_K_CHOICES:
+            raise ValueError(f"split_k must be one of {', '.join(map(repr, SPLIT_K_CHOICES))}, got {self.split_k!r}")
 
     @property
     def runtime(self) -> Runtime:
@@ -580,6 +594,7 @@ def _record_round(state: DecodeState, counts: jax.Array, running: jax.Array) -> 
                                step=state.step + 1)
 
 
-__all__ = ["MATMUL_PRECISIONS", "Mode", "DecodeOptions", "DecodeState", "RoundTrace", "Kernels", "at_matmul_precision",
-           "STAGES", "draft", "propose", "verify", "accept", "commit", "speculative_round", "verify_round",
-           "verify_accept", "finish_round", "auto_round", "pad_nodes", "ar_round", "ROUNDS", "round_function", "decode_loop", "prefill"]
+__all__ = ["MATMUL_PRECISIONS", "SPLIT_K_CHOICES", "Mode", "DecodeOptions", "DecodeState", "RoundTrace", "Kernels",
+           "at_matmul_precision", "STAGES", "draft", "propose", "verify", "accept", "commit", "speculative_round",
+           "verify_round", "verify_accept", "finish_round", "auto_round", "pad_nodes", "ar_round", "ROUNDS",
+           "round_function", "decode_loop", "prefill"]

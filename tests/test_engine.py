@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -113,3 +114,40 @@ def test_greedy_matches_transformers_generate_with_unequal_prompts(hf_qwen3):
             theirs = hf.generate(torch.tensor([prompt]), generation_config=config)[0, len(prompt):].tolist()
         assert len(theirs) == 24
         assert row == theirs
+
+
+def test_split_k_auto_is_off_for_speculative_modes_on_a_gpu_only(monkeypatch):
+    from ddtree_jax.engine import Mode, resolve_options
+
+    class Drafter:  # resolve_options reads the drafter's block size only
+        config = type("C", (), {"block_size": 4})()
+
+    def resolved(mode, backend):
+        monkeypatch.setattr(jax, "default_backend", lambda: backend)
+        return resolve_options(DecodeOptions(mode=mode), None if mode is Mode.AR else Drafter()).split_k
+
+    assert [resolved(m, "gpu") for m in (Mode.AR, Mode.DFLASH, Mode.DDTREE)] == ["xla", "off", "off"]
+    assert [resolved(m, "cpu") for m in (Mode.AR, Mode.DFLASH, Mode.DDTREE)] == ["xla", "xla", "xla"]
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert resolve_options(DecodeOptions(mode=Mode.DDTREE, split_k="xla"), Drafter()).split_k == "xla"
+    with pytest.raises(ValueError, match="split_k"):
+        DecodeOptions(split_k="never")
+
+
+def test_compile_program_passes_split_k_off_and_survives_a_jaxlib_without_the_option(monkeypatch, capsys):
+    from ddtree_jax import engine
+
+    def f(x, *, options):
+        return x @ x.T
+
+    x = jnp.arange(12.0).reshape(3, 4)
+    off = DecodeOptions(split_k="off")
+    assert engine.compiler_options(off) == engine.SPLIT_K_OFF
+    assert engine.compiler_options(DecodeOptions(split_k="xla")) == {}
+    np.testing.assert_array_equal(engine.compile_program(f, (x,), {"options": off})(x), np.asarray(x) @ np.asarray(x).T)
+    # An option this jaxlib does not know: one note, then the program compiled without it.
+    monkeypatch.setattr(engine, "SPLIT_K_OFF", {"xla_gpu_no_such_option_for_this_test": 1})
+    for _ in range(2):
+        np.testing.assert_array_equal(engine.compile_program(f, (x,), {"options": off})(x),
+                                      np.asarray(x) @ np.asarray(x).T)
+    assert capsys.readouterr().err.count("xla_gpu_no_such_option_for_this_test") == 1

@@ -19,8 +19,9 @@
 #             kernel and its $BUILD_KERNELS knob variants, $BUILD_VOCAB x $BUILD_BUDGETS        -> build/
 #   hlo       the bench (qwen3-8b, $HLO_MODES, DDTree $HLO_BUDGETS, pallas) traced, with XLA's optimised HLO dumped:
 #             which fusion each kernel of a round is                                  -> hlo.tar.xz, hlo_traces.tar
-#   splitk    the bench (qwen3-8b, DDTree 16/64, pallas, traced) as is and with XLA's split-K GEMMs off: their final
-#             reductions no longer fuse into the Pallas norm / q-k kernels after them   -> splitk_on/, splitk_off/
+#   xla       the bench (qwen3-8b, AR, DFlash, DDTree $XLA_BUDGETS, pallas, traced) under each XLA_FLAGS variant of
+#             $XLA_VARIANTS (e.g. split-K forced off: its final reductions no longer fuse into the Pallas kernels
+#             after the GEMMs)                                                                -> xla/v1, xla/v2, ...
 #   demo_trace  the bench at the demo pair's shape (random weights), AR, DFlash, DDTree $DEMO_SHAPE_BUDGETS, with
 #             traces summarised: where a small model's round goes           -> demo_shape/, demo_trace_summary.json
 #   matmul    tools/gpu_probe.py projections at T = 1..128 ($MATMUL_FORMS, streaming configs in $MATMUL_ARGS), and the
@@ -122,15 +123,20 @@ for step in "$@"; do
       (cd /tmp/hlo_traces && find . -name perfetto_trace.json.gz | tar -cf "$OUT/hlo_traces.tar" -T -)
       ls -la "$OUT"
       ;;
-    splitk)
-      log "split-K on and off"
-      for side in on off; do
-        flags=""; [ "$side" = off ] && flags="--xla_gpu_enable_split_k_autotuning=false"
-        XLA_FLAGS="$flags" timeout "${SPLITK_LIMIT:-170}" python3 -m ddtree_jax.bench --shape qwen3-8b --context 2048 \
-          --budgets 16,64 --modes ar,dflash,ddtree --repeats 10 --kernels pallas --trace "/tmp/splitk_$side" \
-          --out "$OUT/splitk_$side" 2>&1 | grep '^|'
-        rm -f "$OUT/splitk_$side"/bench.{md,png,partial.json}
-        timeout 60 python3 tools/trace_summary.py "/tmp/splitk_$side" --top 8 2>&1 | grep -v '^    '
+    xla)
+      # The bench under each XLA_FLAGS variant of $XLA_VARIANTS (';'-separated; 'default' = no flags), traced and
+      # summarised. A flag this jaxlib does not know aborts its run at once (XLA rejects unknown flags).
+      log "bench under XLA flag variants"
+      IFS=';' read -ra variants <<< "${XLA_VARIANTS:-default;--xla_gpu_experimental_force_split_k=1}"
+      i=0
+      for flags in "${variants[@]}"; do
+        i=$((i + 1)); [ "$flags" = default ] && flags=""
+        echo "-- variant $i: XLA_FLAGS='$flags'"
+        XLA_FLAGS="$flags" timeout "${XLA_LIMIT:-150}" python3 -m ddtree_jax.bench --shape qwen3-8b --context 2048 \
+          --budgets "${XLA_BUDGETS:-64}" --modes ar,dflash,ddtree --repeats 10 --kernels pallas --trace "/tmp/xla_$i" \
+          --out "$OUT/xla/v$i" 2>&1 | grep '^|\|rror'
+        rm -f "$OUT/xla/v$i"/bench.{md,png,partial.json}
+        timeout 60 python3 tools/trace_summary.py "/tmp/xla_$i" --top 8 2>&1 | grep -v '^    '
       done
       ;;
     demo_trace)

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ddtree_jax import tree as current  # noqa: E402
 from ddtree_jax.measure.timing import in_loop_seconds  # noqa: E402
-from ddtree_jax.measure.workload import compile_program  # noqa: E402
+from ddtree_jax.engine import compile_program  # noqa: E402
 from pallas_kernels.tree_build import TreeBuildConfig  # noqa: E402
 
 FIELDS = ("tokens", "parents", "depths", "valid", "scores", "ancestor")

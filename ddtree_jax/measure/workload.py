@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from ddtree_jax import round as rnd
 from ddtree_jax.cache import HybridCache, MTPCache, RecurrentState
+from ddtree_jax.engine import compile_program
 from ddtree_jax.measure.timing import LOOP_ROUNDS, in_loop_seconds, median_seconds
 from ddtree_jax.models import dflash, mtp, target_family
 from ddtree_jax.shapes import shape_configs
@@ -160,12 +161,6 @@ def stage_programs(target, drafter, state: rnd.DecodeState, options, evaluate: C
     acc = add("accept", (tree, node_logits, state.rng), options=options)
     add("commit", (drafter, target, out, acc, acc.count, state.draft_cache), options=options)
     return programs
-
-
-def compile_program(fn: Callable, args: tuple, static: dict | None = None, donate: tuple[int, ...] = ()):
-    """`fn` AOT-compiled for these arguments (static keyword arguments hashed into the program)."""
-    static = static or {}
-    return jax.jit(fn, static_argnames=tuple(static), donate_argnums=donate).lower(*args, **static).compile()
 
 
 @dataclasses.dataclass
