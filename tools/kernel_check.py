@@ -271,7 +271,10 @@ def attention_cost(shape: dict, b: int, s: int, t: int, dtype) -> tuple[int, int
 
 
 def time_attention(shape: dict, ceilings: dict, records: list, save, *, interpret: bool, sweep: bool, rounds: int,
-                   repeats: int, dtype=jnp.bfloat16) -> None:
+                   repeats: int, dtype=jnp.bfloat16, configs: tuple | None = None, alternatives: bool = True) -> None:
+    """configs: the Pallas variants timed beside the default (None: ATTN_SWEEP with `sweep`, else none).
+    alternatives: also time the jnp reference and dot_product_attention (else the reference only checks)."""
+    variants = [ta.TreeAttentionConfig()] + list(configs if configs is not None else ATTN_SWEEP if sweep else [])
     b, layers, d = shape["b"], shape["layers"], shape["d"]
     scale = d ** -0.5
     name = jnp.dtype(dtype).name
@@ -286,7 +289,7 @@ def time_attention(shape: dict, ceilings: dict, records: list, save, *, interpre
                         floor_us=floor * 1e6, bound=bound)
             records_here = []
 
-            def run_variant(variant: str, config: str, fn, args, reference=None):
+            def run_variant(variant: str, config: str, fn, args, reference=None, timed: bool = True):
                 rec = dict(base, variant=variant, config=config)
                 try:
                     compiled, rec["compile_s"] = compile_program(fn, args + (jnp.int32(1),))
@@ -295,6 +298,8 @@ def time_attention(shape: dict, ceilings: dict, records: list, save, *, interpre
                     if reference is not None:
                         rec["rel_err"] = rel_err(outs, reference)
                         rec["check_ok"] = rec["finite"] and rec["rel_err"] <= TOLERANCE[name]
+                    if not timed:
+                        return outs
                     seconds = time_program(compiled, args, layers, rounds=rounds, repeats=repeats)
                     rec.update(us=seconds * 1e6, repeats=repeats, status="ok")
                     rec["ratio"] = rec["us"] / rec["floor_us"]
@@ -310,11 +315,14 @@ def time_attention(shape: dict, ceilings: dict, records: list, save, *, interpre
                 args = (x["q"], x["k_cache"], x["v_cache"], x["k_new"], x["v_new"], shared["cache_lengths"],
                         shared["new_mask"], shared["positions"])
                 ref_fn = attention_program(functools.partial(ta.tree_attention_reference, scale=scale), layers)
-                reference = run_variant("reference (jnp, XLA)", "", ref_fn, args)
-                for config in [ta.TreeAttentionConfig()] + (ATTN_SWEEP if sweep else []):
+                reference = run_variant("reference (jnp, XLA)", "", ref_fn, args, timed=alternatives)
+                for config in variants:
                     fn = attention_program(functools.partial(ta.tree_attention_pallas, scale=scale, config=config,
                                                              interpret=interpret), layers)
                     run_variant("pallas", _short(config), fn, args, reference)
+                if not alternatives:
+                    records_here = [r for r in records_here if r["variant"] != "reference (jnp, XLA)"]
+                    raise _Skip
                 # dot_product_attention sees the cache and the new tokens concatenated beforehand.
                 q = x["q"]
                 keys = tuple(_concat_new(k, kn) for k, kn in zip(x["k_cache"], x["k_new"]))
@@ -331,6 +339,8 @@ def time_attention(shape: dict, ceilings: dict, records: list, save, *, interpre
                     run_variant(variant, "k/v concatenated beforehand, boolean mask",
                                 dpa_program(impl, scale, layers), (q, keys, values, mask), reference)
                 del q, keys, values, mask, reference
+            except _Skip:
+                pass
             except Exception as exc:  # noqa: BLE001 - a broken input builder must not lose the other points
                 records_here.append(dict(base, variant="(setup)", config="", status="error",
                                          error=error_text(exc) + "\n" + traceback.format_exc(limit=5)))
@@ -340,6 +350,10 @@ def time_attention(shape: dict, ceilings: dict, records: list, save, *, interpre
                 + "; ".join(f"{r['variant']} {r['us']:.1f} us" if r.get("status") == "ok" else
                             f"{r['variant']} {r.get('status')}" for r in records_here)
                 + f"  [{time.perf_counter() - point_start:.1f} s]")
+
+
+class _Skip(Exception):
+    """The rest of an attention point is not wanted (--no-alternatives)."""
 
 
 def check_attention(shape: dict, records: list, save, *, interpret: bool) -> None:
@@ -575,6 +589,16 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
 
+def _attention_configs(text: str) -> tuple[ta.TreeAttentionConfig, ...]:
+    """'KNOB=N,KNOB=N;KNOB=N' -> one TreeAttentionConfig per ';'-separated item (the defaults plus its knobs)."""
+    try:
+        return tuple(ta.TreeAttentionConfig(**{k: int(v) for k, v in (knob.split("=") for knob in item.split(","))})
+                     for item in text.split(";") if item)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(f"expected 'KNOB=N,...;KNOB=N,...' with TreeAttentionConfig knobs; got "
+                                         f"{text!r} ({e})") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python tools/kernel_check.py", description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="directory for kernel_check.json and kernel_check.md")
@@ -582,6 +606,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="S in {1024, 16384}, T in {1, 257}; checks at T in {1, 65}; acceptance at T in {17, 513}")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, kernels interpreted (runs without a GPU)")
     parser.add_argument("--sweep", action="store_true", help="also time the alternative kernel configs (slow)")
+    parser.add_argument("--attention-configs", type=_attention_configs, default=None, metavar="KNOB=N,..;..",
+                        help="attention: time these TreeAttentionConfig variants beside the default (instead of "
+                             "--sweep's), e.g. 'num_chunks=32;block_k=32,num_stages=2'")
+    parser.add_argument("--no-alternatives", action="store_true",
+                        help="attention: skip the jnp reference's timing and dot_product_attention (XLA, cuDNN)")
     parser.add_argument("--only", type=_sections, default=None,
                         help="comma list of the sections to run (check, accept, attention; default all)")
     parser.add_argument("--s", type=_ints, default=None, help="comma list of cache lengths S (timing grid)")
@@ -637,7 +666,9 @@ def main(argv: list[str] | None = None) -> int:
                 ("accept", lambda: time_accept(shape, ceilings, records, save, interpret=interpret,
                                                sweep=args.sweep, rounds=rounds, repeats=repeats)),
                 ("attention", lambda: time_attention(shape, ceilings, records, save, interpret=interpret,
-                                                     sweep=args.sweep, rounds=rounds, repeats=repeats)))
+                                                     sweep=args.sweep, rounds=rounds, repeats=repeats,
+                                                     configs=args.attention_configs,
+                                                     alternatives=not args.no_alternatives)))
     for name, run in sections:
         if args.only is not None and name not in args.only:
             continue
