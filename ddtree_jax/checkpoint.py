@@ -252,9 +252,10 @@ def tied_extras(config) -> dict[str, str]:
 # A `qwen3_5` (vision-language) checkpoint keeps the text model under `model.language_model.` and also
 # holds the vision tower (`model.visual.*`) and the multi-token-prediction head (`mtp.*`), which the
 # target does not use (HF's Qwen3_5ForCausalLM ignores them too; `load_mtp` reads the head alone, and an
-# orbax conversion keeps it under the same names); every other tensor is checked strictly.
+# orbax conversion keeps it under the same names); a dense `qwen3` folder may hold a head trained for it
+# (`train/mtp.py`, `write_mtp_beside`); every other tensor is checked strictly.
 TEXT_PREFIXES = {"qwen3_5": "model.language_model."}
-IGNORED_PREFIXES = {"qwen3_5": ("model.visual.", mtp.PREFIX), "qwen3_5_text": (mtp.PREFIX,)}
+IGNORED_PREFIXES = {"qwen3_5": ("model.visual.", mtp.PREFIX), "qwen3_5_text": (mtp.PREFIX,), "qwen3": (mtp.PREFIX,)}
 BESIDE_MTP = ("model.", "lm_head.")  # what an MTP head's load skips: the target's tensors (and a vision tower)
 
 
@@ -510,12 +511,59 @@ def check_mtp(path: str | Path, target_config) -> MTPConfig:
 
 def load_mtp(path: str | Path, target_config, dtype=jnp.bfloat16, progress: bool = False,
              parallel: Parallel | None = None) -> ModelParams:
-    """Load the multi-token-prediction head that a Qwen3.5/3.6 target checkpoint (HF or orbax) ships beside
-    the target (`mtp.*`, `mtp_num_hidden_layers` layers), as `ModelParams` of `models/mtp.py`; a target
-    without one is an error before any weight is read (`check_mtp`)."""
+    """Load the multi-token-prediction head that a target checkpoint (HF or orbax) holds beside the target
+    (`mtp.*`, `mtp_num_hidden_layers` layers: a Qwen3.5/3.6 checkpoint's own, or one trained for a dense Qwen3
+    target, `write_mtp_beside`), as `ModelParams` of `models/mtp.py`; a target without one is an error before
+    any weight is read (`check_mtp`)."""
     path = Path(path)
     config = check_mtp(path, target_config)
     return _load(path, mtp.abstract(config, dtype or jnp.float32), dtype, {}, progress, parallel)
+
+
+MTP_FILE = "mtp.safetensors"  # where `write_mtp_beside` puts a trained head
+
+
+def write_mtp_beside(path: str | Path, arrays: dict[str, np.ndarray], num_layers: int) -> Path:
+    """Store an MTP head (`arrays`: {'mtp.*': array}, `num_layers` decoder layers) in an HF target folder, leaving
+    the target's weight files as they are: the head in mtp.safetensors; model.safetensors.index.json mapping
+    every tensor to its file (the target's single file or its shards, and the head's), as a sharded checkpoint;
+    `mtp_num_hidden_layers` in config.json (inside `text_config` for a `qwen3_5` wrapper). transformers reads a
+    folder that has model.safetensors from that file alone (it prefers the single file to an index), so it loads
+    the target as before. A head this function stored earlier is replaced; one inside the target's own files is
+    refused. Each file is written under a temporary name and then renamed, the index and config.json last."""
+    from safetensors.numpy import save_file
+
+    path = Path(path)
+    if checkpoint_format(path) != "hf":
+        raise CheckpointError(f"{path}: an MTP head is stored beside a Hugging Face folder's safetensors; convert "
+                              "this orbax folder to HF first (conversions.convert orbax-to-hf)")
+    if not arrays or any(not name.startswith(mtp.PREFIX) for name in arrays):
+        raise CheckpointError(f"expected the head's tensors, all named '{mtp.PREFIX}*', got {sorted(arrays)[:3]}")
+    files = {name: file for name, file in _tensor_files(path).items() if file.name != MTP_FILE}
+    inside = sorted(name for name in files if name.startswith(mtp.PREFIX))
+    if inside:
+        raise CheckpointError(f"{files[inside[0]]}: already holds an MTP head ('{inside[0]}'); this folder's "
+                              f"head is not replaced by one stored beside it")
+    raw = read_config_json(path)
+    (raw["text_config"] if raw.get("model_type") == "qwen3_5" else raw)["mtp_num_hidden_layers"] = num_layers
+
+    umask = os.umask(0)
+    os.umask(umask)
+
+    def replace(name: str, write: Callable[[Path], None]) -> None:
+        tmp = path / f".{name}.{os.getpid()}.tmp"
+        write(tmp)
+        os.chmod(tmp, 0o666 & ~umask)  # as any new file (safetensors writes 0600)
+        os.replace(tmp, path / name)
+
+    host = {name: np.ascontiguousarray(a) for name, a in sorted(arrays.items())}
+    replace(MTP_FILE, lambda tmp: save_file(host, str(tmp), metadata={"format": "pt"}))
+    weight_map = {name: file.name for name, file in files.items()} | {name: MTP_FILE for name in host}
+    total = sum(file.stat().st_size - 8 - _header(file)[0] for file in {*files.values(), path / MTP_FILE})  # data
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    replace(INDEX_FILE, lambda tmp: tmp.write_text(json.dumps(index, indent=2) + "\n"))
+    replace("config.json", lambda tmp: tmp.write_text(json.dumps(raw, indent=2) + "\n"))
+    return path
 
 
 def load_drafter(path: str | Path, target_config, dtype=jnp.bfloat16, *, allow_layer_mismatch: bool = False,

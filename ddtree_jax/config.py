@@ -190,6 +190,9 @@ class Qwen3Config:
     bos_token_id: int | None = None
     pad_token_id: int | None = None
     fp8: Fp8Config | None = None  # block-scaled FP8 projections (`quantization_config`), or None
+    # Decoder layers of a multi-token-prediction head trained for this target (`train/mtp.py`), stored beside it
+    # (`mtp.*`, `MTPConfig`); 0: no head. Not an HF Qwen3 field: transformers keeps it as an unused attribute.
+    mtp_num_hidden_layers: int = 0
 
     model_type = "qwen3"
 
@@ -392,6 +395,7 @@ def parse_qwen3(raw: dict[str, Any], where: str = "config.json") -> Qwen3Config:
         bos_token_id=(f.token_ids("bos_token_id") or (None,))[0],
         pad_token_id=(f.token_ids("pad_token_id") or (None,))[0],
         fp8=parse_fp8(raw, where),
+        mtp_num_hidden_layers=f.int("mtp_num_hidden_layers", 0, minimum=0),
     )
 
 
@@ -558,15 +562,21 @@ TARGET_PARSERS = {"qwen3": parse_qwen3, "qwen3_5": parse_qwen3_5, "qwen3_5_text"
 
 @dataclasses.dataclass(frozen=True)
 class MTPConfig:
-    """The multi-token-prediction head a Qwen3.5/3.6 checkpoint ships beside its target (`mtp.*` tensors):
-    `mtp_num_hidden_layers` gated full-attention decoder layers shaped as the target's, a fusion `fc` and
-    three zero-centred norms; it borrows the target's embedding and lm_head (`models/mtp.py`)."""
+    """A multi-token-prediction head beside a target (`mtp.*` tensors, `models/mtp.py`): `num_layers` gated
+    full-attention decoder layers, a fusion `fc` and three zero-centred norms, shaped by `layers`; it borrows
+    the target's embedding and lm_head.
 
-    target: Qwen3_5Config
+    `layers`: what the head's decoder layers and norms are built from (sizes, heads, RoPE, eps). For a
+    Qwen3.5/3.6 target, the head Qwen ships: the target's own config (the head's layer is shaped as the
+    target's full-attention layers). For a dense Qwen3 target, a head trained by this project
+    (`train/mtp.py`): the same module, its layer given the dense target's dimensions (`dense_mtp_layers`).
+    """
+
+    layers: Qwen3_5Config
 
     @property
     def num_layers(self) -> int:
-        return self.target.mtp_num_hidden_layers
+        return self.layers.mtp_num_hidden_layers
 
     @property
     def target_layer_ids(self) -> tuple[int, ...]:
@@ -574,16 +584,30 @@ class MTPConfig:
         return ()
 
 
+def dense_mtp_layers(target: Qwen3Config) -> Qwen3_5Config:
+    """The shape of an MTP head's decoder layers for a dense Qwen3 target: a Qwen3.5 gated full-attention layer
+    with the target's hidden size, MLP width, heads, KV heads, head_dim, RMSNorm eps and RoPE, rotating whole
+    heads as the target does (rotary_dim = head_dim); `mtp_num_hidden_layers` of them. The linear-attention
+    fields are Qwen3.5's defaults, unused (every layer here is full attention); no FP8."""
+    return Qwen3_5Config(
+        vocab_size=target.vocab_size, hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+        num_layers=target.mtp_num_hidden_layers, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
+        head_dim=target.head_dim, rms_norm_eps=target.rms_norm_eps, rope=target.rope, rotary_dim=target.head_dim,
+        tie_word_embeddings=target.tie_word_embeddings, layer_types=(FULL_ATTENTION,) * target.mtp_num_hidden_layers,
+        max_position_embeddings=target.max_position_embeddings, linear_conv_kernel=4, linear_key_head_dim=128,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_value_head_dim=128,
+        eos_token_ids=target.eos_token_ids, bos_token_id=target.bos_token_id, pad_token_id=target.pad_token_id,
+        mtp_num_hidden_layers=target.mtp_num_hidden_layers)
+
+
 def mtp_config(target, where: str = "config.json") -> MTPConfig:
-    """The MTP head of a parsed target config, or a ConfigError saying why it has none."""
-    if not isinstance(target, Qwen3_5Config):
-        raise ConfigError(f"{where}: a {target.model_type} target has no multi-token-prediction head (--mode mtp "
-                          "needs a Qwen3.5/3.6 checkpoint that ships one: `mtp.*` tensors)")
+    """The MTP head of a parsed target config (Qwen3.5/3.6, or dense Qwen3 with a trained head), or a
+    ConfigError saying why it has none."""
     if target.mtp_num_hidden_layers == 0:
-        raise ConfigError(f"{where}: field 'mtp_num_hidden_layers' is missing or 0: this target has no "
-                          "multi-token-prediction head (--mode mtp needs a Qwen3.5/3.6 checkpoint that ships one: "
-                          "`mtp.*` tensors)")
-    return MTPConfig(target)
+        raise ConfigError(f"{where}: field 'mtp_num_hidden_layers' is missing or 0: a {target.model_type} target "
+                          "has no multi-token-prediction head (--mode mtp needs a Qwen3.5/3.6 checkpoint that ships "
+                          "one, or a head trained with python -m ddtree_jax.train.mtp: `mtp.*` tensors)")
+    return MTPConfig(target if isinstance(target, Qwen3_5Config) else dense_mtp_layers(target))
 
 
 def load_target_config(path: str | Path) -> Qwen3Config | Qwen3_5Config:

@@ -18,7 +18,7 @@ from ddtree_jax import engine
 from ddtree_jax import round as rnd
 from ddtree_jax.checkpoint import load_mtp, load_target
 from ddtree_jax.engine import DecodeOptions, Mode, generate
-from ddtree_jax.models import mtp, qwen3_5
+from ddtree_jax.models import mtp, qwen3_5, target_family
 from ddtree_jax.models.contract import ForwardMeta
 from ddtree_jax.random_checkpoint import write_random_qwen3_5
 from ddtree_jax.sampling import SamplingConfig
@@ -60,9 +60,10 @@ def fitted_head(target, head, sequences):
     width = max(map(len, sequences))
     padded = np.array([s + [0] * (width - len(s)) for s in sequences], np.int32)
     lengths = jnp.asarray([len(s) for s in sequences], jnp.int32)
-    hidden = np.asarray(jax.jit(lambda t, x: qwen3_5.forward(
+    family = target_family(target.config)  # a Qwen3.5 hybrid here; a dense Qwen3 in test_mtp_dense
+    hidden = np.asarray(jax.jit(lambda t, x: family.forward(
         t, x, ForwardMeta.prompt(lengths, width),
-        qwen3_5.create_cache(t.config, len(sequences), width, jnp.float32)).hidden)(target, padded), np.float64)
+        family.create_cache(t.config, len(sequences), width, jnp.float32)).hidden)(target, padded), np.float64)
     features, goals = [], []
     for r, s in enumerate(sequences):
         for i in range(len(s) - 2):

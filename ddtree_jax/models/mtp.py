@@ -1,5 +1,5 @@
 """The multi-token-prediction (MTP) head that Qwen3.5/3.6 checkpoints ship beside the target (`mtp.*`), as
-NNX modules and pure functions: the drafter of `--mode mtp`.
+NNX modules and pure functions: the drafter of `--mode mtp` (and, trained by this project, of a dense target).
 
 One step at position i takes a token and a hidden state (vLLM `vllm/model_executor/models/qwen3_5_mtp.py`,
 `Qwen3_5MultiTokenPredictor.forward`; SGLang `python/sglang/srt/models/qwen3_5_mtp.py` computes the same):
@@ -10,6 +10,11 @@ One step at position i takes a token and a hidden state (vLLM `vllm/model_execut
     out = norm(x);  logits = the target's lm_head(out)
 
 The embedding and lm_head are the target's; every norm is zero-centred (`(1 + w) * x / rms(x)`).
+
+The same module drafts for a dense Qwen3 target when a head was trained for it (`train/mtp.py`): its decoder
+layer is a gated full-attention layer with the dense target's dimensions and RoPE, rotating whole heads
+(`config.dense_mtp_layers`), and it reads the dense target's final normed hidden state (`ForwardOut.hidden` of
+every target family), as below; the lm_head is `qwen3.logits` for both families.
 
 Which hidden state feeds which step (vLLM `vllm/v1/spec_decode/llm_base_proposer.py`):
 - The first step pairs a position with the target's hidden state there and the token one position later:
@@ -53,7 +58,7 @@ class MultiTokenPredictor(nnx.Module):
     """HF names under `mtp.`: fc, pre_fc_norm_embedding, pre_fc_norm_hidden, layers.{i}.*, norm."""
 
     def __init__(self, config: MTPConfig, *, dtype, rngs):
-        text = config.target
+        text = config.layers
         e, eps = text.hidden_size, text.rms_norm_eps
         self.fc = Linear(2 * e, e, ("embed", None), dtype=dtype, rngs=rngs)  # input: [embedding | hidden]
         self.pre_fc_norm_embedding = qwen3_5.ZeroCenteredRMSNorm(e, eps, dtype=dtype)
@@ -84,7 +89,7 @@ def init_random(config: MTPConfig, dtype=jnp.bfloat16, seed: int = 0) -> ModelPa
 
 def create_cache(config: MTPConfig, batch: int, capacity: int, dtype) -> MTPCache:
     """An empty cache: K/V of the one decoder layer that runs, and a zero hidden state."""
-    text = config.target
+    text = config.layers
     kv = KVCache.create(1, batch, capacity, text.num_kv_heads, text.head_dim, dtype)
     return MTPCache(kv=kv, hidden=jnp.zeros((batch, text.hidden_size), dtype))
 
@@ -102,7 +107,7 @@ def fuse(head: MultiTokenPredictor, target: ModelParams, tokens: jax.Array, hidd
 def project(head: MultiTokenPredictor, config: MTPConfig, x: jax.Array, positions: jax.Array, runtime: Runtime):
     """Layer 0's attention inputs for x [b, t, e] at positions [b, t]: (q, gate, k, v) as
     `qwen3_5.GatedAttention.project`."""
-    cos, sin = rope_cos_sin(positions, config.target.rope, config.target.rotary_dim)
+    cos, sin = rope_cos_sin(positions, config.layers.rope, config.layers.rotary_dim)
     layer = head.layers[0]
     return layer.self_attn.project(add_and_norm(layer.input_layernorm, x, None, runtime)[1], cos, sin)
 
@@ -122,7 +127,15 @@ def finish(head: MultiTokenPredictor, x: jax.Array, attended: jax.Array, gate: j
 
 def ingest(params: ModelParams, target: ModelParams, tokens: jax.Array, hidden: jax.Array, counts: jax.Array,
            cache: MTPCache, runtime: Runtime = Runtime()) -> MTPCache:
-    """Run the head over newly committed positions and keep the first `counts[r]` of each row.
+    """Run the head over newly committed positions and keep the first `counts[r]` of each row (`ingest_outputs`'
+    cache)."""
+    return ingest_outputs(params, target, tokens, hidden, counts, cache, runtime)[1]
+
+
+def ingest_outputs(params: ModelParams, target: ModelParams, tokens: jax.Array, hidden: jax.Array,
+                   counts: jax.Array, cache: MTPCache, runtime: Runtime = Runtime()) -> tuple[jax.Array, MTPCache]:
+    """Run the head over newly committed positions and keep the first `counts[r]` of each row: (the head's
+    output at every new position [b, t, e], the cache). `ingest` keeps the cache; training reads the outputs.
 
     Position `cache.lengths + i` pairs tokens[:, i] (the token at the next position) with hidden[:, i] (the
     target's final hidden state at this position). tokens [b, t] int, hidden [b, t, e], counts [b] int
@@ -141,18 +154,19 @@ def ingest(params: ModelParams, target: ModelParams, tokens: jax.Array, hidden: 
     x = fuse(head, target, tokens, hidden.astype(kv.k[0].dtype))
     q, gate, k, v = project(head, config, x, positions, runtime)
     attended = cached_attention(q, kv.k[0], kv.v[0], kv.lengths, k, v, causal_mask(counts, t), positions,
-                                scale=config.target.head_dim ** -0.5, runtime=runtime)
+                                scale=config.layers.head_dim ** -0.5, runtime=runtime)
     out = finish(head, x, attended, gate, runtime)
     last = jnp.take_along_axis(out, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
     kv = KVCache(k=(write_pending(kv.k[0], k, kv.lengths),), v=(write_pending(kv.v[0], v, kv.lengths),),
                  lengths=kv.lengths)
-    return MTPCache(kv=advance(kv, counts), hidden=jnp.where((counts > 0)[:, None], last, cache.hidden))
+    return out, MTPCache(kv=advance(kv, counts), hidden=jnp.where((counts > 0)[:, None], last, cache.hidden))
 
 
 def draft_logits(params: ModelParams, target: ModelParams, cache: MTPCache, steps: int,
-                 runtime: Runtime = Runtime()) -> jax.Array:
+                 runtime: Runtime = Runtime(), tokens: jax.Array | None = None) -> jax.Array:
     """float32 logits [b, steps, v] of `steps` chained MTP steps after the committed cache; each step's input
-    token is the previous step's argmax (the chain the round verifies).
+    token is the previous step's argmax (the chain the round verifies), or, given `tokens` [b, steps - 1] int,
+    tokens[:, j - 1] for step j + 1 (training feeds the true continuation: a draft only counts when it is it).
 
     Step 1 is the target's lm_head on `cache.hidden`. Step j + 1 (j = 1 .. steps - 1) runs the head on
     (draft j, step j's output) at position L - 1 + j, L = `cache.lengths`; it sees the committed slots and
@@ -173,13 +187,13 @@ def draft_logits(params: ModelParams, target: ModelParams, cache: MTPCache, step
     buffer_v = jnp.zeros((b, chain, n, d), kv.v[0].dtype)
     for i in range(chain):
         with jax.named_scope(f"mtp_step_{i + 2}"):
-            token = jnp.argmax(logits[-1], axis=-1).astype(jnp.int32)
+            token = jnp.argmax(logits[-1], axis=-1).astype(jnp.int32) if tokens is None else tokens[:, i]
             x = fuse(head, target, token[:, None], hidden[:, None])
             q, gate, k, v = project(head, config, x, positions[:, i:i + 1], runtime)
             buffer_k, buffer_v = buffer_k.at[:, i].set(k[:, 0]), buffer_v.at[:, i].set(v[:, 0])
             rows = jnp.broadcast_to(q, (b, chain) + q.shape[2:])
             attended = cached_attention(rows, kv.k[0], kv.v[0], kv.lengths, buffer_k, buffer_v, mask, positions,
-                                        scale=config.target.head_dim ** -0.5, runtime=runtime)[:, i:i + 1]
+                                        scale=config.layers.head_dim ** -0.5, runtime=runtime)[:, i:i + 1]
             hidden = finish(head, x, attended, gate, runtime)[:, 0]
             logits.append(qwen3.logits(target, hidden))
     return jnp.stack(logits, axis=1)

@@ -308,19 +308,21 @@ def make_eval(skeleton: ModelParams, target: ModelParams, data: Sequences, *, la
 
 
 def make_acceptance_eval(skeleton: ModelParams, target: ModelParams, prompts: list[list[int]], *, max_new_tokens: int,
-                         dtype, parallel: Parallel = Parallel()):
+                         dtype, parallel: Parallel = Parallel(), mtp_steps: int | None = None):
     """Greedy DFlash decoding of held-out `prompts` with the current parameters, as the doctor runs it (EOS
-    ignored): tau and the acceptance rate per draft position (`doctor.position_acceptance`)."""
+    ignored): tau and the acceptance rate per draft position (`doctor.position_acceptance`). `mtp_steps`: the
+    parameters are an MTP head (`train/mtp.py`), decoded with `--mode mtp` and that many drafts per round."""
     from ddtree_jax.doctor import position_acceptance
     from ddtree_jax.engine import DecodeOptions, Mode, generate
 
-    options = DecodeOptions(mode=Mode.DFLASH, max_new_tokens=max_new_tokens, parallel=parallel)
+    mode = Mode.DFLASH if mtp_steps is None else Mode.MTP
+    options = DecodeOptions(mode=mode, max_new_tokens=max_new_tokens, parallel=parallel, mtp_steps=mtp_steps or 3)
 
     def evaluate(state) -> dict:
         drafter = common.to_params(skeleton, state["params"], dtype)
         result = generate(target, prompts, options, drafter=drafter)
-        return {"tau": result.tau,
-                "position_acceptance": position_acceptance(result.acceptance_lengths, drafter.config.block_size)}
+        block = drafter.config.block_size if mtp_steps is None else mtp_steps + 1
+        return {"tau": result.tau, "position_acceptance": position_acceptance(result.acceptance_lengths, block)}
 
     return evaluate
 

@@ -32,8 +32,10 @@ import numpy as np
 FORMAT = "ddtree_jax.features/1"
 MANIFEST = "manifest.json"
 TAPS_DTYPE = ml_dtypes.bfloat16
-# config.json fields that say how a checkpoint was saved, not what the model computes.
-UNFINGERPRINTED_FIELDS = frozenset({"torch_dtype", "dtype", "transformers_version", "_name_or_path"})
+# config.json fields that say how a checkpoint was saved, not what the model computes, and whether a trained
+# MTP head sits beside the target (`train/mtp.py`): not the target itself.
+UNFINGERPRINTED_FIELDS = frozenset({"torch_dtype", "dtype", "transformers_version", "_name_or_path",
+                                    "mtp_num_hidden_layers"})
 FINGERPRINT_SAMPLE = 64  # leading elements of each weight's first row that enter the fingerprint
 
 
