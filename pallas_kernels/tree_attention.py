@@ -12,8 +12,7 @@ How the kernel splits the work (flash-decoding: Dao et al., "Flash-Decoding for 
 inference", 2023; the online softmax of FlashAttention-2, arXiv 2307.08691, Algorithm 1):
 - one program takes one (row, KV head, block of rows, chunk). Its rows are (token, query head) pairs
   of one KV head, token-major (row = token * g + head in group), so every K/V block it loads serves
-  all g query heads of the group (GQA) and all T tokens in the block. The last block of rows runs a
-  smaller tile when it is mostly padding (T = 65 at GQA 4: 260 rows, 4 in the fifth block of 64);
+  all g query heads of the group (GQA) and all T tokens in the block;
 - chunks 0..C-1 are slices of the committed cache (keys at slots < length); chunk C is the T new keys
   under `new_mask`. Each program writes its normalised partial output and its log-sum-exp;
   `_merge_partials` combines the C + 1 partials in a second, small kernel that writes the output in q's
@@ -113,8 +112,6 @@ def _tree_attention_kernel(
     block_q: int,
     block_k: int,
     block_u: int,
-    last_rows: int,
-    num_row_blocks: int,
     group: int,
     num_new: int,
     num_slots: int,
@@ -122,81 +119,63 @@ def _tree_attention_kernel(
 ):
     row_block, chunk_id = pl.program_id(2), pl.program_id(3)
     d = q_ref.shape[-1]
+    rows = row_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
+    row_ok = rows < num_new * group
+    # A masked load of this block's rows: the last block may run past r (no padded copy of q beforehand).
+    q = plt.load(q_ref.at[pl.ds(row_block * block_q, block_q), :], mask=row_ok[:, None], other=0)
+    row_token = jnp.minimum(lax.div(rows, jnp.int32(group)), num_new - 1)  # clamped: padding rows stay in bounds
+    row_pos = pos_ref[row_token] if window is not None else None
     step = functools.partial(_online_softmax_step, scale=scale, precision=precision)
+    init = (jnp.zeros((block_q, d), jnp.float32), jnp.full((block_q,), _NEG_INF, jnp.float32),
+            jnp.zeros((block_q,), jnp.float32))
 
-    def rows_pass(tile_rows: int):
-        """This program's rows in one [tile_rows, d] tile: all block_q of them, or the first tile_rows of the
-        last row block, whose other rows are padding (e.g. 4 of 64 at T = 65: 260 rows)."""
-        rows = row_block * block_q + jnp.arange(tile_rows, dtype=jnp.int32)
-        row_ok = rows < num_new * group
-        # A masked load of this block's rows: the last block may run past r (no padded copy of q beforehand).
-        q = plt.load(q_ref.at[pl.ds(row_block * block_q, tile_rows), :], mask=row_ok[:, None], other=0)
-        row_token = jnp.minimum(lax.div(rows, jnp.int32(group)), num_new - 1)  # clamped: padding rows in bounds
-        row_pos = pos_ref[row_token] if window is not None else None
-        init = (jnp.zeros((tile_rows, d), jnp.float32), jnp.full((tile_rows,), _NEG_INF, jnp.float32),
-                jnp.zeros((tile_rows,), jnp.float32))
+    def cache_chunk():
+        length = jnp.minimum(len_ref[...], num_slots)
+        start = chunk_id * chunk
+        end = jnp.minimum(start + chunk, length)  # chunk is a multiple of block_k: blocks end at `end` or S
+        first = jnp.int32(0)
+        if window is not None:
+            # Slots below the earliest row's window are hidden from every row: skip their blocks.
+            lowest = jnp.min(jnp.where(row_ok, row_pos, jnp.iinfo(jnp.int32).max)) - (window - 1)
+            first = lax.div(jnp.maximum(lowest - start, 0), jnp.int32(block_k))
+        num_blocks = lax.div(jnp.maximum(end - start, 0) + (block_k - 1), jnp.int32(block_k))
 
-        def cache_chunk():
-            length = jnp.minimum(len_ref[...], num_slots)
-            start = chunk_id * chunk
-            end = jnp.minimum(start + chunk, length)  # chunk is a multiple of block_k: blocks end at `end` or S
-            first = jnp.int32(0)
+        def body(i, carry):
+            k0 = start + i * block_k
+            cols = k0 + jnp.arange(block_k, dtype=jnp.int32)
+            col_ok = cols < end
+            k = plt.load(k_ref.at[pl.ds(k0, block_k), :], mask=col_ok[:, None], other=0)
+            v = plt.load(v_ref.at[pl.ds(k0, block_k), :], mask=col_ok[:, None], other=0)
+            visible = col_ok[None, :] & row_ok[:, None]
             if window is not None:
-                # Slots below the earliest row's window are hidden from every row: skip their blocks.
-                lowest = jnp.min(jnp.where(row_ok, row_pos, jnp.iinfo(jnp.int32).max)) - (window - 1)
-                first = lax.div(jnp.maximum(lowest - start, 0), jnp.int32(block_k))
-            num_blocks = lax.div(jnp.maximum(end - start, 0) + (block_k - 1), jnp.int32(block_k))
+                visible = visible & (row_pos[:, None] - cols[None, :] < window)
+            return step(q, k, v, visible, carry)
 
-            def body(i, carry):
-                k0 = start + i * block_k
-                cols = k0 + jnp.arange(block_k, dtype=jnp.int32)
-                col_ok = cols < end
-                k = plt.load(k_ref.at[pl.ds(k0, block_k), :], mask=col_ok[:, None], other=0)
-                v = plt.load(v_ref.at[pl.ds(k0, block_k), :], mask=col_ok[:, None], other=0)
-                visible = col_ok[None, :] & row_ok[:, None]
-                if window is not None:
-                    visible = visible & (row_pos[:, None] - cols[None, :] < window)
-                return step(q, k, v, visible, carry)
+        return lax.fori_loop(first, jnp.maximum(num_blocks, first), body, init)
 
-            return lax.fori_loop(first, jnp.maximum(num_blocks, first), body, init)
+    def new_tokens():
+        def body(i, carry):
+            u0 = i * block_u
+            cols = u0 + jnp.arange(block_u, dtype=jnp.int32)
+            col_ok = cols < num_new
+            col_token = jnp.minimum(cols, num_new - 1)
+            k = plt.load(kn_ref.at[pl.ds(u0, block_u), :], mask=col_ok[:, None], other=0)
+            v = plt.load(vn_ref.at[pl.ds(u0, block_u), :], mask=col_ok[:, None], other=0)
+            # Gather the mask rows of each row's token (rows of one token share them).
+            seen = mask_ref[row_token[:, None], col_token[None, :]]
+            visible = (seen != 0) & col_ok[None, :] & row_ok[:, None]
+            if window is not None:
+                col_pos = pos_ref[col_token]
+                visible = visible & (jnp.abs(row_pos[:, None] - col_pos[None, :]) < window)
+            return step(q, k, v, visible, carry)
 
-        def new_tokens():
-            def body(i, carry):
-                u0 = i * block_u
-                cols = u0 + jnp.arange(block_u, dtype=jnp.int32)
-                col_ok = cols < num_new
-                col_token = jnp.minimum(cols, num_new - 1)
-                k = plt.load(kn_ref.at[pl.ds(u0, block_u), :], mask=col_ok[:, None], other=0)
-                v = plt.load(vn_ref.at[pl.ds(u0, block_u), :], mask=col_ok[:, None], other=0)
-                # Gather the mask rows of each row's token (rows of one token share them).
-                seen = mask_ref[row_token[:, None], col_token[None, :]]
-                visible = (seen != 0) & col_ok[None, :] & row_ok[:, None]
-                if window is not None:
-                    col_pos = pos_ref[col_token]
-                    visible = visible & (jnp.abs(row_pos[:, None] - col_pos[None, :]) < window)
-                return step(q, k, v, visible, carry)
+        return lax.fori_loop(0, cdiv(num_new, block_u), body, init)
 
-            return lax.fori_loop(0, cdiv(num_new, block_u), body, init)
-
-        acc, m, l = lax.cond(chunk_id < num_chunks, cache_chunk, new_tokens)
-        empty = l == 0.0
-        l_safe = jnp.where(empty, 1.0, l)
-        o_ref[pl.ds(0, tile_rows), :] = acc / l_safe[:, None]
-        lse_ref[pl.ds(0, tile_rows)] = jnp.where(empty, _NEG_INF, m + jnp.log(l_safe))
-        # The padding rows past a small tile: an empty partial, so that every element is written (in tiles of
-        # tile_rows rows: Triton takes power-of-two shapes only, and block_q is a multiple of tile_rows).
-        for start in range(tile_rows, block_q, tile_rows):
-            o_ref[pl.ds(start, tile_rows), :] = jnp.zeros((tile_rows, d), jnp.float32)
-            lse_ref[pl.ds(start, tile_rows)] = jnp.full((tile_rows,), _NEG_INF, jnp.float32)
-
-    if last_rows == block_q:
-        rows_pass(block_q)
-    else:
-        # The last row block runs a smaller tile: a full one would spend a whole program's matmuls and softmax
-        # on padding (at T = 65, 20% of the kernel's work for 4 of its 260 rows; at T = 17, half of it).
-        last = row_block == num_row_blocks - 1
-        pl.when(last)(lambda: rows_pass(last_rows))
-        pl.when(jnp.logical_not(last))(lambda: rows_pass(block_q))
+    acc, m, l = lax.cond(chunk_id < num_chunks, cache_chunk, new_tokens)
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
+    o_ref[...] = acc / l_safe[:, None]
+    lse_ref[...] = jnp.where(empty, _NEG_INF, m + jnp.log(l_safe))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -233,8 +212,6 @@ def _layout(b: int, t: int, hq: int, n: int, s: int, d: int, config: TreeAttenti
     block_k = min(config.block_k, max(16, next_pow2(s)))
     block_u = min(config.block_u, max(16, next_pow2(t)))
     row_blocks = cdiv(rows, block_q)
-    # The last row block's tile: the rows it holds, rounded up to a power of two >= 16 (<= block_q).
-    last_rows = min(block_q, max(16, next_pow2(rows - (row_blocks - 1) * block_q)))
     num_chunks = config.num_chunks
     if num_chunks is None:
         # About one wave of programs; the new-token chunk adds one program per (row, head, row block).
@@ -243,7 +220,7 @@ def _layout(b: int, t: int, hq: int, n: int, s: int, d: int, config: TreeAttenti
     chunk = round_up(cdiv(s, num_chunks), block_k)
     num_chunks = cdiv(s, chunk)  # no empty trailing chunks
     return dict(group=group, rows=rows, padded_rows=row_blocks * block_q, block_q=block_q, block_k=block_k,
-                block_u=block_u, row_blocks=row_blocks, last_rows=last_rows, num_chunks=num_chunks, chunk=chunk,
+                block_u=block_u, row_blocks=row_blocks, num_chunks=num_chunks, chunk=chunk,
                 head_dim=max(16, next_pow2(d)))
 
 
@@ -279,8 +256,7 @@ def _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, n
     kernel = functools.partial(
         _tree_attention_kernel, scale=float(scale), window=window, num_chunks=lay["num_chunks"],
         chunk=lay["chunk"], block_q=lay["block_q"], block_k=lay["block_k"], block_u=lay["block_u"],
-        last_rows=lay["last_rows"], num_row_blocks=lay["row_blocks"], group=group, num_new=t, num_slots=s,
-        precision=precision)
+        group=group, num_new=t, num_slots=s, precision=precision)
     block_q = lay["block_q"]
     o, lse = pl.pallas_call(
         kernel,
@@ -347,7 +323,7 @@ def _merge_partials(o, lse, lay, out_shape, dtype, *, interpret: bool):
     mr, mc = min(_MERGE_ROWS, padded_rows), min(_MERGE_COLS, dp)  # both powers of two dividing theirs
     out = pl.pallas_call(
         functools.partial(_merge_kernel, num_splits=num_splits, group=lay["group"], heads=hq, rows=lay["rows"], d=d),
-        grid=(b, n, cdiv(lay["rows"], mr), dp // mc),  # row tiles past the last real row hold only padding
+        grid=(b, n, padded_rows // mr, dp // mc),
         in_specs=[pl.BlockSpec((num_splits, None, None, mr, mc), lambda i, h, r, c: (0, i, h, r, c)),
                   pl.BlockSpec((num_splits, None, None, mr), lambda i, h, r, c: (0, i, h, r))],
         out_specs=pl.BlockSpec((None, t * hq, d), lambda i, h, r, c: (i, 0, 0)),

@@ -222,13 +222,6 @@ class TestDispatchAndConfig:
         with pytest.raises(ValueError, match=rf"TreeAttentionConfig\.{field}={value!r}"):
             ta.TreeAttentionConfig(**{field: value})
 
-    @pytest.mark.parametrize("t,block_q,row_blocks,last_rows", [(1, 16, 1, 16), (16, 64, 1, 64), (17, 64, 2, 16),
-                                                                 (65, 64, 5, 16), (33, 64, 3, 16), (28, 64, 2, 64)])
-    def test_last_row_block_runs_a_small_tile(self, t, block_q, row_blocks, last_rows):
-        # Qwen3-8B heads (32 query, 8 KV: 4 rows per token): T = 65 is 260 rows, 4 of them in the fifth block.
-        lay = ta._layout(1, t, 32, 8, 2048, 128, ta.TreeAttentionConfig())
-        assert (lay["block_q"], lay["row_blocks"], lay["last_rows"]) == (block_q, row_blocks, last_rows)
-
     def test_bad_shapes(self):
         x = make_inputs(Case(t=5, n=2, g=4, s=20, lengths=(3,)), seed=0)
         with pytest.raises(ValueError, match="new_mask"):
