@@ -22,7 +22,8 @@
 #   xla       the bench (qwen3-8b, AR, DFlash, DDTree $XLA_BUDGETS, pallas, traced) under each XLA_FLAGS variant of
 #             $XLA_VARIANTS (e.g. split-K forced off: its final reductions no longer fuse into the Pallas kernels
 #             after the GEMMs)                                                                -> xla/v1, xla/v2, ...
-#   ncu       Nsight Compute sections of the tree attention and its merge (tools/attention_once.py) at T = $NCU_T
+#   ncu       Nsight Compute (--set full: stall reasons, source counters) on the tree attention and its merge
+#             (tools/attention_once.py) at T = $NCU_T
 #                                                                                          -> ncu_t65.txt, ...
 #   demo_trace  the bench at the demo pair's shape (random weights), AR, DFlash, DDTree $DEMO_SHAPE_BUDGETS, with
 #             traces summarised: where a small model's round goes           -> demo_shape/, demo_trace_summary.json
@@ -150,8 +151,7 @@ for step in "$@"; do
           # No preallocation: ncu saves and restores all device memory around every replay pass (2026-12-02:
           # with JAX's default 75% preallocated, two kernels took over 100 s).
           XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${NCU_LIMIT:-120}" ncu --kernel-name regex:tree_attention --launch-skip 2 --launch-count 2 \
-            --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-            --section SchedulerStats --section MemoryWorkloadAnalysis python3 tools/attention_once.py --t "$t" \
+            --set full --print-details all python3 tools/attention_once.py --t "$t" \
             > "$OUT/ncu_t$t.txt" 2>&1; echo "rc=$?"; grep -v '^==PROF==' "$OUT/ncu_t$t.txt" | tail -150
         done
       fi
