@@ -1,7 +1,8 @@
 """`python -m ddtree_jax.doctor [--target DIR --drafter DIR]`: is this drafter wired right for this target?
 
 Without `--target` it checks the demo pair shipped with the package, on its held-out prompts. With `--mode mtp`
-it checks a Qwen3.5/3.6 target's own MTP head instead (no drafter): steps 1 and 2 with greedy MTP rounds of
+it checks the MTP head in the target's folder instead (no drafter: a Qwen3.5/3.6 checkpoint's own, or one trained
+by `train.mtp`, as the demo target's): steps 1 and 2 with greedy MTP rounds of
 `--mtp-steps` drafts (acceptance per draft step, tau, lossless against AR), no wirings to try; OK or WEAK.
 
 1. Checks the pair from the configs (mask token, tap layers, widths, vocab, layer count) and loads
@@ -348,7 +349,8 @@ def main(argv=None) -> int:
     p.add_argument("--target", type=Path, default=None, help="target folder (default: the shipped demo pair)")
     p.add_argument("--drafter", type=Path, default=None, help="drafter folder (default with no --target: the demo's)")
     p.add_argument("--mode", choices=("dflash", "mtp"), default="dflash",
-                   help="what drafts: the DFlash --drafter, or the --target's own MTP head (Qwen3.5/3.6)")
+                   help="what drafts: the DFlash --drafter, or the MTP head in the --target's folder (Qwen3.5/3.6, "
+                        "or trained by python -m ddtree_jax.train.mtp)")
     p.add_argument("--mtp-steps", type=int, default=3, help="--mode mtp: the head's drafts per round")
     p.add_argument("--prompts", type=Path, default=None,
                    help="JSONL with 'prompt', 'messages' or 'prompt_ids' per line, as generate --prompts reads it "
@@ -372,8 +374,8 @@ def main(argv=None) -> int:
 
     try:
         if args.target is None and args.mode == "mtp":
-            raise BadInput("--mode mtp needs --target DIR: a Qwen3.5/3.6 checkpoint that ships its MTP head (the "
-                           "demo target has none)")
+            raise BadInput("--mode mtp needs --target DIR: a checkpoint with an MTP head beside the target (a "
+                           "Qwen3.5/3.6 one, or the demo target, which has one trained for it)")
         demo = args.target is None
         if demo:
             from ddtree_jax.demo_pair import DEMO_NOTE, demo_drafter, demo_prompts, demo_target
