@@ -32,7 +32,6 @@ MAX_NEW = 40
 
 
 @functools.partial(jax.jit, static_argnames="steps")
-@functools.partial(jax.jit, static_argnames="steps")
 def fresh_drafts(target, head, sequences, lengths, steps: int):
     """The head's drafts after each row's committed `lengths` tokens, from empty caches: the target over
     sequences[:, :lengths] (the next token, the round's root, sits at index lengths), the head over every

@@ -281,12 +281,25 @@ def make_eval(skeleton: ModelParams, target: ModelParams, data: Sequences, *, la
     """Held-out weighted loss, per-slot accuracy and tau_est on fixed anchors of the held-out sequences
     (`batch` rows per call; with a data-parallel `parallel`, len(data) and `batch` are multiples of its size)."""
 
-    @jax.jit
     def one(tree, target, rows, key):
         taps = batch_taps(target, rows, layer_ids)
         anchors, ok = sample_anchors(key, rows.starts, rows.lengths, rows.tokens.shape[1], num_anchors)
-        loss, (logits, labels, weights) = rows_loss(common.to_params(skeleton, tree, dtype), target, taps, rows.tokens,
-                                                    rows.lengths, anchors, ok, gamma=gamma, dtype=dtype)
+        return rows_loss(common.to_params(skeleton, tree, dtype), target, taps, rows.tokens, rows.lengths, anchors, ok,
+                         gamma=gamma, dtype=dtype)
+
+    return chunked_eval(one, target, data, batch=batch, parallel=parallel, seed=seed)
+
+
+def chunked_eval(rows_loss_fn, target: ModelParams, data: Sequences, *, batch: int, parallel: Parallel = Parallel(),
+                 seed: int = 777, accuracy_name: str = "slot_accuracy"):
+    """evaluate(state) -> {loss, tau_est, accuracy_name}: held-out metrics over `data` in calls of `batch` rows
+    (call i's anchors seeded `seed + i`, so every evaluation sees the same rows). `rows_loss_fn(params tree,
+    target, rows, key) -> (loss, (logits [R, k, v], labels [R, k], weights [R, k]))` is jitted here; the loss
+    is weighted by each call's total weight, accuracy and tau_est as `block_metrics`."""
+
+    @jax.jit
+    def one(tree, target, rows, key):
+        loss, (logits, labels, weights) = rows_loss_fn(tree, target, rows, key)
         m = block_metrics(logits, labels, weights)
         return loss, jnp.sum(weights), m["slot_accuracy"], m["tau_est"]
 
@@ -302,7 +315,7 @@ def make_eval(skeleton: ModelParams, target: ModelParams, data: Sequences, *, la
             accs.append(np.asarray(acc))
             taus.append(float(tau))
         return {"loss": sum(losses) / max(sum(ws), 1e-9), "tau_est": float(np.mean(taus)),
-                "slot_accuracy": np.round(np.mean(accs, 0), 4)}
+                accuracy_name: np.round(np.mean(accs, 0), 4)}
 
     return evaluate
 

@@ -161,30 +161,13 @@ def make_eval(skeleton: ModelParams, target: ModelParams, data: Sequences, *, nu
     """Held-out weighted loss, per-step accuracy and tau_est (`drafter.block_metrics`: 1 + the mean run of
     leading correct steps) on fixed anchors of the held-out sequences, `batch` sequences per call."""
 
-    @jax.jit
     def one(tree, target, rows, key):
         hidden = target_hidden(target, rows.tokens, rows.lengths)
         anchors, ok = sample_anchors(key, rows, num_anchors)
-        loss, (logits, labels, weights) = rows_loss(common.to_params(skeleton, tree, dtype), target, hidden, rows,
-                                                    anchors, ok, chain=chain, decay=decay, dtype=dtype)
-        m = drafter_lib.block_metrics(logits, labels, weights)
-        return loss, jnp.sum(weights), m["slot_accuracy"], m["tau_est"]
+        return rows_loss(common.to_params(skeleton, tree, dtype), target, hidden, rows, anchors, ok, chain=chain,
+                         decay=decay, dtype=dtype)
 
-    chunks = [slice(i, min(i + batch, len(data))) for i in range(0, len(data), batch)]
-
-    def evaluate(state) -> dict:
-        losses, ws, accs, taus = [], [], [], []
-        for i, s in enumerate(chunks):
-            loss, w, acc, tau = one(state["params"], target, jax.tree.map(jnp.asarray, data.take(s)),
-                                    jax.random.key(seed + i))
-            losses.append(float(loss) * float(w))
-            ws.append(float(w))
-            accs.append(np.asarray(acc))
-            taus.append(float(tau))
-        return {"loss": sum(losses) / max(sum(ws), 1e-9), "tau_est": float(np.mean(taus)),
-                "step_accuracy": np.round(np.mean(accs, 0), 4)}
-
-    return evaluate
+    return drafter_lib.chunked_eval(one, target, data, batch=batch, seed=seed, accuracy_name="step_accuracy")
 
 
 # ----------------------------------------------------------------------------------------------------
