@@ -3,7 +3,8 @@
 `assets/demo/` holds a 6.8M-parameter Qwen3 target (HF layout, bf16, with its byte-level BPE tokenizer)
 pretrained on the Python standard library's source, its DFlash drafter (2 layers, block 16), and
 held-out prompts (signatures and docstrings of held-out stdlib files, JSONL). Both were trained on one
-H200 by `python -m ddtree_jax.train.demo` (README, "The demo pair").
+H200 by `python -m ddtree_jax.train.demo` (README, "The demo pair"). The target folder also holds an MTP head
+trained for it by `python -m ddtree_jax.train.mtp` (`mtp.safetensors`, for `--mode mtp`; README, "MTP").
 """
 
 from __future__ import annotations
@@ -11,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 DEMO_DIR = Path(__file__).parent / "assets" / "demo"
-DEMO_NOTE = ("a 6.8M-parameter Qwen3 target trained on the Python standard library and its DFlash drafter, "
-             "shipped in " + str(DEMO_DIR))
+DEMO_NOTE = ("a 6.8M-parameter Qwen3 target trained on the Python standard library, its DFlash drafter and an "
+             "MTP head trained for it, shipped in " + str(DEMO_DIR))
 
 
 def _existing(path: Path) -> Path:

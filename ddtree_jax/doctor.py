@@ -1,7 +1,7 @@
 """`python -m ddtree_jax.doctor [--target DIR --drafter DIR]`: is this drafter wired right for this target?
 
-Without `--target` it checks the demo pair shipped with the package, on its held-out prompts. With `--mode mtp`
-it checks the MTP head in the target's folder instead (no drafter: a Qwen3.5/3.6 checkpoint's own, or one trained
+Without `--target` it checks the demo pair shipped with the package (with `--mode mtp`, the demo target's head),
+on its held-out prompts. With `--mode mtp` it checks the MTP head in the target's folder instead (no drafter: a Qwen3.5/3.6 checkpoint's own, or one trained
 by `train.mtp`, as the demo target's): steps 1 and 2 with greedy MTP rounds of
 `--mtp-steps` drafts (acceptance per draft step, tau, lossless against AR), no wirings to try; OK or WEAK.
 
@@ -373,17 +373,16 @@ def main(argv=None) -> int:
     from ddtree_jax.config import ConfigError
 
     try:
-        if args.target is None and args.mode == "mtp":
-            raise BadInput("--mode mtp needs --target DIR: a checkpoint with an MTP head beside the target (a "
-                           "Qwen3.5/3.6 one, or the demo target, which has one trained for it)")
         demo = args.target is None
         if demo:
             from ddtree_jax.demo_pair import DEMO_NOTE, demo_drafter, demo_prompts, demo_target
 
             args.target = demo_target()
-            args.drafter = args.drafter or demo_drafter()
+            if args.mode == "dflash":
+                args.drafter = args.drafter or demo_drafter()
             args.prompts = args.prompts or demo_prompts()
-            print(f"note: no --target given, so this checks the demo pair: {DEMO_NOTE}.", file=sys.stderr)
+            what = "the demo target's MTP head" if args.mode == "mtp" else "the demo pair"
+            print(f"note: no --target given, so this checks {what}: {DEMO_NOTE}.", file=sys.stderr)
         elif args.drafter is None and args.mode == "dflash":
             raise BadInput("--target needs --drafter DIR (or --mode mtp for the target's own MTP head)")
         if args.mode == "mtp" and args.drafter is not None:
@@ -399,7 +398,8 @@ def main(argv=None) -> int:
     else:
         print_report(report, args.drafter)
     if args.plot is not None:
-        pair = ("the demo pair" if demo else f"{args.target.name} + its MTP head" if report.mode == "mtp"
+        target = "the demo target" if demo else args.target.name
+        pair = (f"{target} + its MTP head" if report.mode == "mtp" else "the demo pair" if demo
                 else f"{args.target.name} + {args.drafter.name}")
         prompts = report.prompts
         plot_report(report, args.plot, f"{pair}: greedy {'MTP' if report.mode == 'mtp' else 'DFlash'}, {prompts} "

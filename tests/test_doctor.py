@@ -152,8 +152,8 @@ def test_causal_and_window_alternatives_where_the_config_leaves_them_open():
 
 def test_mtp_mode_reports_the_heads_acceptance(tmp_path, capsys):
     """`--mode mtp`: greedy MTP rounds of the target's own (here random) head against AR: lossless, one rate
-    per draft step, WEAK with the head's own causes (no wirings to try); a target without a head, or no
-    --target, is one error line before any weight is read."""
+    per draft step, WEAK with the head's own causes (no wirings to try); a target without a head, or a
+    --drafter beside the demo target's head, is one error line before any weight is read."""
     from ddtree_jax.random_checkpoint import write_random_qwen3_5
 
     folder = write_random_qwen3_5(tmp_path / "t", seed=2, published=True, mtp_layers=1, hidden_size=32,
@@ -167,5 +167,10 @@ def test_mtp_mode_reports_the_heads_acceptance(tmp_path, capsys):
     headless = write_random_qwen3_5(tmp_path / "h", seed=2)
     assert main(["--target", str(headless), "--mode", "mtp"]) == 2
     assert "mtp_num_hidden_layers" in capsys.readouterr().err
-    assert main(["--mode", "mtp"]) == 2
-    assert "--mode mtp needs --target DIR" in capsys.readouterr().err
+    assert main(["--mode", "mtp", "--drafter", str(folder)]) == 2  # the demo target's own head: no drafter
+    assert "without --drafter" in capsys.readouterr().err
+    # No --target: the demo target's trained head, on its held-out prompts.
+    assert main(["--mode", "mtp", "--num-prompts", "1", "--max-new-tokens", "8", "--dtype", "float32", "--json"]) in (0, 1)
+    captured = capsys.readouterr()
+    demo = json.loads(captured.out)
+    assert (demo["mode"], demo["lossless"]) == ("mtp", True) and "demo target's MTP head" in captured.err
