@@ -38,6 +38,8 @@ from pallas_kernels._dispatch import (cdiv, check_knobs, core_count, next_pow2, 
                                       resolve_interpret, round_up)
 
 _NEG_INF = float("-inf")
+_LOG2_E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2 e)
+_LN_2 = 0.6931471805599453  # ln(2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,11 @@ class TreeAttentionConfig:
     num_warps, num_stages: Triton's warps per program and software-pipelining depth. Three stages:
                 the fastest of the swept configs on the H200 at S = 4096 and T = 16, 65 and 257
                 (2026-12-01, `python tools/kernel_check.py --sweep`: 10-24% less than two).
+    lean_steps: fewer instructions per score, for a kernel that Nsight Compute found latency-bound with
+                few warps per scheduler (docs/performance.md, 2026-12-02): a chunk's whole cache blocks
+                load and score without masks (its last, partial block keeps them), and the softmax runs
+                in base 2 with log2(e) folded into the score scale (as FlashAttention does; `jnp.exp` is
+                a multiply and a base-2 exponential on the GPU). No sliding window. Off until timed.
     """
 
     block_q: int = 64
@@ -63,27 +70,33 @@ class TreeAttentionConfig:
     num_chunks: int | None = None
     num_warps: int = 4
     num_stages: int = 3
+    lean_steps: bool = False
 
     def __post_init__(self):
         check_knobs(self, pow2={"block_q": 16, "block_k": 16, "block_u": 16}, optional_counts=("num_chunks",))
+        if not isinstance(self.lean_steps, bool):
+            raise ValueError(f"TreeAttentionConfig.lean_steps={self.lean_steps!r}: must be True or False")
 
 
 # ----------------------------------------------------------------------------------------------------
 # Kernel body
 
 
-def _online_softmax_step(q, k, v, visible, carry, *, scale, precision):
-    """One key block of the online softmax. q [bq, d], k/v [bk, d], visible [bq, bk] bool;
-    carry = (acc [bq, d] f32 unnormalised output, m [bq] running max (-inf: nothing seen), l [bq] sum)."""
+def _online_softmax_step(q, k, v, visible, carry, *, scale, precision, base2: bool = False):
+    """One key block of the online softmax. q [bq, d], k/v [bk, d], visible [bq, bk] bool (None: every
+    score counts); carry = (acc [bq, d] f32 unnormalised output, m [bq] running max (-inf: nothing seen),
+    l [bq] sum). base2: `scale` includes log2(e), and m and the exponentials are in base 2."""
     acc, m, l = carry
+    exp = jnp.exp2 if base2 else jnp.exp
     scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
                              preferred_element_type=jnp.float32) * scale
-    scores = jnp.where(visible, scores, _NEG_INF)
+    if visible is not None:
+        scores = jnp.where(visible, scores, _NEG_INF)
     m_new = jnp.maximum(m, jnp.max(scores, axis=1))
     # A row that has seen nothing yet keeps m = -inf; shift by 0 there so exp gives 0, not NaN.
     shift = jnp.where(m_new == _NEG_INF, 0.0, m_new)
-    p = jnp.exp(scores - shift[:, None])
-    alpha = jnp.exp(m - shift)
+    p = exp(scores - shift[:, None])
+    alpha = exp(m - shift)
     l = alpha * l + jnp.sum(p, axis=1)
     # Probabilities in v's dtype, as the reference does before its value einsum.
     pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
@@ -116,6 +129,7 @@ def _tree_attention_kernel(
     num_new: int,
     num_slots: int,
     precision,
+    lean: bool,
 ):
     row_block, chunk_id = pl.program_id(2), pl.program_id(3)
     d = q_ref.shape[-1]
@@ -125,7 +139,9 @@ def _tree_attention_kernel(
     q = plt.load(q_ref.at[pl.ds(row_block * block_q, block_q), :], mask=row_ok[:, None], other=0)
     row_token = jnp.minimum(lax.div(rows, jnp.int32(group)), num_new - 1)  # clamped: padding rows stay in bounds
     row_pos = pos_ref[row_token] if window is not None else None
-    step = functools.partial(_online_softmax_step, scale=scale, precision=precision)
+    # lean: scores in base 2 (log2 e folded into the scale); whole cache blocks without masks.
+    step = functools.partial(_online_softmax_step, scale=scale * _LOG2_E if lean else scale, precision=precision,
+                             base2=lean)
     init = (jnp.zeros((block_q, d), jnp.float32), jnp.full((block_q,), _NEG_INF, jnp.float32),
             jnp.zeros((block_q,), jnp.float32))
 
@@ -151,7 +167,16 @@ def _tree_attention_kernel(
                 visible = visible & (row_pos[:, None] - cols[None, :] < window)
             return step(q, k, v, visible, carry)
 
-        return lax.fori_loop(first, jnp.maximum(num_blocks, first), body, init)
+        if not lean or block_k > num_slots:  # (a cache shorter than one block has no whole block to load)
+            return lax.fori_loop(first, jnp.maximum(num_blocks, first), body, init)
+
+        def whole_block(i, carry):  # keys [k0, k0 + block_k) all inside [start, end): no masks
+            k0 = start + i * block_k
+            return step(q, k_ref[pl.ds(k0, block_k), :], v_ref[pl.ds(k0, block_k), :], None, carry)
+
+        whole = lax.div(jnp.maximum(end - start, 0), jnp.int32(block_k))
+        carry = lax.fori_loop(0, whole, whole_block, init)
+        return lax.fori_loop(whole, num_blocks, body, carry)  # the partial last block, if any, masked
 
     def new_tokens():
         def body(i, carry):
@@ -175,7 +200,8 @@ def _tree_attention_kernel(
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
     o_ref[...] = acc / l_safe[:, None]
-    lse_ref[...] = jnp.where(empty, _NEG_INF, m + jnp.log(l_safe))
+    lse = (m + jnp.log2(l_safe)) * _LN_2 if lean else m + jnp.log(l_safe)  # natural units for the merge
+    lse_ref[...] = jnp.where(empty, _NEG_INF, lse)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -256,7 +282,8 @@ def _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, n
     kernel = functools.partial(
         _tree_attention_kernel, scale=float(scale), window=window, num_chunks=lay["num_chunks"],
         chunk=lay["chunk"], block_q=lay["block_q"], block_k=lay["block_k"], block_u=lay["block_u"],
-        group=group, num_new=t, num_slots=s, precision=precision)
+        group=group, num_new=t, num_slots=s, precision=precision,
+        lean=config.lean_steps and window is None)  # a window masks inside whole blocks too
     block_q = lay["block_q"]
     o, lse = pl.pallas_call(
         kernel,

@@ -589,10 +589,16 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
 
+def _knob_value(text: str) -> int | bool:
+    return {"true": True, "false": False}.get(text.lower()) if text.lower() in ("true", "false") else int(text)
+
+
 def _attention_configs(text: str) -> tuple[ta.TreeAttentionConfig, ...]:
-    """'KNOB=N,KNOB=N;KNOB=N' -> one TreeAttentionConfig per ';'-separated item (the defaults plus its knobs)."""
+    """'KNOB=V,KNOB=V;KNOB=V' -> one TreeAttentionConfig per ';'-separated item (the defaults plus its knobs; V an
+    int, or true / false)."""
     try:
-        return tuple(ta.TreeAttentionConfig(**{k: int(v) for k, v in (knob.split("=") for knob in item.split(","))})
+        return tuple(ta.TreeAttentionConfig(**{k: _knob_value(v) for k, v in (knob.split("=") for knob in
+                                                                                item.split(","))})
                      for item in text.split(";") if item)
     except (TypeError, ValueError) as e:
         raise argparse.ArgumentTypeError(f"expected 'KNOB=N,...;KNOB=N,...' with TreeAttentionConfig knobs; got "
@@ -608,7 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="also time the alternative kernel configs (slow)")
     parser.add_argument("--attention-configs", type=_attention_configs, default=None, metavar="KNOB=N,..;..",
                         help="attention: time these TreeAttentionConfig variants beside the default (instead of "
-                             "--sweep's), e.g. 'num_chunks=32;block_k=32,num_stages=2'")
+                             "--sweep's), e.g. 'num_chunks=32;block_k=32,num_stages=2;lean_steps=true'")
     parser.add_argument("--no-alternatives", action="store_true",
                         help="attention: skip the jnp reference's timing and dot_product_attention (XLA, cuDNN)")
     parser.add_argument("--only", type=_sections, default=None,

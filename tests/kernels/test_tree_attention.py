@@ -38,7 +38,7 @@ class Case:
 
     def __str__(self):
         return (f"t{self.t}-n{self.n}g{self.g}-s{self.s}-len{'_'.join(map(str, self.lengths))}-d{self.d}"
-                f"-w{self.window}-{self.dtype}")
+                f"-w{self.window}-{self.dtype}" + ("-lean" if self.config.lean_steps else ""))
 
 
 CASES = [
@@ -53,6 +53,16 @@ CASES = [
          config=ta.TreeAttentionConfig(block_q=64, block_k=16, num_chunks=2)),
     # bf16, MHA, 4 KV heads, default config (block sizes clamp to the problem).
     Case(t=17, n=4, g=1, s=100, lengths=(100, 61), dtype="bfloat16", config=ta.TreeAttentionConfig()),
+    # lean_steps (whole blocks unmasked, base-2 softmax): a row with an empty cache, a chunk that is one partial
+    # block, chunks of whole blocks plus a partial one (length 50 = 3 x 16 + 2), an empty chunk (length 7).
+    Case(t=1, n=2, g=1, s=37, lengths=(0, 37),
+         config=ta.TreeAttentionConfig(block_q=16, block_k=16, num_chunks=3, lean_steps=True)),
+    Case(t=65, n=1, g=4, s=50, lengths=(50, 7), d=16, valid=50,
+         config=ta.TreeAttentionConfig(block_q=64, block_k=16, num_chunks=2, lean_steps=True)),
+    Case(t=17, n=4, g=1, s=100, lengths=(100, 61), dtype="bfloat16", config=ta.TreeAttentionConfig(lean_steps=True)),
+    # lean_steps with a cache shorter than one key block (block_k 32 over 20 slots: no whole block).
+    Case(t=5, n=2, g=4, s=20, lengths=(13, 20), d=24,
+         config=ta.TreeAttentionConfig(block_q=16, block_k=32, lean_steps=True)),
 ]
 
 
@@ -217,7 +227,8 @@ class TestDispatchAndConfig:
             ta.tree_attention(**x, scale=0.5, implementation="cuda")
 
     @pytest.mark.parametrize("field,value", [("block_q", 8), ("block_q", 48), ("block_k", 0), ("block_k", True),
-                                             ("block_u", 24), ("num_chunks", 0), ("num_warps", 3), ("num_stages", 0)])
+                                             ("block_u", 24), ("num_chunks", 0), ("num_warps", 3), ("num_stages", 0),
+                                             ("lean_steps", 1)])
     def test_bad_config_names_the_value(self, field, value):
         with pytest.raises(ValueError, match=rf"TreeAttentionConfig\.{field}={value!r}"):
             ta.TreeAttentionConfig(**{field: value})
