@@ -773,6 +773,25 @@ def make_sequences(cfg: DrafterTrainConfig, target: ModelParams, tokenizer, targ
     return data
 
 
+def add_generation_args(g, defaults) -> None:
+    """The flags of the target-generated training data (`generate_sequences`), which the drafter and the MTP
+    trainers share; `defaults` is the trainer's config."""
+    g.add_argument("--sequences", type=int, default=defaults.sequences, help="target-generated training sequences")
+    g.add_argument("--prompt-len", type=int, default=defaults.prompt_len,
+                   help="prompt tokens: corpus windows of N tokens; file and function prompts keep their last N")
+    g.add_argument("--gen-len", type=int, default=defaults.gen_len, help="target tokens generated per prompt")
+    g.add_argument("--gen-batch", type=int, default=defaults.gen_batch)
+    g.add_argument("--temperature", type=float, default=defaults.temperature, help="data generation (0: greedy)")
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--random-prompts", "--tokenizer-free", dest="random_prompts", action="store_true",
+                     help="random token-id prompts even if the target has a tokenizer (always so without one)")
+    src.add_argument("--prompts", dest="prompts_file", type=Path, default=None,
+                     help="JSONL prompts ({'prompt': ...} or {'prompt_ids': [...]}), cycled to --sequences")
+    g.add_argument("--corpus-root", type=Path, default=None, help="folder of .py files for prompts (default: stdlib)")
+    g.add_argument("--include-tests", action="store_true")
+    g.add_argument("--max-files", type=int, default=None, help="prompts from the first N training files only")
+
+
 def parse_args(argv=None) -> DrafterTrainConfig:
     from ddtree_jax.train.target import add_common_args
 
@@ -792,20 +811,7 @@ def parse_args(argv=None) -> DrafterTrainConfig:
     p.add_argument("--mask-token-id", type=int, default=None,
                    help="default: the tokenizer's <|mask|>, else the target's last embedding row")
     p.add_argument("--gamma", type=float, default=None, help="loss decay (default: 7 * block_size / 16)")
-    g = p.add_argument_group("data generated here (without --features)")
-    g.add_argument("--sequences", type=int, default=d.sequences, help="target-generated training sequences")
-    g.add_argument("--prompt-len", type=int, default=d.prompt_len)
-    g.add_argument("--gen-len", type=int, default=d.gen_len, help="target tokens generated per prompt")
-    g.add_argument("--gen-batch", type=int, default=d.gen_batch)
-    g.add_argument("--temperature", type=float, default=d.temperature, help="data generation (0: greedy)")
-    src = g.add_mutually_exclusive_group()
-    src.add_argument("--random-prompts", "--tokenizer-free", dest="random_prompts", action="store_true",
-                     help="random token-id prompts even if the target has a tokenizer (always so without one)")
-    src.add_argument("--prompts", dest="prompts_file", type=Path, default=None,
-                     help="JSONL prompts ({'prompt': ...} or {'prompt_ids': [...]}), cycled to --sequences")
-    g.add_argument("--corpus-root", type=Path, default=None, help="folder of .py files for prompts (default: stdlib)")
-    g.add_argument("--include-tests", action="store_true")
-    g.add_argument("--max-files", type=int, default=None, help="prompts from the first N training files only")
+    add_generation_args(p.add_argument_group("data generated here (without --features)"), d)
     f = p.add_argument_group("data from --features")
     f.add_argument("--held-out-shards", type=int, default=d.held_out_shards,
                    help="the last shards, kept for the held-out loss (and prompts, without --eval-prompts)")
