@@ -1,9 +1,9 @@
 """`python -m ddtree_jax.doctor [--target DIR --drafter DIR]`: is this drafter wired right for this target?
 
 Without `--target` it checks the demo pair shipped with the package (with `--mode mtp`, the demo target's head),
-on its held-out prompts. With `--mode mtp` it checks the MTP head in the target's folder instead (no drafter: a Qwen3.5/3.6 checkpoint's own, or one trained
-by `train.mtp`, as the demo target's): steps 1 and 2 with greedy MTP rounds of
-`--mtp-steps` drafts (acceptance per draft step, tau, lossless against AR), no wirings to try; OK or WEAK.
+on its held-out prompts. With `--mode mtp` it checks the MTP head in the target's folder instead (no drafter: a
+Qwen3.5/3.6 checkpoint's own, or one trained by `train.mtp`, as the demo target's): steps 1 and 2 with greedy MTP
+rounds of `--mtp-steps` drafts (acceptance per draft step, tau, lossless against AR), no wirings to try; OK or WEAK.
 
 1. Checks the pair from the configs (mask token, tap layers, widths, vocab, layer count) and loads
    both checkpoints strictly; any failure is one `error:` line and exit 2.
