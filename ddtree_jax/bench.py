@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ddtree_jax.cli import atomic_path, write_lines_atomic
 from ddtree_jax.measure.timing import LOOP_ROUNDS
 from ddtree_jax.shapes import SHAPES, SMALL_SHAPES, shape_configs
 
@@ -156,9 +157,8 @@ def run_shape(args, parallel) -> dict:
                      "floor_flops": terms["flops"]})
         # Progress that survives a cut-short run: one line and a partial JSON per row.
         print(json.dumps(rows[-1]), flush=True)
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench.partial.json").write_text(json.dumps({"ceilings": ceilings, "rows": rows,
-                                                                "skipped": skipped}, indent=1))
+        write_lines_atomic(args.out / "bench.partial.json",
+                           [json.dumps({"ceilings": ceilings, "rows": rows, "skipped": skipped}, indent=1)])
     for r in rows:
         ar = next((a for a in rows if a["mode"] == "ar" and all(a[k] == r[k] for k in ("kernels", "batch", "context"))),
                   None)
@@ -343,7 +343,8 @@ def plot(report: dict, path: Path) -> None:
                [r["tokens_per_s"] for r in report["rows"]])
         ax.set_ylabel("tokens/s")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, dpi=120, format="png")
     plt.close(fig)
 
 
@@ -497,11 +498,11 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     report["command"] = "python -m ddtree_jax.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    report["xla_flags"] = os.environ.get("XLA_FLAGS") or None  # what the command line does not show
     report["date"] = time.strftime("%Y-%m-%d")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench.json").write_text(json.dumps(report, indent=2))
+    write_lines_atomic(args.out / "bench.json", [json.dumps(report, indent=2)])
     table = markdown(report)
-    (args.out / "bench.md").write_text(table)
+    write_lines_atomic(args.out / "bench.md", [table])
     plot(report, args.out / "bench.png")
     print(table)
     print(f"wrote {args.out / 'bench'}.{{json,md,png}}", file=sys.stderr)

@@ -23,6 +23,9 @@ def test_shape_mode_writes_json_table_and_plot(tmp_path, capsys):
     assert (out / "bench.png").stat().st_size > 1000 and "| ddtree | 16 | jax | 1 | 32 | 17 |" in (out / "bench.md").read_text()
     assert all(r["recurrent_state_bytes"] == 0 for r in report["rows"]) and not report["hybrid"]
     assert "Measured ceilings" in capsys.readouterr().out
+    # split-K "auto" is XLA's choice off a GPU; the XLA flags of the run are kept; written atomically (no leftovers).
+    assert {r["split_k"] for r in report["rows"]} == {"xla"} and "xla_flags" in report
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.md", "bench.partial.json", "bench.png"]
 
 
 def test_mtp_rows_on_a_hybrid_shape(tmp_path):
