@@ -590,7 +590,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def _knob_value(text: str) -> int | bool:
-    return {"true": True, "false": False}.get(text.lower()) if text.lower() in ("true", "false") else int(text)
+    return text.lower() == "true" if text.lower() in ("true", "false") else int(text)
 
 
 def _attention_configs(text: str) -> tuple[ta.TreeAttentionConfig, ...]:

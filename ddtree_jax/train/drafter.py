@@ -452,21 +452,30 @@ def export(tree: dict, config_raw: dict, out: Path, dtype=ml_dtypes.bfloat16) ->
     return save_hf(arrays, config_raw, out, force=True)
 
 
-def check_export(target_dir: Path, out: Path, prompts: list[list[int]], max_new_tokens: int, dtype) -> dict:
-    """Load the export with `load_drafter` and compare greedy DFlash with AR on `prompts` (as the doctor)."""
-    from ddtree_jax.checkpoint import load_drafter, load_target
+def greedy_check(target: ModelParams, drafter: ModelParams, prompts: list[list[int]], spec,
+                 block: int, mode: str) -> dict:
+    """Greedy decoding with `spec` (DecodeOptions of dflash or mtp, `block` tokens verified per round) against AR
+    on `prompts`, as the doctor reports it: {"tau", "position_acceptance", "greedy_<mode>_equals_ar", "flagged",
+    "prompts"}."""
     from ddtree_jax.doctor import diagnose
-    from ddtree_jax.engine import DecodeOptions, Mode, generate
+    from ddtree_jax.engine import Mode, generate
+
+    out = generate(target, prompts, spec, drafter=drafter)
+    lossless = out.output_ids == generate(target, prompts, dataclasses.replace(spec, mode=Mode.AR)).output_ids
+    report = diagnose(out.acceptance_lengths, block, lossless, None, mode=mode)
+    return {"tau": report.tau, "position_acceptance": [round(r, 4) for r in report.position_acceptance],
+            f"greedy_{mode}_equals_ar": lossless, "flagged": report.flagged, "prompts": len(prompts)}
+
+
+def check_export(target_dir: Path, out: Path, prompts: list[list[int]], max_new_tokens: int, dtype) -> dict:
+    """Load the export with `load_drafter` and compare greedy DFlash with AR on `prompts` (`greedy_check`)."""
+    from ddtree_jax.checkpoint import load_drafter, load_target
+    from ddtree_jax.engine import DecodeOptions, Mode
 
     target = load_target(target_dir, dtype)
     drafter = load_drafter(out, target.config, dtype)
-    base = DecodeOptions(max_new_tokens=max_new_tokens)
-    spec = generate(target, prompts, dataclasses.replace(base, mode=Mode.DFLASH), drafter=drafter)
-    ar = generate(target, prompts, base)
-    lossless = spec.output_ids == ar.output_ids
-    report = diagnose(spec.acceptance_lengths, drafter.config.block_size, lossless, None)
-    return {"tau": report.tau, "position_acceptance": [round(r, 4) for r in report.position_acceptance],
-            "greedy_dflash_equals_ar": lossless, "flagged": report.flagged, "prompts": len(prompts)}
+    return greedy_check(target, drafter, prompts, DecodeOptions(mode=Mode.DFLASH, max_new_tokens=max_new_tokens),
+                        drafter.config.block_size, "dflash")
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -198,19 +198,14 @@ def export(tree: dict, target_dir: Path, out: Path, num_layers: int, dtype=ml_dt
 
 def check_export(out: Path, prompts: list[list[int]], max_new_tokens: int, mtp_steps: int, dtype) -> dict:
     """Load the export with `load_target` and `load_mtp` and compare greedy `--mode mtp` with AR on `prompts`
-    (as the doctor)."""
+    (`drafter.greedy_check`)."""
     from ddtree_jax.checkpoint import load_mtp, load_target
-    from ddtree_jax.doctor import diagnose
-    from ddtree_jax.engine import DecodeOptions, Mode, generate
+    from ddtree_jax.engine import DecodeOptions, Mode
 
     target = load_target(out, dtype)
     head = load_mtp(out, target.config, dtype)
-    base = DecodeOptions(max_new_tokens=max_new_tokens)
-    spec = generate(target, prompts, dataclasses.replace(base, mode=Mode.MTP, mtp_steps=mtp_steps), drafter=head)
-    lossless = spec.output_ids == generate(target, prompts, base).output_ids
-    report = diagnose(spec.acceptance_lengths, mtp_steps + 1, lossless, None, mode="mtp")
-    return {"tau": report.tau, "position_acceptance": [round(r, 4) for r in report.position_acceptance],
-            "greedy_mtp_equals_ar": lossless, "flagged": report.flagged, "prompts": len(prompts)}
+    spec = DecodeOptions(mode=Mode.MTP, max_new_tokens=max_new_tokens, mtp_steps=mtp_steps)
+    return drafter_lib.greedy_check(target, head, prompts, spec, mtp_steps + 1, "mtp")
 
 
 # ----------------------------------------------------------------------------------------------------
