@@ -9,6 +9,16 @@ import pytest
 from ddtree_jax.bench import DEFAULT_TAU, main, projected_tau
 
 
+STAGES = ("draft", "tree", "verify", "accept", "commit")
+
+
+def assert_stage_times(row, stages=STAGES):
+    """Every stage timed: finite and >= 0 (a tiny stage's in-loop difference is clamped at 0 on a noisy CPU,
+    `measure.timing.in_loop_seconds`), and together they took time."""
+    times = [row[f"{k}_s"] for k in stages]
+    assert all(0 <= t < float("inf") for t in times) and sum(times) > 0, times
+
+
 def test_shape_mode_writes_json_table_and_plot(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["--shape", "tiny", "--context", "32", "--budgets", "4,16", "--repeats", "3", "--out", str(out)]) == 0
@@ -18,7 +28,7 @@ def test_shape_mode_writes_json_table_and_plot(tmp_path, capsys):
     for r in report["rows"]:
         assert r["round_s"] > 0 and r["floor_s"] > 0 and r["ratio_to_floor"] == r["round_s"] / r["floor_s"]
         if r["mode"] != "ar":
-            assert all(r[f"{k}_s"] > 0 for k in ("draft", "tree", "verify", "accept", "commit"))
+            assert_stage_times(r)
     assert report["rows"][3]["verify_tokens"] == 17
     assert (out / "bench.png").stat().st_size > 1000 and "| ddtree | 16 | jax | 1 | 32 | 17 |" in (out / "bench.md").read_text()
     assert all(r["recurrent_state_bytes"] == 0 for r in report["rows"]) and not report["hybrid"]
@@ -37,7 +47,8 @@ def test_mtp_rows_on_a_hybrid_shape(tmp_path):
     report = json.loads((out / "bench.json").read_text())
     ar, mtp = report["rows"]
     assert (ar["mode"], mtp["mode"], mtp["verify_tokens"], report["mtp_steps"]) == ("ar", "mtp", 3, 2)
-    assert mtp["round_s"] > 0 and all(mtp[f"{k}_s"] > 0 for k in ("draft", "verify", "accept", "commit"))
+    assert mtp["round_s"] > 0
+    assert_stage_times(mtp, ("draft", "verify", "accept", "commit"))
     assert mtp["tokens_per_s_projected"] == pytest.approx(2.5 / mtp["round_s"])
     assert mtp["floor_bytes"] - ar["floor_bytes"] >= 2 * report["mtp_bytes"]  # two sequential steps of the head
     assert main(["--shape", "tiny", "--modes", "mtp", "--out", str(tmp_path / "x")]) == 2
@@ -102,7 +113,8 @@ def test_hybrid_shape_mode_under_tp(tmp_path, recwarn):
     assert report["devices"] == 2 and report["parallel"] == "tp" and report["hybrid"]
     [row] = report["rows"]
     assert (row["mode"], row["budget"], row["verify_tokens"]) == ("ddtree", 4, 5)
-    assert all(row[f"{k}_s"] > 0 for k in ("round", "draft", "tree", "verify", "accept", "commit"))
+    assert row["round_s"] > 0
+    assert_stage_times(row)
     assert not [w for w in recwarn if "--parallel tp" in str(w.message)]
 
 
@@ -127,7 +139,7 @@ def test_hybrid_shape_mode_reports_recurrent_state_bytes(tmp_path):
     assert [(r["mode"], r["budget"], r["verify_tokens"]) for r in rows] == [("dflash", None, 16), ("ddtree", 4, 5)]
     for r in rows:
         assert r["round_s"] > 0 and r["floor_s"] > 0 and r["ratio_to_floor"] == r["round_s"] / r["floor_s"]
-        assert all(r[f"{k}_s"] > 0 for k in ("draft", "tree", "verify", "accept", "commit"))
+        assert_stage_times(r)
 
     # By hand from the config: per node and GDN layer a float32 key, written value and log decay per value
     # head, Hv x (Dk + Dv + 1), and a bf16 conv input of C = 2 * key heads * Dk + Hv * Dv channels; the
