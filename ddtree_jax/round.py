@@ -288,13 +288,15 @@ def propose(logits: jax.Array, last_token: jax.Array, options: DecodeOptions) ->
     """The tree to verify, rooted at each row's bonus `last_token` [b]: DDTree's B most probable prefixes
     under the drafter's marginals (T = B + 1 nodes), or the chain of argmaxes (DFlash: T = bs; MTP: m + 1)."""
     if options.mode is Mode.DDTREE:
-        # The kernel only where it was measured faster, and off tp: there the drafter's logits are split
-        # over the vocabulary and the build runs replicated, where XLA's partitioning of a Triton custom
-        # call is not checked on a GPU yet.
+        # The kernels off tp only: there the drafter's logits are split over the vocabulary and the build runs
+        # replicated, where XLA's partitioning of a Triton custom call is not checked on a GPU yet. The build
+        # kernel only where it was measured faster.
         runtime = options.runtime
-        kernel = runtime.pallas and runtime.tp_mesh is None and options.budget <= TREE_BUILD_KERNEL_UP_TO
+        kernels = runtime.pallas and runtime.tp_mesh is None
+        build_kernel = kernels and options.budget <= TREE_BUILD_KERNEL_UP_TO
         return build_tree(jax.nn.log_softmax(logits, axis=-1), last_token, options.budget,
-                          implementation="pallas" if kernel else "reference")
+                          top_k="pallas" if kernels else "auto",
+                          implementation="pallas" if build_kernel else "reference")
     drafts = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return chain_tree(jnp.concatenate([last_token[:, None], drafts], axis=1))
 

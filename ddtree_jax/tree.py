@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import tree_build
+from pallas_kernels import tree_build, vocab_top_k
 
 
 @jax.tree_util.register_dataclass
@@ -95,13 +95,14 @@ def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
                interpret: bool | None = None, kernel_config: tree_build.TreeBuildConfig | None = None) -> DraftTree:
     """log_probs [b, L, v] float32 per-depth draft log-probabilities (depth d + 1 at index d);
     root_tokens [b] int32; budget B (static); top_k: the per-depth top K = min(B, v) of the vocabulary,
-    "threshold" (`threshold_top_k`), "chunked" (`chunked_top_k`, the only one before 2026-12; also
-    `threshold_top_k`'s fallback) or "auto" (`default_top_k()`); top_k_chunk: `chunked_top_k`'s chunk
+    "threshold" (`threshold_top_k`), "pallas" (`kernel_top_k`: the same algorithm in one kernel launch),
+    "chunked" (`chunked_top_k`, the only one before 2026-12; also the other two's fallback) or "auto"
+    (`default_top_k()`); top_k_chunk: `chunked_top_k`'s chunk
     ("auto": `default_top_k_chunk(B)`; None: one `lax.top_k`); unroll: the depth loop's `lax.scan` unrolling
     (True: none of it runs as a device loop). implementation: what builds the tree from the top-k,
     "reference" (`_build_one`, vmapped: ~116 small XLA kernels at B = 64, L = 15) or "pallas" (one launch of
     `pallas_kernels.tree_build`, bit-identical) for B <= its MAX_BUDGET (128), `_build_one` above it;
-    interpret, kernel_config: the kernel's (interpret None: interpreted where there is no GPU; config None: its
+    interpret: the kernels' (None: interpreted where there is no GPU); kernel_config: the build kernel's (None: its
     defaults). Every choice gives the same tree.
     Returns a DraftTree with B + 1 nodes."""
     if top_k == "auto":
@@ -113,10 +114,12 @@ def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
     # vmap a lax.cond with a batched predicate would run both branches).
     if top_k == "threshold":
         top_lp, top_tok = threshold_top_k(lp, k, fallback_chunk=chunk)  # [b, L, K], rank order
+    elif top_k == "pallas":
+        top_lp, top_tok = kernel_top_k(lp, k, fallback_chunk=chunk, interpret=interpret)
     elif top_k == "chunked":
         top_lp, top_tok = chunked_top_k(lp, k, chunk)
     else:
-        raise ValueError(f"top_k must be 'threshold' or 'chunked', not {top_k!r}")
+        raise ValueError(f"top_k must be 'threshold', 'pallas' or 'chunked', not {top_k!r}")
     if implementation not in ("reference", "pallas"):
         raise ValueError(f"implementation must be 'reference' or 'pallas', not {implementation!r}")
     if implementation == "pallas" and budget <= tree_build.MAX_BUDGET:
@@ -238,6 +241,23 @@ def threshold_top_k(x: jax.Array, k: int, chunk: int | None = None, slots: int |
         return from_total_order_key(out[..., 0]).reshape(*lead, k), out[..., 1].reshape(*lead, k)
 
     return jax.lax.cond(fits, fast, lambda: tuple(chunked_top_k(x.astype(jnp.float32), k, fallback_chunk)))
+
+
+def kernel_top_k(x: jax.Array, k: int, fallback_chunk: int | None = 2048, interpret: bool | None = None,
+                 config: vocab_top_k.VocabTopKConfig | None = None) -> tuple[jax.Array, jax.Array]:
+    """`threshold_top_k`'s algorithm in one launch (`pallas_kernels.vocab_top_k`, interpreted where there is no
+    GPU): `lax.top_k(x, k)`'s values, int32 indices and tie order over the last axis. Where a row's candidates
+    overflow the kernel's slots the whole batch takes `chunked_top_k(x, k, fallback_chunk)` through a lax.cond
+    (exact as well; call it on the whole batch, as `threshold_top_k`); where the kernel does not apply (k above
+    its MAX_K, short rows), `threshold_top_k`. config: the kernel's knobs (None: its defaults). x [..., n]
+    float32; returns (values [..., k], indices [..., k])."""
+    sizes = vocab_top_k.kernel_sizes(x.shape[-1], k)
+    if sizes is None:
+        return threshold_top_k(x, k, fallback_chunk=fallback_chunk)
+    values, indices, count = vocab_top_k.vocab_top_k(x, k, config=config, interpret=interpret)
+    fits = jnp.all(count <= sizes[1])
+    return jax.lax.cond(fits, lambda: (values, indices),
+                        lambda: tuple(chunked_top_k(x.astype(jnp.float32), k, fallback_chunk)))
 
 
 def candidate_pairs(budget: int, k: int) -> tuple[np.ndarray, np.ndarray]:

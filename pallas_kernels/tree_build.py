@@ -45,12 +45,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels._counting import INT32_MIN, count_ahead, total_order_key
 from pallas_kernels._dispatch import cdiv, check_knobs, next_pow2, resolve_interpret
 
 MAX_BUDGET = 128  # C = 620 candidates per depth at B = 128; larger budgets stay on the XLA builder
 
 _NEG_INF = float("-inf")
-_INT32_MIN = int(np.iinfo(np.int32).min)
 
 
 class BuiltTree(NamedTuple):
@@ -102,42 +102,6 @@ def candidate_table(budget: int, k: int) -> np.ndarray:
 
 # ----------------------------------------------------------------------------------------------------
 # Kernel body
-
-
-def _total_order_key(x):
-    """float32 -> int32 in XLA's total order of floats (-0.0 < +0.0), as `tree.total_order_key`."""
-    bits = lax.bitcast_convert_type(x, jnp.int32)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
-
-
-def _count_ahead(rows, row_idx, col_ref, lo, hi, *, block: int, num_cols: int, tie: str, other, masked: bool):
-    """rows [r] values (row_idx [r] their indices in col_ref's index space); columns: blocks [lo, hi) of
-    `block` entries of col_ref [>= num_cols], entries >= num_cols read as `other`. Per row, the number of
-    columns ahead of it in (value desc, index asc) order, where a tie counts if `tie` is "always"
-    (every column comes first), "never" (every column comes later) or "index" (compare indices).
-    masked: also test index < num_cols (for integer values, where `other` may tie)."""
-
-    def load(q):
-        col_idx = q * block + jnp.arange(block, dtype=jnp.int32)
-        return plt.load(col_ref.at[pl.ds(q * block, block)], mask=col_idx < num_cols, other=other)
-
-    def body(q, carry):
-        acc, cols = carry
-        upcoming = load(q + 1)  # issued before this block's compares use `cols`: its latency overlaps them
-        col_idx = q * block + jnp.arange(block, dtype=jnp.int32)
-        c, r = cols[None, :], rows[:, None]
-        if tie == "always":
-            ahead = c >= r
-        elif tie == "never":
-            ahead = c > r
-        else:
-            ahead = (c > r) | ((c == r) & (col_idx[None, :] < row_idx[:, None]))
-        if masked:
-            ahead = ahead & (col_idx < num_cols)[None, :]
-        return acc + ahead.astype(jnp.int32), upcoming
-
-    acc, _ = lax.fori_loop(lo, hi, body, (jnp.zeros((rows.shape[0], block), jnp.int32), load(lo)))
-    return jnp.sum(acc, axis=1)
 
 
 def _tree_build_kernel(
@@ -194,16 +158,16 @@ def _tree_build_kernel(
 
     def merge(d, score, first: bool):
         """Merge depth d's beam (score [bp], position i = flat d * B + i) into the running global list."""
-        key = jnp.where(in_beam, _total_order_key(score), _INT32_MIN)
+        key = jnp.where(in_beam, total_order_key(score), INT32_MIN)
         new_key_ref[...] = key
         barrier()
-        kw = dict(block=block_b, num_cols=b_, other=_INT32_MIN, masked=True)
+        kw = dict(block=block_b, num_cols=b_, other=INT32_MIN, masked=True)
         nb = cdiv(b_, block_b)
-        place_new = _count_ahead(key, pos, new_key_ref, 0, nb, tie="index", **kw)
+        place_new = count_ahead(key, pos, new_key_ref, 0, nb, tie="index", **kw)
         if not first:
             run_key, run_flat = run_key_ref[...], run_flat_ref[...]
-            place_new += _count_ahead(key, pos, run_key_ref, 0, nb, tie="always", **kw)  # shallower: first on ties
-            place_run = pos + _count_ahead(run_key, pos, new_key_ref, 0, nb, tie="never", **kw)
+            place_new += count_ahead(key, pos, run_key_ref, 0, nb, tie="always", **kw)  # shallower: first on ties
+            place_run = pos + count_ahead(run_key, pos, new_key_ref, 0, nb, tie="never", **kw)
         barrier()  # every read of the running list is done
         if not first:
             keep = in_beam & (place_run < b_)
@@ -266,7 +230,7 @@ def _tree_build_kernel(
             row_idx = r * block_r + jnp.arange(block_r, dtype=jnp.int32)
             row_ok = row_idx < c_
             rows = plt.load(slot_score_ref.at[pl.ds(r * block_r, block_r)], mask=row_ok, other=0.0)
-            place = _count_ahead(rows, row_idx, slot_score_ref, 0, num_col_blocks, tie="index", block=block_c,
+            place = count_ahead(rows, row_idx, slot_score_ref, 0, num_col_blocks, tie="index", block=block_c,
                                  num_cols=c_, other=float("nan"), masked=False)
             keep = row_ok & (place < b_)
             plt.store(select_ref.at[jnp.where(keep, place, bp_out)], row_idx, mask=keep)

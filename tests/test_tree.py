@@ -188,13 +188,13 @@ def test_chunked_top_k_check_can_fail():
 
 @pytest.mark.parametrize("budget", [16, 100])
 def test_tree_with_chunked_vocabulary_top_k_is_the_same_tree(budget):
-    """One lax.top_k, chunked_top_k and threshold_top_k (its fast path at both budgets: about 1.2 K of
-    3000 entries are candidates, M = 512) give the same tree."""
+    """One lax.top_k, chunked_top_k, threshold_top_k and the kernel (interpreted here; their fast paths at both
+    budgets: about 1.2 K of 3000 entries are candidates, M = 512) give the same tree."""
     rng = np.random.default_rng(budget)
     lp = _log_softmax(rng.standard_normal((2, 6, 3000)) * 2)
     lp[0, :, 100:400] = lp[0, :, 100:101]  # exact ties across chunk borders
     one = build_tree(jnp.asarray(lp), jnp.array([1, 2]), budget, top_k_chunk=None, top_k="chunked")
-    for kwargs in (dict(top_k_chunk=256, top_k="chunked"), dict(top_k="threshold")):
+    for kwargs in (dict(top_k_chunk=256, top_k="chunked"), dict(top_k="threshold"), dict(top_k="pallas")):
         two = build_tree(jnp.asarray(lp), jnp.array([1, 2]), budget, **kwargs)
         for field in ("tokens", "parents", "depths", "valid", "ancestor", "scores"):
             np.testing.assert_array_equal(np.asarray(getattr(two, field)), np.asarray(getattr(one, field)))
@@ -265,3 +265,18 @@ def test_threshold_top_k_falls_back_when_candidates_overflow(monkeypatch):
     assert not np.asarray(index).any() and not np.asarray(values).any()
     values, index = _threshold(jnp.asarray(x[:1]), k=16, chunk=8, slots=64)  # row 0 alone fits: fast path
     _assert_is_lax_top_k(x[:1], 16, values, index)
+
+
+def test_kernel_top_k_falls_back_when_a_row_overflows(monkeypatch):
+    """`kernel_top_k` (the Pallas kernel, interpreted here): a row whose 1000 large entries crowd into 8 chunks
+    overflows the kernel's slots, and the batch takes the fallback, lax.top_k's answer; a wrong fallback (zeros)
+    shows through, so it did run; without the crowded row the kernel's own answer stands."""
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((2, 8192)).astype(np.float32)
+    x[1, 512:1512] = 10 + rng.standard_normal(1000)
+    kernel = lambda a: jax.jit(lambda b: tree_module.kernel_top_k(b, 64))(a)  # traced afresh: the patch applies
+    _assert_is_lax_top_k(x, 64, *kernel(jnp.asarray(x)))
+    monkeypatch.setattr(tree_module, "chunked_top_k", lambda x, k, chunk: (jnp.zeros(x.shape[:-1] + (k,)),
+                                                                           jnp.zeros(x.shape[:-1] + (k,), jnp.int32)))
+    assert not np.asarray(kernel(jnp.asarray(x))[1]).any()
+    _assert_is_lax_top_k(x[:1], 64, *kernel(jnp.asarray(x[:1])))

@@ -15,8 +15,9 @@
 #   bench_ab  the bench (qwen3-8b, $AB_BUDGETS, pallas) at a baseline tree ($BASELINE, e.g. a `git archive` of an
 #             older commit, carried) and at this one, with traces of this one's rows summarised -> ab/
 #   tree      tools/topk_probe.py: the tree build (and its vocabulary top-k) against $BASELINE's tree.py -> tree/
-#   build     the tree-build kernel compiled (its GPU tests), then tools/topk_probe.py: XLA builder against the
-#             kernel and its $BUILD_KERNELS knob variants, $BUILD_VOCAB x $BUILD_BUDGETS        -> build/
+#   build     the tree-build and vocabulary top-k kernels compiled (their GPU tests), then tools/topk_probe.py: XLA
+#             builder against the kernel and its $BUILD_KERNELS knob variants, with the vocabulary top-ks of
+#             $BUILD_TOP_K (and alone), $BUILD_VOCAB x $BUILD_BUDGETS                          -> build/
 #   hlo       the bench (qwen3-8b, $HLO_MODES, DDTree $HLO_BUDGETS, pallas) traced, with XLA's optimised HLO dumped:
 #             which fusion each kernel of a round is                                  -> hlo.tar.xz, hlo_traces.tar
 #   xla       the bench (qwen3-8b, AR, DFlash, DDTree $XLA_BUDGETS, pallas, traced) under each XLA_FLAGS variant of
@@ -109,12 +110,12 @@ for step in "$@"; do
         --budgets 16,64,256,512 --baseline "$BASELINE/ddtree_jax/tree.py" 2>&1 | grep -v '^{'
       ;;
     build)
-      log "tree-build kernel: GPU tests, then the probe"
+      log "tree-build and vocabulary top-k kernels: GPU tests, then the probe"
       timeout 150 python3 -m pytest -q -o addopts=-ra -p no:cacheprovider -m gpu tests/kernels/test_tree_build.py \
-        2>&1 | tail -3
+        tests/kernels/test_vocab_top_k.py 2>&1 | tail -3
       timeout "${BUILD_LIMIT:-200}" python3 tools/topk_probe.py --out "$OUT/build" --vocab "${BUILD_VOCAB:-151936,8192}" \
-        --budgets "${BUILD_BUDGETS:-16,64,128}" --top-k threshold --tree-build "reference,${BUILD_KERNELS:-pallas}" \
-        --depths 15 2>&1 | grep -v '^{'
+        --budgets "${BUILD_BUDGETS:-16,64,128}" --top-k "${BUILD_TOP_K:-threshold,pallas}" \
+        --tree-build "reference,${BUILD_KERNELS:-pallas}" --depths 15 2>&1 | grep -v '^{'
       rm -f "$OUT/build/topk_probe.md"
       ;;
     hlo)

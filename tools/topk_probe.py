@@ -5,8 +5,10 @@ For each vocabulary size, budget B, chunk and vocabulary top-k (`--top-k`: `buil
 float32 drafter logits, timed in a device loop (`measure.timing.in_loop_seconds`: 8 passes against 1 in one
 call, so the call's dispatch cancels out; each pass depends on the previous one through an optimization
 barrier, so nothing is hoisted). `top-k <name>` times the first step alone (the top K = min(B, V) of every
-depth's vocabulary, `tree.threshold_top_k` or `tree.chunked_top_k`). With `--baseline FILE` (another
-version's tree.py, e.g. `git show REV:ddtree_jax/tree.py > old_tree.py`) that version's build is timed
+depth's vocabulary, `tree.threshold_top_k`, `tree.kernel_top_k` ("pallas", or "pallas:step=8192:num_warps=16"
+with those `VocabTopKConfig` knobs) or `tree.chunked_top_k`), checked equal to one lax.top_k. With
+`--baseline FILE` (another version's tree.py, e.g. `git show REV:ddtree_jax/tree.py > old_tree.py`) that
+version's build is timed
 beside it (with its own defaults) and every tree is checked equal to it (tokens, parents, depths, valid,
 scores, ancestor mask); without, every tree is checked against the first chunk's with the first top-k and the first `--tree-build`
 (`reference`, the XLA builder, or `pallas`, the tree-build kernel: `current <top-k> pallas` in the table).
@@ -14,7 +16,7 @@ scores, ancestor mask); without, every tree is checked against the first chunk's
 took its fallback). Writes topk_probe.json and topk_probe.md under --out.
 
     python tools/topk_probe.py --out DIR [--vocab 151936,248320] [--budgets 16,64,256,512]
-                               [--chunks auto] [--top-k threshold,chunked]
+                               [--chunks auto] [--top-k threshold,chunked,pallas,pallas:step=8192]
                                [--tree-build reference,pallas,pallas:block_rows=256:num_warps=8]
                                [--baseline old_tree.py]
                                (chunk 0: one lax.top_k)
@@ -40,6 +42,7 @@ from ddtree_jax import tree as current  # noqa: E402
 from ddtree_jax.measure.timing import in_loop_seconds  # noqa: E402
 from ddtree_jax.engine import compile_program  # noqa: E402
 from pallas_kernels.tree_build import TreeBuildConfig  # noqa: E402
+from pallas_kernels.vocab_top_k import VocabTopKConfig  # noqa: E402
 
 FIELDS = ("tokens", "parents", "depths", "valid", "scores", "ancestor")
 
@@ -74,8 +77,12 @@ def top_k_program(budget: int, chunk, top_k: str):
             k = min(budget, lg.shape[-1])
             c = current.default_top_k_chunk(budget, lg.shape[-1]) if chunk == "auto" else chunk
             lp = jax.nn.log_softmax(lg + s, axis=-1)
-            if top_k == "threshold":
+            name, *knobs = top_k.split(":")
+            if name == "threshold":
                 return current.threshold_top_k(lp, k, fallback_chunk=c)
+            if name == "pallas":
+                config = VocabTopKConfig(**{kk: int(v) for kk, v in (knob.split("=") for knob in knobs)})
+                return current.kernel_top_k(lp, k, fallback_chunk=c, config=config)
             return current.chunked_top_k(lp, k, c)
 
         return _passes(once, passes)
@@ -138,8 +145,10 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     top_ks = [t.strip() for t in args.top_k.split(",") if t.strip()]
     builds = [x.strip() for x in args.tree_build.split(",") if x.strip()]
+    # A top-k with kernel knobs ("pallas:step=8192") is timed alone with them, in trees with the defaults.
+    tree_top_ks = list(dict.fromkeys(t.split(":")[0] for t in top_ks))
     impls = {f"current {t}" + ("" if tb == "reference" else f" {tb}"): (current.build_tree, t, tb)
-             for t in top_ks for tb in builds}
+             for t in tree_top_ks for tb in builds}
     if args.baseline:
         impls["baseline"] = (load_tree_module(args.baseline).build_tree, None, None)
     chunks = _chunks(args.chunks)
@@ -178,7 +187,12 @@ def main(argv=None) -> int:
         seconds = in_loop_seconds(lambda n: compiled(*inputs[v], jnp.int32(n)), args.rounds)[0]
         records.append(dict(vocab=v, budget=b, chunk=c, impl=impl, us=seconds * 1e6, compile_s=compile_s,
                             threshold_fits=fits[(v, b)]))
-        if not impl.startswith("top-k "):
+        if impl.startswith("top-k "):  # one pass: the log-softmax of the logits themselves
+            want = jax.jit(lambda lg, k: jax.lax.top_k(jax.nn.log_softmax(lg, axis=-1), k),
+                           static_argnums=1)(inputs[v][0], min(b, v))
+            got = compiled(*inputs[v], jnp.int32(1))
+            records[-1]["same_top_k"] = all(np.array_equal(np.asarray(a), np.asarray(w)) for a, w in zip(got, want))
+        else:
             trees[(v, b, c, impl)] = [np.asarray(x) for x in compiled(*inputs[v], jnp.int32(1))]
     for r in records:
         if not r["impl"].startswith("top-k "):
@@ -195,7 +209,8 @@ def main(argv=None) -> int:
                 cells = []
                 for n in names:
                     r = next(r for r in records if (r["vocab"], r["budget"], r["chunk"], r["impl"]) == (v, b, c, n))
-                    cells.append(f"{r['us']:.1f}" + ("" if r.get("same_tree", True) else " (DIFFERENT)"))
+                    same = r.get("same_tree", True) and r.get("same_top_k", True)
+                    cells.append(f"{r['us']:.1f}" + ("" if same else " (DIFFERENT)"))
                 lines.append(f"| {v} | {b} | {c or 'none'} | " + " | ".join(cells) + f" | {fits[(v, b)]} |")
     table = "\n".join(lines)
     print(table)
@@ -204,7 +219,7 @@ def main(argv=None) -> int:
     (args.out / "topk_probe.json").write_text(json.dumps(report, indent=1))
     (args.out / "topk_probe.md").write_text(f"Tree build, device us per round (L = {args.depths}, batch 1)\n\n"
                                            + table + "\n")
-    return 0 if all(r.get("same_tree", True) for r in records) else 1
+    return 0 if all(r.get("same_tree", True) and r.get("same_top_k", True) for r in records) else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,56 @@
+"""Order by counting inside a Triton program: a float's total-order integer key, and the count of a block of
+rows' predecessors among a column array, tile by tile. Shared by the kernels that rank without sorting
+(`tree_build`, `vocab_top_k`); the application's own total-order key is `ddtree_jax.tree.total_order_key`
+(kernels import nothing from the application, so the two meet in the tests)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
+
+INT32_MIN = int(np.iinfo(np.int32).min)
+
+
+def total_order_key(x):
+    """float32 -> int32 whose integer order is XLA's total order of floats (-NaN < -inf < ... < -0.0 < +0.0 <
+    ... < +inf < +NaN), the order of lax.top_k and sort: non-negative floats keep their bits, negative ones flip
+    all but the sign bit. Its own inverse on the bits (`from_total_order_key`)."""
+    bits = lax.bitcast_convert_type(x, jnp.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def from_total_order_key(key):
+    return lax.bitcast_convert_type(key ^ ((key >> 31) & 0x7FFFFFFF), jnp.float32)
+
+
+def count_ahead(rows, row_idx, col_ref, lo, hi, *, block: int, num_cols, tie: str, other, masked: bool):
+    """rows [r] values (row_idx [r] their indices in col_ref's index space); columns: blocks [lo, hi) of
+    `block` entries of col_ref [>= hi * block], entries >= num_cols read as `other`. Per row, the number of
+    columns ahead of it in (value desc, index asc) order, where a tie counts if `tie` is "always" (every column
+    comes first), "never" (every column comes later) or "index" (compare indices). masked: also test
+    index < num_cols (for integer values, where `other` may tie). lo, hi and num_cols may be traced."""
+
+    def load(q):
+        col_idx = q * block + jnp.arange(block, dtype=jnp.int32)
+        return plt.load(col_ref.at[pl.ds(q * block, block)], mask=col_idx < num_cols, other=other)
+
+    def body(q, carry):
+        acc, cols = carry
+        upcoming = load(q + 1)  # issued before this block's compares use `cols`: its latency overlaps them
+        col_idx = q * block + jnp.arange(block, dtype=jnp.int32)
+        c, r = cols[None, :], rows[:, None]
+        if tie == "always":
+            ahead = c >= r
+        elif tie == "never":
+            ahead = c > r
+        else:
+            ahead = (c > r) | ((c == r) & (col_idx[None, :] < row_idx[:, None]))
+        if masked:
+            ahead = ahead & (col_idx < num_cols)[None, :]
+        return acc + ahead.astype(jnp.int32), upcoming
+
+    acc, _ = lax.fori_loop(lo, hi, body, (jnp.zeros((rows.shape[0], block), jnp.int32), load(lo)))
+    return jnp.sum(acc, axis=1)

@@ -1,0 +1,77 @@
+"""The vocabulary top-k kernel against its reference, `lax.top_k`: the same values (bit for bit, in XLA's total
+order of floats) and the same indices in the same order, over rows with ties within and across chunks, -inf, a row
+of only -inf, a row of one value, signed zeros, +-inf and NaN, at the engine's k (16, 64, 128) and row lengths that
+are not multiples of the kernel's step; and the candidate count that tells the caller to fall back.
+
+Every test runs interpreted on CPU and compiled on a GPU (marked `gpu`, skipped without one).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import vocab_top_k as vtk
+
+INTERPRET = [pytest.param(True, id="interpret"), pytest.param(False, id="compiled", marks=pytest.mark.gpu)]
+
+
+def rows_with_ties(n: int, seed: int) -> np.ndarray:
+    """[2, 4, n] float32: row 0 normal draws with a block of exact ties across chunk borders; row 1 a few levels
+    (ties everywhere) with 30% -inf, then rows of only -inf, of one value, and of signed zeros, +-inf and NaN."""
+    rng = np.random.default_rng(seed)
+    x = np.empty((2, 4, n), np.float32)
+    x[0] = rng.standard_normal((4, n)) * 3
+    x[0, 1, n // 3: n // 3 + 200] = x[0, 1, n // 3]
+    x[1] = rng.integers(0, 6, size=(4, n))
+    x[1][rng.random((4, n)) < 0.3] = -np.inf
+    x[1, 1] = -np.inf
+    x[1, 2] = 1.5
+    x[1, 3] = rng.choice(np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -np.nan, 1.0], np.float32), size=n)
+    return x
+
+
+def assert_is_lax_top_k(x, k, values, indices):
+    want_values, want_indices = jax.lax.top_k(jnp.asarray(x), k)
+    as_bits = lambda v: np.asarray(v).view(np.int32)  # NaN and signed zeros compared bit for bit
+    np.testing.assert_array_equal(as_bits(values), as_bits(want_values))
+    np.testing.assert_array_equal(np.asarray(indices), np.asarray(want_indices))
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("n,k", [(8192, 16), (5003, 64), (20000, 128)])
+def test_equals_lax_top_k(n, k, interpret):
+    x = rows_with_ties(n, n + k)
+    values, indices, count = vtk.vocab_top_k(jnp.asarray(x), k, interpret=interpret)
+    chunk, slots = vtk.kernel_sizes(n, k)
+    assert count.shape == x.shape[:-1] and np.all(np.asarray(count) <= slots) and np.all(np.asarray(count) >= k)
+    assert_is_lax_top_k(x, k, values, indices)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+def test_overflowing_row_is_reported(interpret):
+    """Row 1 holds 1000 large entries in 8 consecutive chunks (fewer than k = 64 chunks): more than M - k of them lie
+    above the 64th largest chunk maximum, so its count exceeds the slots (the caller's signal to fall back); row 0
+    still comes out exact."""
+    n, k = 8192, 64
+    chunk, slots = vtk.kernel_sizes(n, k)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((2, n)).astype(np.float32)
+    x[1, 512:512 + 1000] = 10 + rng.standard_normal(1000)
+    assert 1000 // chunk < k
+    values, indices, count = vtk.vocab_top_k(jnp.asarray(x), k, interpret=interpret)
+    assert int(count[0]) <= slots < int(count[1])
+    assert_is_lax_top_k(x[:1], k, values[:1], indices[:1])
+
+
+def test_sizes_and_bad_arguments():
+    assert vtk.kernel_sizes(151936, 64) == (512, 512)  # 297 chunks >= 4 k: the bound's margin
+    assert vtk.kernel_sizes(151936, 128) == (256, 512)
+    assert vtk.kernel_sizes(8192, 16) == (32, 512)
+    assert vtk.kernel_sizes(512, 16) is None and vtk.kernel_sizes(151936, 256) is None
+    with pytest.raises(ValueError, match="k=256"):
+        vtk.vocab_top_k(jnp.zeros((1, 151936)), 256, interpret=True)
+    with pytest.raises(ValueError, match="VocabTopKConfig.step"):
+        vtk.VocabTopKConfig(step=1000)
