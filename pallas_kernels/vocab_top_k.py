@@ -144,7 +144,7 @@ def _vocab_top_k_kernel(x_ref, values_ref, indices_ref, count_ref, cmax_ref, slo
     # 4. The first k places among the occupied slots (empty ones are never ahead of an occupied one).
     used = jnp.minimum(count, slots)
 
-    def place(q, _):
+    def place(q):
         row_idx = q * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
         ok = row_idx < used
         rows = plt.load(slot_key_ref.at[pl.ds(q * block_rows, block_rows)], mask=ok, other=INT32_MIN)
@@ -155,9 +155,9 @@ def _vocab_top_k_kernel(x_ref, values_ref, indices_ref, count_ref, cmax_ref, slo
         plt.store(values_ref.at[at], from_total_order_key(rows), mask=keep)
         plt.store(indices_ref.at[at], plt.load(slot_idx_ref.at[pl.ds(q * block_rows, block_rows)], mask=ok,
                                                other=0), mask=keep)
-        return 0
 
-    lax.fori_loop(0, cdiv(used, block_rows), place, 0)
+    # No carry: Triton's lowering of a loop with a traced trip count cannot yield a literal.
+    lax.fori_loop(0, cdiv(used, block_rows), lambda q, _: place(q), None)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "config", "interpret", "debug"))

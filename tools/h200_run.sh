@@ -92,7 +92,7 @@ for step in "$@"; do
       ;;
     bench_ab)
       log "bench A/B: ${BASELINE:?} then this tree"
-      for side in baseline current; do
+      for side in ${AB_SIDES:-baseline current}; do  # AB_SIDES=current: this tree alone (a rerun)
         dir="$PWD"; [ "$side" = baseline ] && dir="$BASELINE"
         trace=""; [ "$side" = current ] && trace="--trace /tmp/ab_traces"
         # shellcheck disable=SC2086
