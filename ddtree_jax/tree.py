@@ -246,8 +246,8 @@ def threshold_top_k(x: jax.Array, k: int, chunk: int | None = None, slots: int |
 def kernel_top_k(x: jax.Array, k: int, fallback_chunk: int | None = 2048, interpret: bool | None = None,
                  config: vocab_top_k.VocabTopKConfig | None = None) -> tuple[jax.Array, jax.Array]:
     """`threshold_top_k`'s algorithm in one launch (`pallas_kernels.vocab_top_k`, interpreted where there is no
-    GPU): `lax.top_k(x, k)`'s values, int32 indices and tie order over the last axis. Where a row's candidates
-    overflow the kernel's slots the whole batch takes `chunked_top_k(x, k, fallback_chunk)` through a lax.cond
+    GPU): `lax.top_k(x, k)`'s values, int32 indices and tie order over the last axis. Where a row's entries
+    above its threshold overflow the kernel's slots the whole batch takes `chunked_top_k(x, k, fallback_chunk)` through a lax.cond
     (exact as well; call it on the whole batch, as `threshold_top_k`); where the kernel does not apply (k above
     its MAX_K, short rows), `threshold_top_k`. config: the kernel's knobs (None: its defaults). x [..., n]
     float32; returns (values [..., k], indices [..., k])."""

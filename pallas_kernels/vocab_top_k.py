@@ -1,27 +1,29 @@
-"""The top k of every row of a long float32 matrix (a drafter's per-depth log-probs over the vocabulary) in one
-launch (Pallas, Triton), without sorting.
+"""The top k of every row of a long float32 matrix (a drafter's per-depth log-probs over the vocabulary) in three
+launches (Pallas, Triton), without sorting.
 
 The contract is `lax.top_k` over the last axis: the same values, the same int32 indices, the same order (value
 desc in XLA's total order of floats, lower index first among equals). `lax.top_k` is this kernel's reference
 (tests/kernels/test_vocab_top_k.py), and `ddtree_jax.tree.threshold_top_k` computes the same thing the same way
-in XLA operations (about ten launches where this is one; on the H200 the XLA version took ~120 us for 15 rows of
-151936, most of it launches and a cumsum over the whole vocabulary).
+in XLA operations (about ten launches, ~110-125 us for 15 rows of 151936 on the H200, 2026-12-02).
 
-Letters: r rows, n entries per row, k kept, c chunk (a power of two), N = ceil(n / c) chunks (Np the power of
-two at or above), M candidate slots. One program per row (grid (r,)), in integer keys (`total_order_key`):
+Letters: r rows, n entries per row, k kept, c chunk (a power of two), N = ceil(n / c) chunks, M candidate
+slots, S segment (the entries one program reads), P = ceil(n / S) segments per row. Each row is spread over P
+programs, because one program streaming a whole row was latency-bound (one program per row of 151936 took
+~140-200 us on the H200: a few loads in flight per multiprocessor). In integer keys (`total_order_key`):
 
-1. Chunk maxima, one pass over the row in steps of `step` entries ([step // c, c] tiles, reduced along c).
-2. t = the k-th largest chunk maximum, by counting (for each maximum, how many are >= it): k different chunks
-   hold an entry >= t, so every top-k entry is > t or == t.
-3. The candidates, a second pass: every entry > t and the first k entries == t, written in index order into M
-   slots (an exclusive prefix count per step, both counts packed in one int32 scan, plus the running totals).
-4. The top k of the candidates by (key desc, slot asc), counting over the occupied slots only; slot order is
-   index order, so this is lax.top_k's order.
+1. `_chunk_max_kernel`, grid (r, P): the maxima of the segment's chunks.
+2. `_compact_kernel`, grid (r, P): t = the k-th largest chunk maximum of the row (a 32-step bisection on the
+   key bits over the row's maxima, held in registers): k different chunks hold an entry >= t, so every top-k
+   entry is > t or == t. Then the segment's entries > t in index order into its M slots, and the indices of
+   its first k entries == t (an exclusive prefix count per step, both counts packed in one int32 scan).
+3. `_select_kernel`, grid (r,): the segments' entries > t gathered densely in segment order (index order
+   again) and ranked by (key desc, slot asc), counting over the occupied slots only; the places they leave
+   below k go to the row's first entries == t, in index order (they are among the segments' first k).
 
-Exact whenever the candidates fit: count = #(> t) + min(#(== t), k) <= M. The kernel returns the count, and
-the caller (`ddtree_jax.tree.build_tree`'s "pallas" top-k) takes an exact fallback for the whole batch when a
-row's count exceeds M (e.g. more than M - k entries crowded above t into fewer than k chunks). Sizes:
-`kernel_sizes`.
+Exact whenever the entries > t fit: count = #(> t) <= M (ties at t, common when bf16 logits are cast up, take
+no slots). The kernel returns the count, and the caller (`ddtree_jax.tree.kernel_top_k`) takes an exact
+fallback for the whole batch when a row's count exceeds M (more than M entries crowded above t into fewer
+than k chunks). Sizes: `kernel_sizes`.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
@@ -38,20 +41,23 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels._counting import INT32_MIN, count_ahead, from_total_order_key, total_order_key
 from pallas_kernels._dispatch import cdiv, check_knobs, next_pow2, resolve_interpret
 
-MAX_K = 128  # the chunk-maxima count grows as (4 k)^2 per row; larger k stays on the XLA paths
+MAX_K = 128  # k <= M / 4 keeps the candidate count's margin; larger k stays on the XLA paths
 
 
 @dataclasses.dataclass(frozen=True)
 class VocabTopKConfig:
     """Tuning knobs of the kernel (static, hashable).
 
-    step:       entries of a row loaded per step of the two passes (a power of two, at least the chunk).
-    block:      columns of a counting tile (steps 2 and 4).
+    segment:    entries of a row per program of the two streaming launches (a power of two; rows shorter than
+                it take one program).
+    step:       entries loaded per step inside a segment (a power of two).
+    block:      columns of a counting tile (the selection).
     block_rows: rows of a counting tile.
-    num_warps:  Triton's warps per program (one program per row).
-    num_stages: Triton's software pipelining of the passes' loads.
+    num_warps:  Triton's warps per program.
+    num_stages: Triton's software pipelining of the streaming loads.
     """
 
+    segment: int = 8192
     step: int = 4096
     block: int = 64
     block_rows: int = 128
@@ -59,15 +65,15 @@ class VocabTopKConfig:
     num_stages: int = 2
 
     def __post_init__(self):
-        check_knobs(self, pow2={"step": 16, "block": 16, "block_rows": 16})
+        check_knobs(self, pow2={"segment": 16, "step": 16, "block": 16, "block_rows": 16})
 
 
 def kernel_sizes(n: int, k: int) -> tuple[int, int] | None:
     """(chunk c, slots M) for rows of n entries and k kept, or None where the kernel does not apply (k > MAX_K,
-    or too short a row for the bound: fewer than 4 k chunks of one entry, or no more entries than slots).
+    or too short a row for the bound: fewer than max(4 k, 256) entries, or no more entries than slots).
     c: the largest power of two with at least max(4 k, 256) chunks, so that the k-th largest chunk maximum
-    sits near the k-th largest entry (about 1.15 k entries of an i.i.d. row are >= it); M = max(4 k, 512),
-    a power of two for the powers of two k of the engine's budgets."""
+    sits near the k-th largest entry (about 1.15 k entries of an i.i.d. row are >= it); M (the slots for the
+    entries above it) = max(4 k, 512) rounded up to a power of two."""
     slots = next_pow2(max(4 * k, 512))
     if not 1 <= k <= MAX_K or n <= slots or n < max(4 * k, 256):
         return None
@@ -75,97 +81,144 @@ def kernel_sizes(n: int, k: int) -> tuple[int, int] | None:
     return chunk, slots
 
 
-def _vocab_top_k_kernel(x_ref, values_ref, indices_ref, count_ref, cmax_ref, slot_key_ref, slot_idx_ref, *,
-                        n: int, k: int, chunk: int, num_chunks: int, chunks_p: int, slots: int, step: int,
-                        block: int, block_rows: int, interpret: bool):
-    """x_ref [>= n] float32 one row; values_ref [k] float32, indices_ref [k] int32, count_ref [1] int32;
-    scratch (global memory): cmax_ref [chunks_p] int32, slot_key_ref / slot_idx_ref [slots] int32."""
+def _segment_keys(x_ref, seg, s, *, n: int, segment: int, step: int):
+    """Keys of entries [s * step, (s + 1) * step) of segment `seg` (row indices and validity too); past n the
+    lowest key."""
+    local = s * step + jnp.arange(step, dtype=jnp.int32)
+    idx = seg * segment + local
+    ok = idx < n
+    v = plt.load(x_ref.at[pl.ds(s * step, step)], mask=ok, other=0.0)
+    return idx, ok, jnp.where(ok, total_order_key(v), INT32_MIN)
 
-    def barrier():  # the interpreter runs a program as one sequential program and has no barrier
-        if not interpret:
-            plt.debug_barrier()
 
-    def row_keys(s):  # keys of entries [s * step, (s + 1) * step): past n the lowest key
-        idx = s * step + jnp.arange(step, dtype=jnp.int32)
-        ok = idx < n
-        v = plt.load(x_ref.at[pl.ds(s * step, step)], mask=ok, other=0.0)
-        return idx, ok, jnp.where(ok, total_order_key(v), INT32_MIN)
-
-    # 1. Chunk maxima (chunks past N hold only masked entries: the lowest key).
+def _chunk_max_kernel(x_ref, cmax_ref, *, n: int, chunk: int, segment: int, step: int):
+    """x_ref [segment] one segment of a row; cmax_ref [segment // chunk] its chunks' maxima."""
+    seg = pl.program_id(1)
     per_step = step // chunk
 
-    def chunk_max(s, _):
-        _, _, key = row_keys(s)
+    def body(s, _):
+        _, _, key = _segment_keys(x_ref, seg, s, n=n, segment=segment, step=step)
         cmax_ref[pl.ds(s * per_step, per_step)] = jnp.max(key.reshape(per_step, chunk), axis=1)
         return 0
 
-    lax.fori_loop(0, cdiv(chunks_p * chunk, step), chunk_max, 0)
+    lax.fori_loop(0, segment // step, body, 0)
 
-    # Empty slots: the lowest key, after every candidate (they fill slots 0..count-1).
-    def clear(q, _):
-        slot_key_ref[pl.ds(q * block, block)] = jnp.full((block,), INT32_MIN, jnp.int32)
-        slot_idx_ref[pl.ds(q * block, block)] = jnp.zeros((block,), jnp.int32)
-        return 0
 
-    lax.fori_loop(0, slots // block, clear, 0)
-    barrier()
+def _kth_largest(values, k: int):
+    """The k-th largest of an int32 vector (with multiplicity; k <= its length), by deciding its bits from the
+    top: the largest u (as an unsigned pattern of the sign-flipped key) with at least k values >= it."""
+    answer = jnp.int32(0)
+    for bit in range(31, -1, -1):
+        candidate = answer | jnp.int32(np.int32(np.uint32(1 << bit).view(np.int32)))
+        enough = jnp.sum((values >= (candidate ^ INT32_MIN)).astype(jnp.int32)) >= k
+        answer = jnp.where(enough, candidate, answer)
+    return answer ^ INT32_MIN
 
-    # 2. t: the largest chunk maximum with at least k chunk maxima >= it.
-    def threshold(q, t):
-        row_idx = q * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
-        rows = plt.load(cmax_ref.at[pl.ds(q * block_rows, block_rows)], mask=row_idx < num_chunks, other=INT32_MIN)
-        at_least = count_ahead(rows, row_idx, cmax_ref, 0, cdiv(num_chunks, block), block=block,
-                               num_cols=num_chunks, tie="always", other=INT32_MIN, masked=True)
-        return jnp.maximum(t, jnp.max(jnp.where((at_least >= k) & (row_idx < num_chunks), rows, INT32_MIN)))
 
-    t = lax.fori_loop(0, cdiv(num_chunks, block_rows), threshold, jnp.int32(INT32_MIN))
+def _compact_kernel(x_ref, cmax_ref, above_key_ref, above_idx_ref, tie_idx_ref, above_count_ref, tie_count_ref,
+                    t_ref, *, n: int, k: int, num_chunks: int, chunks_p: int, slots: int, segment: int, step: int):
+    """x_ref [segment]; cmax_ref [chunks_p] the row's chunk maxima (past num_chunks not read). Out: this
+    segment's entries > t in index order, keys and indices (above_key_ref, above_idx_ref [slots]; the first
+    `slots` of them) and their count (above_count_ref [1], may exceed slots: the row overflows); the indices of
+    its first k entries == t (tie_idx_ref [k]) and its count of them (tie_count_ref [1]); t (t_ref [1])."""
+    seg = pl.program_id(1)
+    maxima = plt.load(cmax_ref.at[pl.ds(0, chunks_p)], mask=jnp.arange(chunks_p) < num_chunks, other=INT32_MIN)
+    t = _kth_largest(maxima, k)
+    t_ref[0] = t
 
-    # 3. Candidates into slots, in index order. Both exclusive counts in one scan (a step holds < 2^15 entries).
-    def compact(s, carry):
+    def body(s, carry):  # both exclusive counts in one scan (a step holds < 2^15 entries)
         above_run, tie_run = carry
-        idx, ok, key = row_keys(s)
+        idx, ok, key = _segment_keys(x_ref, seg, s, n=n, segment=segment, step=step)
         above, tie = ok & (key > t), ok & (key == t)
         flags = above.astype(jnp.int32) | (tie.astype(jnp.int32) << 16)
         before = jnp.cumsum(flags, axis=0) - flags
-        above_before, tie_before = above_run + (before & 0xFFFF), tie_run + (before >> 16)
-        keep = above | (tie & (tie_before < k))
-        slot = above_before + jnp.minimum(tie_before, k)
-        keep = keep & (slot < slots)
-        at = jnp.where(keep, slot, slots)  # masked lanes out of range: the interpreter drops those writes
-        plt.store(slot_key_ref.at[at], key, mask=keep)
-        plt.store(slot_idx_ref.at[at], idx, mask=keep)
+        above_at, tie_at = above_run + (before & 0xFFFF), tie_run + (before >> 16)
+        keep = above & (above_at < slots)
+        at = jnp.where(keep, above_at, slots)  # masked lanes out of range: the interpreter drops those writes
+        plt.store(above_key_ref.at[at], key, mask=keep)
+        plt.store(above_idx_ref.at[at], idx, mask=keep)
+        keep = tie & (tie_at < k)
+        plt.store(tie_idx_ref.at[jnp.where(keep, tie_at, k)], idx, mask=keep)
         return above_run + jnp.sum(above.astype(jnp.int32)), tie_run + jnp.sum(tie.astype(jnp.int32))
 
-    above_total, tie_total = lax.fori_loop(0, cdiv(n, step), compact, (jnp.int32(0), jnp.int32(0)))
-    count = above_total + jnp.minimum(tie_total, k)
-    count_ref[0] = count
-    barrier()
+    above, tie = lax.fori_loop(0, segment // step, body, (jnp.int32(0), jnp.int32(0)))
+    above_count_ref[0] = above
+    tie_count_ref[0] = tie
 
-    # 4. The first k places among the occupied slots (empty ones are never ahead of an occupied one).
-    used = jnp.minimum(count, slots)
 
+def _segment_of(j, seg_start, valid):
+    """For dense positions j [m] over segments laid end to end (seg_start [P] non-decreasing, valid [P]): the
+    segment holding each (the last one starting at or before it: empty segments start where the next does)
+    and the position inside it."""
+    starts_before = (seg_start[None, :] <= j[:, None]) & valid[None, :]  # [m, P]
+    seg = jnp.sum(starts_before.astype(jnp.int32), axis=1) - 1
+    return seg, j - jnp.max(jnp.where(starts_before, seg_start[None, :], 0), axis=1)
+
+
+def _select_kernel(above_key_ref, above_idx_ref, tie_idx_ref, above_count_ref, tie_count_ref, t_ref, values_ref,
+                   indices_ref, count_ref, dense_key_ref, dense_idx_ref, *, k: int, slots: int, segments: int,
+                   block: int, block_rows: int, interpret: bool):
+    """The segments' candidates (above_key_ref, above_idx_ref [P, slots], tie_idx_ref [P, k], the counts
+    [next_pow2(P)], past P not read, and t_ref [next_pow2(P)], every segment's t the same) -> values_ref [k]
+    float32, indices_ref [k] int32, count_ref [1] the row's count of entries > t; scratch (global memory):
+    dense_key_ref, dense_idx_ref [slots]. The top k are the entries > t in (key desc, index asc) order, then
+    as many of the entries == t as are missing, in index order."""
+    segments_p = next_pow2(segments)
+    seg_ids = jnp.arange(segments_p, dtype=jnp.int32)
+    valid = seg_ids < segments
+    above_count = plt.load(above_count_ref.at[pl.ds(0, segments_p)], mask=valid, other=0)
+    above_start = jnp.cumsum(above_count, axis=0) - above_count
+    total = jnp.sum(above_count)
+    count_ref[0] = total
+    used = jnp.minimum(total, slots)
+
+    # The entries > t, densely in segment order (index order again).
+    def gather(q):
+        j = q * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
+        ok = j < used
+        seg, pos = _segment_of(j, above_start, valid)
+        seg, pos, at = jnp.where(ok, seg, 0), jnp.where(ok, pos, 0), jnp.where(ok, j, slots)
+        plt.store(dense_key_ref.at[at], plt.load(above_key_ref.at[seg, pos], mask=ok, other=INT32_MIN), mask=ok)
+        plt.store(dense_idx_ref.at[at], plt.load(above_idx_ref.at[seg, pos], mask=ok, other=0), mask=ok)
+
+    # No carry: Triton's lowering of a loop with a traced trip count cannot yield a literal.
+    lax.fori_loop(0, cdiv(used, block_rows), lambda q, _: gather(q), None)
+    if not interpret:  # the interpreter runs a program as one sequential program and has no barrier
+        plt.debug_barrier()
+
+    # Their first k places (slot order is index order; no entry == t is ahead of one > t).
     def place(q):
         row_idx = q * block_rows + jnp.arange(block_rows, dtype=jnp.int32)
         ok = row_idx < used
-        rows = plt.load(slot_key_ref.at[pl.ds(q * block_rows, block_rows)], mask=ok, other=INT32_MIN)
-        ahead = count_ahead(rows, row_idx, slot_key_ref, 0, cdiv(used, block), block=block, num_cols=used,
+        rows = plt.load(dense_key_ref.at[pl.ds(q * block_rows, block_rows)], mask=ok, other=INT32_MIN)
+        ahead = count_ahead(rows, row_idx, dense_key_ref, 0, cdiv(used, block), block=block, num_cols=used,
                             tie="index", other=INT32_MIN, masked=True)
         keep = ok & (ahead < k)
         at = jnp.where(keep, ahead, k)
         plt.store(values_ref.at[at], from_total_order_key(rows), mask=keep)
-        plt.store(indices_ref.at[at], plt.load(slot_idx_ref.at[pl.ds(q * block_rows, block_rows)], mask=ok,
+        plt.store(indices_ref.at[at], plt.load(dense_idx_ref.at[pl.ds(q * block_rows, block_rows)], mask=ok,
                                                other=0), mask=keep)
 
-    # No carry: Triton's lowering of a loop with a traced trip count cannot yield a literal.
     lax.fori_loop(0, cdiv(used, block_rows), lambda q, _: place(q), None)
+
+    # The places left, total..k-1: the first entries == t in index order (each segment kept its first k).
+    k_p = next_pow2(k)
+    rank = jnp.arange(k_p, dtype=jnp.int32)
+    tie_kept = jnp.minimum(plt.load(tie_count_ref.at[pl.ds(0, segments_p)], mask=valid, other=0), k)
+    seg, pos = _segment_of(rank, jnp.cumsum(tie_kept, axis=0) - tie_kept, valid)
+    ok = total + rank < k
+    seg, pos, at = jnp.where(ok, seg, 0), jnp.where(ok, pos, 0), jnp.where(ok, total + rank, k)
+    t = t_ref[0]
+    plt.store(values_ref.at[at], from_total_order_key(jnp.full((k_p,), t, jnp.int32)), mask=ok)
+    plt.store(indices_ref.at[at], plt.load(tie_idx_ref.at[seg, pos], mask=ok, other=0), mask=ok)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "config", "interpret", "debug"))
 def vocab_top_k_pallas(x: jax.Array, k: int, *, config: VocabTopKConfig | None = None, interpret: bool = False,
                        debug: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [..., n] float32 (n with `kernel_sizes(n, k)` not None). Returns (values [..., k] float32, indices
-    [..., k] int32, count [...] int32): equal to `lax.top_k(x, k)` on every row whose candidate count is at
-    most M (`kernel_sizes`); a row with more holds garbage, and the caller falls back."""
+    [..., k] int32, count [...] int32): equal to `lax.top_k(x, k)` on every row whose count of entries above
+    its threshold is at most M (`kernel_sizes`); a row with more holds garbage, and the caller falls back."""
     config = VocabTopKConfig() if config is None else config
     n = x.shape[-1]
     sizes = kernel_sizes(n, k)
@@ -173,35 +226,54 @@ def vocab_top_k_pallas(x: jax.Array, k: int, *, config: VocabTopKConfig | None =
         raise ValueError(f"vocab_top_k: k={k} over rows of {n}: needs 1 <= k <= {MAX_K} and rows longer than "
                          f"max(4 k, 512)")
     chunk, slots = sizes
-    step = max(config.step, chunk)
+    segment = max(min(config.segment, next_pow2(n)), chunk)
+    step = min(max(config.step, chunk), segment)
+    segments = cdiv(n, segment)
     lead = x.shape[:-1]
     rows = x.reshape(-1, n).astype(jnp.float32)
     r = rows.shape[0]
-    num_chunks = cdiv(n, chunk)
-    chunks_p = next_pow2(num_chunks)
-    block = min(config.block, slots)
-    kernel = functools.partial(
-        _vocab_top_k_kernel, n=n, k=k, chunk=chunk, num_chunks=num_chunks, chunks_p=max(chunks_p, step // chunk),
-        slots=slots, step=step, block=block, block_rows=min(config.block_rows, slots), interpret=interpret)
-    padded_n = cdiv(n, step) * step  # the row's block: loads past n are masked
-    cmax_len = max(chunks_p, step // chunk)
+    seg_chunks = segment // chunk
+    num_chunks = segments * seg_chunks  # chunks past n hold only the lowest key
+    params = plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+    x_spec = pl.BlockSpec((None, segment), lambda i, j: (i, j))
 
-    def row(size):
-        return pl.BlockSpec((None, size), lambda i: (i, 0))
+    cmax = pl.pallas_call(
+        functools.partial(_chunk_max_kernel, n=n, chunk=chunk, segment=segment, step=step),
+        grid=(r, segments), in_specs=[x_spec], out_specs=pl.BlockSpec((None, seg_chunks), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((r, num_chunks), jnp.int32), compiler_params=params, interpret=interpret,
+        debug=debug, name="vocab_top_k_chunk_max")(rows)
 
+    cand_spec = pl.BlockSpec((None, None, slots), lambda i, j: (i, j, 0))
+    one_spec = pl.BlockSpec((None, None, 1), lambda i, j: (i, j, 0))
+    per_segment = jax.ShapeDtypeStruct((r, segments, 1), jnp.int32)
+    above_key, above_idx, tie_idx, above_count, tie_count, t = pl.pallas_call(
+        functools.partial(_compact_kernel, n=n, k=k, num_chunks=num_chunks, chunks_p=next_pow2(num_chunks),
+                          slots=slots, segment=segment, step=step),
+        grid=(r, segments), in_specs=[x_spec, pl.BlockSpec((None, next_pow2(num_chunks)), lambda i, j: (i, 0))],
+        out_specs=[cand_spec, cand_spec, pl.BlockSpec((None, None, k), lambda i, j: (i, j, 0)), one_spec, one_spec,
+                   one_spec],
+        out_shape=[jax.ShapeDtypeStruct((r, segments, slots), jnp.int32),
+                   jax.ShapeDtypeStruct((r, segments, slots), jnp.int32),
+                   jax.ShapeDtypeStruct((r, segments, k), jnp.int32), per_segment, per_segment, per_segment],
+        compiler_params=params, interpret=interpret, debug=debug, name="vocab_top_k_compact")(rows, cmax)
+
+    def row(*shape):
+        return pl.BlockSpec((None, *shape), lambda i: (i,) + (0,) * len(shape))
+
+    segments_p = next_pow2(segments)
     values, indices, count, *_ = pl.pallas_call(
-        kernel,
+        functools.partial(_select_kernel, k=k, slots=slots, segments=segments, block=min(config.block, slots),
+                          block_rows=min(config.block_rows, slots), interpret=interpret),
         grid=(r,),
-        in_specs=[row(padded_n)],
-        out_specs=[row(k), row(k), row(1), row(cmax_len), row(slots), row(slots)],
+        in_specs=[row(segments, slots), row(segments, slots), row(segments, k), row(segments_p), row(segments_p),
+                  row(segments_p)],
+        out_specs=[row(k), row(k), row(1), row(slots), row(slots)],
         out_shape=[jax.ShapeDtypeStruct((r, k), jnp.float32), jax.ShapeDtypeStruct((r, k), jnp.int32),
-                   jax.ShapeDtypeStruct((r, 1), jnp.int32), jax.ShapeDtypeStruct((r, cmax_len), jnp.int32),
-                   jax.ShapeDtypeStruct((r, slots), jnp.int32), jax.ShapeDtypeStruct((r, slots), jnp.int32)],
-        compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        interpret=interpret,
-        debug=debug,
-        name="vocab_top_k",
-    )(rows)
+                   jax.ShapeDtypeStruct((r, 1), jnp.int32), jax.ShapeDtypeStruct((r, slots), jnp.int32),
+                   jax.ShapeDtypeStruct((r, slots), jnp.int32)],
+        compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=1), interpret=interpret,
+        debug=debug, name="vocab_top_k_select")(above_key, above_idx, tie_idx, *(
+            a.reshape(r, segments) for a in (above_count, tie_count, t)))
     return values.reshape(*lead, k), indices.reshape(*lead, k), count.reshape(lead)
 
 

@@ -268,7 +268,7 @@ def test_threshold_top_k_falls_back_when_candidates_overflow(monkeypatch):
 
 
 def test_kernel_top_k_falls_back_when_a_row_overflows(monkeypatch):
-    """`kernel_top_k` (the Pallas kernel, interpreted here): a row whose 1000 large entries crowd into 8 chunks
+    """`kernel_top_k` (the Pallas kernel, interpreted here): a row whose 1000 large entries crowd into 32 chunks
     overflows the kernel's slots, and the batch takes the fallback, lax.top_k's answer; a wrong fallback (zeros)
     shows through, so it did run; without the crowded row the kernel's own answer stands."""
     rng = np.random.default_rng(6)
