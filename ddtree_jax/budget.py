@@ -66,7 +66,7 @@ from ddtree_jax.tree import DraftTree
 
 CHAIN = 0  # the candidate budget that means a DFlash round (the chain of per-depth argmaxes)
 # The chain and B = 16: on the H200 (docs/performance.md, 2026-12-02) B = 64 projected only 2% above B = 16 at
-# the Qwen3-8B shape and ran slower on the demo pair, and a wider candidate makes every round build its tree.
+# the Qwen3-8B shape and ran slower on the demo pair.
 DEFAULT_CANDIDATES = (CHAIN, 16)
 DECAY = 0.9  # per round, of the observed / predicted reach averages (about 10 rounds of memory)
 PRIOR = 0.05  # pseudo-count of both correction averages: the correction starts at 1 and moves once data arrives
@@ -139,8 +139,9 @@ class BudgetState:
     @property
     def share(self) -> jax.Array:
         """[N, L] the part of what the chain's reach leaves (1 - chain reach) that each candidate's tree adds,
-        per depth: gain / room (within [-1, 1]); 1, all of it, before the candidate has run (an untried tree looks good, so it
-        gets tried). Both averages start at 0 and move together, so their ratio carries no start-up bias."""
+        per depth: gain / room (within [-1, 1]); 1, all of it, before the candidate has run (an untried tree
+        looks good, so it gets tried). Both averages start at 0 and move together, so their ratio carries no
+        start-up bias."""
         ratio = self.gain / jnp.where(self.room > 0, self.room, 1.0)
         return jnp.where(self.room > 0, jnp.clip(ratio, -1.0, 1.0), 1.0)  # clipped: a near-0 room is noise
 
@@ -270,5 +271,5 @@ def save_costs(key: dict, seconds) -> Path | None:
 
 
 __all__ = ["CHAIN", "DEFAULT_CANDIDATES", "candidates_text", "BudgetState", "parse_candidates", "check_candidates",
-           "tree_reach", "chain_reach", "predicted_reach", "choose", "observe", "cost_key", "cost_cache_dir", "cost_cache_path",
-           "load_costs", "save_costs"]
+           "tree_reach", "chain_reach", "predicted_reach", "choose", "observe", "cost_key", "cost_cache_dir",
+           "cost_cache_path", "load_costs", "save_costs"]

@@ -184,7 +184,7 @@ def test_auto_budget_greedy_equals_ar_whichever_budgets_it_chooses(pair16, ar_ou
     """Costs are an argument of the compiled loop (no recompile); every cost table gives AR's tokens, the
     choices differ between tables and inside one run, and one budget is recorded per round and per saved tree.
     With every other candidate priced out, auto runs exactly the fixed round of that budget: the same rounds,
-    trees and accepted paths (budget 4's tree is the first 5 nodes of the widest, budget 16's)."""
+    trees and accepted paths (the branch builds budget 4's own tree)."""
     target, drafter = pair16
     seen = []
     for i, costs in enumerate(AUTO_COSTS):
