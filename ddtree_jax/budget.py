@@ -1,38 +1,51 @@
 """`--budget auto`: every round, the draft-tree size that is expected to commit the most tokens per second.
 
-The round drafts once; then, before anything is verified, each candidate budget (`DecodeOptions.budgets`, 0 =
-the chain, i.e. a DFlash round) gets the number of tokens it is expected to commit, and the round verifies
-the candidate with the most expected tokens per second of its measured round cost (`choose`), through a
-`lax.switch` whose branches are the ordinary fixed-budget rounds (`round.auto_round`). Every branch is an
-exact speculative round, so the choice never changes what is emitted, only how fast.
+The round drafts once; then, before any tree is built, each candidate budget (`DecodeOptions.budgets`, 0 = the
+chain, i.e. a DFlash round) gets the number of tokens it is expected to commit, and the round verifies the
+candidate with the most expected tokens per second of its measured round cost (`choose`), through a
+`lax.switch` whose branches are the ordinary fixed-budget rounds (`round.auto_round`): the chain branch takes the
+argmaxes as DFlash does, a tree branch builds its own tree. Every branch is an exact speculative round, so the
+choice never changes what is emitted, only how fast; and a round that verifies the chain costs a DFlash round
+(no vocabulary top-k, no tree build).
 
-Expected tokens. Under the drafter's marginals a tree node is on the accepted path with the probability of
-its root path, exp(score) (`DraftTree.scores`), and siblings exclude each other, so the probability that the
-path reaches depth d is the sum of exp(score) over the tree's depth-d nodes, and the expected committed
-tokens are 1 + sum_d reach_d. `build_tree` emits nodes best first in one total order that does not depend on
-the budget, so the tree of budget B' < B is the first B' + 1 nodes of the tree of budget B
-(`tree.first_nodes`): one build of the widest tree gives every tree candidate's reach by a cumulative sum
-over its nodes. The chain's reach is the product of the per-depth top-1 probabilities.
+Reach. Under the drafter's marginals a tree node is on the accepted path with the probability of its root path,
+exp(score) (`DraftTree.scores`), and siblings exclude each other, so the probability that the path reaches depth
+d (its reach) is the sum of exp(score) over the tree's depth-d nodes (`tree_reach`), and the expected committed
+tokens are 1 + sum_d reach_d. The chain's reach is the product of the per-depth top-1 probabilities
+(`chain_reach`: a max and a logsumexp over the vocabulary).
+
+Predicting a tree's reach without building it. The widest tree costs a vocabulary top-k and a build, which
+is what a chain round should not pay, so a tree's reach is predicted from the chain's (`predicted_reach`):
+chain_d + share_d x (1 - chain_d), where share_d is the part of what the chain leaves at depth d that this
+candidate's tree adds, learned from the rounds that built it (moving averages of tree - chain and of
+1 - chain, whose ratio is `BudgetState.share`; on the demo pair B = 16's share falls with depth, from about
+0.6 at depth 1 to 0 past depth 7). Before a tree candidate has run its share is 1 (untried, it looks good and
+gets tried), and every round it is not verified its share moves 1 - FORGET of the way back to 1, so a tree that
+stopped being chosen is tried again (exploration; the chain's prediction needs none). The prediction is not the
+built tree's exact reach, so a round may choose differently than a rule that builds the widest tree first
+(the rule before 2026-12-02); replayed on that rule's recorded demo-pair rounds it chose the same candidate in
+88% of them, at 0.6% fewer expected tokens per second by that rule's own measure. The alternative kept exact
+choices: an upper bound on each tree's expected tokens from the per-depth top-3 probabilities, building only
+when some tree might win; it could skip the build in only 72% of the rounds the chain won, and it costs a top-k
+pass and a sort in every round, more than it saves where trees mostly win (the CPU).
 
 Correction. Drafters are over- or under-confident, so the reach the target actually grants is tracked
-against the reach predicted for the tree that ran: per candidate and depth, exponential moving averages of the
-observed indicator (committed count - 1 >= d) and of the predicted reach, over the running rows of each round;
-their ratio (with a pseudo-count `PRIOR`) scales that candidate's predicted reach before the next choice. A
-candidate keeps its own factor because how far the drafter's confidence carries depends on the tree (the
-chain's top-1 products are not a wide tree's sums), and one that has not run keeps the drafter's own
-prediction: a disappointing choice lets the others be tried (with one shared factor, a CPU run stayed on a
-budget of 4 whose correction had dragged every candidate down). All of
-it lives in the decode state (`BudgetState`) and updates on device.
+against the drafter's reach of what ran (the tree's `tree_reach` after its build, the chain's): per candidate
+and depth, moving averages of the observed indicator (committed count - 1 >= d) and of the drafter's reach, over
+the running rows of each round; their ratio (with a pseudo-count `PRIOR`) scales that candidate's predicted
+reach before the next choice. A candidate keeps its own factor because how far the drafter's confidence carries
+depends on the tree (the chain's top-1 products are not a wide tree's sums), and one that has not run keeps the
+drafter's own prediction. All of it lives in the decode state (`BudgetState`) and updates on device.
 
 Costs. Seconds per round of each candidate come from a short calibration on the actual model, device and
-batch (`engine.calibrate_round_costs`: a few rounds of the compiled decode loop with the choice forced to
+batch (`engine.calibrate`: a few rounds of the compiled decode loop with the choice forced to
 one candidate), cached on disk (`cost_cache_path`, keyed by `cost_key`). They reach the compiled loop in the
 state (`BudgetState.costs`), an array argument, so a new calibration never recompiles.
 
 Worked example (one row, chain and B = 4, depths 1..3): chain top-1 probabilities [0.5 0.5 0.5] give reach
-[0.5 0.25 0.125] and 1.875 expected tokens; the B = 4 tree with nodes (depth, p) = (1, .5) (1, .3) (2, .25)
-(2, .15) gives reach [0.8 0.4 0] and 2.2 tokens. At costs [1.0, 1.2] ms: 1.875 vs 1.83 tokens per ms, so the
-chain runs; at [1.0, 1.1] ms the tree (2.0 per ms).
+[0.5 0.25 0.125] and 1.875 expected tokens; B = 4's share learned as [0.6 0.2 0] predicts reach
+[0.5 + 0.6 x 0.5, 0.25 + 0.2 x 0.75, 0.125] = [0.8 0.4 0.125] and 2.325 tokens. At costs [1.0, 1.3] ms: 1.875
+vs 1.79 tokens per ms, so the chain runs; at [1.0, 1.2] ms the tree (1.94 per ms).
 
 Letters: b rows, N candidate budgets, L draft depths (block size - 1), T nodes of the widest tree.
 """
@@ -53,10 +66,11 @@ from ddtree_jax.tree import DraftTree
 
 CHAIN = 0  # the candidate budget that means a DFlash round (the chain of per-depth argmaxes)
 # The chain and B = 16: on the H200 (docs/performance.md, 2026-12-02) B = 64 projected only 2% above B = 16 at
-# the Qwen3-8B shape and ran slower on the demo pair, and a wider candidate makes every round build its tree.
+# the Qwen3-8B shape and ran slower on the demo pair.
 DEFAULT_CANDIDATES = (CHAIN, 16)
 DECAY = 0.9  # per round, of the observed / predicted reach averages (about 10 rounds of memory)
-PRIOR = 0.05  # pseudo-count of both averages: the correction starts at 1 and moves once data arrives
+PRIOR = 0.05  # pseudo-count of both correction averages: the correction starts at 1 and moves once data arrives
+FORGET = 0.995  # per round not verified, a candidate's share keeps this much of its distance from 1 (exploration)
 COST_CACHE_ENV = "DDTREE_JAX_ROUND_COSTS"  # a folder that overrides the cost cache's default place
 
 
@@ -95,7 +109,11 @@ class BudgetState:
               (`engine.generate`) before the loop: an argument, not part of the compiled program.
     seen:     [N, L] float32 per candidate, moving average of the observed reach (the accepted path got to
               depth d + 1) over the rounds that verified it.
-    expected: [N, L] float32 per candidate, moving average of the reach predicted for those rounds.
+    expected: [N, L] float32 per candidate, moving average of the drafter's reach of what those rounds verified
+              (its tree's `tree_reach`; the chain's `chain_reach`).
+    gain:     [N, L] float32 per candidate, moving average of its tree's reach less the chain's, over the same
+              rounds (0 for the chain).
+    room:     [N, L] float32 per candidate, moving average of what the chain's reach left, 1 - chain reach.
     chosen:   [b, max_new] int32 the budget each round of a row verified (0 the chain), as
               `DecodeState.round_lengths`.
     """
@@ -103,40 +121,60 @@ class BudgetState:
     costs: jax.Array
     seen: jax.Array
     expected: jax.Array
+    gain: jax.Array
+    room: jax.Array
     chosen: jax.Array
 
     @classmethod
     def start(cls, batch: int, max_new: int, candidates: int, depths: int) -> "BudgetState":
-        return cls(costs=jnp.ones((candidates,), jnp.float32), seen=jnp.zeros((candidates, depths), jnp.float32),
-                   expected=jnp.zeros((candidates, depths), jnp.float32), chosen=jnp.zeros((batch, max_new), jnp.int32))
+        zeros = lambda: jnp.zeros((candidates, depths), jnp.float32)  # noqa: E731
+        return cls(costs=jnp.ones((candidates,), jnp.float32), seen=zeros(), expected=zeros(), gain=zeros(),
+                   room=zeros(), chosen=jnp.zeros((batch, max_new), jnp.int32))
 
     @property
     def correction(self) -> jax.Array:
         """[N, L] observed over predicted reach, per candidate and depth (1 before the candidate runs)."""
         return (self.seen + PRIOR) / (self.expected + PRIOR)
 
+    @property
+    def share(self) -> jax.Array:
+        """[N, L] the part of what the chain's reach leaves (1 - chain reach) that each candidate's tree adds,
+        per depth: gain / room (within [-1, 1]); 1, all of it, before the candidate has run (an untried tree
+        looks good, so it gets tried). Both averages start at 0 and move together, so their ratio carries no
+        start-up bias."""
+        ratio = self.gain / jnp.where(self.room > 0, self.room, 1.0)
+        return jnp.where(self.room > 0, jnp.clip(ratio, -1.0, 1.0), 1.0)  # clipped: a near-0 room is noise
 
-def tree_reach(tree: DraftTree, budgets: tuple[int, ...], depths: int) -> jax.Array:
-    """[b, len(budgets), L] reach by depth of the trees of each budget, all prefixes of `tree` (nodes in
-    best-first order: budget B's tree is the first B + 1 nodes, `tree.first_nodes`).
 
-    Example: scores [0, ln .5, ln .3, ln .25] at depths [0 1 1 2] and budgets (1, 3): reach [[.5 0], [.8 .25]]."""
+def tree_reach(tree: DraftTree, depths: int) -> jax.Array:
+    """[b, L] the drafter's reach by depth of a tree: the sum of exp(score) over its nodes at each depth.
+
+    Example: scores [0, ln .5, ln .3, ln .25] at depths [0 1 1 2]: reach [.8 .25]."""
     prob = jnp.where(tree.valid, jnp.exp(tree.scores), 0.0)  # [b, T]
-    at_depth = (tree.depths[:, :, None] == jnp.arange(1, depths + 1)[None, None, :]) & (tree.depths[:, :, None] > 0)
-    running = jnp.cumsum(prob[:, :, None] * at_depth, axis=1)  # [b, T, L]: reach of the first n + 1 nodes
-    return running[:, jnp.asarray(budgets), :]
+    at_depth = tree.depths[:, :, None] == jnp.arange(1, depths + 1)[None, None, :]  # the root (depth 0) nowhere
+    return jnp.sum(prob[:, :, None] * at_depth, axis=1)
 
 
-def chain_reach(log_probs: jax.Array) -> jax.Array:
+def chain_reach(logits: jax.Array) -> jax.Array:
     """[b, L] reach by depth of the chain of per-depth argmaxes: the product of the top-1 probabilities down
-    to each depth (log_probs [b, L, v] float32)."""
-    return jnp.exp(jnp.cumsum(jnp.max(log_probs, axis=-1), axis=-1))
+    to each depth (logits or log-probabilities [b, L, v] float32: a max and a logsumexp per depth)."""
+    top1 = jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1)
+    return jnp.exp(jnp.cumsum(top1, axis=-1))
+
+
+def predicted_reach(chain: jax.Array, budgets: tuple[int, ...], budget_state: BudgetState) -> jax.Array:
+    """[b, N, L] each candidate's reach by depth as the drafter would predict it, from the chain's reach
+    (chain [b, L]) alone: the chain's own, and for a tree chain + share x (1 - chain) (`BudgetState.share`,
+    learned from the trees that ran), within [0, 1]. No tree is built for it."""
+    is_tree = jnp.asarray([b != CHAIN for b in budgets])[None, :, None]
+    tree = jnp.clip(chain[:, None, :] + budget_state.share[None] * (1.0 - chain[:, None, :]), 0.0, 1.0)
+    return jnp.where(is_tree, tree, chain[:, None, :])
 
 
 def choose(reach: jax.Array, running: jax.Array, budget_state: BudgetState) -> jax.Array:
     """The candidate index [] int32 with the most expected tokens per second over the batch's running rows.
 
-    reach [b, N, L] predicted by the drafter, corrected per candidate and depth (capped at 1); a row expects
+    reach [b, N, L] predicted (`predicted_reach`), corrected per candidate and depth (capped at 1); a row expects
     1 + sum_d reach_d tokens. One choice for the batch: a `lax.switch` on a batched index would run every
     branch."""
     corrected = jnp.minimum(reach * budget_state.correction[None], 1.0)
@@ -145,24 +183,29 @@ def choose(reach: jax.Array, running: jax.Array, budget_state: BudgetState) -> j
     return jnp.argmax(per_second).astype(jnp.int32)
 
 
-def observe(budget_state: BudgetState, pick: jax.Array, predicted: jax.Array, counts: jax.Array, running: jax.Array,
-            budget: jax.Array, num_rounds: jax.Array) -> BudgetState:
+def observe(budget_state: BudgetState, pick: jax.Array, reach: jax.Array, chain: jax.Array, counts: jax.Array,
+            running: jax.Array, budget: jax.Array, num_rounds: jax.Array) -> BudgetState:
     """After a round that verified candidate `pick` [] (its budget `budget` []): fold the running rows' observed
-    reach (counts [b] committed tokens, root included) and the reach predicted for its tree (predicted [b, L])
-    into that candidate's averages, and record `budget` at each running row's round index `num_rounds` [b]."""
-    depths = predicted.shape[-1]
+    reach (counts [b] committed tokens, root included), the drafter's reach of what was verified (reach [b, L])
+    and the chain's (chain [b, L]) into that candidate's averages; every other candidate's share moves
+    1 - FORGET of the way back to 1 (so a tree that stopped being chosen is tried again); record `budget` at each
+    running row's round index `num_rounds` [b]. A round in which no row runs changes nothing."""
+    depths = reach.shape[-1]
     n = jnp.maximum(running.sum(), 1).astype(jnp.float32)
-    got = (counts[:, None] - 1 >= jnp.arange(1, depths + 1)[None, :]) & running[:, None]
-    seen_now = got.sum(0) / n
-    expected_now = jnp.where(running[:, None], predicted, 0.0).sum(0) / n
-    any_running = running.any()
-    blend = lambda old, new: jnp.where(any_running, DECAY * old + (1 - DECAY) * new, old)  # noqa: E731
+    mean = lambda x: jnp.where(running[:, None], x, 0.0).sum(0) / n  # noqa: E731  [b, L] -> [L], running rows
+    got = (counts[:, None] - 1 >= jnp.arange(1, depths + 1)[None, :]).astype(jnp.float32)
+    candidates = jnp.arange(budget_state.seen.shape[0])[:, None]
+    ran = (candidates == pick) & running.any()  # [N, 1]
+    idle = (candidates != pick) & running.any()
+    blend = lambda old, new: jnp.where(ran, DECAY * old + (1 - DECAY) * new[None], old)  # noqa: E731
+    room = blend(budget_state.room, mean(1.0 - chain))
+    gain = blend(budget_state.gain, mean(reach - chain))
+    gain = jnp.where(idle, gain + (1 - FORGET) * (room - gain), gain)
     b, max_new = budget_state.chosen.shape
     idx = jnp.where(running, num_rounds, max_new)
-    chosen = budget_state.chosen.at[jnp.arange(b), idx].set(budget, mode="drop")
-    seen = budget_state.seen.at[pick].set(blend(budget_state.seen[pick], seen_now))
-    expected = budget_state.expected.at[pick].set(blend(budget_state.expected[pick], expected_now))
-    return dataclasses.replace(budget_state, seen=seen, expected=expected, chosen=chosen)
+    return dataclasses.replace(budget_state, seen=blend(budget_state.seen, mean(got)),
+                               expected=blend(budget_state.expected, mean(reach)), gain=gain, room=room,
+                               chosen=budget_state.chosen.at[jnp.arange(b), idx].set(budget, mode="drop"))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -228,5 +271,5 @@ def save_costs(key: dict, seconds) -> Path | None:
 
 
 __all__ = ["CHAIN", "DEFAULT_CANDIDATES", "candidates_text", "BudgetState", "parse_candidates", "check_candidates",
-           "tree_reach", "chain_reach", "choose", "observe", "cost_key", "cost_cache_dir", "cost_cache_path",
-           "load_costs", "save_costs"]
+           "tree_reach", "chain_reach", "predicted_reach", "choose", "observe", "cost_key", "cost_cache_dir",
+           "cost_cache_path", "load_costs", "save_costs"]

@@ -38,13 +38,14 @@ import jax.numpy as jnp
 
 from ddtree_jax import cache as kv
 from ddtree_jax.accept import Accepted, accept_tree, chain_tree
-from ddtree_jax.budget import CHAIN, BudgetState, chain_reach, check_candidates, choose, observe, tree_reach
+from ddtree_jax.budget import (CHAIN, BudgetState, chain_reach, check_candidates, choose, observe, predicted_reach,
+                               tree_reach)
 from ddtree_jax.models import dflash, mtp, target_family
 from ddtree_jax.models.contract import KERNEL_CHOICES, ForwardMeta, ForwardOut, Kernels, Runtime, resolve_kernels
 from ddtree_jax.models.params import ModelParams
 from ddtree_jax.parallel import Parallel, constrain_cache
 from ddtree_jax.sampling import SamplingConfig, decode_tokens
-from ddtree_jax.tree import DraftTree, build_tree, first_nodes
+from ddtree_jax.tree import DraftTree, build_tree
 from pallas_kernels.tree_accept import tree_accept
 
 
@@ -438,29 +439,25 @@ def ar_round(target: ModelParams, drafter: None, state: DecodeState, options: De
 
 @at_matmul_precision
 def auto_round(target: ModelParams, drafter: ModelParams, state: DecodeState, options: DecodeOptions) -> DecodeState:
-    """`--budget auto`: draft once, predict every candidate's reach (`budget.py`), verify the candidate with the
-    most expected tokens per second of its round cost, then correct the drafter's confidence by what the
-    target accepted.
+    """`--budget auto`: draft once, predict every candidate's reach from the chain's (`budget.predicted_reach`:
+    no tree is built to choose), verify the candidate with the most expected tokens per second of its round
+    cost, then learn from what ran: the target's acceptance (the correction) and, for a tree, its reach against
+    the chain's (the share).
 
-    Each branch of the `lax.switch` verifies and accepts (`verify_accept`) as the fixed round of
-    `options.candidate(budget)` does: the chain of argmaxes (DFlash) or the first B + 1 nodes of the widest
-    tree, which are exactly budget B's tree (`tree.first_nodes`). What the commit reads comes out padded to the
-    widest candidate, and one commit after the switch (`finish_round`, gathering by the accepted path, which for
-    a chain is its nodes in order) writes the caches: the round of every branch is the fixed round's.
+    Each branch of the `lax.switch` is the fixed round of `options.candidate(budget)` up to the commit: the
+    chain branch takes the argmaxes as DFlash does (no top-k, no tree build), a tree branch builds its own
+    budget's tree (`propose`), and both verify and accept it (`verify_accept`). What the commit reads comes out
+    padded to the widest candidate, and one commit after the switch (`finish_round`, gathering by the accepted
+    path, which for a chain is its nodes in order) writes the caches: the round of every branch is the fixed
+    round's.
     """
     budgets, depths = options.budgets, options.block_size - 1
     running = ~state.done
     with jax.named_scope("draft"):
         logits = draft(drafter, target, state.last_token, state.draft_cache, options)
-    with jax.named_scope("tree"):
-        log_probs = jax.nn.log_softmax(logits, axis=-1)
-        trees = [b for b in budgets if b != CHAIN]
-        widest = propose(logits, state.last_token, options.candidate(trees[-1])) if trees else None
-        reach = [chain_reach(log_probs)[:, None, :]] if CHAIN in budgets else []
-        if trees:
-            reach.append(tree_reach(widest, tuple(trees), depths))
-        reach = jnp.concatenate(reach, axis=1)  # [b, N, L] in `budgets` order (the chain first)
-        pick = choose(reach, running, state.budget)
+    with jax.named_scope("choose"):
+        chain = chain_reach(logits)  # [b, L]
+        pick = choose(predicted_reach(chain, budgets, state.budget), running, state.budget)
 
     rng, key = jax.random.split(state.rng)
     nodes = options.verify_width
@@ -469,22 +466,24 @@ def auto_round(target: ModelParams, drafter: ModelParams, state: DecodeState, op
         sub = options.candidate(budget)
 
         def run():
-            tree = propose(logits, state.last_token, sub) if budget == CHAIN else first_nodes(widest, budget)
+            with jax.named_scope("tree"):
+                tree = propose(logits, state.last_token, sub)
+                reach = chain if budget == CHAIN else tree_reach(tree, depths)  # the drafter's, of what runs
             out, acc = verify_accept(target, drafter, state, tree, key, sub)
             # One shape for every branch: what the commit and the trace read, padded to the widest candidate's
             # nodes (the commit gathers by the accepted path, which stays inside the real ones).
-            return pad_nodes((out.taps, out.pending, out.nodes, tree), nodes), acc
+            return pad_nodes((out.taps, out.pending, out.nodes, tree), nodes), acc, reach
 
         return run
 
     # Only reads of the caches inside the switch, and the commit after it: caches carried through a branch's
     # output were copied in and out on every round (44 cache-sized copies per round, the CPU's compiled loop).
-    (taps, pending, node_states, tree), acc = jax.lax.switch(pick, [branch(b) for b in budgets])
+    (taps, pending, node_states, tree), acc, reach = jax.lax.switch(pick, [branch(b) for b in budgets])
     out = ForwardOut(hidden=None, taps=taps, cache=state.cache, pending=pending, nodes=node_states)
     after = finish_round(target, drafter, state, tree, out, acc, rng, options)
     counts = jnp.where(running, acc.count, 0)
-    budget_state = observe(state.budget, pick, jnp.take(reach, pick, axis=1), counts, running,
-                           jnp.asarray(budgets, jnp.int32)[pick], state.num_rounds)
+    budget_state = observe(state.budget, pick, reach, chain, counts, running, jnp.asarray(budgets, jnp.int32)[pick],
+                           state.num_rounds)
     return dataclasses.replace(after, budget=budget_state)
 
 

@@ -28,51 +28,72 @@ def literal_tree() -> DraftTree:
                      ancestor=jnp.ones((1, 5, 5), bool), scores=scores)
 
 
-def test_reach_and_choice_of_the_worked_example():
-    reach = auto.tree_reach(literal_tree(), (1, 3, 4), depths=3)
-    np.testing.assert_allclose(np.asarray(reach[0]), [[.5, 0, 0], [.8, .25, 0], [.8, .4, 0]], rtol=1e-6)
-    chain = auto.chain_reach(jnp.log(jnp.asarray([[[.5, .3, .2], [.5, .5, 0], [.25, .5, .25]]], jnp.float32)))
+def learned(state: auto.BudgetState, candidate: int, share) -> auto.BudgetState:
+    """The state with `candidate`'s share set to `share` [L] (room 1 at every depth)."""
+    share = jnp.asarray(share, jnp.float32)
+    return dataclasses.replace(state, gain=state.gain.at[candidate].set(share), room=state.room.at[candidate].set(1.0))
+
+
+def test_reach_prediction_and_choice_of_the_worked_example():
+    np.testing.assert_allclose(np.asarray(auto.tree_reach(literal_tree(), depths=3)), [[.8, .4, 0]], rtol=1e-6)
+    probs = jnp.asarray([[[.5, .3, .2], [.5, .5, 0], [.25, .5, .25]]], jnp.float32)
+    chain = auto.chain_reach(jnp.log(probs) + 3.0)  # logits: any shift per depth, the same probabilities
     np.testing.assert_allclose(np.asarray(chain), [[.5, .25, .125]], rtol=1e-6)
-    both = jnp.concatenate([chain[:, None], reach[:, 2:]], axis=1)  # (chain, 4): 1.875 and 2.2 tokens
-    state = auto.BudgetState.start(1, 8, 2, 3)
+    state = learned(auto.BudgetState.start(1, 8, 2, 3), 1, [.6, .2, 0])
+    reach = auto.predicted_reach(chain, (auto.CHAIN, 4), state)  # (chain, 4): 1.875 and 2.325 tokens
+    np.testing.assert_allclose(np.asarray(reach[0]), [[.5, .25, .125], [.8, .4, .125]], rtol=1e-6)
     running = jnp.asarray([True])
-    pick = lambda costs: int(auto.choose(both, running, dataclasses.replace(state, costs=costs)))  # noqa: E731
-    assert pick(jnp.asarray([1.0, 1.2])) == 0 and pick(jnp.asarray([1.0, 1.1])) == 1
+    pick = lambda costs: int(auto.choose(reach, running, dataclasses.replace(state, costs=costs)))  # noqa: E731
+    assert pick(jnp.asarray([1.0, 1.3])) == 0 and pick(jnp.asarray([1.0, 1.2])) == 1
     # Rows that are done do not vote: a done row that expects a lot from the tree changes nothing.
-    two = jnp.concatenate([both, jnp.asarray([[[0, 0, 0], [1, 1, 1]]], jnp.float32)])
-    state2 = dataclasses.replace(auto.BudgetState.start(2, 8, 2, 3), costs=jnp.asarray([1.0, 1.2]))
+    two = jnp.concatenate([reach, jnp.asarray([[[0, 0, 0], [1, 1, 1]]], jnp.float32)])
+    state2 = dataclasses.replace(auto.BudgetState.start(2, 8, 2, 3), costs=jnp.asarray([1.0, 1.3]))
     assert int(auto.choose(two, jnp.asarray([True, False]), state2)) == 0
     assert int(auto.choose(two, jnp.asarray([True, True]), state2)) == 1
+    # An untried tree's share is 1: it expects all of the chain's shortfall and is tried first; a negative
+    # share (a tree without the chain's deep nodes) predicts less than the chain, never below 0.
+    fresh = auto.predicted_reach(chain, (auto.CHAIN, 4), auto.BudgetState.start(1, 8, 2, 3))
+    np.testing.assert_allclose(np.asarray(fresh[0, 1]), [1, 1, 1])
+    low = auto.predicted_reach(chain, (auto.CHAIN, 4), learned(auto.BudgetState.start(1, 8, 2, 3), 1, [0, -.1, -1]))
+    np.testing.assert_allclose(np.asarray(low[0, 1]), [.5, .25 - .075, 0], rtol=1e-6)
 
 
-def test_observe_corrects_an_overconfident_drafter_per_candidate_and_depth():
-    """Candidate 1 (budget 4) predicts reach [.8 .4 0]; the target grants depth 1 half as often as predicted
-    (counts 2, 1: one row reaches depth 1, one does not): its correction at depth 1 falls below 1, depth 3 stays
-    1, and candidate 0, which never ran, keeps 1 everywhere; the round's budget is written at each running row's
-    round index."""
+def test_observe_learns_the_correction_and_the_share_per_candidate_and_depth():
+    """Candidate 1 (budget 4) ran a tree of drafter reach [.8 .4 0] where the chain's was [.5 .25 .1]; the target
+    grants depth 1 half as often as predicted (counts 2, 1: one row reaches depth 1, one does not): its correction
+    at depth 1 falls below 1, depth 3 stays 1, and its share is (tree - chain) / (1 - chain), here
+    [.6 .2 -.1 / .9]; candidate 0, which never ran, keeps correction 1; the round's budget is written at each
+    running row's round index. The third row is done: it counts nowhere."""
     state = auto.BudgetState.start(3, 4, 2, 3)
-    predicted = jnp.asarray([[.8, .4, 0], [.8, .4, 0], [.9, .9, .9]], jnp.float32)
+    reach = jnp.asarray([[.8, .4, 0], [.8, .4, 0], [.9, .9, .9]], jnp.float32)
+    chain = jnp.asarray([[.5, .25, .1], [.5, .25, .1], [.9, .9, .9]], jnp.float32)
     for _ in range(20):
-        state = auto.observe(state, jnp.asarray(1), predicted, jnp.asarray([2, 1, 0]), jnp.asarray([True, True, False]),
-                             jnp.asarray(4), jnp.asarray([1, 1, 0]))
+        state = auto.observe(state, jnp.asarray(1), reach, chain, jnp.asarray([2, 1, 0]),
+                             jnp.asarray([True, True, False]), jnp.asarray(4), jnp.asarray([1, 1, 0]))
+    weight = 1 - auto.DECAY ** 20
     seen = np.asarray(state.seen)
-    assert seen[1, 0] == pytest.approx(0.5 * (1 - auto.DECAY ** 20), rel=1e-5) and seen[1, 1] == seen[1, 2] == 0
-    np.testing.assert_allclose(np.asarray(state.expected)[1], np.array([.8, .4, 0]) * (1 - auto.DECAY ** 20),
-                               rtol=1e-5)
+    assert seen[1, 0] == pytest.approx(0.5 * weight, rel=1e-5) and seen[1, 1] == seen[1, 2] == 0
+    np.testing.assert_allclose(np.asarray(state.expected)[1], np.array([.8, .4, 0]) * weight, rtol=1e-5)
     correction = np.asarray(state.correction)
     assert 0.6 < correction[1, 0] < 0.7 and correction[1, 1] < 0.2 and correction[1, 2] == 1
     np.testing.assert_array_equal(correction[0], 1.0)
+    np.testing.assert_allclose(np.asarray(state.share)[1], [.3 / .5, .15 / .75, -.1 / .9], rtol=1e-5)
     assert np.asarray(state.chosen).tolist() == [[0, 4, 0, 0], [0, 4, 0, 0], [0, 0, 0, 0]]
     # A round in which no row runs changes nothing.
-    idle = auto.observe(state, jnp.asarray(1), predicted, jnp.zeros(3, jnp.int32), jnp.zeros(3, bool), jnp.asarray(0),
-                        jnp.zeros(3, jnp.int32))
-    np.testing.assert_array_equal(np.asarray(idle.seen), seen)
-    # The corrected candidate loses the choice it won before: at equal costs, 4's tree expected 1 + 1.2 tokens
-    # against the chain's 1 + 1.0; corrected, about 1 + .8 x .65 + .4 x .1.
-    reach = jnp.asarray([[[.6, .3, .1], [.8, .4, 0]]], jnp.float32)
-    fresh = auto.BudgetState.start(1, 4, 2, 3)
-    assert int(auto.choose(reach, jnp.asarray([True]), fresh)) == 1
-    assert int(auto.choose(reach, jnp.asarray([True]), dataclasses.replace(state, costs=fresh.costs))) == 0
+    idle = auto.observe(state, jnp.asarray(0), reach, chain, jnp.zeros(3, jnp.int32), jnp.zeros(3, bool),
+                        jnp.asarray(0), jnp.zeros(3, jnp.int32))
+    for field in ("seen", "expected", "gain", "room"):
+        np.testing.assert_array_equal(np.asarray(getattr(idle, field)), np.asarray(getattr(state, field)))
+    # Rounds that verify the chain: candidate 1's share moves back towards 1 by 1 - FORGET of the distance per
+    # round (exploration), its correction stays; the chain's own averages learn.
+    share = np.asarray(state.share)[1]
+    after = state
+    for _ in range(50):
+        after = auto.observe(after, jnp.asarray(0), chain, chain, jnp.asarray([1, 1, 0]),
+                             jnp.asarray([True, True, False]), jnp.asarray(0), jnp.asarray([1, 1, 0]))
+    np.testing.assert_allclose(np.asarray(after.share)[1], 1 - (1 - share) * auto.FORGET ** 50, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(after.correction)[1], correction[1], rtol=1e-6)
+    assert np.asarray(after.correction)[0, 0] < 0.2  # the chain predicted .5 at depth 1 and got 0
 
 
 @pytest.mark.parametrize("text,want", [("chain,16,64", (0, 16, 64)), ("64, 0 ,16", (0, 16, 64)), ("4,8", (4, 8))])

@@ -13,6 +13,7 @@ import pytest
 
 from ddtree_jax.checkpoint import load_drafter, load_target
 from ddtree_jax.engine import DecodeOptions, Mode, decode_loop, generate, prefill, resolve_options
+from ddtree_jax.round import auto_round, speculative_round
 from ddtree_jax.models.contract import ForwardMeta
 from ddtree_jax.models import dflash, qwen3
 from ddtree_jax.random_checkpoint import tiny_qwen3_config, write_random_dflash, write_random_qwen3
@@ -174,7 +175,8 @@ def test_decode_loop_makes_no_host_transfers(pair16):
 
 
 AUTO = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=40, block_size=4, budgets=(0, 4, 16), record_trees=True)
-# Seconds per round of (chain, 4, 16) and what pair16 then chooses: only 16; 4 and 16; chain and 4; only the chain.
+# Seconds per round of (chain, 4, 16) and what pair16 then chooses (rounds of one row of 20 tokens): 16 in 19, 4
+# once (untried); the same; the chain in ~29 of ~36, each tree a few times (untried trees and exploration); the same.
 AUTO_COSTS = [(1.0, 1.0, 1.2), (1.0, 1.0, 1.4), (1.0, 1.2, 2.0), (1.0, 1.3, 2.0)]
 
 
@@ -182,7 +184,7 @@ def test_auto_budget_greedy_equals_ar_whichever_budgets_it_chooses(pair16, ar_ou
     """Costs are an argument of the compiled loop (no recompile); every cost table gives AR's tokens, the
     choices differ between tables and inside one run, and one budget is recorded per round and per saved tree.
     With every other candidate priced out, auto runs exactly the fixed round of that budget: the same rounds,
-    trees and accepted paths (budget 4's tree is the first 5 nodes of the widest, budget 16's)."""
+    trees and accepted paths (the branch builds budget 4's own tree)."""
     target, drafter = pair16
     seen = []
     for i, costs in enumerate(AUTO_COSTS):
@@ -217,13 +219,67 @@ def test_auto_budget_calibrates_once_and_caches_the_costs(pair16, ar_outputs, tm
     assert again.output_ids == ar_outputs
 
 
+def _subjaxprs(eqn):
+    for value in eqn.params.values():
+        for v in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(v, "eqns"):
+                yield v
+            elif hasattr(getattr(v, "jaxpr", None), "eqns"):
+                yield v.jaxpr
+
+
+def _primitives(jaxpr, skip=None) -> set[str]:
+    """Every primitive in a jaxpr and the jaxprs inside it, but not inside the equation `skip`."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        if eqn is not skip:
+            names.add(eqn.primitive.name)
+            for sub in _subjaxprs(eqn):
+                names |= _primitives(sub)
+    return names
+
+
+def _switches(jaxpr):
+    """Every `lax.switch`/`lax.cond` equation in a jaxpr, nested ones included."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "cond":
+            yield eqn
+        for sub in _subjaxprs(eqn):
+            yield from _switches(sub)
+
+
+def test_auto_budget_builds_a_tree_only_in_the_branches_that_verify_one(pair16):
+    """The round's program: the vocabulary top-k that every tree build starts with (`top_k`) is inside the tree
+    branches of the budget switch and nowhere else, so a round that verifies the chain runs no top-k and no
+    build (a DFlash round's work). Positive control: the check finds the top-k of a fixed DDTree round, and
+    none in a DFlash round's."""
+    target, drafter = pair16
+    options = resolve_options(AUTO, drafter)
+    state = jax.jit(prefill, static_argnames=("capacity", "options"))(
+        target, drafter, jnp.asarray([[1, 2, 3, 4]]), jnp.asarray([4]), jax.random.key(0), capacity=64,
+        options=options)
+    jaxpr = jax.make_jaxpr(lambda s: auto_round(target, drafter, s, options))(state).jaxpr
+    [switch] = [e for e in _switches(jaxpr) if len(e.params["branches"]) == len(AUTO.budgets)]
+    chain, *trees = [_primitives(b.jaxpr) for b in switch.params["branches"]]
+    assert AUTO.budgets[0] == 0 and "top_k" not in chain and "argmax" in chain
+    assert all("top_k" in t for t in trees)
+    assert "top_k" not in _primitives(jaxpr, skip=switch)
+
+    def round_primitives(mode, budget):
+        sub = dataclasses.replace(options, mode=mode, budget=budget, budgets=())
+        return _primitives(jax.make_jaxpr(lambda s: speculative_round(target, drafter, s, sub))(state).jaxpr)
+
+    assert "top_k" in round_primitives(Mode.DDTREE, 16) and "top_k" not in round_primitives(Mode.DFLASH, 64)
+
+
 def test_auto_budget_sampling_follows_the_ar_distribution(tmp_path):
-    """As the fixed-budget test, with costs under which the first round verifies the budget-6 tree and the second
-    the chain (the drafter's correction after round one tips it)."""
+    """As the fixed-budget test, with costs under which the first round verifies the budget-6 tree (untried, it
+    expects the most) and the second the chain (what round one taught about the tree tips it; budget 2, untried
+    too, is priced out)."""
     target, drafter, prompt, exact = sampling_pair(tmp_path)
     options = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=3, block_size=4, budgets=(0, 2, 6),
                             sampling=SamplingConfig(temperature=1.0, top_k=0, top_p=1.0))
-    result = generate(target, [prompt] * 4000, options, drafter=drafter, seed=321, round_costs=[1.0, 1.1, 1.2])
+    result = generate(target, [prompt] * 4000, options, drafter=drafter, seed=321, round_costs=[1.0, 4.0, 1.2])
     assert {b for row in result.budgets_chosen for b in row} == {0, 6}
     assert sum(m - 1 for row in result.acceptance_lengths for m in row) > 1000
     assert chi2_pvalue(np.array(result.output_ids), exact) > 1e-3

@@ -244,9 +244,9 @@ def test_ddtree_mode_json_and_saved_trees(tmp_path):
 
 
 def test_auto_budget_json_and_saved_trees_record_the_budget_of_every_round(tmp_path):
-    """--budget auto on the signal pair (a confident drafter: every round takes the tree of 5, which accepts as
-    much as the chain and costs about the same): calibrates into the cost cache, reports the candidates, costs
-    and the budget of each round, and saves it with each tree."""
+    """--budget auto on the signal pair (a confident drafter: the tree of 5 accepts as much as the chain, 4 tokens
+    a round, whichever it takes): calibrates into the cost cache, reports the candidates, costs and the budget of
+    each round, and saves it with each tree."""
     from pairs import write_signal_pair
 
     target, drafter = write_signal_pair(tmp_path)
