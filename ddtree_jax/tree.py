@@ -58,18 +58,6 @@ class DraftTree:
     scores: jax.Array
 
 
-def first_nodes(tree: DraftTree, budget: int) -> DraftTree:
-    """The tree of a smaller budget B' (static) from a tree of budget B >= B': its first B' + 1 nodes.
-
-    `build_tree` emits nodes in one total order, (score desc, depth asc, rank tuple asc), that does not depend
-    on the budget, and the tree of budget B' is the top B' prefixes in that order, so it is exactly the first
-    B' + 1 nodes of the tree of any larger budget (parents come first, so the slice is prefix-closed and its
-    parent indices stay inside it). `--budget auto` builds the widest candidate once and slices the others."""
-    t = budget + 1
-    return DraftTree(tokens=tree.tokens[:, :t], parents=tree.parents[:, :t], depths=tree.depths[:, :t],
-                     valid=tree.valid[:, :t], ancestor=tree.ancestor[:, :t, :t], scores=tree.scores[:, :t])
-
-
 def default_top_k_chunk(budget: int, vocab: int | None = None) -> int:
     """Chunk of the two-stage top-k (`chunked_top_k`) for a budget, from the H200 (tools/topk_probe.py,
     2026-12-01, both Qwen vocabularies): 2048 built the tree fastest at B = 64, 256 and 512 (677 against
