@@ -111,8 +111,8 @@ for step in "$@"; do
       ;;
     build)
       log "tree-build and vocabulary top-k kernels: GPU tests, then the probe"
-      timeout 150 python3 -m pytest -q -o addopts=-ra -p no:cacheprovider -m gpu tests/kernels/test_tree_build.py \
-        tests/kernels/test_vocab_top_k.py 2>&1 | tail -3
+      timeout 150 python3 -m pytest -q --tb=short -o addopts=-ra -p no:cacheprovider -m gpu \
+        tests/kernels/test_tree_build.py tests/kernels/test_vocab_top_k.py 2>&1 | tail -25
       timeout "${BUILD_LIMIT:-200}" python3 tools/topk_probe.py --out "$OUT/build" --vocab "${BUILD_VOCAB:-151936,8192}" \
         --budgets "${BUILD_BUDGETS:-16,64,128}" --top-k "${BUILD_TOP_K:-threshold,pallas}" \
         --tree-build "reference,${BUILD_KERNELS:-pallas}" --depths 15 2>&1 | grep -v '^{'
