@@ -1,7 +1,8 @@
-"""The vocabulary top-k kernel against its reference, `lax.top_k`: the same values (bit for bit, in XLA's total
-order of floats) and the same indices in the same order, over rows with ties within and across chunks, -inf, a row
-of only -inf, a row of one value, signed zeros, +-inf and NaN, at the engine's k (16, 64, 128) and row lengths that
-are not multiples of the kernel's step; and the candidate count that tells the caller to fall back.
+"""The vocabulary top-k kernel against its reference, lax.top_k's order on a CPU (NumPy here): the same values (bit
+for bit, in XLA's total order of floats) and the same indices in the same order, over rows with ties within and
+across chunks, -inf, a row of only -inf, a row of one value, signed zeros, +-inf and NaN, at the engine's k (16, 64,
+128) and row lengths that are not multiples of the kernel's step; and the candidate count that tells the caller to
+fall back.
 
 Every test runs interpreted on CPU and compiled on a GPU (marked `gpu`, skipped without one).
 """
@@ -35,11 +36,33 @@ def rows_with_ties(n: int, seed: int) -> np.ndarray:
     return x
 
 
+def top_k_in_total_order(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """NumPy: the k first entries of each row in (value desc in XLA's total order of floats, index asc) order, the
+    order of lax.top_k on a CPU and of XLA's sort. (On a GPU lax.top_k with k <= 16 runs a kernel of its own whose
+    order of NaNs differs, so the reference is this.)"""
+    bits = x.view(np.int32).astype(np.int64)
+    key = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # the total order as integers
+    flat_key, flat_x = key.reshape(-1, x.shape[-1]), x.reshape(-1, x.shape[-1])
+    index = np.stack([np.lexsort((np.arange(x.shape[-1]), -row))[:k] for row in flat_key])
+    values = np.take_along_axis(flat_x, index, axis=1)
+    return values.reshape(*x.shape[:-1], k), index.reshape(*x.shape[:-1], k).astype(np.int32)
+
+
 def assert_is_lax_top_k(x, k, values, indices):
-    want_values, want_indices = jax.lax.top_k(jnp.asarray(x), k)
+    want_values, want_indices = top_k_in_total_order(x, k)
     as_bits = lambda v: np.asarray(v).view(np.int32)  # NaN and signed zeros compared bit for bit
     np.testing.assert_array_equal(as_bits(values), as_bits(want_values))
-    np.testing.assert_array_equal(np.asarray(indices), np.asarray(want_indices))
+    np.testing.assert_array_equal(np.asarray(indices), want_indices)
+
+
+def test_reference_is_lax_top_k_on_the_cpu():
+    """The NumPy reference agrees with lax.top_k where that follows the total order (the CPU), NaNs included."""
+    x = rows_with_ties(600, 1)
+    for k in (5, 64):
+        want_values, want_indices = jax.lax.top_k(jax.device_put(jnp.asarray(x), jax.devices("cpu")[0]), k)
+        values, indices = top_k_in_total_order(x, k)
+        np.testing.assert_array_equal(values.view(np.int32), np.asarray(want_values).view(np.int32))
+        np.testing.assert_array_equal(indices, np.asarray(want_indices))
 
 
 # The defaults (one segment per row up to 8192 entries) and small segments (a row over many programs, each
