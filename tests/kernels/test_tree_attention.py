@@ -42,24 +42,26 @@ class Case:
 
 
 CASES = [
+    # Without lean_steps (the default since 2026-12-02; a sliding window turns it off too):
     # AR step: one token; a row with an empty cache; S=37 is not a multiple of block_k=16; 3 chunks.
-    Case(t=1, n=2, g=1, s=37, lengths=(0, 37), config=ta.TreeAttentionConfig(block_q=16, block_k=16, num_chunks=3)),
+    Case(t=1, n=2, g=1, s=37, lengths=(0, 37),
+         config=ta.TreeAttentionConfig(block_q=16, block_k=16, num_chunks=3, lean_steps=False)),
     # Small tree, GQA 4, two padding nodes, head dim not a power of two (padded to 32).
-    Case(t=5, n=2, g=4, s=50, lengths=(13, 50), d=24, valid=3),
+    Case(t=5, n=2, g=4, s=50, lengths=(13, 50), d=24, valid=3, config=ta.TreeAttentionConfig(lean_steps=False)),
     # GQA 8 with the sliding window; rows of lengths 0 and 29 over 45 slots; chunks chosen automatically.
     Case(t=17, n=1, g=8, s=45, lengths=(0, 29), window=6, config=ta.TreeAttentionConfig(block_q=32, block_k=16)),
     # 65 nodes x 4 heads = 260 rows: several row blocks; window wider than the cache.
     Case(t=65, n=1, g=4, s=20, lengths=(20, 3), d=16, window=40, valid=50,
          config=ta.TreeAttentionConfig(block_q=64, block_k=16, num_chunks=2)),
-    # bf16, MHA, 4 KV heads, default config (block sizes clamp to the problem).
-    Case(t=17, n=4, g=1, s=100, lengths=(100, 61), dtype="bfloat16", config=ta.TreeAttentionConfig()),
+    # bf16, MHA, 4 KV heads (block sizes clamp to the problem).
+    Case(t=17, n=4, g=1, s=100, lengths=(100, 61), dtype="bfloat16", config=ta.TreeAttentionConfig(lean_steps=False)),
     # lean_steps (whole blocks unmasked, base-2 softmax): a row with an empty cache, a chunk that is one partial
     # block, chunks of whole blocks plus a partial one (length 50 = 3 x 16 + 2), an empty chunk (length 7).
     Case(t=1, n=2, g=1, s=37, lengths=(0, 37),
          config=ta.TreeAttentionConfig(block_q=16, block_k=16, num_chunks=3, lean_steps=True)),
     Case(t=65, n=1, g=4, s=50, lengths=(50, 7), d=16, valid=50,
          config=ta.TreeAttentionConfig(block_q=64, block_k=16, num_chunks=2, lean_steps=True)),
-    Case(t=17, n=4, g=1, s=100, lengths=(100, 61), dtype="bfloat16", config=ta.TreeAttentionConfig(lean_steps=True)),
+    Case(t=17, n=4, g=1, s=100, lengths=(100, 61), dtype="bfloat16", config=ta.TreeAttentionConfig()),  # the default
     # lean_steps with a cache shorter than one key block (block_k 32 over 20 slots: no whole block).
     Case(t=5, n=2, g=4, s=20, lengths=(13, 20), d=24,
          config=ta.TreeAttentionConfig(block_q=16, block_k=32, lean_steps=True)),
