@@ -49,10 +49,11 @@ from ddtree_jax.tree import DraftTree, build_tree
 from pallas_kernels.tree_accept import tree_accept
 
 
-# Budgets up to which the Pallas kernels build the tree (`pallas_kernels.tree_build`, one program per row):
-# on the H200 it took 43 us after the top-k at B = 16 against 128 us for XLA's builder, and 254 against
-# 111 us at B = 64 (tools/topk_probe.py, V = 151936, L = 15, 2026-12-01; docs/performance.md).
-TREE_BUILD_KERNEL_UP_TO = 16
+# Budgets up to which the Pallas kernels build the tree (`pallas_kernels.tree_build`, one program per row): with
+# 8 warps, the whole build (the kernel top-k included) took 178 / 307 us at B = 64 against 210 / 346 for XLA's
+# builder in two H200 calls, and the same as 4 warps at B = 16 (tools/topk_probe.py, V = 151936, L = 15,
+# 2026-12-02; docs/performance.md); at B = 128 XLA's builder was faster (282 against 438 us, 2026-12-02 noon).
+TREE_BUILD_KERNEL_UP_TO = 64
 
 # Matmul precision of a decode: "auto" (`engine.resolve_options`: "highest" for a float32 target, "default"
 # otherwise), or one of JAX's names, applied to every dot of target and drafter (`at_matmul_precision`).

@@ -14,6 +14,7 @@ Reads a private jax hook (`jax._src.pallas.triton.lowering.lower_jaxpr_to_triton
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import importlib.util
 import os
@@ -33,6 +34,7 @@ from pallas_kernels import tree_attention as ta  # noqa: E402
 from pallas_kernels import qk_norm_rope as qk  # noqa: E402
 from pallas_kernels import rms_norm as rn  # noqa: E402
 from pallas_kernels import tree_build as tbk  # noqa: E402
+from pallas_kernels import vocab_top_k as vtk  # noqa: E402
 
 SMEM_PER_SM = 233472  # bytes on sm_90 (228 KiB); one block may take up to 227 KiB; 1 KiB is reserved per block
 SMEM_PER_BLOCK = 232448
@@ -54,6 +56,7 @@ def triton_ir(fn, args, which: int = 0) -> str:
         return result
 
     lowering.lower_jaxpr_to_triton_module = capture
+    jax.clear_caches()  # a kernel lowered before (another `which` of the same fn) would not be lowered again
     try:
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
     finally:
@@ -128,14 +131,21 @@ def main(argv: list[str] | None = None) -> int:
             build_args = [sds((rows, 15, budget), jnp.float32), sds((rows, 15, budget), jnp.int32),
                           sds((rows,), jnp.int32)]
             configs = [tbk.TreeBuildConfig()] + ([] if args.quick or rows > 1 else [
-                tbk.TreeBuildConfig(block_rows=256), tbk.TreeBuildConfig(num_warps=8),
-                tbk.TreeBuildConfig(block_rows=256, num_warps=8)])
+                tbk.TreeBuildConfig(block_rows=256), tbk.TreeBuildConfig(num_warps=4),
+                tbk.TreeBuildConfig(block_rows=256, num_warps=4)])
             for config in configs:
                 fn = functools.partial(tbk.tree_build_pallas, budget=budget, config=config)
                 jobs.append((f"tree_build B={budget} b={rows}", config, fn, build_args))
+    for k in (16, 64, 128):  # the vocabulary top-k's three launches, 15 rows of the Qwen vocabulary
+        config = vtk.VocabTopKConfig()
+        fn = functools.partial(vtk.vocab_top_k_pallas, k=k, config=config)
+        for which, launch in enumerate(("chunk maxima", "compact", "select")):
+            stages = config.num_stages if which < 2 else 1
+            jobs.append((f"vocab_top_k k={k} {launch}", dataclasses.replace(config, num_stages=stages), fn,
+                         [sds((15, 151936), jnp.float32)], which))
     for name, config, fn, fn_args, *which in jobs:
         label = f"{name:<32} {config!r}".replace("TreeAttentionConfig", "").replace("TreeAcceptConfig", "").replace(
-            "TreeBuildConfig", "")
+            "TreeBuildConfig", "").replace("VocabTopKConfig", "")
         try:
             print(label, resources(triton_ir(fn, fn_args, *which), config.num_warps, config.num_stages), flush=True)
         except Exception as exc:  # noqa: BLE001 - report and go on
