@@ -83,7 +83,7 @@ def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
                interpret: bool | None = None, kernel_config: tree_build.TreeBuildConfig | None = None) -> DraftTree:
     """log_probs [b, L, v] float32 per-depth draft log-probabilities (depth d + 1 at index d);
     root_tokens [b] int32; budget B (static); top_k: the per-depth top K = min(B, v) of the vocabulary,
-    "threshold" (`threshold_top_k`), "pallas" (`kernel_top_k`: the same algorithm in one kernel launch),
+    "threshold" (`threshold_top_k`), "pallas" (`kernel_top_k`: the same algorithm in Pallas kernels),
     "chunked" (`chunked_top_k`, the only one before 2026-12; also the other two's fallback) or "auto"
     (`default_top_k()`); top_k_chunk: `chunked_top_k`'s chunk
     ("auto": `default_top_k_chunk(B)`; None: one `lax.top_k`); unroll: the depth loop's `lax.scan` unrolling
@@ -233,12 +233,13 @@ def threshold_top_k(x: jax.Array, k: int, chunk: int | None = None, slots: int |
 
 def kernel_top_k(x: jax.Array, k: int, fallback_chunk: int | None = 2048, interpret: bool | None = None,
                  config: vocab_top_k.VocabTopKConfig | None = None) -> tuple[jax.Array, jax.Array]:
-    """`threshold_top_k`'s algorithm in one launch (`pallas_kernels.vocab_top_k`, interpreted where there is no
-    GPU): `lax.top_k(x, k)`'s values, int32 indices and tie order over the last axis. Where a row's entries
-    above its threshold overflow the kernel's slots the whole batch takes `chunked_top_k(x, k, fallback_chunk)` through a lax.cond
-    (exact as well; call it on the whole batch, as `threshold_top_k`); where the kernel does not apply (k above
-    its MAX_K, short rows), `threshold_top_k`. config: the kernel's knobs (None: its defaults). x [..., n]
-    float32; returns (values [..., k], indices [..., k])."""
+    """`threshold_top_k`'s algorithm in three launches (`pallas_kernels.vocab_top_k`, interpreted where there is
+    no GPU): `lax.top_k(x, k)`'s values, int32 indices and tie order over the last axis (as a CPU orders NaNs).
+    Where a row's entries above its threshold overflow the kernel's slots, the whole batch takes
+    `chunked_top_k(x, k, fallback_chunk)` through a lax.cond (exact as well; call it on the whole batch, as
+    `threshold_top_k`); where the kernel does not apply (k above its MAX_K, short rows), `threshold_top_k`.
+    config: the kernel's knobs (None: its defaults). x [..., n] float32; returns (values [..., k], indices
+    [..., k])."""
     sizes = vocab_top_k.kernel_sizes(x.shape[-1], k)
     if sizes is None:
         return threshold_top_k(x, k, fallback_chunk=fallback_chunk)

@@ -5,6 +5,8 @@
 - `pallas_kernels.tree_accept`: greedy tree acceptance (argmax over the vocabulary per node, then the
   vectorised walk); `tree_accept(..., implementation=)` is the one entry the engine calls, and
   `tree_walk` the walk it shares with every other decoding rule.
+- `pallas_kernels.vocab_top_k`: the top k of every row of the draft log-probs over the vocabulary, lax.top_k's
+  order without sorting, in three launches; `tree.build_tree(..., top_k="pallas")` calls `vocab_top_k`.
 - `pallas_kernels.tree_build`: the draft-tree build after the vocabulary top-k in one launch, bit-identical
   to `ddtree_jax.tree._build_one`; `tree.build_tree(..., implementation="pallas")` calls `tree_build`.
 - `pallas_kernels.rms_norm`: the residual add and the RMSNorm after it (`add_rms_norm`), per token row.
