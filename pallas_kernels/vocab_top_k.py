@@ -1,11 +1,12 @@
 """The top k of every row of a long float32 matrix (a drafter's per-depth log-probs over the vocabulary) in three
 launches (Pallas, Triton), without sorting.
 
-The contract is `lax.top_k` over the last axis as a CPU computes it: the same values, the same int32 indices, the
-same order (value desc in XLA's total order of floats, lower index first among equals; on a GPU lax.top_k with
-k <= 16 runs a kernel of its own that orders NaNs differently, and log-probabilities hold none). `lax.top_k` is this kernel's reference
-(tests/kernels/test_vocab_top_k.py), and `ddtree_jax.tree.threshold_top_k` computes the same thing the same way
-in XLA operations (about ten launches, ~110-125 us for 15 rows of 151936 on the H200, 2026-12-02).
+The contract is `lax.top_k` over the last axis as a CPU computes it: the same values, the same int32 indices,
+the same order (value desc in XLA's total order of floats, lower index first among equals; on a GPU lax.top_k
+with k <= 16 runs a kernel of its own that orders NaNs differently, and log-probabilities hold none). The
+reference is a NumPy restatement of that order (tests/kernels/test_vocab_top_k.py), and
+`ddtree_jax.tree.threshold_top_k` computes the same thing the same way in XLA operations (about ten launches,
+~104-115 us for 15 rows of 151936 on the H200, 2026-12-02).
 
 Letters: r rows, n entries per row, k kept, c chunk (a power of two), N = ceil(n / c) chunks, M candidate
 slots, S segment (the entries one program reads), P = ceil(n / S) segments per row. Each row is spread over P
