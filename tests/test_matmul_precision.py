@@ -18,7 +18,7 @@ import pytest
 from ddtree_jax import round as rnd
 from ddtree_jax.engine import DecodeOptions, Mode, resolve_options
 from ddtree_jax.measure import workload
-from pallas_kernels.tree_attention import tree_attention_pallas
+from pallas_kernels.tree_attention import TreeAttentionConfig, tree_attention_pallas
 
 
 def test_auto_precision_is_highest_for_float32_only():
@@ -115,18 +115,21 @@ def _kernel_dot_precisions(jaxpr) -> list:
 
 @pytest.mark.parametrize("dtype,surrounding,expected", [(jnp.float32, "default", jax.lax.Precision.HIGHEST),
                                                         (jnp.bfloat16, "highest", jax.lax.Precision.DEFAULT)])
-def test_pallas_attention_multiplies_float32_at_full_precision(dtype, surrounding, expected):
+@pytest.mark.parametrize("lean,dots", [(False, 4), (True, 6)])
+def test_pallas_attention_multiplies_float32_at_full_precision(dtype, surrounding, expected, lean, dots):
     """The kernel's dots: HIGHEST for float32 inputs (Pallas' Triton lowering then asks tl.dot for IEEE
     float32, where DEFAULT or HIGH would ask for TF32), DEFAULT for bf16 as before; the surrounding default
-    changes neither."""
+    changes neither. Scores and values over the cache and over the new tokens; with lean_steps (the default) the
+    cache's whole blocks and its partial last block in loops of their own."""
     b, t, n, g, d, s = 1, 4, 2, 2, 16, 32
     x = lambda *shape: jax.ShapeDtypeStruct(shape, dtype)  # noqa: E731
     args = (x(b, t, n * g, d), x(b, s, n, d), x(b, s, n, d), jax.ShapeDtypeStruct((b,), jnp.int32), x(b, t, n, d),
             x(b, t, n, d), jax.ShapeDtypeStruct((b, t, t), bool), jax.ShapeDtypeStruct((b, t), jnp.int32))
     with jax.default_matmul_precision(surrounding):
-        jaxpr = jax.make_jaxpr(functools.partial(tree_attention_pallas, scale=0.25))(*args)
+        jaxpr = jax.make_jaxpr(functools.partial(tree_attention_pallas, scale=0.25,
+                                                 config=TreeAttentionConfig(lean_steps=lean)))(*args)
     found = _kernel_dot_precisions(jaxpr)
-    assert len(found) == 4  # scores and values, over the cache and over the new tokens
+    assert len(found) == dots
     assert set(found) == {(expected, expected)}
 
 
