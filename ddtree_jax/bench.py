@@ -217,9 +217,12 @@ def run_checkpoints(args, parallel) -> dict:
                                 budget=64 if auto or budget is None else budget,
                                 budgets=args.budget_candidates if auto else (), parallel=parallel,
                                 matmul_precision=args.matmul_precision, split_k=args.split_k)
-        # Warm-up: compilation, and for auto the round costs (calibrated unless cached).
-        generate(target, prompts[:1], options, drafter=drafter, recalibrate=auto and args.recalibrate)
-        results = [generate(target, [p], options, drafter=drafter) for p in prompts]
+        # Warm-up: compilation, and for auto the round costs (calibrated unless cached, on the first prompt), then
+        # used for every prompt: one cost table per run (a prompt of another cache size has its own cache entry,
+        # which --recalibrate would not refresh).
+        warm = generate(target, prompts[:1], options, drafter=drafter, recalibrate=auto and args.recalibrate)
+        results = [generate(target, [p], options, drafter=drafter, round_costs=warm.round_costs if auto else None)
+                   for p in prompts]
         outputs = [r.output_ids[0] for r in results]
         decode_s = sum(r.decode_seconds for r in results)
         tokens = sum(len(o) for o in outputs)
@@ -241,8 +244,7 @@ def run_checkpoints(args, parallel) -> dict:
             rows[-1].update(budget_candidates=list(options.budgets),
                             rounds_by_budget={str(b): chosen.count(b) for b in options.budgets},
                             budgets_by_round=[r.budgets_chosen[0] for r in results],
-                            round_costs_s=results[-1].round_costs,
-                            calibration_s=sum(r.calibration_seconds for r in results))
+                            round_costs_s=warm.round_costs, calibration_s=warm.calibration_seconds)
     for r in rows:
         r["speedup_over_ar"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
     return {"kind": "checkpoints", "target": _shown(args.target), "drafter": _shown(args.drafter),

@@ -79,6 +79,8 @@ def test_checkpoint_mode_reports_speedup_and_divergence(tmp_path, monkeypatch):
     assert [len(r) for r in auto["budgets_by_round"]] == [3, 3] and {b for r in auto["budgets_by_round"] for b in r} \
         <= {0, 4} and (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert len(auto["round_costs_s"]) == 2 and "ddtree auto: rounds by budget" in (out / "bench.md").read_text()
+    # One cost table per run: calibrated in the warm-up (an empty cost cache) and given to every prompt.
+    assert auto["calibration_s"] > 0 and len(list((tmp_path / "costs").iterdir())) == 1
 
 
 def test_projected_tau_and_bad_flags(capsys):
