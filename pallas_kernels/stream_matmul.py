@@ -12,8 +12,16 @@ TB/s for 65 (docs/performance.md). Here every row count runs the same streaming 
   matrices still give every streaming multiprocessor work (`splits` defaults to about two programs per
   multiprocessor).
 
+Block-scaled FP8 weights (the published format, `ddtree_jax/models/fp8.py`): with `scale_inv` [ceil(n / bo),
+ceil(k / bi)] and `block` (bo, bi), w is float8_e4m3fn and stays so in memory (half the bytes to stream); each
+[block_n, block_k] tile (inside one scale block: block_n divides bo, block_k divides bi) is widened to x's dtype
+in registers (exact: every e4m3 value is a bfloat16 one), multiplied into a float32 tile of partial sums, and that
+tile times its block's scale is added to the accumulator: sum over blocks of s_b (sum over the block of q x),
+which is the product with the dequantised weight up to float32 rounding.
+
 Letters: t rows (tokens), tp padded rows, k input features, n output features, s splits of k.
-`stream_matmul_reference` is the plain-jnp restatement (float32 accumulation, result in x's dtype).
+`stream_matmul_reference` is the plain-jnp restatement (float32 accumulation, result in x's dtype; an FP8
+weight dequantised in float32 first).
 """
 
 from __future__ import annotations
@@ -51,14 +59,24 @@ class StreamMatmulConfig:
         check_knobs(self, pow2={"block_n": 16, "block_k": 16}, optional_counts=("splits",))
 
 
-def _kernel(x_ref, w_ref, o_ref, *, block_k: int, steps: int, precision):
-    # x_ref [tp, ks] rows of x, this split's k slice; w_ref [block_n, ks] weight rows; o_ref [block_n, tp] f32.
+def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_block: tuple[int, int] | None):
+    # x_ref [tp, ks] rows of x, this split's k slice; w_ref [block_n, ks] weight rows; o_ref [block_n, tp] f32;
+    # with FP8 weights, s_ref [so, si] all the block scales (one scalar read per step).
+    s_ref, o_ref = refs if scale_block is not None else (None, *refs)
+    if scale_block is not None:
+        block_n = w_ref.shape[0]
+        scale_row = pl.program_id(0) * block_n // scale_block[0]
+        first_col = pl.program_id(1) * steps * block_k
+
     def step(i, acc):
         cols = pl.ds(i * block_k, block_k)
-        w = w_ref[:, cols]
         x = x_ref[:, cols]
-        return acc + lax.dot_general(w, x, (((1,), (1,)), ((), ())), precision=precision,
-                                     preferred_element_type=jnp.float32)
+        w = w_ref[:, cols].astype(x.dtype)  # FP8 widened in registers; a no-op otherwise
+        tile = lax.dot_general(w, x, (((1,), (1,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
+        if scale_block is not None:
+            tile = tile * s_ref[scale_row, (first_col + i * block_k) // scale_block[1]].astype(jnp.float32)
+        return acc + tile
 
     o_ref[...] = lax.fori_loop(0, steps, step, jnp.zeros(o_ref.shape, jnp.float32))
 
@@ -73,59 +91,83 @@ def _splits(k: int, n_blocks: int, config: StreamMatmulConfig) -> int:
     return max(s for s in range(1, steps + 1) if steps % s == 0 and s <= want)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret", "debug"))
-def stream_matmul_pallas(x, w, *, config: StreamMatmulConfig | None = None, interpret: bool = False,
+@functools.partial(jax.jit, static_argnames=("block", "config", "interpret", "debug"))
+def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None = None,
+                         config: StreamMatmulConfig | None = None, interpret: bool = False,
                          debug: bool = False) -> jax.Array:
     """The Pallas kernel; arguments and result as `stream_matmul_reference`, plus the knobs."""
     config = StreamMatmulConfig() if config is None else config
-    _check(x, w)
+    _check(x, w, scale_inv, block)
     t, k = x.shape
     n = w.shape[0]
     block_n = min(config.block_n, next_pow2(n))
     if n % block_n or k % config.block_k:
         raise ValueError(f"w [n, k] = {w.shape}: n must divide by block_n={block_n} and k by "
                          f"block_k={config.block_k}")
+    if block is not None and (block[0] % block_n or block[1] % config.block_k):
+        raise ValueError(f"FP8 scale blocks {tuple(block)}: block_n={block_n} and block_k={config.block_k} must "
+                         "divide them (a tile inside one scale block)")
     tp = max(16, next_pow2(t))
     splits = _splits(k, n // block_n, config)
     ks = k // splits
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
-    xp = jnp.pad(x.astype(w.dtype), [(0, tp - t), (0, 0)])
+    # The weight's dtype for x unless the weight is FP8 (then the tiles are widened to x's dtype).
+    xp = jnp.pad(x.astype(x.dtype if block is not None else w.dtype), [(0, tp - t), (0, 0)])
+    in_specs = [pl.BlockSpec((tp, ks), lambda i, s: (0, s)),  # x rows, this split's k slice
+                pl.BlockSpec((block_n, ks), lambda i, s: (i, s))]  # w rows
+    operands = [xp, w]
+    if block is not None:
+        in_specs.append(pl.BlockSpec(scale_inv.shape, lambda i, s: (0, 0)))  # every scale (a scalar read per step)
+        operands.append(scale_inv)
     partial_sums = pl.pallas_call(
-        functools.partial(_kernel, block_k=config.block_k, steps=ks // config.block_k, precision=precision),
+        functools.partial(_kernel, block_k=config.block_k, steps=ks // config.block_k, precision=precision,
+                          scale_block=None if block is None else tuple(block)),
         grid=(n // block_n, splits),
-        in_specs=[pl.BlockSpec((tp, ks), lambda i, s: (0, s)),  # x rows, this split's k slice
-                  pl.BlockSpec((block_n, ks), lambda i, s: (i, s))],  # w rows
+        in_specs=in_specs,
         out_specs=pl.BlockSpec((None, block_n, tp), lambda i, s: (s, i, 0)),
         out_shape=jax.ShapeDtypeStruct((splits, n, tp), jnp.float32),
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         debug=debug,
-        name="stream_matmul",
-    )(xp, w)
+        name="stream_matmul" if block is None else "stream_matmul_fp8",
+    )(*operands)
     total = partial_sums[0]
     for s in range(1, splits):  # a fixed order, whatever t is
         total = total + partial_sums[s]
     return total[:, :t].T.astype(x.dtype)
 
 
-def stream_matmul(x, w, *, implementation: str | None = None, config: StreamMatmulConfig | None = None,
-                  interpret: bool | None = None) -> jax.Array:
+def stream_matmul(x, w, scale_inv=None, *, block: tuple[int, int] | None = None, implementation: str | None = None,
+                  config: StreamMatmulConfig | None = None, interpret: bool | None = None) -> jax.Array:
     """Dispatcher: the Pallas kernel on a GPU, the reference elsewhere (see `pallas_kernels.resolve_implementation`)."""
     if resolve_implementation(implementation) == "reference":
-        return stream_matmul_reference(x, w)
-    return stream_matmul_pallas(x, w, config=config, interpret=resolve_interpret(interpret))
+        return stream_matmul_reference(x, w, scale_inv, block=block)
+    return stream_matmul_pallas(x, w, scale_inv, block=block, config=config, interpret=resolve_interpret(interpret))
 
 
-def _check(x, w):
+def _check(x, w, scale_inv=None, block=None):
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x must be [t, k] and w [n, k], got {x.shape} and {w.shape}")
+    if (scale_inv is None) != (block is None):
+        raise ValueError("an FP8 weight needs both scale_inv and block; a dense one neither")
+    if block is not None:
+        want = tuple(-(-d // b) for d, b in zip(w.shape, block))
+        if scale_inv.shape != want:
+            raise ValueError(f"scale_inv must be [ceil(n / bo), ceil(k / bi)] = {want} for w {w.shape} and block "
+                             f"{tuple(block)}, got {scale_inv.shape}")
 
 
-@jax.jit
-def stream_matmul_reference(x, w) -> jax.Array:
-    """x [t, k] @ w [n, k]^T -> [t, n] in x's dtype, accumulated in float32 (w in its HF [out, in] layout)."""
-    _check(x, w)
+@functools.partial(jax.jit, static_argnames=("block",))
+def stream_matmul_reference(x, w, scale_inv=None, *, block: tuple[int, int] | None = None) -> jax.Array:
+    """x [t, k] @ w [n, k]^T -> [t, n] in x's dtype, accumulated in float32 (w in its HF [out, in] layout). With
+    `scale_inv` [ceil(n / bo), ceil(k / bi)] and `block` (bo, bi), w is block-scaled FP8 and is dequantised in
+    float32 first (w[r, c] x scale_inv[r // bo, c // bi])."""
+    _check(x, w, scale_inv, block)
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
+    if block is not None:
+        scales = jnp.repeat(jnp.repeat(scale_inv.astype(jnp.float32), block[0], axis=0), block[1], axis=1)
+        w = w.astype(jnp.float32) * scales[:w.shape[0], :w.shape[1]]
+        return jnp.einsum("tk,nk->tn", x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST).astype(x.dtype)
     return jnp.einsum("tk,nk->tn", x, w.astype(x.dtype), precision=precision,
                       preferred_element_type=jnp.float32).astype(x.dtype)
 

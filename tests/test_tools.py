@@ -93,10 +93,13 @@ def test_top2_gap_is_the_gap_of_the_next_token_logits():
 
 def test_gpu_probe_smoke_forms_agree(tmp_path):
     assert gpu_probe.main(["--out", str(tmp_path), "--smoke", "--repeats", "2", "--tokens", "1,5",
-                           "--forms", "hf,fused,io,stream,stream_fused"]) == 0
+                           "--forms", "hf,fused,io,stream,stream_fused,fp8,stream_fp8"]) == 0
     report = json.loads((tmp_path / "probe.json").read_text())
     rows = [r for r in report["rows"] if r["section"] == "projections"]
-    assert {r["form"].split("[")[0] for r in rows} == {"hf", "fused", "io", "stream", "stream_fused"}
+    assert {r["form"].split("[")[0] for r in rows} == {"hf", "fused", "io", "stream", "stream_fused", "fp8",
+                                                      "stream_fp8"}
+    hf, fp8 = (next(r for r in rows if r["form"] == f and r["tokens"] == 1) for f in ("hf", "fp8"))
+    assert fp8["weight_bytes"] < 0.6 * hf["weight_bytes"]  # one byte a weight, plus the scales
     for r in rows:
         assert "error" not in r and r["ms"] >= 0 and r["x_floor"] == pytest.approx(r["ms"] / r["floor_ms"])
         if r["form"] != "hf":  # the same function as the models' layout, to bf16 rounding

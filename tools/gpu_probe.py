@@ -11,7 +11,10 @@ Three sections, all in one process, each number a median over repeated device-sy
    `fused` q|k|v and gate|up concatenated into one weight each (fewer, larger matmuls);
    `io`   separate einsums on [in, out] weights;
    `stream`, `stream_fused` the weight-streaming Pallas matmul (`pallas_kernels.stream_matmul`) on the hf or
-   fused weights, for every T.
+   fused weights, for every T;
+   `fp8`  the hf weights as block-scaled FP8 (128 x 128 blocks, `ddtree_jax/models/fp8.py`), dequantised and
+   multiplied by XLA (what the models do with FP8 weights now);
+   `stream_fp8` the same FP8 weights streamed as FP8 by the Pallas matmul (dequantised inside it).
    Each against its floor: the layers' weight bytes over the measured bandwidth.
 3. The output head alone ([151936, 4096] bf16 times T vectors, float32 logits).
 
@@ -34,6 +37,8 @@ import time
 from pathlib import Path
 
 QWEN3_8B = dict(hidden=4096, q=4096, kv=1024, mlp=12288, vocab=151936)
+FP8_BLOCK = (128, 128)  # the published checkpoints' weight_block_size
+FP8_FORMS = ("fp8", "stream_fp8")
 SMOKE = dict(hidden=64, q=64, kv=32, mlp=128, vocab=320)
 
 
@@ -53,23 +58,34 @@ def _layer_weights(shape: dict, layers: int, form: str):
         std = 0.1 / shp[0 if form == "io" else 1] ** 0.5
         return jax.jit(lambda key: (jax.random.normal(key, shp, jnp.float32) * std).astype(jnp.bfloat16))
 
+    from ddtree_jax.models import fp8
+
+    quantize = jax.jit(functools.partial(fp8.quantize, block=FP8_BLOCK))
     out = []
     for layer in range(layers):
         ws = {}
         for i, (name, (o, n_in)) in enumerate(parts.items()):
             shp = (n_in, o) if form == "io" else (o, n_in)
             ws[name] = maker(shp)(jax.random.key(layer * 16 + i))
+            if form in FP8_FORMS:
+                ws[name] = quantize(ws[name])  # (float8_e4m3fn weight, float32 scales)
         out.append(ws)
     return out
 
 
 def _as_hf(weights, shape: dict, form: str):
-    """The same weights in the HF form (split fused matrices, transpose [in, out] ones)."""
+    """The same weights in the HF form (split fused matrices, transpose [in, out] ones, dequantise FP8 ones)."""
+    import jax.numpy as jnp
+
+    from ddtree_jax.models import fp8
+
     q, kv, f = shape["q"], shape["kv"], shape["mlp"]
     out = []
     for ws in weights:
         if form == "stream":
             out.append(ws)
+        elif form in FP8_FORMS:
+            out.append({k: fp8.dequantize(*w, FP8_BLOCK, jnp.bfloat16) for k, w in ws.items()})
         elif form == "io":
             out.append({k: w.T for k, w in ws.items()})
         else:
@@ -88,14 +104,20 @@ def _projections(shape: dict, form: str, interpret: bool, stream_config: str = "
 
     q, kv = shape["q"], shape["kv"]
 
+    from ddtree_jax.models import fp8
+
     def mm(x, w):
         if form == "io":
             return jnp.einsum("ti,io->to", x, w)
-        if form in ("stream", "stream_fused"):
+        if form == "fp8":
+            return jnp.einsum("ti,oi->to", x, fp8.dequantize(*w, FP8_BLOCK, x.dtype))
+        if form in ("stream", "stream_fused", "stream_fp8"):
             bn, bk, warps, stages = (int(v) for v in stream_config.split("x"))
+            w, scales = w if form == "stream_fp8" else (w, None)
+            block = FP8_BLOCK if form == "stream_fp8" else None
             config = StreamMatmulConfig(block_n=min(bn, w.shape[0]), block_k=min(bk, w.shape[1]), num_warps=warps,
                                         num_stages=stages)
-            return stream_matmul_pallas(x, w, config=config, interpret=interpret)
+            return stream_matmul_pallas(x, w, scales, block=block, config=config, interpret=interpret)
         return jnp.einsum("ti,oi->to", x, w)
 
     def layers(weights, x):
@@ -165,8 +187,8 @@ def main(argv=None) -> int:
     for form in args.forms.split(","):
         weights = None  # the previous form's layers go before the next are drawn
         weights = _layer_weights(shape, layers, "fused" if form == "stream_fused" else
-                                 "hf" if form == "stream" else form)
-        n_bytes = sum(w.nbytes for ws in weights for w in ws.values())
+                                 "hf" if form == "stream" else "fp8" if form in FP8_FORMS else form)
+        n_bytes = sum(w.nbytes for w in jax.tree.leaves(weights))  # FP8: its weights and scales
         for stream_config, t in [(c, int(v)) for c in (args.stream_configs.split(",") if form.startswith("stream")
                                                          else [""]) for v in args.tokens.split(",")]:
             fn = _projections(shape, form, interpret, stream_config or "64x128x4x4")

@@ -57,3 +57,53 @@ def test_bad_shapes_say_what_was_expected():
         sm.stream_matmul_reference(x, w[:, :32])
     with pytest.raises(ValueError, match="block_k"):
         sm.stream_matmul_pallas(x, w, config=sm.StreamMatmulConfig(block_k=128), interpret=True)
+
+
+# Block-scaled FP8 weights (ddtree_jax/models/fp8.py's format): (t, n, k, x dtype, block, config). One row with
+# tiles smaller than the scale blocks and two splits; a DDTree tree in float32 with tiles equal to the blocks; a
+# weight whose last scale row is a partial block (rows 128..191), with three splits of one block each.
+FP8_CASES = [(1, 256, 512, "bfloat16", (128, 128), sm.StreamMatmulConfig(block_n=64, block_k=64, splits=2)),
+             (65, 128, 256, "float32", (128, 128), sm.StreamMatmulConfig(block_n=128, block_k=128)),
+             (5, 192, 384, "bfloat16", (128, 128), sm.StreamMatmulConfig(block_n=64, block_k=128, splits=3))]
+
+
+def _fp8_inputs(t, n, k, dtype, block, seed):
+    from ddtree_jax.models import fp8
+
+    rng = np.random.default_rng(seed)
+    dense = rng.standard_normal((n, k)) / np.sqrt(k) * rng.uniform(0.1, 10, size=(n, 1))  # scales differ by row
+    q, scale = fp8.quantize(jnp.asarray(dense, jnp.float32), block)
+    x = jnp.asarray(rng.standard_normal((t, k)), jnp.float32).astype(dtype)
+    # float64 restatement of the dequantised weight: each element times its block's scale.
+    w64 = np.asarray(q, np.float64) * np.repeat(np.repeat(np.asarray(scale, np.float64), block[0], 0), block[1], 1)[:n, :k]
+    return x, q, scale, w64
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("t,n,k,dtype,block,config", FP8_CASES,
+                         ids=[f"t{c[0]}-n{c[1]}-k{c[2]}-{c[3]}" for c in FP8_CASES])
+def test_fp8_weights_match_the_dequantised_float64_product(t, n, k, dtype, block, config, interpret):
+    x, q, scale, w64 = _fp8_inputs(t, n, k, dtype, block, seed=t + n)
+    want = np.asarray(x, np.float64) @ w64.T
+    got = sm.stream_matmul_pallas(x, q, scale, block=block, config=config, interpret=interpret)
+    assert got.shape == (t, n) and got.dtype == jnp.dtype(dtype) and q.dtype == jnp.float8_e4m3fn
+    tol = 1e-5 if dtype == "float32" else 2e-2
+    scale_of_out = np.abs(want).max()
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol * scale_of_out, rtol=tol)
+    ref = sm.stream_matmul_reference(x, q, scale, block=block)
+    np.testing.assert_allclose(np.asarray(ref, np.float64), want, atol=tol * scale_of_out, rtol=tol)
+    # Negative control: one block's scale changed shows through.
+    wrong = sm.stream_matmul_pallas(x, q, scale.at[0, 1].multiply(1.5), block=block, config=config,
+                                    interpret=interpret)
+    assert not np.allclose(np.asarray(wrong, np.float64), want, atol=tol * scale_of_out, rtol=tol)
+
+
+def test_fp8_bad_scales_and_tiles_say_what_was_expected():
+    x, q, scale, _ = _fp8_inputs(2, 256, 256, "bfloat16", (128, 128), seed=3)
+    with pytest.raises(ValueError, match=r"scale_inv must be \[ceil\(n / bo\), ceil\(k / bi\)\] = \(2, 2\)"):
+        sm.stream_matmul_reference(x, q, scale[:1], block=(128, 128))
+    with pytest.raises(ValueError, match="needs both scale_inv and block"):
+        sm.stream_matmul_reference(x, q, scale)
+    with pytest.raises(ValueError, match="must divide them"):
+        sm.stream_matmul_pallas(x, q, scale, block=(128, 128), config=sm.StreamMatmulConfig(block_k=256),
+                                interpret=True)
