@@ -68,6 +68,8 @@ class VocabTopKConfig:
 
     def __post_init__(self):
         check_knobs(self, pow2={"segment": 16, "step": 16, "block": 16, "block_rows": 16})
+        if self.step > 1 << 14:  # a step's two exclusive counts share one int32 scan (16 bits each)
+            raise ValueError(f"VocabTopKConfig.step={self.step!r}: must be at most 16384")
 
 
 def kernel_sizes(n: int, k: int) -> tuple[int, int] | None:
@@ -128,7 +130,7 @@ def _compact_kernel(x_ref, cmax_ref, above_key_ref, above_idx_ref, tie_idx_ref, 
     t = _kth_largest(maxima, k)
     t_ref[0] = t
 
-    def body(s, carry):  # both exclusive counts in one scan (a step holds < 2^15 entries)
+    def body(s, carry):  # both exclusive counts in one scan (a step holds at most 2^14 entries)
         above_run, tie_run = carry
         idx, ok, key = _segment_keys(x_ref, seg, s, n=n, segment=segment, step=step)
         above, tie = ok & (key > t), ok & (key == t)

@@ -107,3 +107,5 @@ def test_sizes_and_bad_arguments():
         vtk.vocab_top_k(jnp.zeros((1, 151936)), 256, interpret=True)
     with pytest.raises(ValueError, match="VocabTopKConfig.step"):
         vtk.VocabTopKConfig(step=1000)
+    with pytest.raises(ValueError, match="VocabTopKConfig.step=32768: must be at most 16384"):
+        vtk.VocabTopKConfig(step=32768)
