@@ -1,19 +1,18 @@
 """Device time of the draft-tree build, and of its vocabulary top-k alone, against a baseline implementation.
 
 For each vocabulary size, budget B, chunk and vocabulary top-k (`--top-k`: `build_tree`'s `top_k`,
-"threshold" or "chunked"): `build_tree(log_softmax(logits), roots, B, chunk, top_k=...)` on [1, L, V]
+"threshold", "pallas" or "chunked"): `build_tree(log_softmax(logits), roots, B, chunk, top_k=...)` on [1, L, V]
 float32 drafter logits, timed in a device loop (`measure.timing.in_loop_seconds`: 8 passes against 1 in one
 call, so the call's dispatch cancels out; each pass depends on the previous one through an optimization
 barrier, so nothing is hoisted). `top-k <name>` times the first step alone (the top K = min(B, V) of every
 depth's vocabulary, `tree.threshold_top_k`, `tree.kernel_top_k` ("pallas", or "pallas:step=8192:num_warps=16"
 with those `VocabTopKConfig` knobs) or `tree.chunked_top_k`), checked equal to one lax.top_k. With
 `--baseline FILE` (another version's tree.py, e.g. `git show REV:ddtree_jax/tree.py > old_tree.py`) that
-version's build is timed
-beside it (with its own defaults) and every tree is checked equal to it (tokens, parents, depths, valid,
-scores, ancestor mask); without, every tree is checked against the first chunk's with the first top-k and the first `--tree-build`
-(`reference`, the XLA builder, or `pallas`, the tree-build kernel: `current <top-k> pallas` in the table).
-`threshold_fits` says whether threshold_top_k's fast path held the candidates for these logits (else it
-took its fallback). Writes topk_probe.json and topk_probe.md under --out.
+version's build is timed beside it (with its own defaults) and every tree is checked equal to it (tokens,
+parents, depths, valid, scores, ancestor mask); without, every tree is checked against the first chunk's with
+the first top-k and the first `--tree-build` (`reference`, the XLA builder, or `pallas`, the tree-build kernel:
+`current <top-k> pallas` in the table). `threshold_fits` says whether threshold_top_k's fast path held the
+candidates for these logits (else it took its fallback). Writes topk_probe.json and topk_probe.md under --out.
 
     python tools/topk_probe.py --out DIR [--vocab 151936,248320] [--budgets 16,64,256,512]
                                [--chunks auto] [--top-k threshold,chunked,pallas,pallas:step=8192]
