@@ -19,6 +19,7 @@ from ddtree_jax.models import dflash, qwen3
 from ddtree_jax.random_checkpoint import tiny_qwen3_config, write_random_dflash, write_random_qwen3
 from ddtree_jax.sampling import SamplingConfig
 from conftest import YARN_ROPE_SCALING
+from jaxprs import equations
 from test_dflash_decoding import PROMPTS, _eos_inside_an_accepted_round, chi2_pvalue, sampling_pair
 from test_tree import heap_tree
 
@@ -219,33 +220,9 @@ def test_auto_budget_calibrates_once_and_caches_the_costs(pair16, ar_outputs, tm
     assert again.output_ids == ar_outputs
 
 
-def _subjaxprs(eqn):
-    for value in eqn.params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if hasattr(v, "eqns"):
-                yield v
-            elif hasattr(getattr(v, "jaxpr", None), "eqns"):
-                yield v.jaxpr
-
-
 def _primitives(jaxpr, skip=None) -> set[str]:
     """Every primitive in a jaxpr and the jaxprs inside it, but not inside the equation `skip`."""
-    names = set()
-    for eqn in jaxpr.eqns:
-        if eqn is not skip:
-            names.add(eqn.primitive.name)
-            for sub in _subjaxprs(eqn):
-                names |= _primitives(sub)
-    return names
-
-
-def _switches(jaxpr):
-    """Every `lax.switch`/`lax.cond` equation in a jaxpr, nested ones included."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "cond":
-            yield eqn
-        for sub in _subjaxprs(eqn):
-            yield from _switches(sub)
+    return {eqn.primitive.name for eqn, _ in equations(jaxpr, skip)}
 
 
 def test_auto_budget_builds_a_tree_only_in_the_branches_that_verify_one(pair16):
@@ -259,8 +236,9 @@ def test_auto_budget_builds_a_tree_only_in_the_branches_that_verify_one(pair16):
         target, drafter, jnp.asarray([[1, 2, 3, 4]]), jnp.asarray([4]), jax.random.key(0), capacity=64,
         options=options)
     jaxpr = jax.make_jaxpr(lambda s: auto_round(target, drafter, s, options))(state).jaxpr
-    [switch] = [e for e in _switches(jaxpr) if len(e.params["branches"]) == len(AUTO.budgets)]
-    chain, *trees = [_primitives(b.jaxpr) for b in switch.params["branches"]]
+    [switch] = [e for e, _ in equations(jaxpr) if e.primitive.name == "cond"
+                and len(e.params["branches"]) == len(AUTO.budgets)]
+    chain, *trees = [_primitives(b) for b in switch.params["branches"]]
     assert AUTO.budgets[0] == 0 and "top_k" not in chain and "argmax" in chain
     assert all("top_k" in t for t in trees)
     assert "top_k" not in _primitives(jaxpr, skip=switch)

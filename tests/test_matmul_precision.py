@@ -20,6 +20,8 @@ from ddtree_jax.engine import DecodeOptions, Mode, resolve_options
 from ddtree_jax.measure import workload
 from pallas_kernels.tree_attention import TreeAttentionConfig, tree_attention_pallas
 
+from jaxprs import equations
+
 
 def test_auto_precision_is_highest_for_float32_only():
     assert resolve_options(DecodeOptions(), None, jnp.float32).matmul_precision == "highest"
@@ -97,20 +99,8 @@ def test_unresolved_auto_leaves_the_surrounding_default(tiny_abstract_pair):
 
 def _kernel_dot_precisions(jaxpr) -> list:
     """Precisions of the dot_generals inside the pallas_call(s) of a jaxpr (nested jaxprs searched)."""
-    found = []
-
-    def walk(jp, inside: bool):
-        for eqn in jp.eqns:
-            if eqn.primitive.name == "dot_general" and inside:
-                found.append(eqn.params["precision"])
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else (value,):
-                    sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
-                    if hasattr(sub, "eqns"):
-                        walk(sub, inside or eqn.primitive.name == "pallas_call")
-
-    walk(jaxpr.jaxpr, False)
-    return found
+    return [eqn.params["precision"] for eqn, outer in equations(jaxpr)
+            if eqn.primitive.name == "dot_general" and "pallas_call" in outer]
 
 
 @pytest.mark.parametrize("dtype,surrounding,expected", [(jnp.float32, "default", jax.lax.Precision.HIGHEST),

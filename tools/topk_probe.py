@@ -46,6 +46,11 @@ from pallas_kernels.vocab_top_k import VocabTopKConfig  # noqa: E402
 FIELDS = ("tokens", "parents", "depths", "valid", "scores", "ancestor")
 
 
+def _knobs(knobs: list[str]) -> dict[str, int]:
+    """['num_warps=8', 'step=2048'] (the ':'-separated tail of a --tree-build or --top-k item) -> kernel knobs."""
+    return {k: int(v) for k, v in (knob.split("=") for knob in knobs)}
+
+
 def tree_program(build_tree, budget: int, chunk, top_k: str | None = None, tree_build: str | None = None):
     """(logits [1, L, V] f32, roots [1] i32, passes) -> the last pass's tree fields. top_k / tree_build None:
     the build's own default (a baseline's build may not take the arguments); tree_build: build_tree's
@@ -56,7 +61,7 @@ def tree_program(build_tree, budget: int, chunk, top_k: str | None = None, tree_
         implementation, *knobs = tree_build.split(":")
         kwargs["implementation"] = implementation
         if knobs:
-            kwargs["kernel_config"] = TreeBuildConfig(**{k: int(v) for k, v in (knob.split("=") for knob in knobs)})
+            kwargs["kernel_config"] = TreeBuildConfig(**_knobs(knobs))
 
     def run(logits, roots, passes):
         def once(salt):
@@ -80,7 +85,7 @@ def top_k_program(budget: int, chunk, top_k: str):
             if name == "threshold":
                 return current.threshold_top_k(lp, k, fallback_chunk=c)
             if name == "pallas":
-                config = VocabTopKConfig(**{kk: int(v) for kk, v in (knob.split("=") for knob in knobs)})
+                config = VocabTopKConfig(**_knobs(knobs))
                 return current.kernel_top_k(lp, k, fallback_chunk=c, config=config)
             return current.chunked_top_k(lp, k, c)
 
