@@ -12,7 +12,7 @@
 #   kernels   tools/kernel_check.py (per-layer attention/acceptance timing and checks) -> kernels/
 #   tests     the GPU-marked tests and the greedy DDTree decoding tests, compiled on the GPU
 #   hybrid    python -m ddtree_jax.bench --shape qwen3.6-27b                        -> hybrid/
-#   bench_ab  the bench (qwen3-8b, $AB_BUDGETS, pallas) at a baseline tree ($BASELINE, e.g. a `git archive` of an
+#   bench_ab  the bench ($AB_SHAPE: qwen3-8b, $AB_MODES, $AB_BUDGETS, pallas) at a baseline tree ($BASELINE, e.g. a `git archive` of an
 #             older commit, carried) and at this one, with traces of this one's rows summarised -> ab/
 #   tree      tools/topk_probe.py: the tree build (and its vocabulary top-k) against $BASELINE's tree.py -> tree/
 #   build     the tree-build and vocabulary top-k kernels compiled (their GPU tests), then tools/topk_probe.py: XLA
@@ -34,6 +34,8 @@
 #             and DDTree $SWEEP_BUDGETS, pallas                                           -> sweep_batch/, sweep_context/
 #   float32   the float32 GPU tests (float64 reference) and the float32 AR/DDTree cost at --matmul-precision
 #             highest and default                                                        -> f32_highest/, f32_default/
+#   gdn       tools/gdn_probe.py: the hybrid's Gated DeltaNet tree rule and its triangular solve per layer, solve
+#             variants ($GDN_ARGS, e.g. --t 16,65 --solves trsm,blocked16)                       -> gdn/
 #   demo_e2e  the bench on the shipped demo pair (checkpoints, bf16, held-out prompts)    -> demo/
 #   demo_bg, demo_pack   the demo pair's training in the background, and collecting it in a later call
 # Variables: BENCH_LIMIT, BUDGETS, KERNELS, MODES, REPEATS, KERNEL_LIMIT, KERNEL_ARGS, HYBRID_BUDGETS, HYBRID_MODES
@@ -84,6 +86,11 @@ for step in "$@"; do
       timeout 150 python3 -m pytest -q -x -o addopts=-ra -p no:cacheprovider tests/test_ddtree_decoding.py \
         -k "greedy or transfers" 2>&1 | tail -5
       ;;
+    gdn)
+      log "Gated DeltaNet tree rule and solves"
+      # shellcheck disable=SC2086
+      timeout "${GDN_LIMIT:-200}" python3 tools/gdn_probe.py --out "$OUT/gdn" ${GDN_ARGS:-} 2>&1 | grep -v '^{'
+      ;;
     hybrid)
       log "bench qwen3.6-27b"
       timeout "${HYBRID_LIMIT:-420}" python3 -m ddtree_jax.bench --shape qwen3.6-27b --context 2048 \
@@ -96,8 +103,9 @@ for step in "$@"; do
         dir="$PWD"; [ "$side" = baseline ] && dir="$BASELINE"
         trace=""; [ "$side" = current ] && trace="--trace /tmp/ab_traces"
         # shellcheck disable=SC2086
-        (cd "$dir" && PYTHONPATH="$dir" timeout "${AB_LIMIT:-200}" python3 -m ddtree_jax.bench --shape qwen3-8b \
-          --context 2048 --budgets "${AB_BUDGETS:-16,64}" --modes ar,dflash,ddtree --repeats 10 --kernels pallas \
+        (cd "$dir" && PYTHONPATH="$dir" timeout "${AB_LIMIT:-200}" python3 -m ddtree_jax.bench --shape "${AB_SHAPE:-qwen3-8b}" \
+          --context 2048 --budgets "${AB_BUDGETS:-16,64}" --modes "${AB_MODES:-ar,dflash,ddtree}" \
+          --repeats "${AB_REPEATS:-10}" --kernels pallas \
           $trace --out "$OUT/ab/$side" 2>&1 | grep -v '^{"mode"' | tail -12)
         rm -f "$OUT/ab/$side"/bench.{md,png,partial.json}  # the table is in the log; few files come back
       done

@@ -34,6 +34,7 @@ from pallas_kernels import tree_attention as ta  # noqa: E402
 from pallas_kernels import qk_norm_rope as qk  # noqa: E402
 from pallas_kernels import rms_norm as rn  # noqa: E402
 from pallas_kernels import tree_build as tbk  # noqa: E402
+from pallas_kernels import tree_delta_rule as tdr  # noqa: E402
 from pallas_kernels import vocab_top_k as vtk  # noqa: E402
 
 SMEM_PER_SM = 233472  # bytes on sm_90 (228 KiB); one block may take up to 227 KiB; 1 KiB is reserved per block
@@ -92,6 +93,7 @@ def resources(ir_text: str, num_warps: int, num_stages: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python tools/triton_offline.py", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="default configs only")
+    parser.add_argument("--only", default="", help="only the kernels whose label contains this text")
     args = parser.parse_args(argv)
     if importlib.util.find_spec("triton") is None:
         print("error: needs the `triton` package (pip install triton)", file=sys.stderr)
@@ -143,9 +145,19 @@ def main(argv: list[str] | None = None) -> int:
             stages = config.num_stages if which < 2 else 1
             jobs.append((f"vocab_top_k k={k} {launch}", dataclasses.replace(config, num_stages=stages), fn,
                          [sds((15, 151936), jnp.float32)], which))
+    for t in (16, 17, 65, 128):  # the Gated DeltaNet tree rule at the Qwen3.6-27B shape (48 value heads, 16 key)
+        for precision in ("default", "highest"):
+            configs = [tdr.TreeDeltaRuleConfig()] + ([] if args.quick else [tdr.TreeDeltaRuleConfig(num_warps=8)])
+            rule_args = [sds((1, t, 16, 128), jnp.float32), sds((1, t, 16, 128), jnp.float32),
+                         sds((1, t, 48, 128), jnp.float32), sds((1, t, 48), jnp.float32), sds((1, t, 48), jnp.float32),
+                         sds((1, 48, 128, 128), jnp.float32), sds((1, t, t), bool)]
+            for config in configs:
+                fn = functools.partial(tdr.tree_delta_rule_pallas, precision=precision, config=config)
+                jobs.append((f"tree_delta_rule {precision} T={t}", config, fn, rule_args))
+    jobs = [job for job in jobs if args.only in job[0]]
     for name, config, fn, fn_args, *which in jobs:
         label = f"{name:<32} {config!r}".replace("TreeAttentionConfig", "").replace("TreeAcceptConfig", "").replace(
-            "TreeBuildConfig", "").replace("VocabTopKConfig", "")
+            "TreeBuildConfig", "").replace("VocabTopKConfig", "").replace("TreeDeltaRuleConfig", "")
         try:
             print(label, resources(triton_ir(fn, fn_args, *which), config.num_warps, config.num_stages), flush=True)
         except Exception as exc:  # noqa: BLE001 - report and go on

@@ -44,9 +44,11 @@ from ddtree_jax.models.layers import (Embedding, Linear, PackedProjections, Part
                                       cached_attention, param, rope_cos_sin)
 from ddtree_jax.models.params import ModelParams, abstract_params, random_params
 from ddtree_jax.parallel import MODEL_AXIS
+from pallas_kernels import tree_delta_rule as tree_rule_kernel
 
 RECURRENT = True  # the cache is a HybridCache: K/V beside a recurrent state per Gated DeltaNet layer
 CHUNK = 64  # tokens per chunk of the chunked (WY) delta rule, as HF
+BLOCKED_SOLVE_ABOVE = 128  # systems larger than this are solved by blocks (`unit_lower_solve`)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -61,8 +63,17 @@ def unit_lower_solve(system: jax.Array, rhs: jax.Array) -> jax.Array:
     step: jaxlib 0.10.2's LAPACK solve splits a large batch into tasks on XLA's intra-op thread pool and
     blocks its pool thread until they are done, so when the devices of a host mesh solve at once they can
     hold every pool thread (2 on a 2-core machine) and wait forever (seen with 2 and 4 forced devices;
-    jaxlib 0.11.2 builds without that path). Both agree to float32 rounding.
+    jaxlib 0.11.2 builds without that path). Both agree to float32 rounding. Above BLOCKED_SOLVE_ABOVE rows
+    (trees wider than the Pallas tree-rule kernel takes), `blocked_unit_lower_solve` with 32-row blocks: on the
+    H200 at the Qwen3.6-27B shape, T = 257, it took 143 us per layer against the triangular solve's 228
+    (tools/gdn_probe.py, 2026-12-02).
     """
+    if system.shape[-1] > BLOCKED_SOLVE_ABOVE:
+        return blocked_unit_lower_solve(system, rhs, 32)
+    return _direct_solve(system, rhs)
+
+
+def _direct_solve(system: jax.Array, rhs: jax.Array) -> jax.Array:
     def substitute(system, rhs):
         n = system.shape[-1]
 
@@ -77,6 +88,33 @@ def unit_lower_solve(system: jax.Array, rhs: jax.Array) -> jax.Array:
         return jax.lax.linalg.triangular_solve(system, rhs, left_side=True, lower=True, unit_diagonal=True)
 
     return jax.lax.platform_dependent(system, rhs, cpu=substitute, default=lapack)
+
+
+def blocked_unit_lower_solve(system: jax.Array, rhs: jax.Array, block: int = 16) -> jax.Array:
+    """`unit_lower_solve` by blocks of `block` rows: the diagonal blocks' inverses in one batched solve against
+    the identity, then block row after block row X_r = D_r^-1 (rhs_r - A[r, :r] X[:r]) as matmuls.
+
+    system [..., n, n], rhs [..., n, m] -> [..., n, m]; n is padded to whole blocks (identity rows, zero
+    right-hand sides). Why: a batched triangular solve runs its n rows one after another."""
+    n, m = system.shape[-1], rhs.shape[-1]
+    nb = -(-n // block)
+    pad = nb * block - n
+    batch = system.shape[:-2]
+    if pad:
+        system = jnp.pad(system, [(0, 0)] * len(batch) + [(0, pad), (0, pad)])
+        system = system + jnp.diag(jnp.arange(nb * block) >= n).astype(system.dtype)
+        rhs = jnp.pad(rhs, [(0, 0)] * len(batch) + [(0, pad), (0, 0)])
+    diag = jnp.stack([system[..., r * block:(r + 1) * block, r * block:(r + 1) * block] for r in range(nb)], -3)
+    eye = jnp.broadcast_to(jnp.eye(block, dtype=system.dtype), diag.shape)
+    inverse = _direct_solve(diag, eye)
+    solved = []
+    for r in range(nb):
+        rows = slice(r * block, (r + 1) * block)
+        b_r = rhs[..., rows, :]
+        if r:
+            b_r = b_r - system[..., rows, :r * block] @ jnp.concatenate(solved, axis=-2)
+        solved.append(inverse[..., r, :, :] @ b_r)
+    return jnp.concatenate(solved, axis=-2)[..., :n, :m]
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state):
@@ -282,6 +320,19 @@ class GatedAttention(nnx.Module):
         return self.output(out, gate), k, v
 
 
+def _tree_rule_kernel(q, k, v, g, beta, initial_state, visible, *, precision: str, mesh: jax.sharding.Mesh | None):
+    """`tree_gated_delta_rule`'s out, written values and log decays by the Pallas kernel
+    (`pallas_kernels.tree_delta_rule`), q and k by key head [b, t, Hk, K]. Under tensor parallelism (`mesh`, whose
+    size divides the key heads) it runs under `shard_map` on each device's key heads and their value heads."""
+    rule = functools.partial(tree_rule_kernel.tree_delta_rule, precision=precision)
+    if mesh is None:
+        return rule(q, k, v, g, beta, initial_state, visible)
+    heads, per_node, state_heads = P(None, None, MODEL_AXIS, None), P(None, None, MODEL_AXIS), P(None, MODEL_AXIS)
+    sharded = jax.shard_map(rule, mesh=mesh, in_specs=(heads, heads, heads, per_node, per_node, state_heads, P()),
+                            out_specs=(heads, heads, per_node), check_vma=False)
+    return sharded(q, k, v, g, beta, initial_state, visible)
+
+
 def _pin(x: jax.Array, axis: int | None, *, mesh: jax.sharding.Mesh | None) -> jax.Array:
     """x with its `axis` split over the tp mesh (None: whole on every device); x as it is without a mesh (one
     device, dp, or key heads that do not divide)."""
@@ -382,13 +433,20 @@ class GatedDeltaNet(nnx.Module):
         q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=-1, keepdims=True) + 1e-6) * self.key_head_dim ** -0.5
         k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=-1, keepdims=True) + 1e-6)
         repeat = v.shape[2] // k.shape[2]  # value head h reads key head h // repeat (HF repeat_interleave)
+        q_keyed, k_keyed = q, k  # [b, t, Hk, K]: the kernel reads key head h // repeat itself
         q, k = pin(jnp.repeat(q, repeat, axis=2), 2), pin(jnp.repeat(k, repeat, axis=2), 2)
         beta = jax.nn.sigmoid(self.in_proj_b(x)).astype(f32)  # [b, t, H]
         g = -jnp.exp(self.A_log[...].astype(f32)) * jax.nn.softplus(self.in_proj_a(x).astype(f32)
                                                                        + self.dt_bias[...].astype(f32))
         nodes = None
         if tree:
-            core, keys, values, log_decay = tree_gated_delta_rule(q, k, v, g, beta, state.state, visible)
+            if runtime.pallas and tree_rule_kernel.supports(t, self.key_head_dim, self.value_head_dim):
+                precision = "highest" if x.dtype == jnp.float32 else "default"
+                core, values, log_decay = _tree_rule_kernel(q_keyed, k_keyed, v, g, beta, state.state, visible,
+                                                            precision=precision, mesh=mesh)
+                keys = k
+            else:
+                core, keys, values, log_decay = tree_gated_delta_rule(q, k, v, g, beta, state.state, visible)
             new_state = state.state
             nodes = NodeStates(keys=pin(keys, 2), values=pin(values, 2), log_decay=pin(log_decay, 2),
                                inputs=pin(pre_conv.astype(state.conv.dtype), 2))

@@ -400,3 +400,20 @@ def test_engine_ar_equals_the_step_loop(params):
         token = np.asarray(jnp.argmax(qwen3_5.logits(params, res.hidden[:, -1]), -1))
         want.append(int(token[0]))
     assert generate(params, prompt.tolist(), DecodeOptions(max_new_tokens=12)).output_ids == [want]
+
+
+@pytest.mark.parametrize("n,block", [(37, 16), (37, 8), (16, 16), (qwen3_5.BLOCKED_SOLVE_ABOVE + 2, None)])
+def test_blocked_unit_lower_solve_matches_float64(n, block):
+    """The blocked solve (partial last block; a single block; and `unit_lower_solve` itself above
+    BLOCKED_SOLVE_ABOVE, where it solves by blocks) against NumPy's float64 solve of the same unit lower system
+    (its upper part and diagonal filled with junk the solve must not read)."""
+    rng = np.random.default_rng(n)
+    lower = np.tril(rng.normal(size=(3, n, n)) * 0.3, -1)
+    rhs = rng.normal(size=(3, n, 5))
+    junk = lower + np.triu(rng.normal(size=(3, n, n)) + 7.0)
+    with jax.default_matmul_precision("highest"):
+        args = jnp.asarray(junk, jnp.float32), jnp.asarray(rhs, jnp.float32)
+        got = (qwen3_5.unit_lower_solve(*args) if block is None
+               else qwen3_5.blocked_unit_lower_solve(*args, block))
+    want = np.linalg.solve(lower + np.eye(n), rhs)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-4, atol=1e-4)
