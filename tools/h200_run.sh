@@ -89,7 +89,7 @@ for step in "$@"; do
     gdn)
       log "Gated DeltaNet tree rule and solves"
       # shellcheck disable=SC2086
-      timeout "${GDN_LIMIT:-200}" python3 tools/gdn_probe.py --out "$OUT/gdn" ${GDN_ARGS:-} 2>&1 | grep -v '^{'
+      timeout "${GDN_LIMIT:-200}" python3 tools/gdn_probe.py --out "$OUT/gdn" ${GDN_ARGS:-} 2>&1
       ;;
     hybrid)
       log "bench qwen3.6-27b"

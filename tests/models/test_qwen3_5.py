@@ -417,3 +417,29 @@ def test_blocked_unit_lower_solve_matches_float64(n, block):
                else qwen3_5.blocked_unit_lower_solve(*args, block))
     want = np.linalg.solve(lower + np.eye(n), rhs)
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernels,t,uses_kernel", [("pallas", 5, True), ("jax", 5, False), ("pallas", 129, False)])
+def test_tree_verify_takes_the_tree_rule_kernel_on_the_pallas_path(kernels, t, uses_kernel):
+    """A Gated DeltaNet layer's tree mode runs `pallas_kernels.tree_delta_rule` on the Pallas path for trees the
+    kernel takes, and the jnp WY form otherwise (the pure-JAX path; wider trees than MAX_NODES). Read from the traced
+    program (the kernel's correctness is tests/kernels/test_tree_delta_rule.py's; the engine's tokens with it,
+    tests/test_kernels_in_engine.py's)."""
+    from flax import nnx
+
+    from ddtree_jax.models.contract import Runtime
+    from ddtree_jax.random_checkpoint import tiny_qwen3_5_config
+    from jaxprs import equations
+
+    config = parse_qwen3_5(tiny_qwen3_5_config())
+    layer = qwen3_5.GatedDeltaNet(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    hv, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    state = RecurrentState(state=jnp.zeros((1, hv, dk, dv)),
+                           conv=jnp.zeros((1, config.linear_conv_dim, config.linear_conv_kernel - 1)))
+    parents = jnp.maximum(jnp.arange(t) - 1, 0)[None]
+    visible = jnp.tril(jnp.ones((1, t, t), bool))
+    jaxpr = jax.make_jaxpr(lambda x: layer(x, state, jnp.array([t]), parents, jnp.arange(t)[None], visible,
+                                           runtime=Runtime(kernels))[0])(jnp.zeros((1, t, config.hidden_size)))
+    names = [eqn.params.get("name") or getattr(eqn.params.get("name_and_src_info"), "name", None)
+             for eqn, _ in equations(jaxpr) if eqn.primitive.name == "pallas_call"]
+    assert ("tree_delta_rule" in names) == uses_kernel, names
