@@ -17,16 +17,17 @@ took 35 us per layer at T = 16 and 92 us at T = 65, 30 and 51 us of it the solve
 
 One program per (batch row, value head), grid (b, H). Nodes are taken in row blocks of 16, in node order
 (parents precede children, so a block's rows depend only on earlier rows and on themselves): for block r,
-  1. G, L and the block's rows of A against every node, from the ancestor mask (float32 sums, `exp` only where
-     j is on i's path);
-  2. the right-hand side minus A's columns of earlier blocks times their solved [U | W] (one matmul each);
+  1. G of its rows from the ancestor mask (float32 sums);
+  2. the right-hand side minus, per earlier block c, A's 16 x 16 tile (r, c) times c's solved [U | W] (`exp` only
+     where j is on i's path);
   3. the 16 x 16 diagonal block's inverse by forward substitution (16 steps on a 16 x 16 tile), then one matmul;
-  4. v_new and out of the block's rows (v_new of earlier rows read back from the output).
+  4. v_new and out of the block's rows (earlier blocks' keys, G and v_new read back).
 Solved rows go to global scratch (extra outputs, L2-resident) and a CTA barrier separates a block's stores from
-the next block's loads. The sequential part is ceil(T / 16) blocks, not T rows.
+the next block's loads. The sequential part is ceil(T / 16) blocks, not T rows, and every tile is 16 x 16 or
+16 x K/V (the work grows as the square of the blocks, which is small next to the registers a T x K tile took).
 
 Letters: b batch, T nodes (at most MAX_NODES), H value heads, Hk key heads (value head h reads key head
-h // (H / Hk)), K key dim, V value dim, tp = the power of two at or above T (the "every node" side of a matmul).
+h // (H / Hk)), K key dim, V value dim.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._dispatch import cdiv, check_knobs, next_pow2, resolve_interpret
+from pallas_kernels._dispatch import cdiv, check_knobs, resolve_interpret
 
 MAX_NODES = 128  # every node's keys, values and mask row fit one program; wider trees stay on the XLA path
 BLOCK = 16  # node rows per block: Triton's smallest matmul side
@@ -58,11 +59,12 @@ def supports(t: int, key_dim: int, value_dim: int) -> bool:
 class TreeDeltaRuleConfig:
     """Tuning knobs of the kernel (static, hashable).
 
-    num_warps:  Triton's warps per program (one program per batch row and value head).
+    num_warps:  Triton's warps per program (one program per batch row and value head). 8: at T = 16 on the H200
+                (Qwen3.6-27B shape) 13.4 us per layer against 16.8 with 4 (tools/gdn_probe.py, 2026-12-02).
     num_stages: Triton's software pipelining; 1: the block loop stores and reloads scratch across barriers.
     """
 
-    num_warps: int = 4
+    num_warps: int = 8
     num_stages: int = 1
 
     def __post_init__(self):
@@ -71,7 +73,7 @@ class TreeDeltaRuleConfig:
 
 def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, vis_ref, s0_ref,  # inputs
             out_ref, vnew_ref, cum_ref, u_ref, w_ref,  # outputs (u, w: scratch)
-            *, t: int, tp: int, precision, interpret: bool):
+            *, t: int, precision, interpret: bool):
     f32 = jnp.float32
 
     def rows_of(ref, rows, ok):  # [n, D] rows of a [T, D] ref; indices clamped (in bounds), masked rows 0
@@ -89,11 +91,8 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, vis_ref, s0_ref,  # inputs
         return plt.load(vis_ref.at[clamp(rows)[:, None], clamp(cols)[None, :]],
                         mask=ok_rows[:, None] & ok_cols[None, :], other=0) != 0
 
-    every = jnp.arange(tp)
-    every_ok = every < t
-    g_all = plt.load(g_ref.at[jnp.minimum(every, t - 1)], mask=every_ok, other=0.0)
-    cum_all = jnp.sum(jnp.where(mask_of(every, every, every_ok, every_ok), g_all[None, :], 0.0), axis=1)  # [tp] G_j
-    within_row, within_col = jnp.arange(BLOCK)[:, None], jnp.arange(BLOCK)[None, :]
+    block = jnp.arange(BLOCK)
+    within_row, within_col = block[:, None], block[None, :]
     eye = (within_row == within_col).astype(f32)
 
     def barrier():  # the interpreter runs a program as one sequential program and has no barrier
@@ -103,34 +102,40 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, vis_ref, s0_ref,  # inputs
     def dot(a, b, dims=_DN):
         return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=f32)
 
+    def decay(visible, cum_rows, cum_cols):  # L on visible pairs, 0 elsewhere (exp only where visible)
+        return jnp.where(visible, jnp.exp(jnp.where(visible, cum_rows[:, None] - cum_cols[None, :], 0.0)), 0.0)
+
+    # Every tile is 16 x 16 or 16 x K/V: blocks of earlier rows are read back one at a time (a [T, K] tile of
+    # every node spilled registers: 530 us per layer at T = 65 on the H200, against 13 us at T = 16).
     for r in range(cdiv(t, BLOCK)):
         start = r * BLOCK
-        rows = start + jnp.arange(BLOCK)
+        rows = start + block
         ok = rows < t
         q_r = rows_of(q_ref, rows, ok).astype(f32)
         k_r = rows_of(k_ref, rows, ok).astype(f32)
         v_r = rows_of(v_ref, rows, ok).astype(f32)
         beta_r = plt.load(beta_ref.at[jnp.minimum(rows, t - 1)], mask=ok, other=0.0).astype(f32)
-        vis_r = mask_of(rows, every, ok, every_ok)  # [16, tp]
-        cum_r = jnp.sum(jnp.where(vis_r, g_all[None, :], 0.0), axis=1)  # [16] G_i (the same sum as cum_all's)
-        decay_r = jnp.where(vis_r, jnp.exp(jnp.where(vis_r, cum_r[:, None] - cum_all[None, :], 0.0)), 0.0)
-        k_all = rows_of(k_ref, every, every_ok).astype(f32)  # [tp, K]
+        cum_r = jnp.zeros((BLOCK,), f32)  # G_i: g summed over the root path (ancestors are in blocks <= r)
+        for c in range(r + 1):
+            cols = c * BLOCK + block
+            g_c = plt.load(g_ref.at[jnp.minimum(cols, t - 1)], mask=cols < t, other=0.0)
+            cum_r += jnp.sum(jnp.where(mask_of(rows, cols, ok, cols < t), g_c[None, :], 0.0), axis=1)
         kb_r = k_r * beta_r[:, None]
-        # A's rows of this block against the nodes of earlier blocks (later nodes are never ancestors).
-        a_r = jnp.where(vis_r & (every[None, :] < start), dot(kb_r, k_all, _DN_T) * decay_r, 0.0)  # [16, tp]
         rhs_u = v_r * beta_r[:, None]  # [16, V]
         rhs_w = kb_r * jnp.exp(cum_r)[:, None]  # [16, K]
-        if r:
-            earlier = every < start
-            u_prev = plt.load(u_ref.at[pl.ds(0, tp), :], mask=earlier[:, None], other=0.0)
-            w_prev = plt.load(w_ref.at[pl.ds(0, tp), :], mask=earlier[:, None], other=0.0)
-            rhs_u = rhs_u - dot(a_r, u_prev)
-            rhs_w = rhs_w - dot(a_r, w_prev)
+        for c in range(r):  # the right-hand side minus A's columns of earlier (solved) blocks
+            cols = c * BLOCK + block
+            all_ok = cols < t
+            k_c = rows_of(k_ref, cols, all_ok).astype(f32)
+            cum_c = plt.load(cum_ref.at[cols], mask=all_ok, other=0.0)
+            a_rc = dot(kb_r, k_c, _DN_T) * decay(mask_of(rows, cols, ok, all_ok), cum_r, cum_c)  # [16, 16]
+            rhs_u = rhs_u - dot(a_rc, u_ref[pl.ds(c * BLOCK, BLOCK), :])
+            rhs_w = rhs_w - dot(a_rc, w_ref[pl.ds(c * BLOCK, BLOCK), :])
         # The diagonal block: (I + D)^-1 by forward substitution (row s is final once the rows above it are
         # subtracted; then every later row subtracts D[:, s] times it).
-        strict_d = mask_of(rows, rows, ok, ok) & (within_col < within_row)
-        decay_d = jnp.exp(jnp.where(strict_d, cum_r[:, None] - cum_r[None, :], 0.0))
-        d = jnp.where(strict_d, dot(kb_r, k_r, _DN_T) * decay_d, 0.0)  # [16, 16]
+        visible_d = mask_of(rows, rows, ok, ok)
+        strict_d = visible_d & (within_col < within_row)
+        d = jnp.where(strict_d, dot(kb_r, k_r, _DN_T) * decay(strict_d, cum_r, cum_r), 0.0)  # [16, 16]
         inv = eye
         for s in range(BLOCK):
             row_s = jnp.sum(jnp.where(within_row == s, inv, 0.0), axis=0)  # [16]
@@ -144,9 +149,15 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, vis_ref, s0_ref,  # inputs
         store_rows(vnew_ref, rows, ok, vnew_r)
         plt.store(cum_ref.at[jnp.where(ok, rows, t)], cum_r, mask=ok)
         barrier()
-        vnew_all = rows_of(vnew_ref, every, every < jnp.minimum(start + BLOCK, t))  # [tp, V]: rows up to this block
-        intra = dot(q_r, k_all, _DN_T) * decay_r  # [16, tp]
-        out_r = dot(q_r * jnp.exp(cum_r)[:, None], s0_ref[...].astype(f32)) + dot(intra, vnew_all)
+        out_r = dot(q_r * jnp.exp(cum_r)[:, None], s0_ref[...].astype(f32))
+        for c in range(r):  # (Q K^T * L) v_new over earlier blocks, then this one
+            cols = c * BLOCK + block
+            all_ok = cols < t
+            k_c = rows_of(k_ref, cols, all_ok).astype(f32)
+            cum_c = plt.load(cum_ref.at[cols], mask=all_ok, other=0.0)
+            intra = dot(q_r, k_c, _DN_T) * decay(mask_of(rows, cols, ok, all_ok), cum_r, cum_c)
+            out_r += dot(intra, rows_of(vnew_ref, cols, all_ok))
+        out_r += dot(dot(q_r, k_r, _DN_T) * decay(visible_d, cum_r, cum_r), vnew_r)
         store_rows(out_ref, rows, ok, out_r)
 
 
@@ -173,14 +184,14 @@ def tree_delta_rule_pallas(q, k, v, g, beta, initial_state, visible, *, precisio
         raise ValueError(f"T={t} nodes, K={dk}, V={dv}: the kernel takes 1 <= T <= {MAX_NODES} and head dims that "
                          "are powers of two >= 16")
     group = h // hk
-    tp = max(next_pow2(t), BLOCK)
+    rows = cdiv(t, BLOCK) * BLOCK
     if precision not in ("highest", "default"):
         raise ValueError(f"precision={precision!r}: expected 'highest' or 'default'")
-    kernel = functools.partial(_kernel, t=t, tp=tp, precision=lax.Precision[precision.upper()], interpret=interpret)
+    kernel = functools.partial(_kernel, t=t, precision=lax.Precision[precision.upper()], interpret=interpret)
     key_spec = pl.BlockSpec((None, t, None, dk), lambda i, j: (i, 0, j // group, 0))
     head_rows = lambda dim: pl.BlockSpec((None, t, None, dim), lambda i, j: (i, 0, j, 0))  # noqa: E731
     per_node = pl.BlockSpec((None, t, None), lambda i, j: (i, 0, j))
-    scratch = lambda dim: pl.BlockSpec((None, None, tp, dim), lambda i, j: (i, j, 0, 0))  # noqa: E731
+    scratch = lambda dim: pl.BlockSpec((None, None, rows, dim), lambda i, j: (i, j, 0, 0))  # noqa: E731
     out, v_new, cum, _, _ = pl.pallas_call(
         kernel,
         grid=(b, h),
@@ -190,8 +201,8 @@ def tree_delta_rule_pallas(q, k, v, g, beta, initial_state, visible, *, precisio
         out_specs=[head_rows(dv), head_rows(dv), per_node, scratch(dv), scratch(dk)],
         out_shape=[jax.ShapeDtypeStruct((b, t, h, dv), jnp.float32), jax.ShapeDtypeStruct((b, t, h, dv), jnp.float32),
                    jax.ShapeDtypeStruct((b, t, h), jnp.float32),
-                   jax.ShapeDtypeStruct((b, h, tp, dv), jnp.float32),
-                   jax.ShapeDtypeStruct((b, h, tp, dk), jnp.float32)],
+                   jax.ShapeDtypeStruct((b, h, rows, dv), jnp.float32),
+                   jax.ShapeDtypeStruct((b, h, rows, dk), jnp.float32)],
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         debug=debug,
