@@ -240,8 +240,10 @@ def test_tree_verify_states_equal_running_each_root_path(hybrid_pair):
         path = path[::-1]
         n = len(path)
         chain = chain_forward(target, tokens[:, np.array(path)], cache)
+        # Two float32 orders of the same sums (the WY tree form against the chunked chain): hidden states of size
+        # ~3 agree to ~1e-5 (1.4e-5 seen on one CPU, within 1e-5 on another); a wrong root path is off by ~0.1.
         np.testing.assert_allclose(np.asarray(tree_out.hidden[0, node]), np.asarray(chain.hidden[0, -1]),
-                                   atol=1e-5, rtol=0, err_msg=f"node {node}")
+                                   atol=5e-5, rtol=0, err_msg=f"node {node}")
         # The state (`cache.path_state`) and conv window after committing this root path equal the chain's.
         path_arr = jnp.asarray([path + [path[-1]] * (8 - n)])
         for got, rec in zip(commit(tree_out.nodes, cache.recurrent, path_arr, jnp.asarray([n])),

@@ -419,10 +419,12 @@ def test_blocked_unit_lower_solve_matches_float64(n, block):
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kernels,t,uses_kernel", [("pallas", 5, True), ("jax", 5, False), ("pallas", 129, False)])
+@pytest.mark.parametrize("kernels,t,uses_kernel", [("pallas", 5, True), ("pallas", qwen3_5.TREE_RULE_KERNEL_UP_TO, True),
+                                                   ("jax", 5, False),
+                                                   ("pallas", qwen3_5.TREE_RULE_KERNEL_UP_TO + 1, False)])
 def test_tree_verify_takes_the_tree_rule_kernel_on_the_pallas_path(kernels, t, uses_kernel):
-    """A Gated DeltaNet layer's tree mode runs `pallas_kernels.tree_delta_rule` on the Pallas path for trees the
-    kernel takes, and the jnp WY form otherwise (the pure-JAX path; wider trees than MAX_NODES). Read from the traced
+    """A Gated DeltaNet layer's tree mode runs `pallas_kernels.tree_delta_rule` on the Pallas path for trees of up to
+    TREE_RULE_KERNEL_UP_TO nodes, and the jnp WY form otherwise (the pure-JAX path; wider trees). Read from the traced
     program (the kernel's correctness is tests/kernels/test_tree_delta_rule.py's; the engine's tokens with it,
     tests/test_kernels_in_engine.py's)."""
     from flax import nnx
