@@ -92,7 +92,8 @@ def run_shape(args, parallel) -> dict:
     plan_options = [resolve_options(DecodeOptions(mode=Mode(mode), max_new_tokens=4096,
                                                   block_size=0 if mode == "mtp" else 16, budget=budget or 64,
                                                   mtp_steps=args.mtp_steps, parallel=parallel, kernels=kernels,
-                                                  matmul_precision=args.matmul_precision, split_k=args.split_k),
+                                                  matmul_precision=args.matmul_precision, split_k=args.split_k,
+                                                  fp8_matmul=args.fp8_matmul),
                                    drafter_of(mode), dtype)
                     for mode, budget, kernels, _, _ in plan]
 
@@ -147,7 +148,8 @@ def run_shape(args, parallel) -> dict:
         terms = costs.floor_terms(target, drafter_of(mode), mode, tokens, context, options.block_size, batch=batch)
         floor = costs.floor(terms["bytes"], terms["flops"], ceilings)[0]
         tau = projected_tau(taus, mode, budget)
-        rows.append({"mode": mode, "budget": budget, "kernels": kernels, "split_k": options.split_k, "batch": batch,
+        rows.append({"mode": mode, "budget": budget, "kernels": kernels, "split_k": options.split_k,
+                     "fp8_matmul": options.fp8_matmul, "batch": batch,
                      "context": context, "verify_tokens": tokens, **{f"{k}_s": v for k, v in stages.items()},
                      "floor_s": floor, "ratio_to_floor": stages["round"] / floor, "tau_projected": tau,
                      # (on a CPU a tiny round can time as 0: the difference of two medians)
@@ -216,7 +218,8 @@ def run_checkpoints(args, parallel) -> dict:
         options = DecodeOptions(mode=Mode(mode), max_new_tokens=args.max_new_tokens,
                                 budget=64 if auto or budget is None else budget,
                                 budgets=args.budget_candidates if auto else (), parallel=parallel,
-                                matmul_precision=args.matmul_precision, split_k=args.split_k)
+                                matmul_precision=args.matmul_precision, split_k=args.split_k,
+                                fp8_matmul=args.fp8_matmul)
         # Warm-up: compilation, and for auto the round costs (calibrated unless cached, on the first prompt), then
         # used for every prompt: one cost table per run (a prompt of another cache size has its own cache entry,
         # which --recalibrate would not refresh).
@@ -236,7 +239,8 @@ def run_checkpoints(args, parallel) -> dict:
                     at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                     divergence = {"prompt": i, "token": at}
                     break
-        rows.append({"mode": mode, "budget": budget, "split_k": resolve_options(options, drafter, dtype).split_k,
+        resolved = resolve_options(options, drafter, dtype)
+        rows.append({"mode": mode, "budget": budget, "split_k": resolved.split_k, "fp8_matmul": resolved.fp8_matmul,
                      "tau": float(np.mean(rounds)), "tokens": tokens,
                      "decode_s": decode_s, "tokens_per_s": tokens / decode_s, "first_divergence": divergence})
         if auto:
@@ -281,7 +285,9 @@ def markdown(report: dict) -> str:
                  f"{r['ratio_to_floor']:.2f} | {ratio(r['round_over_ar_step'])} | {ms(r, 'round_call_s')} | "
                  f"{projected(r)} | {mib(r)} |"
                  for r in report["rows"]]
-        notes = " Target projections in block-scaled FP8 (`--weights fp8`)." if report.get("weights") == "fp8" else ""
+        fp8_matmuls = ", ".join(dict.fromkeys(r.get("fp8_matmul", "dequantize") for r in report["rows"]))
+        notes = (f" Target projections in block-scaled FP8 (`--weights fp8`), multiplied by {fp8_matmuls} "
+                 "(`--fp8-matmul`)." if report.get("weights") == "fp8" else "")
         if hybrid:
             notes += (f" Recurrent state MiB: what the verify keeps per node for the commit (every Gated DeltaNet "
                       f"layer's key, written value and log decay in float32, and the conv input), "

@@ -215,14 +215,16 @@ def observe(budget_state: BudgetState, pick: jax.Array, reach: jax.Array, chain:
 def cost_key(target_config, drafter_config, options, batch: int, capacity: int, dtype) -> dict:
     """What a round's cost depends on: the models' shapes (their configs), the device, the dtype, the batch,
     the context (the cache capacity, rounded up to a power of two), the candidates and the options that change
-    the compiled round (block size, kernels, matmul precision, split-K, greedy or sampled acceptance, layout)."""
+    the compiled round (block size, kernels, matmul precision, split-K, FP8 matmul, greedy or sampled acceptance,
+    layout)."""
     device = jax.devices()[0]
     context = 1 << max(7, (capacity - 1).bit_length())
     return {"target": _digest(repr(target_config)), "drafter": _digest(repr(drafter_config)),
             "device": f"{device.platform}:{device.device_kind}", "devices": options.parallel.size,
             "parallel": options.parallel.mode, "dtype": jnp.dtype(dtype).name, "batch": batch, "context": context,
             "budgets": list(options.budgets), "block_size": options.block_size, "kernels": options.kernels,
-            "matmul_precision": options.matmul_precision, "split_k": options.split_k, "greedy": options.sampling.greedy,
+            "matmul_precision": options.matmul_precision, "split_k": options.split_k,
+            "fp8_matmul": options.fp8_matmul, "greedy": options.sampling.greedy,
             "jax": jax.__version__}
 
 

@@ -78,6 +78,11 @@ def add_matmul_args(p: argparse.ArgumentParser) -> None:
                    help="GPU: may XLA split a matmul's reduction into partial sums (xla: its autotuner decides) or "
                         "not (off); auto: off for dflash, ddtree and mtp (which verify several tokens per call), "
                         "xla for ar")
+    p.add_argument("--fp8-matmul", choices=["auto", "dequantize", "stream"], default="auto",
+                   help="FP8 weights: dequantize (XLA dequantises each weight, then multiplies) or stream (the "
+                        "weight-streaming matmul reads the FP8 weight as stored and scales it inside: the Pallas "
+                        "kernel with --kernels pallas, its jnp reference otherwise; one device, decode calls of few "
+                        "rows, prefill dequantizes); auto: dequantize (stream is not yet timed on a GPU)")
 
 
 def resolve_dtype(name: str):

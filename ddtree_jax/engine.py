@@ -20,7 +20,7 @@ import numpy as np
 
 from ddtree_jax import budget as auto
 from ddtree_jax.config import MTPConfig
-from ddtree_jax.models.contract import resolve_kernels
+from ddtree_jax.models.contract import resolve_fp8_matmul, resolve_kernels
 from ddtree_jax.models.params import ModelParams
 from ddtree_jax.parallel import put, to_host
 from ddtree_jax.round import DecodeOptions, DecodeState, Mode, RoundTrace, decode_loop, prefill
@@ -138,7 +138,8 @@ def resolve_options(options: DecodeOptions, drafter: ModelParams | None, dtype=N
     pure-JAX path for float32, where the Pallas attention is many times slower than XLA's on the H200 (910
     vs 61 us per call at T = 16, docs/kernels.md); "auto" precision is "highest" for float32 (a GPU would
     otherwise round its matmul inputs to TF32) and "default" otherwise (16-bit runs as before); "auto" split-K
-    is "off" for the speculative modes on a GPU and "xla" otherwise (`DecodeOptions.split_k`)."""
+    is "off" for the speculative modes on a GPU and "xla" otherwise (`DecodeOptions.split_k`); "auto" FP8 matmul is
+    what `models.contract.resolve_fp8_matmul` says."""
     if options.kernels == "auto":
         options = dataclasses.replace(options, kernels=resolve_kernels(options.kernels, dtype).value)
     if options.matmul_precision == "auto":
@@ -147,6 +148,8 @@ def resolve_options(options: DecodeOptions, drafter: ModelParams | None, dtype=N
     if options.split_k == "auto":
         several = options.mode.needs_drafter and jax.default_backend() == "gpu"
         options = dataclasses.replace(options, split_k="off" if several else "xla")
+    if options.fp8_matmul == "auto":
+        options = dataclasses.replace(options, fp8_matmul=resolve_fp8_matmul(options.fp8_matmul).value)
     if options.mode.needs_drafter:
         if drafter is None:
             raise ValueError(f"mode {options.mode.value} needs a drafter"

@@ -3,8 +3,8 @@
 One prompt: streams text to the terminal and ends with one summary line on stderr, or prints one JSON
 object with `--json`: {"mode", "output_ids", "text" (with a tokenizer), "acceptance_lengths", "tau",
 "new_tokens", "decode_seconds", "tokens_per_second", "prefill_seconds", "compile_seconds",
-"matmul_precision" and "split_k" (as resolved)}, plus "block_size" and "acceptance_histogram" for dflash, ddtree
-and mtp, "budget" for ddtree and "mtp_steps" for mtp; with `--budget auto` "budget" is "auto", plus
+"matmul_precision", "split_k" and "fp8_matmul" (as resolved)}, plus "block_size" and "acceptance_histogram" for
+dflash, ddtree and mtp, "budget" for ddtree and "mtp_steps" for mtp; with `--budget auto` "budget" is "auto", plus
 "budget_candidates", "budgets_chosen" (the budget each round verified, 0 the chain), "round_costs_s" (seconds
 per round of each candidate, as used) and "calibration_seconds".
 Many prompts (`--prompts FILE.jsonl`): runs them in batches and writes one such JSON line per prompt, with
@@ -208,7 +208,8 @@ def prepare(args) -> Request:
                             budgets=args.budget_candidates if args.budget == "auto" and mode is Mode.DDTREE else (),
                             mtp_steps=args.mtp_steps,
                             record_trees=args.save_trees is not None, parallel=parallel, kernels=args.kernels,
-                            matmul_precision=args.matmul_precision, split_k=args.split_k)
+                            matmul_precision=args.matmul_precision, split_k=args.split_k,
+                            fp8_matmul=args.fp8_matmul)
     return Request(folder, args.drafter if mode in (Mode.DFLASH, Mode.DDTREE) else None, target_config,
                    drafter_config, tokenizer, chat, dtype, options)
 
@@ -301,6 +302,7 @@ def row_report(mode: str, options, result, row: int, tokenizer) -> dict:
         "compile_seconds": result.compile_seconds,
         "matmul_precision": options.matmul_precision,  # what "auto" became
         "split_k": options.split_k,
+        "fp8_matmul": options.fp8_matmul,
     }
     if tokenizer is not None:
         report["text"] = tokenizer.decode(out, skip_special_tokens=True)

@@ -41,7 +41,8 @@ from ddtree_jax.accept import Accepted, accept_tree, chain_tree
 from ddtree_jax.budget import (CHAIN, BudgetState, chain_reach, check_candidates, choose, observe, predicted_reach,
                                tree_reach)
 from ddtree_jax.models import dflash, mtp, target_family
-from ddtree_jax.models.contract import KERNEL_CHOICES, ForwardMeta, ForwardOut, Kernels, Runtime, resolve_kernels
+from ddtree_jax.models.contract import (FP8_MATMUL_CHOICES, KERNEL_CHOICES, ForwardMeta, ForwardOut, Kernels, Runtime,
+                                        resolve_fp8_matmul, resolve_kernels)
 from ddtree_jax.models.params import ModelParams
 from ddtree_jax.parallel import Parallel, constrain_cache
 from ddtree_jax.sampling import SamplingConfig, decode_tokens
@@ -103,6 +104,12 @@ class DecodeOptions:
       one row split-K streams the weights faster). Measured on the H200 at the Qwen3-8B shape, 2026-12-02:
       off took the B = 64 DDTree round from 7.74 to 7.26 ms and DFlash's from 6.37 to 6.31, and the AR step
       from 4.84 to 5.11 (docs/performance.md). Arithmetic changes with it (reduction order), not exactness.
+    fp8_matmul: how FP8 projections multiply (`models.contract.Fp8Matmul`): "dequantize" (XLA dequantises the
+      weight in float32, casts it and multiplies), "stream" (`pallas_kernels.stream_matmul` reads the FP8
+      weight as stored and scales its blocks' partial sums: the Pallas kernel where `kernels` is "pallas", its
+      jnp reference otherwise; only on one device and for calls of at most `layers.STREAM_MAX_ROWS` rows,
+      `layers.Linear.stream_config`) or "auto" (`models.contract.resolve_fp8_matmul`: "dequantize" until the
+      kernel is timed in the models on a GPU), pinned by `engine.resolve_options`. No effect without FP8 weights.
     """
 
     mode: Mode = Mode.AR
@@ -118,6 +125,7 @@ class DecodeOptions:
     kernels: str = "auto"
     matmul_precision: str = "auto"
     split_k: str = "auto"
+    fp8_matmul: str = "auto"
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -143,13 +151,17 @@ class DecodeOptions:
                              f"got {self.matmul_precision!r}")
         if self.split_k not in SPLIT_K_CHOICES:
             raise ValueError(f"split_k must be one of {', '.join(map(repr, SPLIT_K_CHOICES))}, got {self.split_k!r}")
+        if self.fp8_matmul not in FP8_MATMUL_CHOICES:
+            raise ValueError(f"fp8_matmul must be one of {', '.join(map(repr, FP8_MATMUL_CHOICES))}, "
+                             f"got {self.fp8_matmul!r}")
 
     @property
     def runtime(self) -> Runtime:
-        """What the models and the accept stage receive: the kernel implementation, and under tp the mesh
-        the Pallas attention's `shard_map` splits heads over."""
+        """What the models and the accept stage receive: the kernel implementation, under tp the mesh the
+        Pallas attention's `shard_map` splits heads over, and the FP8 matmul."""
         tp_mesh = self.parallel.mesh if self.parallel.mode == "tp" else None
-        return Runtime(kernels=resolve_kernels(self.kernels), tp_mesh=tp_mesh)
+        return Runtime(kernels=resolve_kernels(self.kernels), tp_mesh=tp_mesh,
+                       fp8_matmul=resolve_fp8_matmul(self.fp8_matmul))
 
     @property
     def auto_budget(self) -> bool:
@@ -353,7 +365,7 @@ def commit(drafter: ModelParams, target: ModelParams, out: ForwardOut, acc: Acce
     if options.mode is Mode.MTP:
         draft_cache = mtp.ingest(drafter, target, acc.tokens, out.hidden, counts, draft_cache, options.runtime)
     else:
-        draft_cache = dflash.ingest_context(drafter, taps, counts, draft_cache)
+        draft_cache = dflash.ingest_context(drafter, taps, counts, draft_cache, options.runtime)
     return constrain_cache(cache, options.parallel), constrain_cache(draft_cache, options.parallel)
 
 
@@ -548,7 +560,7 @@ def prefill(target: ModelParams, drafter: ModelParams | None, tokens: jax.Array,
             mtp.create_cache(drafter.config, b, capacity, dtype), options.parallel), options.runtime)
     elif drafter is not None:
         draft_cache = dflash.ingest_context(drafter, out.taps, prompt_lengths, constrain_cache(
-            dflash.create_cache(drafter.config, b, capacity, dtype), options.parallel))
+            dflash.create_cache(drafter.config, b, capacity, dtype), options.parallel), options.runtime)
     state = DecodeState.start(cache, draft_cache, first, rng, options)
     return _emit(state, first[:, None], jnp.ones((b,), jnp.int32), options)
 

@@ -81,6 +81,28 @@ def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_bloc
     o_ref[...] = lax.fori_loop(0, steps, step, jnp.zeros(o_ref.shape, jnp.float32))
 
 
+def fitted_config(n: int, k: int, block: tuple[int, int] | None = None,
+                  config: StreamMatmulConfig | None = None) -> StreamMatmulConfig | None:
+    """`config` (default: the defaults) with `block_n` and `block_k` lowered to the largest powers of two
+    (>= 16) that divide n and k, and with FP8 weights the scale block (bo, bi), so that the kernel tiles a
+    [n, k] weight; None where no such tile exists (n or k, or a scale block dim, not a multiple of 16).
+    Example: n = 320, k = 64, block (128, 128): block_n 64 (divides 320 and 128), block_k 64."""
+    config = StreamMatmulConfig() if config is None else config
+
+    def largest(cap: int, *dims: int) -> int | None:
+        size = cap
+        while size >= 16 and any(d % size for d in dims):
+            size //= 2
+        return size if size >= 16 else None
+
+    block_n = largest(config.block_n, n, *(block[:1] if block is not None else ()))
+    block_k = largest(config.block_k, k, *(block[1:] if block is not None else ()))
+    if block_n is None or block_k is None:
+        return None
+    splits = config.splits if config.splits is not None and k % (config.splits * block_k) == 0 else None
+    return dataclasses.replace(config, block_n=block_n, block_k=block_k, splits=splits)
+
+
 def _splits(k: int, n_blocks: int, config: StreamMatmulConfig) -> int:
     if config.splits is not None:
         if k % (config.splits * config.block_k):
@@ -172,4 +194,4 @@ def stream_matmul_reference(x, w, scale_inv=None, *, block: tuple[int, int] | No
                       preferred_element_type=jnp.float32).astype(x.dtype)
 
 
-__all__ = ["StreamMatmulConfig", "stream_matmul", "stream_matmul_pallas", "stream_matmul_reference"]
+__all__ = ["StreamMatmulConfig", "fitted_config", "stream_matmul", "stream_matmul_pallas", "stream_matmul_reference"]

@@ -206,10 +206,11 @@ def test_shape_mode_in_float32_records_the_matmul_precision(tmp_path):
 
 def test_shape_mode_with_fp8_weights_counts_fp8_bytes(tmp_path):
     """`--weights fp8`: the target's projections are float8_e4m3fn (a byte each) with float32 block scales, the
-    rest bf16, and the floor moves those bytes (counted here by hand from the config)."""
+    rest bf16, and the floor moves those bytes (counted here by hand from the config). Run as the GPU runs
+    compare the FP8 matmuls (`--fp8-matmul stream --kernels pallas`): each row records the choice."""
     out = tmp_path / "out"
     assert main(["--shape", "tiny", "--weights", "fp8", "--context", "16", "--modes", "ar", "--repeats", "1",
-                 "--out", str(out)]) == 0
+                 "--fp8-matmul", "stream", "--kernels", "pallas", "--out", str(out)]) == 0
     report = json.loads((out / "bench.json").read_text())
     c = report["target_config"]
     e, f, v, n, d = (c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"],
@@ -221,4 +222,5 @@ def test_shape_mode_with_fp8_weights_counts_fp8_bytes(tmp_path):
     assert report["weights"] == "fp8" and report["target_bytes"] == projections + scales + rest
     row = report["rows"][0]
     assert row["floor_bytes"] == report["target_bytes"] + 2 * n * 16 * kv * 2  # + the K/V of 16 tokens
-    assert "block-scaled FP8" in (out / "bench.md").read_text()
+    assert row["fp8_matmul"] == "stream" and row["kernels"] == "pallas"
+    assert "block-scaled FP8 (`--weights fp8`), multiplied by stream" in (out / "bench.md").read_text()

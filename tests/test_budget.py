@@ -132,6 +132,8 @@ def test_cost_cache_round_trip_is_keyed_and_atomic(tmp_path, monkeypatch):
     assert path.parent == tmp_path / "c" and [p.name for p in path.parent.iterdir()] == [path.name]  # no temp left
     assert auto.load_costs(key) == [1e-3, 2e-3, 3e-3]
     assert auto.load_costs({**key, "batch": 4}) is None  # another batch: another entry
+    streamed = dataclasses.replace(options, fp8_matmul="stream")  # another FP8 matmul: another compiled round
+    assert auto.load_costs(auto.cost_key(config, None, streamed, 2, 300, jnp.float32)) is None
     path.write_text(json.dumps({"key": key, "seconds": [1, -1, 2]}))
     assert auto.load_costs(key) is None  # a broken entry is measured again, not used
     path.write_text("{not json")

@@ -134,6 +134,30 @@ def test_split_k_auto_is_off_for_speculative_modes_on_a_gpu_only(monkeypatch):
         DecodeOptions(split_k="never")
 
 
+def test_fp8_matmul_auto_is_resolved_in_one_place_and_bad_values_are_refused():
+    """"auto" becomes what `resolve_fp8_matmul` says (before compiling, so the program is keyed on it), a given
+    choice is kept and reaches the models' Runtime, and the CLI offers exactly the engine's choices."""
+    import argparse
+
+    from ddtree_jax.cli import add_matmul_args
+    from ddtree_jax.engine import resolve_options
+    from ddtree_jax.models.contract import FP8_MATMUL_CHOICES, Fp8Matmul, resolve_fp8_matmul
+
+    assert resolve_options(DecodeOptions(), None).fp8_matmul == resolve_fp8_matmul("auto").value
+    assert DecodeOptions().runtime.fp8_matmul is resolve_fp8_matmul("auto")
+    for choice in ("dequantize", "stream"):
+        assert resolve_options(DecodeOptions(fp8_matmul=choice), None).fp8_matmul == choice
+        assert DecodeOptions(fp8_matmul=choice).runtime.fp8_matmul is Fp8Matmul(choice)
+    with pytest.raises(ValueError, match="fp8_matmul must be one of 'auto', 'dequantize', 'stream', got 'fast'"):
+        DecodeOptions(fp8_matmul="fast")
+    with pytest.raises(ValueError, match="fp8_matmul"):
+        resolve_fp8_matmul("fast")
+    parser = argparse.ArgumentParser()
+    add_matmul_args(parser)
+    flag = next(a for a in parser._actions if a.dest == "fp8_matmul")
+    assert tuple(flag.choices) == FP8_MATMUL_CHOICES and flag.default == "auto"
+
+
 def test_compile_program_passes_split_k_off_and_survives_a_jaxlib_without_the_option(monkeypatch, capsys):
     from ddtree_jax import engine
 

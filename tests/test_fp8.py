@@ -168,17 +168,49 @@ def test_decodes_as_transformers_on_the_dequantised_weights(folders, which):
     assert result.output_ids == [hf_greedy(hf, p, NEW_TOKENS) for p in PROMPTS]
 
 
-def test_dflash_and_ddtree_on_fp8_equal_ar(folders):
-    """FP8 target and FP8 drafter: greedy DFlash and DDTree give AR's tokens, with drafts accepted."""
+@pytest.fixture(scope="module")
+def pair(folders) -> tuple:
+    """(FP8 target, FP8 drafter, greedy AR tokens of PROMPTS on the default path: XLA dequantises), float32."""
     target = load_target(folders["converted"], jnp.float32)
     drafter = load_drafter(folders["drafter"], target.config, jnp.float32)
+    return target, drafter, generate(target, PROMPTS, DecodeOptions(max_new_tokens=NEW_TOKENS)).output_ids
+
+
+def test_dflash_and_ddtree_on_fp8_equal_ar(pair):
+    """FP8 target and FP8 drafter: greedy DFlash and DDTree give AR's tokens, with drafts accepted."""
+    target, drafter, ar = pair
     assert drafter.flat()["fc.weight"].dtype == jnp.float8_e4m3fn
-    ar = generate(target, PROMPTS, DecodeOptions(max_new_tokens=NEW_TOKENS)).output_ids
     for mode in (Mode.DFLASH, Mode.DDTREE):
         spec = generate(target, PROMPTS, DecodeOptions(mode=mode, max_new_tokens=NEW_TOKENS, budget=16),
                         drafter=drafter)
         assert spec.output_ids == ar, mode
         assert max(n for row in spec.acceptance_lengths for n in row) >= 2, mode
+
+
+def _stream_kernel_calls(jaxpr) -> int:
+    """How many FP8 streaming-matmul kernels (`pallas_call`s named stream_matmul_fp8) a program holds."""
+    from jaxprs import equations
+
+    return sum(eqn.primitive.name == "pallas_call" and "stream_matmul_fp8" in
+               str(eqn.params.get("name") or eqn.params.get("name_and_src_info")) for eqn, _ in equations(jaxpr))
+
+
+def test_streamed_fp8_matmul_gives_the_dequantize_tokens(pair):
+    """`fp8_matmul="stream"` with the Pallas kernels (interpreted): each of the 14 FP8 projections of an AR step's
+    target forward is the streaming kernel (none with "dequantize": the negative control), and greedy AR and
+    DDTree on the FP8 target and drafter give the dequantize path's AR tokens, DDTree with drafts accepted."""
+    target, drafter, ar = pair
+    cache = qwen3.create_cache(target.config, 1, 32, jnp.float32)
+    meta = ForwardMeta.step(jnp.array([3]), jnp.array([True]))
+    for fp8_matmul, calls in (("stream", 2 * 7), ("dequantize", 0)):
+        runtime = DecodeOptions(kernels="pallas", fp8_matmul=fp8_matmul).runtime
+        step = jax.make_jaxpr(lambda p, t: qwen3.forward(p, t, meta, cache, runtime=runtime).hidden)
+        assert _stream_kernel_calls(step(target, jnp.array([[5]]))) == calls, fp8_matmul
+    for mode in (Mode.AR, Mode.DDTREE):
+        options = DecodeOptions(mode=mode, max_new_tokens=NEW_TOKENS, budget=4, kernels="pallas", fp8_matmul="stream")
+        got = generate(target, PROMPTS, options, drafter=drafter)
+        assert got.output_ids == ar, mode
+    assert max(n for row in got.acceptance_lengths for n in row) >= 2
 
 
 def test_converter_writes_the_published_layout_and_orbax_keeps_it(folders, tmp_path):

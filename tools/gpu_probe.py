@@ -13,8 +13,10 @@ Three sections, all in one process, each number a median over repeated device-sy
    `stream`, `stream_fused` the weight-streaming Pallas matmul (`pallas_kernels.stream_matmul`) on the hf or
    fused weights, for every T;
    `fp8`  the hf weights as block-scaled FP8 (128 x 128 blocks, `ddtree_jax/models/fp8.py`), dequantised and
-   multiplied by XLA (what the models do with FP8 weights now);
-   `stream_fp8` the same FP8 weights streamed as FP8 by the Pallas matmul (dequantised inside it).
+   multiplied by XLA (what the models' FP8 projections do with `--fp8-matmul dequantize`, the default);
+   `stream_fp8` the same FP8 weights streamed as FP8 by the Pallas matmul (dequantised inside it; what they do
+   with `--fp8-matmul stream --kernels pallas`). The streaming forms' knobs fit each weight as the models'
+   do (`pallas_kernels.stream_matmul.fitted_config`).
    Each against its floor: the layers' weight bytes over the measured bandwidth.
 3. The output head alone ([151936, 4096] bf16 times T vectors, float32 logits).
 
@@ -100,7 +102,7 @@ def _projections(shape: dict, form: str, interpret: bool, stream_config: str = "
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels.stream_matmul import StreamMatmulConfig, stream_matmul_pallas
+    from pallas_kernels.stream_matmul import StreamMatmulConfig, fitted_config, stream_matmul_pallas
 
     q, kv = shape["q"], shape["kv"]
 
@@ -115,8 +117,8 @@ def _projections(shape: dict, form: str, interpret: bool, stream_config: str = "
             bn, bk, warps, stages = (int(v) for v in stream_config.split("x"))
             w, scales = w if form == "stream_fp8" else (w, None)
             block = FP8_BLOCK if form == "stream_fp8" else None
-            config = StreamMatmulConfig(block_n=min(bn, w.shape[0]), block_k=min(bk, w.shape[1]), num_warps=warps,
-                                        num_stages=stages)
+            config = fitted_config(*w.shape, block, StreamMatmulConfig(block_n=bn, block_k=bk, num_warps=warps,
+                                                                       num_stages=stages))
             return stream_matmul_pallas(x, w, scales, block=block, config=config, interpret=interpret)
         return jnp.einsum("ti,oi->to", x, w)
 

@@ -54,6 +54,26 @@ def resolve_kernels(choice: str, dtype=None) -> Kernels:
     return Kernels.PALLAS if pallas_kernels.on_gpu() and not wide else Kernels.JAX
 
 
+class Fp8Matmul(str, enum.Enum):
+    """How an FP8 projection (`layers.Linear` after `to_fp8`) multiplies: XLA's dequantise-then-matmul, or the
+    weight-streaming matmul (`pallas_kernels.stream_matmul`), which reads the FP8 weight as it is stored and
+    scales each block's partial sums inside the kernel."""
+
+    DEQUANTIZE = "dequantize"
+    STREAM = "stream"
+
+
+FP8_MATMUL_CHOICES = ("auto", "dequantize", "stream")  # DecodeOptions.fp8_matmul and --fp8-matmul
+
+
+def resolve_fp8_matmul(choice: str) -> Fp8Matmul:
+    """The FP8 matmul a choice means. "auto" is "dequantize": the streaming kernel is not yet timed inside the
+    models on a GPU (this is the one place that decides auto); "dequantize" and "stream" are kept as given."""
+    if choice not in FP8_MATMUL_CHOICES:
+        raise ValueError(f"fp8_matmul must be one of {', '.join(map(repr, FP8_MATMUL_CHOICES))}, got {choice!r}")
+    return Fp8Matmul.DEQUANTIZE if choice == "auto" else Fp8Matmul(choice)
+
+
 @dataclasses.dataclass(frozen=True)
 class Runtime:
     """Static choices of a traced model call (hashable: part of every compilation key).
@@ -62,13 +82,17 @@ class Runtime:
     tp_mesh: the tensor-parallel mesh whose "model" axis splits the heads; the Pallas attention then runs
              under `shard_map` on each device's heads (XLA partitions the pure-JAX path itself). None on
              one device and under data parallelism.
+    fp8_matmul: `Fp8Matmul.DEQUANTIZE` or `Fp8Matmul.STREAM` (resolved, never "auto"): how FP8 projections
+             multiply (`layers.Linear.__call__` says where "stream" applies); no effect on other weights.
     """
 
     kernels: Kernels = Kernels.JAX
     tp_mesh: jax.sharding.Mesh | None = None
+    fp8_matmul: Fp8Matmul = Fp8Matmul.DEQUANTIZE
 
     def __post_init__(self):
         object.__setattr__(self, "kernels", Kernels(self.kernels))
+        object.__setattr__(self, "fp8_matmul", Fp8Matmul(self.fp8_matmul))
 
     @property
     def pallas(self) -> bool:

@@ -60,26 +60,28 @@ def create_cache(config: DFlashConfig, batch: int, capacity: int, dtype) -> KVCa
     return KVCache.create(config.num_layers, batch, capacity, config.num_kv_heads, config.head_dim, dtype)
 
 
-def ingest_context(params: ModelParams, taps: jax.Array, counts: jax.Array, cache: KVCache) -> KVCache:
+def ingest_context(params: ModelParams, taps: jax.Array, counts: jax.Array, cache: KVCache,
+                   runtime: Runtime = Runtime()) -> KVCache:
     """Project new context rows into every layer's K/V and commit them.
 
     Args:
       taps:   [b, c, len(target_layer_ids) * e_target] target taps of the newly committed tokens, in order;
               row r holds `counts[r]` valid rows at positions `cache.lengths[r] + i`.
       counts: [b] int.
+      runtime: the static choices of the call (`models.contract.Runtime`); here only FP8 projections read it.
     Returns the cache with `counts[r]` more context rows per row.
     """
     config: DFlashConfig = params.config
     model = params.module()
     b, c, _ = taps.shape
-    ctx = model.hidden_norm(model.fc(taps.astype(cache.k[0].dtype)))
+    ctx = model.hidden_norm(model.fc(taps.astype(cache.k[0].dtype), runtime))
     positions = cache.lengths[:, None] + jnp.arange(c, dtype=jnp.int32)[None, :]
     cos, sin = rope_cos_sin(positions, config.rope, config.head_dim)
     new_k, new_v = [], []
     for i, layer in enumerate(model.layers):
         attn = layer.self_attn
         # q|k|v are packed; the queries of context rows are not used (a few rows: XLA's cost is the weight pass).
-        _, k, v = attn.qkv_proj(ctx)
+        _, k, v = attn.qkv_proj(ctx, runtime)
         k = attn.k_norm(k.reshape(b, c, -1, config.head_dim))
         v = v.reshape(b, c, -1, config.head_dim)
         new_k.append(write_pending(cache.k[i], apply_rope(k, cos, sin), cache.lengths))
@@ -115,8 +117,9 @@ def draft_hidden(params: ModelParams, target: ModelParams, block_tokens: jax.Arr
             out = cached_attention(q, cache.k[i], cache.v[i], cache.lengths, k, v,
                                    block_mask(b, bs, config.layer_causal[i]), positions,
                                    scale=d ** -0.5, sliding_window=config.layer_windows[i], runtime=runtime)
-            h, x = add_and_norm(layer.post_attention_layernorm, h, attn.o_proj(out.reshape(b, bs, -1)), runtime)
-            delta = layer.mlp(x)
+            attn_out = attn.o_proj(out.reshape(b, bs, -1), runtime)
+            h, x = add_and_norm(layer.post_attention_layernorm, h, attn_out, runtime)
+            delta = layer.mlp(x, runtime)
     return add_and_norm(model.norm, h, delta, runtime)[1]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -18,14 +19,21 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from ddtree_jax.models import fp8
-from ddtree_jax.models.contract import Runtime
+from ddtree_jax.models.contract import Fp8Matmul, Runtime
 from pallas_kernels.qk_norm_rope import qk_norm_rope
 from pallas_kernels.rms_norm import add_rms_norm
+from pallas_kernels.stream_matmul import StreamMatmulConfig, fitted_config, stream_matmul
 from pallas_kernels.tree_attention import tree_attention
 
 from ddtree_jax.config import RopeConfig
 
 NORMAL_STD = 0.02
+# The most rows (tokens x batch) an FP8 projection streams under `Fp8Matmul.STREAM`. The kernel keeps a float32
+# [block_n, rows padded to a power of two] accumulator per program: it is written for decode calls (one token, a
+# DFlash block, a tree of B <= 127 at batch 1; tools/gpu_probe.py timed its dense form up to 128 rows,
+# docs/performance.md). Calls with more rows (a prompt's prefill, wider trees, large batches) multiply as
+# `Fp8Matmul.DEQUANTIZE` does.
+STREAM_MAX_ROWS = 128
 
 
 def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, axes: tuple[str | None, ...], init: str,
@@ -45,7 +53,7 @@ def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, axes: tuple[str 
 class Linear(nnx.Module):
     """Bias-free projection with an HF-layout weight `[out, in]`; after `to_fp8`, a block-scaled FP8 one: a
     float8_e4m3fn `weight` and its float32 `weight_scale_inv` [ceil(out / bo), ceil(in / bi)] (`models/fp8.py`),
-    dequantised on every call."""
+    dequantised on every call, or streamed as FP8 (`runtime.fp8_matmul`, `__call__`)."""
 
     def __init__(self, in_features: int, out_features: int, axes: tuple[str | None, str | None], *, dtype, rngs,
                  groups: int | None = None):
@@ -67,9 +75,31 @@ class Linear(nnx.Module):
             return self.weight[...].astype(dtype)
         return fp8.dequantize(self.weight[...], self.weight_scale_inv[...], self.block, dtype)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x [..., in] -> [..., out] in x's dtype."""
-        return jnp.einsum("...i,oi->...o", x, self.dense_weight(x.dtype))
+    def __call__(self, x: jax.Array, runtime: Runtime) -> jax.Array:
+        """x [..., in] -> [..., out] in x's dtype.
+
+        XLA multiplies x by `dense_weight(x.dtype)` (an FP8 weight dequantised in float32, then cast), except
+        where `stream_config` gives knobs: then `pallas_kernels.stream_matmul` multiplies x in its dtype by the
+        FP8 weight as stored, accumulating in float32 (the Pallas kernel on the Pallas path, `runtime.kernels`;
+        its jnp reference, which dequantises in float32 first, otherwise)."""
+        rows = math.prod(x.shape[:-1])
+        config = self.stream_config(rows, runtime)
+        if config is None:
+            return jnp.einsum("...i,oi->...o", x, self.dense_weight(x.dtype))
+        y = stream_matmul(x.reshape(rows, x.shape[-1]), self.weight[...], self.weight_scale_inv[...], block=self.block,
+                          implementation="pallas" if runtime.pallas else "reference", config=config)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def stream_config(self, rows: int, runtime: Runtime) -> StreamMatmulConfig | None:
+        """The streaming kernel's knobs for a call on `rows` rows if it streams, else None. It streams when the
+        weight is FP8, `runtime.fp8_matmul` is `Fp8Matmul.STREAM`, there is no tensor-parallel mesh (there the
+        weight and its scales are split, and XLA partitions the dequantise path; no `shard_map` of the kernel
+        yet), rows <= STREAM_MAX_ROWS, and the kernel tiles the weight (`fitted_config`: out and in features
+        multiples of 16)."""
+        if (self.block is None or runtime.fp8_matmul is not Fp8Matmul.STREAM or runtime.tp_mesh is not None
+                or rows > STREAM_MAX_ROWS):
+            return None
+        return fitted_config(*self.weight[...].shape, self.block)
 
 
 def apply_fp8(module: nnx.Module, config) -> nnx.Module:
@@ -133,7 +163,7 @@ def project_qk_norm_rope(attn, x: jax.Array, cos: jax.Array, sin: jax.Array,
     if runtime.pallas and runtime.tp_mesh is None and attn.qkv_proj.packed:
         return qk_norm_rope(attn.qkv_proj.packed_output(x), attn.q_norm.weight[...], attn.k_norm.weight[...], cos,
                             sin, eps=attn.q_norm.eps, implementation="pallas")
-    q, k, v = attn.qkv_proj(x)
+    q, k, v = attn.qkv_proj(x, runtime)
     q = apply_rope(attn.q_norm(q.reshape(b, t, -1, d)), cos, sin)
     k = apply_rope(attn.k_norm(k.reshape(b, t, -1, d)), cos, sin)
     return q, k, v.reshape(b, t, -1, d)
@@ -196,10 +226,11 @@ class PackedProjections(nnx.Module):
     def packed(self) -> bool:
         return hasattr(self, "weight")
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, ...]:
-        """x [..., in] -> one output [..., G * units_p * R] per part, in x's dtype."""
+    def __call__(self, x: jax.Array, runtime: Runtime) -> tuple[jax.Array, ...]:
+        """x [..., in] -> one output [..., G * units_p * R] per part, in x's dtype. `runtime` reaches FP8 parts
+        (`Linear.__call__`); the packed weight is never FP8."""
         if not self.packed:
-            return tuple(getattr(self, part.name)(x) for part in self.parts)
+            return tuple(getattr(self, part.name)(x, runtime) for part in self.parts)
         y = self.packed_output(x)
         outs, start = [], 0
         for part in self.parts:
@@ -249,9 +280,9 @@ class SwiGLU(nnx.Module):
                                               dtype=dtype, rngs=rngs)
         self.down_proj = Linear(intermediate, hidden, ("embed", "mlp"), dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        gate, up = self.gate_up_proj(x)
-        return self.down_proj(jax.nn.silu(gate) * up)
+    def __call__(self, x: jax.Array, runtime: Runtime) -> jax.Array:
+        gate, up = self.gate_up_proj(x, runtime)
+        return self.down_proj(jax.nn.silu(gate) * up, runtime)
 
 
 def rope_cos_sin(positions: jax.Array, rope: RopeConfig, rotary_dim: int) -> tuple[jax.Array, jax.Array]:

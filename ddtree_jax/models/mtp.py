@@ -98,10 +98,12 @@ def create_cache(config: MTPConfig, batch: int, capacity: int, dtype) -> MTPCach
 # One step, in three parts (the draft puts its own attention between them)
 
 
-def fuse(head: MultiTokenPredictor, target: ModelParams, tokens: jax.Array, hidden: jax.Array) -> jax.Array:
+def fuse(head: MultiTokenPredictor, target: ModelParams, tokens: jax.Array, hidden: jax.Array,
+         runtime: Runtime) -> jax.Array:
     """The decoder layer's input: tokens [b, t] int, hidden [b, t, e] -> [b, t, e] in hidden's dtype."""
     embedded = target.module().model.embed_tokens(tokens).astype(hidden.dtype)
-    return head.fc(jnp.concatenate([head.pre_fc_norm_embedding(embedded), head.pre_fc_norm_hidden(hidden)], axis=-1))
+    fused = jnp.concatenate([head.pre_fc_norm_embedding(embedded), head.pre_fc_norm_hidden(hidden)], axis=-1)
+    return head.fc(fused, runtime)
 
 
 def project(head: MultiTokenPredictor, config: MTPConfig, x: jax.Array, positions: jax.Array, runtime: Runtime):
@@ -109,7 +111,7 @@ def project(head: MultiTokenPredictor, config: MTPConfig, x: jax.Array, position
     `qwen3_5.GatedAttention.project`."""
     cos, sin = rope_cos_sin(positions, config.layers.rope, config.layers.rotary_dim)
     layer = head.layers[0]
-    return layer.self_attn.project(add_and_norm(layer.input_layernorm, x, None, runtime)[1], cos, sin)
+    return layer.self_attn.project(add_and_norm(layer.input_layernorm, x, None, runtime)[1], cos, sin, runtime)
 
 
 def finish(head: MultiTokenPredictor, x: jax.Array, attended: jax.Array, gate: jax.Array,
@@ -117,8 +119,8 @@ def finish(head: MultiTokenPredictor, x: jax.Array, attended: jax.Array, gate: j
     """The rest of the step after attention (attended [b, t, n*g, d]): residual, MLP, final norm -> [b, t, e]
     (the residual adds inside the norms' calls, `layers.add_and_norm`)."""
     layer = head.layers[0]
-    x, h = add_and_norm(layer.post_attention_layernorm, x, layer.self_attn.output(attended, gate), runtime)
-    return add_and_norm(head.norm, x, layer.mlp(h), runtime)[1]
+    x, h = add_and_norm(layer.post_attention_layernorm, x, layer.self_attn.output(attended, gate, runtime), runtime)
+    return add_and_norm(head.norm, x, layer.mlp(h, runtime), runtime)[1]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -151,7 +153,7 @@ def ingest_outputs(params: ModelParams, target: ModelParams, tokens: jax.Array, 
     t = tokens.shape[1]
     kv = cache.kv
     positions = kv.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
-    x = fuse(head, target, tokens, hidden.astype(kv.k[0].dtype))
+    x = fuse(head, target, tokens, hidden.astype(kv.k[0].dtype), runtime)
     q, gate, k, v = project(head, config, x, positions, runtime)
     attended = cached_attention(q, kv.k[0], kv.v[0], kv.lengths, k, v, causal_mask(counts, t), positions,
                                 scale=config.layers.head_dim ** -0.5, runtime=runtime)
@@ -188,7 +190,7 @@ def draft_logits(params: ModelParams, target: ModelParams, cache: MTPCache, step
     for i in range(chain):
         with jax.named_scope(f"mtp_step_{i + 2}"):
             token = jnp.argmax(logits[-1], axis=-1).astype(jnp.int32) if tokens is None else tokens[:, i]
-            x = fuse(head, target, token[:, None], hidden[:, None])
+            x = fuse(head, target, token[:, None], hidden[:, None], runtime)
             q, gate, k, v = project(head, config, x, positions[:, i:i + 1], runtime)
             buffer_k, buffer_v = buffer_k.at[:, i].set(k[:, 0]), buffer_v.at[:, i].set(v[:, 0])
             rows = jnp.broadcast_to(q, (b, chain) + q.shape[2:])

@@ -46,7 +46,7 @@ class Attention(nnx.Module):
         q, k, v = project_qk_norm_rope(self, x, cos, sin, runtime)
         out = cached_attention(q, k_cache, v_cache, cache_lengths, k, v, meta.new_mask, meta.positions,
                                scale=d ** -0.5, sliding_window=sliding_window, runtime=runtime)
-        return self.o_proj(out.reshape(b, t, -1)), k, v
+        return self.o_proj(out.reshape(b, t, -1), runtime), k, v
 
 
 class DecoderLayer(nnx.Module):
@@ -111,7 +111,7 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: KV
             attn_out, k, v = layer.self_attn(h, cos, sin, cache.k[i], cache.v[i], cache.lengths, meta,
                                              sliding_window=config.sliding_windows[i], runtime=runtime)
             x, h = add_and_norm(layer.post_attention_layernorm, x, attn_out, runtime)
-            delta = layer.mlp(h)
+            delta = layer.mlp(h, runtime)
         new_k.append(k)
         new_v.append(v)
     x, hidden = add_and_norm(model.model.norm, x, delta, runtime)

@@ -300,29 +300,29 @@ class GatedAttention(nnx.Module):
         r = self.rotary_dim
         return jnp.concatenate([apply_rope(x[..., :r], cos, sin), x[..., r:]], axis=-1)
 
-    def project(self, x, cos, sin):
+    def project(self, x, cos, sin, runtime: Runtime):
         """x [b, t, e], cos/sin [b, t, rotary_dim] -> q [b, t, n*g, d] (normed, rotated), gate [b, t, n*g*d],
         k [b, t, n, d] (normed, rotated), v [b, t, n, d]."""
         b, t, _ = x.shape
         d = self.head_dim
-        q_gate, k, v = self.qkv_proj(x)
+        q_gate, k, v = self.qkv_proj(x, runtime)
         q_gate = q_gate.reshape(b, t, -1, 2 * d)
         q, gate = q_gate[..., :d], q_gate[..., d:].reshape(b, t, -1)
         q = self._rope(self.q_norm(q), cos, sin)
         k = self._rope(self.k_norm(k.reshape(b, t, -1, d)), cos, sin)
         return q, gate, k, v.reshape(b, t, -1, d)
 
-    def output(self, attended, gate):
+    def output(self, attended, gate, runtime: Runtime):
         """attended [b, t, n*g, d], gate [b, t, n*g*d] -> o_proj(attended * sigmoid(gate)) [b, t, e]."""
         b, t = attended.shape[:2]
-        return self.o_proj(attended.reshape(b, t, -1) * jax.nn.sigmoid(gate))
+        return self.o_proj(attended.reshape(b, t, -1) * jax.nn.sigmoid(gate), runtime)
 
     def __call__(self, x, cos, sin, k_cache, v_cache, cache_lengths, meta: ForwardMeta, *, runtime: Runtime):
         """x [b, t, e], cos/sin [b, t, rotary_dim] -> (out [b, t, e], k_new [b, t, n, d], v_new [b, t, n, d])."""
-        q, gate, k, v = self.project(x, cos, sin)
+        q, gate, k, v = self.project(x, cos, sin, runtime)
         out = cached_attention(q, k_cache, v_cache, cache_lengths, k, v, meta.new_mask, meta.positions,
                                scale=self.head_dim ** -0.5, runtime=runtime)
-        return self.output(out, gate), k, v
+        return self.output(out, gate, runtime), k, v
 
 
 def _tree_rule_kernel(q, k, v, g, beta, initial_state, visible, *, precision: str, mesh: jax.sharding.Mesh | None):
@@ -395,7 +395,7 @@ class GatedDeltaNet(nnx.Module):
         pin = functools.partial(_pin, mesh=mesh)
 
         # Causal depthwise conv over [window | new inputs]; the new window is each row's last K-1 real inputs.
-        mixed = pin(self.in_proj_qkv(x), 2)  # [b, t, C]; tp: in the weight's contiguous blocks of channels
+        mixed = pin(self.in_proj_qkv(x, runtime), 2)  # [b, t, C]; tp: in the weight's contiguous blocks of channels
         window_in = jnp.swapaxes(state.conv, 1, 2).astype(mixed.dtype)  # [b, K-1, C], oldest first
         w = self.conv1d.weight[...][:, 0, :].astype(jnp.float32)  # [C, K]
         if tree:
@@ -440,8 +440,8 @@ class GatedDeltaNet(nnx.Module):
         repeat = v.shape[2] // k.shape[2]  # value head h reads key head h // repeat (HF repeat_interleave)
         q_keyed, k_keyed = q, k  # [b, t, Hk, K]: the kernel reads key head h // repeat itself
         q, k = pin(jnp.repeat(q, repeat, axis=2), 2), pin(jnp.repeat(k, repeat, axis=2), 2)
-        beta = jax.nn.sigmoid(self.in_proj_b(x)).astype(f32)  # [b, t, H]
-        g = -jnp.exp(self.A_log[...].astype(f32)) * jax.nn.softplus(self.in_proj_a(x).astype(f32)
+        beta = jax.nn.sigmoid(self.in_proj_b(x, runtime)).astype(f32)  # [b, t, H]
+        g = -jnp.exp(self.A_log[...].astype(f32)) * jax.nn.softplus(self.in_proj_a(x, runtime).astype(f32)
                                                                        + self.dt_bias[...].astype(f32))
         nodes = None
         if tree:
@@ -461,8 +461,8 @@ class GatedDeltaNet(nnx.Module):
             beta, g = jnp.where(is_valid[..., None], beta, 0.0), jnp.where(is_valid[..., None], g, 0.0)
             rule = recurrent_gated_delta_rule if t == 1 else chunk_gated_delta_rule
             core, new_state = rule(q, k, v, g, beta, state.state)
-        core = self.norm(core.astype(x.dtype), self.in_proj_z(x).reshape(b, t, -1, self.value_head_dim))
-        return self.out_proj(core.reshape(b, t, -1)), RecurrentState(state=new_state, conv=new_conv), nodes
+        core = self.norm(core.astype(x.dtype), self.in_proj_z(x, runtime).reshape(b, t, -1, self.value_head_dim))
+        return self.out_proj(core.reshape(b, t, -1), runtime), RecurrentState(state=new_state, conv=new_conv), nodes
 
 
 class DecoderLayer(nnx.Module):
@@ -560,7 +560,7 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: Hy
                     h, cache.recurrent[j], meta.valid, meta.parents, depths, meta.new_mask if tree else None,
                     runtime=runtime)
             x, h = add_and_norm(layer.post_attention_layernorm, x, mixed, runtime)
-            delta = layer.mlp(h)
+            delta = layer.mlp(h, runtime)
     x, hidden = add_and_norm(model.model.norm, x, delta, runtime)
     if config.num_layers - 1 in tap_layers:
         taps[config.num_layers - 1] = x

@@ -1,12 +1,17 @@
-"""Packed projections (`layers.PackedProjections`) against the separate HF projections they hold."""
+"""Packed projections (`layers.PackedProjections`) against the separate HF projections they hold; FP8 projections
+(`layers.Linear`) on each of their matmul paths against a float64 product."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from ddtree_jax.config import Fp8Config
-from ddtree_jax.models.layers import PackedProjections, Part, apply_fp8
+from ddtree_jax.models.contract import Fp8Matmul, Kernels, Runtime
+from ddtree_jax.models.layers import STREAM_MAX_ROWS, Linear, PackedProjections, Part, apply_fp8
+from jaxprs import equations
+from pallas_kernels.stream_matmul import StreamMatmulConfig, fitted_config
 
 # GQA with 2 KV heads of 3 query heads each, head dim 4, input 8: q has 24 rows, k and v 8 each.
 N, M, D, E = 2, 3, 4, 8
@@ -50,7 +55,7 @@ def test_outputs_equal_the_separate_projections():
     hf = hf_weights(1)
     module.weight = nnx.Param(jnp.asarray(module.pack(hf), jnp.float32), axes=module.weight.axes)
     x = np.random.default_rng(2).standard_normal((2, 5, E))
-    outs = module(jnp.asarray(x, jnp.float32))
+    outs = module(jnp.asarray(x, jnp.float32), Runtime())
     for out, name in zip(outs, ("q_proj", "k_proj", "v_proj")):
         np.testing.assert_allclose(np.asarray(out), x @ hf[name].T, rtol=1e-5, atol=1e-5)
 
@@ -68,3 +73,67 @@ def test_fp8_keeps_the_parts_apart_and_refuses_a_split_decision():
                                atol=1e-3)
     with pytest.raises(ValueError, match="converts some of q_proj, k_proj, v_proj to FP8 but not all"):
         apply_fp8(Attention(nnx.Rngs(0)), type("C", (), {"fp8": Fp8Config(block=(4, 4), not_converted=("k_proj",))})())
+
+
+# ---- FP8 projections: dequantised by XLA, or streamed by the Pallas matmul (`Runtime.fp8_matmul`)
+
+STREAM = Runtime(Kernels.PALLAS, fp8_matmul=Fp8Matmul.STREAM)
+
+
+def _fp8_linear(n_in: int, n_out: int, block: tuple[int, int]) -> Linear:
+    """An FP8 Linear whose blocks' scales differ (rows scaled by 0.1 .. 10 before quantising)."""
+    linear = Linear(n_in, n_out, ("embed", "mlp"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    rows = np.random.default_rng(1).uniform(0.1, 10, size=(n_out, 1)).astype(np.float32)
+    linear.weight = nnx.Param(linear.weight[...] * rows, axes=linear.weight.axes)
+    linear.to_fp8(block)
+    return linear
+
+
+def _float64(linear: Linear, x) -> np.ndarray:
+    """x @ W^T in float64, W = the FP8 weight times its block scales (each element's, written out here)."""
+    q = np.asarray(linear.weight[...], np.float64)
+    s = np.asarray(linear.weight_scale_inv[...], np.float64)
+    bo, bi = linear.block
+    w = np.array([[q[r, c] * s[r // bo, c // bi] for c in range(q.shape[1])] for r in range(q.shape[0])])
+    return np.asarray(x, np.float64) @ w.T
+
+
+def _kernel_calls(fn, *args) -> int:
+    return sum(eqn.primitive.name == "pallas_call" for eqn, _ in equations(jax.make_jaxpr(fn)(*args)))
+
+
+@pytest.mark.parametrize("n_in,n_out,block,rows,runtime,streams", [
+    # 48 x 96 weight in 16 x 32 blocks, leading dims [2, 3]: the kernel, interpreted.
+    (96, 48, (16, 32), (2, 3), STREAM, True),
+    # The same weight and x on the default path, the jnp reference of the stream, and under a tp mesh: XLA's.
+    (96, 48, (16, 32), (2, 3), Runtime(Kernels.PALLAS), False),
+    (96, 48, (16, 32), (2, 3), Runtime(Kernels.JAX, fp8_matmul=Fp8Matmul.STREAM), False),
+    (96, 48, (16, 32), (2, 3), "tp", False),
+    # More rows than a decode call streams (a prefill), and out features the kernel cannot tile (24): XLA's.
+    (96, 48, (16, 32), (1, STREAM_MAX_ROWS + 1), STREAM, False),
+    (96, 24, (8, 32), (2, 3), STREAM, False),
+], ids=["stream", "dequantize", "stream-reference", "stream-under-tp", "stream-many-rows", "stream-untileable"])
+def test_fp8_linear_matches_the_dequantised_float64_product(n_in, n_out, block, rows, runtime, streams):
+    """Every path of an FP8 Linear gives the float64 product with the dequantised weight (float32 rounding
+    only), and the streaming kernel (a pallas_call) runs exactly where `Linear.stream_config` says it does."""
+    if runtime == "tp":
+        runtime = Runtime(Kernels.PALLAS, jax.make_mesh((1,), ("model",)), Fp8Matmul.STREAM)
+    linear = _fp8_linear(n_in, n_out, block)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((*rows, n_in)), jnp.float32)
+    got = linear(x, runtime)
+    assert got.shape == (*rows, n_out) and got.dtype == jnp.float32
+    want = _float64(linear, x)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert _kernel_calls(lambda v: linear(v, runtime), x) == int(streams)
+    # Negative control: one block's scale changed shows through the same comparison.
+    linear.weight_scale_inv = nnx.Param(linear.weight_scale_inv[...].at[0, 1].multiply(1.5),
+                                        axes=linear.weight_scale_inv.axes)
+    assert not np.allclose(np.asarray(linear(x, runtime), np.float64), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_stream_knobs_fit_the_weight_and_its_blocks():
+    """`fitted_config` lowers the default tiles to what divides the weight and its scale blocks (by hand)."""
+    assert fitted_config(4096, 12288, (128, 128)) == StreamMatmulConfig(block_n=64, block_k=128)
+    assert fitted_config(320, 64, (128, 128)) == StreamMatmulConfig(block_n=64, block_k=64)
+    assert fitted_config(48, 96, (16, 32)) == StreamMatmulConfig(block_n=16, block_k=32)
+    assert fitted_config(24, 96, (8, 32)) is None and fitted_config(48, 40) is None
