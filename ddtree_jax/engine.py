@@ -149,7 +149,7 @@ def resolve_options(options: DecodeOptions, drafter: ModelParams | None, dtype=N
         several = options.mode.needs_drafter and jax.default_backend() == "gpu"
         options = dataclasses.replace(options, split_k="off" if several else "xla")
     if options.fp8_matmul == "auto":
-        options = dataclasses.replace(options, fp8_matmul=resolve_fp8_matmul(options.fp8_matmul).value)
+        options = dataclasses.replace(options, fp8_matmul=resolve_fp8_matmul(options.fp8_matmul, options.kernels).value)
     if options.mode.needs_drafter:
         if drafter is None:
             raise ValueError(f"mode {options.mode.value} needs a drafter"

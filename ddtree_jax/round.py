@@ -108,8 +108,9 @@ class DecodeOptions:
       weight in float32, casts it and multiplies), "stream" (`pallas_kernels.stream_matmul` reads the FP8
       weight as stored and scales its blocks' partial sums: the Pallas kernel where `kernels` is "pallas", its
       jnp reference otherwise; only on one device and for calls of at most `layers.STREAM_MAX_ROWS` rows,
-      `layers.Linear.stream_config`) or "auto" (`models.contract.resolve_fp8_matmul`: "dequantize" until the
-      kernel is timed in the models on a GPU), pinned by `engine.resolve_options`. No effect without FP8 weights.
+      `layers.Linear.stream_config`) or "auto" (`models.contract.resolve_fp8_matmul`: "stream" with the Pallas
+      kernels on a GPU, where the FP8 projections streamed in a third of XLA's time), pinned by
+      `engine.resolve_options`. No effect without FP8 weights.
     """
 
     mode: Mode = Mode.AR
@@ -160,8 +161,8 @@ class DecodeOptions:
         """What the models and the accept stage receive: the kernel implementation, under tp the mesh the
         Pallas attention's `shard_map` splits heads over, and the FP8 matmul."""
         tp_mesh = self.parallel.mesh if self.parallel.mode == "tp" else None
-        return Runtime(kernels=resolve_kernels(self.kernels), tp_mesh=tp_mesh,
-                       fp8_matmul=resolve_fp8_matmul(self.fp8_matmul))
+        kernels = resolve_kernels(self.kernels)
+        return Runtime(kernels=kernels, tp_mesh=tp_mesh, fp8_matmul=resolve_fp8_matmul(self.fp8_matmul, kernels))
 
     @property
     def auto_budget(self) -> bool:
