@@ -82,7 +82,7 @@ def add_matmul_args(p: argparse.ArgumentParser) -> None:
                    help="FP8 weights: dequantize (XLA dequantises each weight, then multiplies) or stream (the "
                         "weight-streaming matmul reads the FP8 weight as stored and scales it inside: the Pallas "
                         "kernel with --kernels pallas, its jnp reference otherwise; one device, decode calls of few "
-                        "rows, prefill dequantizes); auto: dequantize (stream is not yet timed on a GPU)")
+                        "rows, prefill dequantizes); auto: stream with the Pallas kernels on a GPU, else dequantize")
 
 
 def resolve_dtype(name: str):
