@@ -62,6 +62,23 @@ def test_pallas_attention_under_tp_shard_map_matches_one_device(tmp_path):
     assert tp.output_ids == single.output_ids and tp.acceptance_lengths == single.acceptance_lengths
 
 
+def test_hybrid_tree_rule_kernel_under_tp_shard_map_matches_one_device(tmp_path):
+    """The hybrid's tree-rule kernel under tensor parallelism runs under `shard_map` on each device's key heads and
+    their value heads (interpreted): DDTree on 2 devices gives one device's tokens and acceptance."""
+    t_dir = write_random_qwen3_5(tmp_path / "t", seed=6)
+    d_dir = write_random_dflash(tmp_path / "d", tiny_qwen3_5_config(), seed=7)
+    prompts = [[1, 2, 3, 4, 5], [3, 9]]
+    target = load_target(t_dir, jnp.float32)
+    single = generate(target, prompts, DecodeOptions(mode=Mode.DDTREE, max_new_tokens=6, budget=4),
+                      drafter=load_drafter(d_dir, target.config, jnp.float32))
+    parallel = make_parallel(2, "tp")
+    target = load_target(t_dir, jnp.float32, parallel=parallel)
+    tp = generate(target, prompts, DecodeOptions(mode=Mode.DDTREE, max_new_tokens=6, budget=4, kernels="pallas",
+                                                 parallel=parallel),
+                  drafter=load_drafter(d_dir, target.config, jnp.float32, parallel=parallel))
+    assert tp.output_ids == single.output_ids and tp.acceptance_lengths == single.acceptance_lengths
+
+
 # ---- the default: "auto" kernels (Pallas on a GPU, pure JAX elsewhere)
 
 

@@ -69,7 +69,7 @@ def unit_lower_solve(system: jax.Array, rhs: jax.Array) -> jax.Array:
     blocks its pool thread until they are done, so when the devices of a host mesh solve at once they can
     hold every pool thread (2 on a 2-core machine) and wait forever (seen with 2 and 4 forced devices;
     jaxlib 0.11.2 builds without that path). Both agree to float32 rounding. Above BLOCKED_SOLVE_ABOVE rows
-    (trees wider than the Pallas tree-rule kernel takes), `blocked_unit_lower_solve` with 32-row blocks: on the
+    (trees of B >= 128), `blocked_unit_lower_solve` with 32-row blocks: on the
     H200 at the Qwen3.6-27B shape, T = 257, it took 143 us per layer against the triangular solve's 228
     (tools/gdn_probe.py, 2026-12-02).
     """
