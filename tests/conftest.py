@@ -50,7 +50,7 @@ def _has_gpu() -> bool:
 
 # Modules whose single tests (or module fixtures) run longest, longest first (the full two-worker run of
 # 2026-12-02, `--durations`). `--dist load` hands tests out in collection order, so these go first and the
-# run ends on short tests: started last, one of them ran alone on one worker for up to a minute and a half.
+# run ends on short tests (a long test handed out last runs alone on one worker while the other idles).
 # A module stays in one piece (its module-scoped fixtures are built once per worker) and keeps its own order
 # (negative controls that drop every compilation run last in their module). Unlisted modules follow in
 # collection order.
