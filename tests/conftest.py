@@ -48,7 +48,32 @@ def _has_gpu() -> bool:
         return False
 
 
+# Modules whose single tests (or module fixtures) run longest, longest first (the full two-worker run of
+# 2026-12-02, `--durations`). `--dist load` hands tests out in collection order, so these go first and the
+# run ends on short tests (a long test handed out last runs alone on one worker while the other idles).
+# A module stays in one piece (its module-scoped fixtures are built once per worker) and keeps its own order
+# (negative controls that drop every compilation run last in their module). Unlisted modules follow in
+# collection order.
+SLOW_FIRST = (
+    "test_notebooks.py", "test_kernels_in_engine.py", "train/test_train_demo.py", "test_multiprocess.py",
+    "test_tools.py", "test_hybrid_decoding.py", "train/test_train_mtp.py", "test_mtp_decoding.py",
+    "test_sampling.py", "test_doctor.py", "test_kernel_check.py", "test_tree.py", "train/test_train_drafter.py",
+    "test_generate_prompts.py", "train/test_train_features.py", "test_generate_cli.py", "test_ddtree_decoding.py",
+    "train/test_train_target.py", "test_parallel.py", "test_bench.py",
+)
+TESTS = Path(__file__).resolve().parent
+
+
+def _slow_rank(item) -> int:
+    try:
+        module = Path(item.path).resolve().relative_to(TESTS).as_posix()
+    except ValueError:
+        return len(SLOW_FIRST)
+    return SLOW_FIRST.index(module) if module in SLOW_FIRST else len(SLOW_FIRST)
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=_slow_rank)  # stable: each module's tests keep their order
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     has_gpu = None
     for item in items:

@@ -32,9 +32,13 @@ def test_ddtree_with_pallas_kernels_matches_jax(tmp_path):
 
 def test_hybrid_with_pallas_kernels_matches_jax(tmp_path):
     """Qwen3.5/3.6 hybrid: the zero-centred add + RMSNorm kernel (every layer) and the tree attention
-    (its full-attention layers), interpreted, give the pure-JAX path's tokens, AR and DDTree."""
-    target = load_target(write_random_qwen3_5(tmp_path / "t", seed=6), jnp.float32)
-    drafter = load_drafter(write_random_dflash(tmp_path / "d", tiny_qwen3_5_config(), seed=7), target.config,
+    (its full-attention layers), interpreted, give the pure-JAX path's tokens, AR and DDTree. One layer of
+    each kind and a one-layer drafter: each interpreted kernel is traced and compiled once per layer, so more
+    layers of the same kinds cost compile time and show nothing more."""
+    layers = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    target = load_target(write_random_qwen3_5(tmp_path / "t", seed=6, **layers), jnp.float32)
+    drafter = load_drafter(write_random_dflash(tmp_path / "d", tiny_qwen3_5_config(**layers), seed=7,
+                                               num_hidden_layers=1, layer_types=["full_attention"]), target.config,
                            jnp.float32)
     prompts = [[1, 2, 3, 4, 5], [3, 9]]
     for mode in (Mode.AR, Mode.DDTREE):

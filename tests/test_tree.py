@@ -13,6 +13,10 @@ import pytest
 from ddtree_jax import tree as tree_module
 from ddtree_jax.tree import ancestor_mask, build_tree, chunked_top_k, threshold_top_k, total_order_key
 
+# build_tree as the engine runs it, in one compiled program: run op by op, each call dispatched (and compiled) a
+# few hundred small programs, seconds per call on this CPU.
+build_jit = jax.jit(build_tree, static_argnums=2, static_argnames=("top_k_chunk", "top_k"))
+
 
 def heap_tree(log_probs: np.ndarray, budget: int) -> list[tuple[int, ...]]:
     """Algorithm 1: best-first over rank tuples; pop B times, push the next sibling and the first child.
@@ -49,7 +53,7 @@ def heap_tree(log_probs: np.ndarray, budget: int) -> list[tuple[int, ...]]:
 
 def device_tree_paths(log_probs: np.ndarray, budget: int) -> list[tuple[int, ...]]:
     """The prefix of every valid non-root node, in node order, after checking the tree's invariants."""
-    tree = build_tree(jnp.asarray(log_probs)[None], jnp.array([7]), budget)
+    tree = build_jit(jnp.asarray(log_probs)[None], jnp.array([7]), budget)
     tokens, parents, depths, valid, anc = (np.asarray(x[0]) for x in (tree.tokens, tree.parents, tree.depths,
                                                                        tree.valid, tree.ancestor))
     assert tokens[0] == 7 and parents[0] == 0 and depths[0] == 0
@@ -151,9 +155,9 @@ def test_ancestor_mask_walks_max_depth_levels(max_depth):
 def test_batched_rows_are_independent():
     rng = np.random.default_rng(3)
     lp = np.stack([_log_softmax(rng.standard_normal((5, 30))) for _ in range(3)])
-    batched = build_tree(jnp.asarray(lp), jnp.array([1, 2, 3]), 24)
+    batched = build_jit(jnp.asarray(lp), jnp.array([1, 2, 3]), 24)
     for r in range(3):
-        alone = build_tree(jnp.asarray(lp[r:r + 1]), jnp.array([r + 1]), 24)
+        alone = build_jit(jnp.asarray(lp[r:r + 1]), jnp.array([r + 1]), 24)
         for field in ("tokens", "parents", "depths", "valid", "ancestor"):
             np.testing.assert_array_equal(getattr(batched, field)[r], getattr(alone, field)[0])
 
@@ -193,9 +197,9 @@ def test_tree_with_chunked_vocabulary_top_k_is_the_same_tree(budget):
     rng = np.random.default_rng(budget)
     lp = _log_softmax(rng.standard_normal((2, 6, 3000)) * 2)
     lp[0, :, 100:400] = lp[0, :, 100:101]  # exact ties across chunk borders
-    one = build_tree(jnp.asarray(lp), jnp.array([1, 2]), budget, top_k_chunk=None, top_k="chunked")
+    one = build_jit(jnp.asarray(lp), jnp.array([1, 2]), budget, top_k_chunk=None, top_k="chunked")
     for kwargs in (dict(top_k_chunk=256, top_k="chunked"), dict(top_k="threshold"), dict(top_k="pallas")):
-        two = build_tree(jnp.asarray(lp), jnp.array([1, 2]), budget, **kwargs)
+        two = build_jit(jnp.asarray(lp), jnp.array([1, 2]), budget, **kwargs)
         for field in ("tokens", "parents", "depths", "valid", "ancestor", "scores"):
             np.testing.assert_array_equal(np.asarray(getattr(two, field)), np.asarray(getattr(one, field)))
 
