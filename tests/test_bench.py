@@ -19,14 +19,23 @@ def assert_stage_times(row, stages=STAGES):
     assert all(0 <= t < float("inf") for t in times) and sum(times) > 0, times
 
 
+def assert_round_times(rows):
+    """Every row's round time finite and >= 0 (an in-loop difference, clamped at 0 when a busy CPU makes the
+    one-round call the slower: `measure.timing.in_loop_seconds`), the rows together took time, and each ratio to
+    the floor is the round over the floor."""
+    assert all(0 <= r["round_s"] < float("inf") and r["floor_s"] > 0 for r in rows)
+    assert sum(r["round_s"] for r in rows) > 0
+    assert all(r["ratio_to_floor"] == r["round_s"] / r["floor_s"] for r in rows)
+
+
 def test_shape_mode_writes_json_table_and_plot(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["--shape", "tiny", "--context", "32", "--budgets", "4,16", "--repeats", "3", "--out", str(out)]) == 0
     report = json.loads((out / "bench.json").read_text())
     assert [(r["mode"], r["budget"]) for r in report["rows"]] == [("ar", None), ("dflash", None), ("ddtree", 4),
                                                                   ("ddtree", 16)]
+    assert_round_times(report["rows"])
     for r in report["rows"]:
-        assert r["round_s"] > 0 and r["floor_s"] > 0 and r["ratio_to_floor"] == r["round_s"] / r["floor_s"]
         if r["mode"] != "ar":
             assert_stage_times(r)
     assert report["rows"][3]["verify_tokens"] == 17
@@ -47,9 +56,10 @@ def test_mtp_rows_on_a_hybrid_shape(tmp_path):
     report = json.loads((out / "bench.json").read_text())
     ar, mtp = report["rows"]
     assert (ar["mode"], mtp["mode"], mtp["verify_tokens"], report["mtp_steps"]) == ("ar", "mtp", 3, 2)
-    assert mtp["round_s"] > 0
+    assert_round_times(report["rows"])
     assert_stage_times(mtp, ("draft", "verify", "accept", "commit"))
-    assert mtp["tokens_per_s_projected"] == pytest.approx(2.5 / mtp["round_s"])
+    if mtp["round_s"] > 0:  # else clamped on a busy CPU (assert_round_times)
+        assert mtp["tokens_per_s_projected"] == pytest.approx(2.5 / mtp["round_s"])
     assert mtp["floor_bytes"] - ar["floor_bytes"] >= 2 * report["mtp_bytes"]  # two sequential steps of the head
     assert main(["--shape", "tiny", "--modes", "mtp", "--out", str(tmp_path / "x")]) == 2
 
@@ -115,7 +125,7 @@ def test_hybrid_shape_mode_under_tp(tmp_path, recwarn):
     assert report["devices"] == 2 and report["parallel"] == "tp" and report["hybrid"]
     [row] = report["rows"]
     assert (row["mode"], row["budget"], row["verify_tokens"]) == ("ddtree", 4, 5)
-    assert row["round_s"] > 0
+    assert_round_times([row])
     assert_stage_times(row)
     assert not [w for w in recwarn if "--parallel tp" in str(w.message)]
 
@@ -139,8 +149,8 @@ def test_hybrid_shape_mode_reports_recurrent_state_bytes(tmp_path):
     rows = report["rows"]
     assert report["hybrid"] and report["skipped"] == []
     assert [(r["mode"], r["budget"], r["verify_tokens"]) for r in rows] == [("dflash", None, 16), ("ddtree", 4, 5)]
+    assert_round_times(rows)
     for r in rows:
-        assert r["round_s"] > 0 and r["floor_s"] > 0 and r["ratio_to_floor"] == r["round_s"] / r["floor_s"]
         assert_stage_times(r)
 
     # By hand from the config: per node and GDN layer a float32 key, written value and log decay per value

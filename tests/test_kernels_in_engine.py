@@ -31,8 +31,9 @@ def test_ddtree_with_pallas_kernels_matches_jax(tmp_path):
 
 
 def test_hybrid_with_pallas_kernels_matches_jax(tmp_path):
-    """Qwen3.5/3.6 hybrid: the zero-centred add + RMSNorm kernel (every layer) and the tree attention
-    (its full-attention layers), interpreted, give the pure-JAX path's tokens, AR and DDTree. One layer of
+    """Qwen3.5/3.6 hybrid: the zero-centred add + RMSNorm kernel (every layer), the tree attention (its
+    full-attention layers) and the tree-rule kernel (its Gated DeltaNet layers' tree verify), interpreted, give the
+    pure-JAX path's tokens, AR and DDTree. One layer of
     each kind and a one-layer drafter: each interpreted kernel is traced and compiled once per layer, so more
     layers of the same kinds cost compile time and show nothing more."""
     layers = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
@@ -69,8 +70,10 @@ def test_pallas_attention_under_tp_shard_map_matches_one_device(tmp_path):
 def test_hybrid_tree_rule_kernel_under_tp_shard_map_matches_one_device(tmp_path):
     """The hybrid's tree-rule kernel under tensor parallelism runs under `shard_map` on each device's key heads and
     their value heads (interpreted): DDTree on 2 devices gives one device's tokens and acceptance."""
-    t_dir = write_random_qwen3_5(tmp_path / "t", seed=6)
-    d_dir = write_random_dflash(tmp_path / "d", tiny_qwen3_5_config(), seed=7)
+    layers = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    t_dir = write_random_qwen3_5(tmp_path / "t", seed=6, **layers)
+    d_dir = write_random_dflash(tmp_path / "d", tiny_qwen3_5_config(**layers), seed=7, num_hidden_layers=1,
+                                layer_types=["full_attention"])
     prompts = [[1, 2, 3, 4, 5], [3, 9]]
     target = load_target(t_dir, jnp.float32)
     single = generate(target, prompts, DecodeOptions(mode=Mode.DDTREE, max_new_tokens=6, budget=4),
