@@ -13,7 +13,9 @@ recurrence along each root path); kernels never import the application, so the t
 Why a kernel: XLA runs the rule as ~15 kernels per layer, among them a batched cuBLAS triangular solve that
 walks its n rows one after another; on the H200 at the Qwen3.6-27B shape (48 value heads, head dims 128) the rule
 took 35 us per layer at T = 16 and 92 us at T = 65, 30 and 51 us of it the solve (tools/gdn_probe.py,
-2026-12-02): 48 layers make that 1.7 and 4.4 ms of a round.
+2026-12-02): 48 layers make that 1.7 and 4.4 ms of a round. The kernel took 13.4 us at T = 16, but 140-194 us
+at T = 65 (its blocks run one after another in one program per head, and the unrolled block loops spill
+registers), so the hybrid model calls it for trees of up to 16 nodes (`qwen3_5.TREE_RULE_KERNEL_UP_TO`).
 
 One program per (batch row, value head), grid (b, H). Nodes are taken in row blocks of 16, in node order
 (parents precede children, so a block's rows depend only on earlier rows and on themselves): for block r,
