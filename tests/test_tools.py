@@ -11,6 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
+import gdn_probe  # noqa: E402
 import gpu_probe  # noqa: E402
 import greedy_equality  # noqa: E402
 import topk_probe  # noqa: E402
@@ -105,6 +106,22 @@ def test_gpu_probe_smoke_forms_agree(tmp_path):
         if r["form"] != "hf":  # the same function as the models' layout, to bf16 rounding
             assert r["rel_err_vs_hf"] < 2e-2
     assert report["ceilings"]["bandwidth_bytes_per_s"] > 0
+
+
+def test_gdn_probe_smoke_checks_every_variant(tmp_path, capsys):
+    """tools/gdn_probe.py at tiny shapes: each solve against NumPy's float64 solve, the tree-rule kernel
+    (interpreted) against the jnp rule, every variant timed; an unknown solve is one error line, exit 2."""
+    assert gdn_probe.main(["--out", str(tmp_path), "--smoke", "--solves", "trsm,blocked8", "--kernels", "default",
+                           "--repeats", "2"]) == 0
+    rows = json.loads((tmp_path / "gdn_probe.json").read_text())["rows"]
+    assert {(r["t"], r["variant"]) for r in rows} == {(t, v) for t in (5, 16) for v in (
+        "trsm", "blocked8", "rule_without_solve", "kernel_default_w4")}
+    for r in rows:
+        assert "error" not in r and r["rule_us"] >= 0
+        assert r.get("rel_err", 0) < 1e-5 and r.get("rel_err_out", 0) < 1e-4
+    capsys.readouterr()
+    assert gdn_probe.main(["--out", str(tmp_path), "--solves", "lapack"]) == 2
+    assert capsys.readouterr().err.startswith("error: --solves: unknown 'lapack'")
 
 
 def test_topk_probe_times_and_checks_every_chunk(tmp_path):
