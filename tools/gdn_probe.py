@@ -15,6 +15,7 @@ checked against a float64 NumPy solve of the same systems. Writes DIR/gdn_probe.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import platform
@@ -60,17 +61,12 @@ def system_inputs(key, layers: int, heads: int, t: int, dk: int, dv: int):
 def build_system(q, k, v, g, beta, s0, visible):
     """The rule's system [1, H, T, T] and right-hand side [1, H, T, Dk + Dv] (as `tree_gated_delta_rule`)."""
     captured = {}
-    original = qwen3_5.unit_lower_solve
 
     def capture(system, rhs):
         captured["system"], captured["rhs"] = system, rhs
         return rhs
 
-    qwen3_5.unit_lower_solve = capture
-    try:
-        qwen3_5.tree_gated_delta_rule(q, k, v, g, beta, s0, visible)
-    finally:
-        qwen3_5.unit_lower_solve = original
+    qwen3_5.tree_gated_delta_rule(q, k, v, g, beta, s0, visible, solve=capture)
     return captured["system"], captured["rhs"]
 
 
@@ -85,7 +81,7 @@ def inverse_then_matmul(system, rhs):
     return trsm(system, eye) @ rhs
 
 
-def SOLVES():
+def solve_variants():
     return {"trsm": trsm, "inverse": inverse_then_matmul,
             "blocked8": lambda s, r: qwen3_5.blocked_unit_lower_solve(s, r, 8),
             "blocked16": lambda s, r: qwen3_5.blocked_unit_lower_solve(s, r, 16),
@@ -94,15 +90,8 @@ def SOLVES():
 
 
 def rule_with(solve):
-    """tree_gated_delta_rule with `solve` in place of unit_lower_solve (None: the solve left out)."""
-    def rule(*args):
-        original = qwen3_5.unit_lower_solve
-        qwen3_5.unit_lower_solve = solve if solve is not None else (lambda system, rhs: rhs)
-        try:
-            return qwen3_5.tree_gated_delta_rule(*args)
-        finally:
-            qwen3_5.unit_lower_solve = original
-    return rule
+    """tree_gated_delta_rule with `solve` for its triangular solve (None: the solve left out)."""
+    return functools.partial(qwen3_5.tree_gated_delta_rule, solve=solve or (lambda system, rhs: rhs))
 
 
 def looped(fn, feed):
@@ -136,7 +125,7 @@ def main(argv=None) -> int:
     ts = [int(x) for x in args.t.split(",")]
     if args.smoke:
         heads, dk, dv, layers, ts = 2, 16, 16, 2, [5, 16]
-    solves = SOLVES()
+    solves = solve_variants()
     names = args.solves.split(",")
     for name in names:
         if name not in solves:

@@ -13,9 +13,9 @@ Three sections, all in one process, each number a median over repeated device-sy
    `stream`, `stream_fused` the weight-streaming Pallas matmul (`pallas_kernels.stream_matmul`) on the hf or
    fused weights, for every T;
    `fp8`  the hf weights as block-scaled FP8 (128 x 128 blocks, `ddtree_jax/models/fp8.py`), dequantised and
-   multiplied by XLA (what the models' FP8 projections do with `--fp8-matmul dequantize`, the default);
+   multiplied by XLA (what the models' FP8 projections do with `--fp8-matmul dequantize`);
    `stream_fp8` the same FP8 weights streamed as FP8 by the Pallas matmul (dequantised inside it; what they do
-   with `--fp8-matmul stream --kernels pallas`). The streaming forms' knobs fit each weight as the models'
+   with `--fp8-matmul stream --kernels pallas`, auto's choice on a GPU). The streaming forms' knobs fit each weight as the models'
    do (`pallas_kernels.stream_matmul.fitted_config`).
    Each against its floor: the layers' weight bytes over the measured bandwidth.
 3. The output head alone ([151936, 4096] bf16 times T vectors, float32 logits).

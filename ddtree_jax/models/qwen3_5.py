@@ -148,7 +148,7 @@ def recurrent_gated_delta_rule(q, k, v, g, beta, initial_state):
     return jnp.moveaxis(out, 0, 1), state
 
 
-def tree_gated_delta_rule(q, k, v, g, beta, initial_state, visible):
+def tree_gated_delta_rule(q, k, v, g, beta, initial_state, visible, solve=None):
     """The gated delta rule over the nodes of a tree, all nodes at once (the chunked WY form of
     `chunk_gated_delta_rule` with the tree's ancestor relation in place of causal order).
 
@@ -165,6 +165,8 @@ def tree_gated_delta_rule(q, k, v, g, beta, initial_state, visible):
     Args:
       q, k, v, g, beta, initial_state: as `recurrent_gated_delta_rule`, with t = T nodes.
       visible: [b, T, T] bool, visible[i, j] = node j is on node i's root path (the verify's ancestor mask).
+      solve: what solves the unit lower triangular system (None: `unit_lower_solve`; tools/gdn_probe.py times
+        others).
     Returns:
       out [b, T, H, V] float32, and per node its key k [b, T, H, K], written value v_new [b, T, H, V] and
       root-path log decay G [b, T, H] (float32), from which `cache.path_state` forms any node's state.
@@ -181,7 +183,7 @@ def tree_gated_delta_rule(q, k, v, g, beta, initial_state, visible):
     strict = on_path & ~jnp.eye(t, dtype=bool)
     system = jnp.where(strict, jnp.einsum("bhik,bhjk->bhij", k_beta, k) * decay, 0.0) + jnp.eye(t, dtype=f32)
     rhs = jnp.concatenate([v * beta[..., None], k_beta * jnp.exp(cum)[..., None]], axis=-1)
-    solved = unit_lower_solve(system, rhs)
+    solved = (unit_lower_solve if solve is None else solve)(system, rhs)
     dv = v.shape[-1]
     u, w = solved[..., :dv], solved[..., dv:]
     v_new = u - jnp.einsum("bhtk,bhkv->bhtv", w, initial_state)
