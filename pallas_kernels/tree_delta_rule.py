@@ -7,26 +7,29 @@ L_ij = exp(G_i - G_j) for j in P(i) (0 elsewhere) and A = strict(diag(beta) K K^
     (I + A) [U | W] = [diag(beta) V | diag(beta exp(G)) K],   v_new = U - W S0,
     out = (Q exp(G)) S0 + (Q K^T * L) v_new.
 
+The kernel solves the one system those two make, (I + A) v_new = diag(beta) (V - exp(G) K S0): its right-hand
+side is V columns wide, not K + V, and a block of value columns needs only its own columns of S0 and v_new.
+
 The reference is that function in plain jnp (the CPU tests also check both against a float64 node-by-node
 recurrence along each root path); kernels never import the application, so the two meet in the tests.
 
 Why a kernel: XLA runs the rule as ~15 kernels per layer, among them a batched cuBLAS triangular solve that
 walks its n rows one after another; on the H200 at the Qwen3.6-27B shape (48 value heads, head dims 128) the rule
 took 35 us per layer at T = 16 and 92 us at T = 65, 30 and 51 us of it the solve (tools/gdn_probe.py,
-2026-12-02): 48 layers make that 1.7 and 4.4 ms of a round. The kernel took 13.4 us at T = 16, but 140-194 us
-at T = 65 (its blocks run one after another in one program per head, and the unrolled block loops spill
-registers), so the hybrid model calls it for trees of up to 16 nodes (`qwen3_5.TREE_RULE_KERNEL_UP_TO`).
+2026-12-02): 48 layers make that 1.7 and 4.4 ms of a round. The first kernel (one program per head, K + V wide,
+unrolled block loops) took 13.4 us at T = 16 but 140-194 us at T = 65 (serial blocks in 48 programs, spilled
+registers); the model calls this one for trees of up to `qwen3_5.TREE_RULE_KERNEL_UP_TO` nodes.
 
-One program per (batch row, value head), grid (b, H). Nodes are taken in row blocks of 16, in node order
-(parents precede children, so a block's rows depend only on earlier rows and on themselves): for block r,
-  1. G of its rows from the ancestor mask (float32 sums);
-  2. the right-hand side minus, per earlier block c, A's 16 x 16 tile (r, c) times c's solved [U | W] (`exp` only
-     where j is on i's path);
-  3. the 16 x 16 diagonal block's inverse by forward substitution (16 steps on a 16 x 16 tile), then one matmul;
-  4. v_new and out of the block's rows (earlier blocks' keys, G and v_new read back).
-Solved rows go to global scratch (extra outputs, L2-resident) and a CTA barrier separates a block's stores from
-the next block's loads. The sequential part is ceil(T / 16) blocks, not T rows, and every tile is 16 x 16 or
-16 x K/V (the work grows as the square of the blocks, which is small next to the registers a T x K tile took).
+One program per (batch row, value head, block of value columns), grid (b, H, V / value_block). Nodes are taken in
+row blocks of 16, in node order (parents precede children, so a block's rows depend only on earlier rows and on
+themselves), in a device loop; for block r:
+  1. G of its rows from the ancestor mask (float32 sums over blocks <= r);
+  2. the right-hand side, and the output's S0 term, from the block's rows and its columns of S0;
+  3. per earlier block c (a device loop): A's 16 x 16 tile (r, c) times c's v_new off the right-hand side, and
+     (Q K^T * L)'s tile times it onto the output (`exp` only where j is on i's path);
+  4. the 16 x 16 diagonal block's inverse by forward substitution, v_new of the block, the diagonal's output term.
+v_new and G of solved blocks are read back from the outputs (L2-resident) after a CTA barrier. The programs of one
+head repeat steps 1, 3's A tiles and 4's inverse (16-wide, cheap) to run the value columns in parallel.
 
 Letters: b batch, T nodes (at most MAX_NODES), H value heads, Hk key heads (value head h reads key head
 h // (H / Hk)), K key dim, V value dim.
@@ -61,26 +64,31 @@ def supports(t: int, key_dim: int, value_dim: int) -> bool:
 class TreeDeltaRuleConfig:
     """Tuning knobs of the kernel (static, hashable).
 
-    num_warps:  Triton's warps per program (one program per batch row and value head). 8: at T = 16 on the H200
-                (Qwen3.6-27B shape) 13.4 us per layer against 16.8 with 4 (tools/gdn_probe.py, 2026-12-02).
-    num_stages: Triton's software pipelining; 1: the block loop stores and reloads scratch across barriers.
+    num_warps:    Triton's warps per program.
+    num_stages:   Triton's software pipelining; 1: the block loop stores and reloads outputs across barriers.
+    value_block:  value columns per program (a power of two >= 16; the value dim when larger): more programs per
+                  head for wide trees, each repeating the 16-wide tiles of A and the diagonal inverse.
     """
 
     num_warps: int = 8
     num_stages: int = 1
+    value_block: int = 32
 
     def __post_init__(self):
-        check_knobs(self, pow2={})
+        check_knobs(self, pow2={"value_block": 16})
 
 
 def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, vis_ref, s0_ref,  # inputs
-            out_ref, vnew_ref, cum_ref, u_ref, w_ref,  # outputs (u, w: scratch)
+            out_ref, vnew_ref, cum_ref,  # outputs (v_new and G also read back: earlier blocks' solved rows)
             *, t: int, precision, interpret: bool):
     f32 = jnp.float32
 
     def rows_of(ref, rows, ok):  # [n, D] rows of a [T, D] ref; indices clamped (in bounds), masked rows 0
         cols = jnp.arange(ref.shape[-1])
         return plt.load(ref.at[jnp.minimum(rows, t - 1)[:, None], cols[None, :]], mask=ok[:, None], other=0.0)
+
+    def per_node(ref, rows, ok):  # [n] entries of a [T] ref
+        return plt.load(ref.at[jnp.minimum(rows, t - 1)], mask=ok, other=0.0)
 
     # Masked lanes of a store get an out-of-range row: the interpreter drops those writes (a masked lane writing
     # back the old value at a shared clamped row could overwrite a real one); Triton masks them.
@@ -95,11 +103,6 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, vis_ref, s0_ref,  # inputs
 
     block = jnp.arange(BLOCK)
     within_row, within_col = block[:, None], block[None, :]
-    eye = (within_row == within_col).astype(f32)
-
-    def barrier():  # the interpreter runs a program as one sequential program and has no barrier
-        if not interpret:
-            plt.debug_barrier()
 
     def dot(a, b, dims=_DN):
         return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=f32)
@@ -107,60 +110,59 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, vis_ref, s0_ref,  # inputs
     def decay(visible, cum_rows, cum_cols):  # L on visible pairs, 0 elsewhere (exp only where visible)
         return jnp.where(visible, jnp.exp(jnp.where(visible, cum_rows[:, None] - cum_cols[None, :], 0.0)), 0.0)
 
-    # Every tile is 16 x 16 or 16 x K/V: blocks of earlier rows are read back one at a time (a [T, K] tile of
-    # every node spilled registers: 530 us per layer at T = 65 on the H200, against 13 us at T = 16).
-    for r in range(cdiv(t, BLOCK)):
-        start = r * BLOCK
-        rows = start + block
+    def one_block(r, carry):
+        rows = r * BLOCK + block
         ok = rows < t
+
+        def root_path_sum(c, cum):  # G_i over block c's columns (ancestors lie in blocks <= r)
+            cols = c * BLOCK + block
+            g_c = per_node(g_ref, cols, cols < t)
+            return cum + jnp.sum(jnp.where(mask_of(rows, cols, ok, cols < t), g_c[None, :], 0.0), axis=1)
+
+        cum_r = lax.fori_loop(0, r + 1, root_path_sum, jnp.zeros((BLOCK,), f32))
         q_r = rows_of(q_ref, rows, ok).astype(f32)
         k_r = rows_of(k_ref, rows, ok).astype(f32)
-        v_r = rows_of(v_ref, rows, ok).astype(f32)
-        beta_r = plt.load(beta_ref.at[jnp.minimum(rows, t - 1)], mask=ok, other=0.0).astype(f32)
-        cum_r = jnp.zeros((BLOCK,), f32)  # G_i: g summed over the root path (ancestors are in blocks <= r)
-        for c in range(r + 1):
-            cols = c * BLOCK + block
-            g_c = plt.load(g_ref.at[jnp.minimum(cols, t - 1)], mask=cols < t, other=0.0)
-            cum_r += jnp.sum(jnp.where(mask_of(rows, cols, ok, cols < t), g_c[None, :], 0.0), axis=1)
+        beta_r = per_node(beta_ref, rows, ok)
         kb_r = k_r * beta_r[:, None]
-        rhs_u = v_r * beta_r[:, None]  # [16, V]
-        rhs_w = kb_r * jnp.exp(cum_r)[:, None]  # [16, K]
-        for c in range(r):  # the right-hand side minus A's columns of earlier (solved) blocks
+        s0 = s0_ref[...]  # [K, V block]
+        decay_r = jnp.exp(cum_r)[:, None]
+        rhs = beta_r[:, None] * (rows_of(v_ref, rows, ok).astype(f32) - decay_r * dot(k_r, s0))  # [16, V block]
+        out_r = dot(q_r * decay_r, s0)
+
+        def earlier_block(c, acc):  # subtract A's tile (r, c) times c's v_new; add c's part of the output
+            rhs, out_r = acc
             cols = c * BLOCK + block
             all_ok = cols < t
             k_c = rows_of(k_ref, cols, all_ok).astype(f32)
-            cum_c = plt.load(cum_ref.at[cols], mask=all_ok, other=0.0)
-            a_rc = dot(kb_r, k_c, _DN_T) * decay(mask_of(rows, cols, ok, all_ok), cum_r, cum_c)  # [16, 16]
-            rhs_u = rhs_u - dot(a_rc, u_ref[pl.ds(c * BLOCK, BLOCK), :])
-            rhs_w = rhs_w - dot(a_rc, w_ref[pl.ds(c * BLOCK, BLOCK), :])
+            vnew_c = rows_of(vnew_ref, cols, all_ok)
+            l_rc = decay(mask_of(rows, cols, ok, all_ok), cum_r, per_node(cum_ref, cols, all_ok))
+            return (rhs - dot(dot(kb_r, k_c, _DN_T) * l_rc, vnew_c),
+                    out_r + dot(dot(q_r, k_c, _DN_T) * l_rc, vnew_c))
+
+        rhs, out_r = lax.fori_loop(0, r, earlier_block, (rhs, out_r))
         # The diagonal block: (I + D)^-1 by forward substitution (row s is final once the rows above it are
-        # subtracted; then every later row subtracts D[:, s] times it).
+        # subtracted; then every later row subtracts D[:, s] times it). The product form (I - D)(I + D^2)(I + D^4)
+        # (I + D^8) takes fewer steps but loses ~4 digits to cancellation on near-parallel keys.
         visible_d = mask_of(rows, rows, ok, ok)
-        strict_d = visible_d & (within_col < within_row)
-        d = jnp.where(strict_d, dot(kb_r, k_r, _DN_T) * decay(strict_d, cum_r, cum_r), 0.0)  # [16, 16]
-        inv = eye
-        for s in range(BLOCK):
+        l_rr = decay(visible_d, cum_r, cum_r)
+        d = jnp.where(within_col < within_row, dot(kb_r, k_r, _DN_T) * l_rr, 0.0)  # [16, 16]
+
+        def substitute(s, inv):
             row_s = jnp.sum(jnp.where(within_row == s, inv, 0.0), axis=0)  # [16]
             col_s = jnp.sum(jnp.where(within_col == s, d, 0.0), axis=1)  # [16]
-            inv = inv - jnp.where(within_row > s, col_s[:, None], 0.0) * row_s[None, :]
-        u_r = dot(inv, rhs_u)  # [16, V]
-        w_r = dot(inv, rhs_w)  # [16, K]
-        vnew_r = u_r - dot(w_r, s0_ref[...].astype(f32))  # S0 [K, V] loaded where used: registers are scarce
-        u_ref[pl.ds(start, BLOCK), :] = u_r
-        w_ref[pl.ds(start, BLOCK), :] = w_r
+            return inv - jnp.where(within_row > s, col_s[:, None], 0.0) * row_s[None, :]
+
+        inv = lax.fori_loop(0, BLOCK, substitute, (within_row == within_col).astype(f32))
+        vnew_r = dot(inv, rhs)
+        out_r += dot(dot(q_r, k_r, _DN_T) * l_rr, vnew_r)
         store_rows(vnew_ref, rows, ok, vnew_r)
-        plt.store(cum_ref.at[jnp.where(ok, rows, t)], cum_r, mask=ok)
-        barrier()
-        out_r = dot(q_r * jnp.exp(cum_r)[:, None], s0_ref[...].astype(f32))
-        for c in range(r):  # (Q K^T * L) v_new over earlier blocks, then this one
-            cols = c * BLOCK + block
-            all_ok = cols < t
-            k_c = rows_of(k_ref, cols, all_ok).astype(f32)
-            cum_c = plt.load(cum_ref.at[cols], mask=all_ok, other=0.0)
-            intra = dot(q_r, k_c, _DN_T) * decay(mask_of(rows, cols, ok, all_ok), cum_r, cum_c)
-            out_r += dot(intra, rows_of(vnew_ref, cols, all_ok))
-        out_r += dot(dot(q_r, k_r, _DN_T) * decay(visible_d, cum_r, cum_r), vnew_r)
         store_rows(out_ref, rows, ok, out_r)
+        plt.store(cum_ref.at[jnp.where(ok, rows, t)], cum_r, mask=ok)
+        if not interpret:  # later blocks read these rows back (the interpreter runs a program sequentially)
+            plt.debug_barrier()
+        return carry
+
+    lax.fori_loop(0, cdiv(t, BLOCK), one_block, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("precision", "config", "interpret", "debug"))
@@ -186,25 +188,23 @@ def tree_delta_rule_pallas(q, k, v, g, beta, initial_state, visible, *, precisio
         raise ValueError(f"T={t} nodes, K={dk}, V={dv}: the kernel takes 1 <= T <= {MAX_NODES} and head dims that "
                          "are powers of two >= 16")
     group = h // hk
-    rows = cdiv(t, BLOCK) * BLOCK
     if precision not in ("highest", "default"):
         raise ValueError(f"precision={precision!r}: expected 'highest' or 'default'")
     kernel = functools.partial(_kernel, t=t, precision=lax.Precision[precision.upper()], interpret=interpret)
-    key_spec = pl.BlockSpec((None, t, None, dk), lambda i, j: (i, 0, j // group, 0))
-    head_rows = lambda dim: pl.BlockSpec((None, t, None, dim), lambda i, j: (i, 0, j, 0))  # noqa: E731
-    per_node = pl.BlockSpec((None, t, None), lambda i, j: (i, 0, j))
-    scratch = lambda dim: pl.BlockSpec((None, None, rows, dim), lambda i, j: (i, j, 0, 0))  # noqa: E731
-    out, v_new, cum, _, _ = pl.pallas_call(
+    vb = min(config.value_block, dv)
+    key_spec = pl.BlockSpec((None, t, None, dk), lambda i, j, n: (i, 0, j // group, 0))
+    value_rows = pl.BlockSpec((None, t, None, vb), lambda i, j, n: (i, 0, j, n))
+    per_node = pl.BlockSpec((None, t, None), lambda i, j, n: (i, 0, j))
+    out, v_new, cum = pl.pallas_call(
         kernel,
-        grid=(b, h),
-        in_specs=[key_spec, key_spec, head_rows(dv), per_node, per_node,
-                  pl.BlockSpec((None, t, t), lambda i, j: (i, 0, 0)),
-                  pl.BlockSpec((None, None, dk, dv), lambda i, j: (i, j, 0, 0))],
-        out_specs=[head_rows(dv), head_rows(dv), per_node, scratch(dv), scratch(dk)],
+        grid=(b, h, dv // vb),
+        in_specs=[key_spec, key_spec, value_rows, per_node, per_node,
+                  pl.BlockSpec((None, t, t), lambda i, j, n: (i, 0, 0)),
+                  pl.BlockSpec((None, None, dk, vb), lambda i, j, n: (i, j, 0, n))],
+        # Every column block of a head writes the same G (the same float operations on the same inputs).
+        out_specs=[value_rows, value_rows, per_node],
         out_shape=[jax.ShapeDtypeStruct((b, t, h, dv), jnp.float32), jax.ShapeDtypeStruct((b, t, h, dv), jnp.float32),
-                   jax.ShapeDtypeStruct((b, t, h), jnp.float32),
-                   jax.ShapeDtypeStruct((b, h, rows, dv), jnp.float32),
-                   jax.ShapeDtypeStruct((b, h, rows, dk), jnp.float32)],
+                   jax.ShapeDtypeStruct((b, t, h), jnp.float32)],
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         debug=debug,

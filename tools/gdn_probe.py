@@ -117,7 +117,8 @@ def main(argv=None) -> int:
     p.add_argument("--solves", default="trsm,inverse,blocked8,blocked16,blocked32,current")
     p.add_argument("--kernels", default="default,highest",
                    help="the Pallas kernel's whole rule (pallas_kernels/tree_delta_rule.py) at these matmul precisions")
-    p.add_argument("--kernel-warps", default="4", help="the kernel's num_warps values to time")
+    p.add_argument("--kernel-warps", default="8", help="the kernel's num_warps values to time")
+    p.add_argument("--kernel-value-blocks", default="32", help="the kernel's value_block values to time")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the script)")
     args = p.parse_args(argv)
@@ -148,13 +149,15 @@ def main(argv=None) -> int:
             compiled = jax.jit(program).lower(data, tiny, jnp.int32(1)).compile()
             return in_loop_seconds(lambda n: compiled(data, tiny, jnp.int32(n)), args.repeats)[0] / layers
 
-        kernel_names = [f"kernel_{p}_w{w}" for p in args.kernels.split(",") if p for w in args.kernel_warps.split(",")]
+        kernel_names = [f"kernel_{p}_w{w}_vb{vb}" for p in args.kernels.split(",") if p
+                        for w in args.kernel_warps.split(",") for vb in args.kernel_value_blocks.split(",")]
         for name in names + ["rule_without_solve"] + kernel_names:
             row = {"t": t, "heads": heads, "variant": name}
             try:
                 if name.startswith("kernel_"):
-                    precision, warps = name.removeprefix("kernel_").split("_w")
-                    config = tree_delta_rule.TreeDeltaRuleConfig(num_warps=int(warps))
+                    precision, knobs = name.removeprefix("kernel_").split("_w")
+                    warps, value_block = knobs.split("_vb")
+                    config = tree_delta_rule.TreeDeltaRuleConfig(num_warps=int(warps), value_block=int(value_block))
                     if not tree_delta_rule.supports(t, dk, dv):
                         continue
 

@@ -71,9 +71,10 @@ def recurrence_float64(q, k, v, g, beta, s0, parents):
     return out, written, cum
 
 
-def run_kernel(args, visible, interpret, precision="highest"):
+def run_kernel(args, visible, interpret, precision="highest", config=None):
     q, k, v, g, beta, s0 = (jnp.asarray(x, jnp.float32) for x in args)
-    return tdr.tree_delta_rule(q, k, v, g, beta, s0, jnp.asarray(visible), precision=precision, interpret=interpret)
+    return tdr.tree_delta_rule(q, k, v, g, beta, s0, jnp.asarray(visible), precision=precision, config=config,
+                               interpret=interpret)
 
 
 def run_model_rule(args, visible):
@@ -100,6 +101,14 @@ class TestTreeDeltaRuleKernel:
             np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-5, err_msg=name)
         for name, x, y in zip(("out", "v_new", "G"), got, run_model_rule(args, visible)):
             np.testing.assert_allclose(x, np.asarray(y), rtol=1e-4, atol=1e-5, err_msg=f"{name} vs the jnp rule")
+
+    def test_value_columns_split_over_programs(self, interpret):
+        """value_block 16 runs each head's 32 value columns in two programs (each solving its own columns, both
+        writing G): the same results as the float64 recurrence."""
+        args, parents, visible = inputs(40, seed=11)
+        got = run_kernel(args, visible, interpret, config=tdr.TreeDeltaRuleConfig(value_block=16))
+        for name, x, y in zip(("out", "v_new", "G"), got, recurrence_float64(*args, parents)):
+            np.testing.assert_allclose(np.asarray(x, np.float64), y, rtol=2e-4, atol=2e-5, err_msg=name)
 
     def test_the_tree_shapes_the_result(self, interpret):
         """Negative control: the same inputs under another tree (a chain) give other outputs, so the agreement
@@ -132,3 +141,5 @@ def test_refuses_what_it_does_not_take():
         tdr.tree_delta_rule(q, k, v, g, beta, s0, jnp.asarray(visible), precision="fast", interpret=True)
     with pytest.raises(ValueError, match="num_warps=3"):
         tdr.TreeDeltaRuleConfig(num_warps=3)
+    with pytest.raises(ValueError, match="value_block=8"):
+        tdr.TreeDeltaRuleConfig(value_block=8)
