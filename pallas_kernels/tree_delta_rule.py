@@ -16,9 +16,12 @@ recurrence along each root path); kernels never import the application, so the t
 Why a kernel: XLA runs the rule as ~15 kernels per layer, among them a batched cuBLAS triangular solve that
 walks its n rows one after another; on the H200 at the Qwen3.6-27B shape (48 value heads, head dims 128) the rule
 took 35 us per layer at T = 16 and 92 us at T = 65, 30 and 51 us of it the solve (tools/gdn_probe.py,
-2026-12-02): 48 layers make that 1.7 and 4.4 ms of a round. The first kernel (one program per head, K + V wide,
-unrolled block loops) took 13.4 us at T = 16 but 140-194 us at T = 65 (serial blocks in 48 programs, spilled
-registers); the model calls this one for trees of up to `qwen3_5.TREE_RULE_KERNEL_UP_TO` nodes.
+2026-12-02): 48 layers make that 1.7 and 4.4 ms of a round. This kernel took 5-12 us at T = 16 (7 in the 27B
+round's trace), 64-68 at T = 65 and 108-118 at T = 128 (XLA: 35-40, 90-99, 120-137); the model calls it for every
+tree it takes. The first kernel (one program per head, K + V wide, unrolled block loops) took 13.4 us at T = 16
+but 140-194 at T = 65. What bounds it now: each program's blocks run one after another, each waiting on loads
+of the earlier blocks' rows (unrolled block loops, which could overlap those loads, measured 433 against 75 us
+at T = 65 in a variant of this kernel).
 
 One program per (batch row, value head, block of value columns), grid (b, H, V / value_block). Nodes are taken in
 row blocks of 16, in node order (parents precede children, so a block's rows depend only on earlier rows and on
@@ -27,7 +30,8 @@ themselves), in a device loop; for block r:
   2. the right-hand side, and the output's S0 term, from the block's rows and its columns of S0;
   3. per earlier block c (a device loop): A's 16 x 16 tile (r, c) times c's v_new off the right-hand side, and
      (Q K^T * L)'s tile times it onto the output (`exp` only where j is on i's path);
-  4. the 16 x 16 diagonal block's inverse by forward substitution, v_new of the block, the diagonal's output term.
+  4. the 16 x 16 diagonal block's inverse (substitution inside 4 x 4 blocks, then two block merges), v_new of the
+     block, the diagonal's output term.
 v_new and G of solved blocks are read back from the outputs (L2-resident) after a CTA barrier. The programs of one
 head repeat steps 1, 3's A tiles and 4's inverse (16-wide, cheap) to run the value columns in parallel.
 
@@ -72,10 +76,18 @@ class TreeDeltaRuleConfig:
 
     num_warps: int = 8
     num_stages: int = 1
-    value_block: int = 32
+    value_block: int = 64
 
     def __post_init__(self):
         check_knobs(self, pow2={"value_block": 16})
+
+
+def default_config(t: int) -> TreeDeltaRuleConfig:
+    """The knobs for T nodes: 64 value columns per program, 8 warps for one block and 4 for more. On the H200 at
+    the Qwen3.6-27B shape (tools/gdn_probe.py, 2026-12-02; two calls, the second with this inverse), us per layer
+    at T = 16 / 65 / 128 with 64 columns: 4 warps 22.3, 11.1 / 64.1, 67.9 / 108, 118; 8 warps 5.1, 12.2 / 83.9,
+    77.2 / 133, 137. 32 columns: 13-21 / 71-147 / 124-263; 128 columns with 4 warps: 14 / 578 / 867."""
+    return TreeDeltaRuleConfig(num_warps=8 if t <= BLOCK else 4)
 
 
 def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, vis_ref, s0_ref,  # inputs
@@ -106,6 +118,9 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, vis_ref, s0_ref,  # inputs
 
     def dot(a, b, dims=_DN):
         return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=f32)
+
+    def exact_dot(a, b):  # the inverse's merges in float32 products whatever `precision`
+        return lax.dot_general(a, b, _DN, precision=lax.Precision.HIGHEST, preferred_element_type=f32)
 
     def decay(visible, cum_rows, cum_cols):  # L on visible pairs, 0 elsewhere (exp only where visible)
         return jnp.where(visible, jnp.exp(jnp.where(visible, cum_rows[:, None] - cum_cols[None, :], 0.0)), 0.0)
@@ -140,19 +155,26 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, vis_ref, s0_ref,  # inputs
                     out_r + dot(dot(q_r, k_c, _DN_T) * l_rc, vnew_c))
 
         rhs, out_r = lax.fori_loop(0, r, earlier_block, (rhs, out_r))
-        # The diagonal block: (I + D)^-1 by forward substitution (row s is final once the rows above it are
-        # subtracted; then every later row subtracts D[:, s] times it). The product form (I - D)(I + D^2)(I + D^4)
-        # (I + D^8) takes fewer steps but loses ~4 digits to cancellation on near-parallel keys.
+        # The diagonal block's (I + D)^-1: forward substitution inside its four 4 x 4 diagonal blocks at once (4 steps:
+        # row s of each block is final once the rows above it are subtracted; every later row of the block then
+        # subtracts D[:, s] times it), then two block merges, X <- X - X E X with E the lower off-diagonal blocks
+        # of the 8s and then of the 16 ((I + X E)^-1 = I - X E as (X E)^2 = 0). As exact as substitution; the product
+        # form (I - D)(I + D^2)(I + D^4)(I + D^8) loses ~4 digits to cancellation on near-parallel keys.
         visible_d = mask_of(rows, rows, ok, ok)
         l_rr = decay(visible_d, cum_r, cum_r)
         d = jnp.where(within_col < within_row, dot(kb_r, k_r, _DN_T) * l_rr, 0.0)  # [16, 16]
+        same_4 = (within_row // 4) == (within_col // 4)
 
         def substitute(s, inv):
-            row_s = jnp.sum(jnp.where(within_row == s, inv, 0.0), axis=0)  # [16]
-            col_s = jnp.sum(jnp.where(within_col == s, d, 0.0), axis=1)  # [16]
-            return inv - jnp.where(within_row > s, col_s[:, None], 0.0) * row_s[None, :]
+            pivots = within_row % 4 == s  # row s of each 4-block
+            row_s = jnp.where(same_4, jnp.sum(jnp.where(pivots, inv, 0.0), axis=0)[None, :], 0.0)  # [16, 16]
+            col_s = jnp.sum(jnp.where(within_col == (within_row // 4) * 4 + s, d, 0.0), axis=1)  # [16]
+            return inv - jnp.where(within_row % 4 > s, col_s[:, None], 0.0) * row_s
 
-        inv = lax.fori_loop(0, BLOCK, substitute, (within_row == within_col).astype(f32))
+        inv = lax.fori_loop(0, 4, substitute, (within_row == within_col).astype(f32))
+        for half in (4, 8):
+            off = jnp.where(((within_row // half) == (within_col // half) + 1) & (within_row // half % 2 == 1), d, 0.0)
+            inv = inv - exact_dot(exact_dot(inv, off), inv)
         vnew_r = dot(inv, rhs)
         out_r += dot(dot(q_r, k_r, _DN_T) * l_rr, vnew_r)
         store_rows(vnew_ref, rows, ok, vnew_r)
@@ -174,8 +196,8 @@ def tree_delta_rule_pallas(q, k, v, g, beta, initial_state, visible, *, precisio
     Returns (out [b, T, H, V], v_new [b, T, H, V], G [b, T, H]), float32: `tree_gated_delta_rule`'s out,
     written values and root-path log decays. precision: the matmuls' ("highest": float32 products; "default":
     the GPU's tensor-core float32 (TF32), as XLA's float32 dots at the default precision)."""
-    config = TreeDeltaRuleConfig() if config is None else config
     b, t, hk, dk = q.shape
+    config = default_config(t) if config is None else config
     h, dv = v.shape[2], v.shape[3]
     if k.shape != q.shape or v.shape[:2] != (b, t) or h % hk:
         raise ValueError(f"q and k must be [b, T, Hk, K] and v [b, T, H, V] with Hk dividing H; got q {q.shape}, "

@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", default="default,highest",
                    help="the Pallas kernel's whole rule (pallas_kernels/tree_delta_rule.py) at these matmul precisions")
     p.add_argument("--kernel-warps", default="8", help="the kernel's num_warps values to time")
-    p.add_argument("--kernel-value-blocks", default="32", help="the kernel's value_block values to time")
+    p.add_argument("--kernel-value-blocks", default="64", help="the kernel's value_block values to time")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the script)")
     args = p.parse_args(argv)
@@ -156,8 +156,8 @@ def main(argv=None) -> int:
             try:
                 if name.startswith("kernel_"):
                     precision, knobs = name.removeprefix("kernel_").split("_w")
-                    warps, value_block = knobs.split("_vb")
-                    config = tree_delta_rule.TreeDeltaRuleConfig(num_warps=int(warps), value_block=int(value_block))
+                    warps, value_block = (int(x) for x in knobs.split("_vb"))
+                    config = tree_delta_rule.TreeDeltaRuleConfig(num_warps=warps, value_block=value_block)
                     if not tree_delta_rule.supports(t, dk, dv):
                         continue
 

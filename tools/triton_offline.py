@@ -147,8 +147,9 @@ def main(argv: list[str] | None = None) -> int:
                          [sds((15, 151936), jnp.float32)], which))
     for t in (16, 17, 65, 128):  # the Gated DeltaNet tree rule at the Qwen3.6-27B shape (48 value heads, 16 key)
         for precision in ("default", "highest"):
-            configs = [tdr.TreeDeltaRuleConfig()] + ([] if args.quick else [
-                tdr.TreeDeltaRuleConfig(num_warps=4), tdr.TreeDeltaRuleConfig(value_block=128)])
+            default = tdr.default_config(t)
+            configs = [default] + ([] if args.quick else [
+                dataclasses.replace(default, num_warps=4 if default.num_warps == 8 else 8), dataclasses.replace(default, value_block=32)])
             rule_args = [sds((1, t, 16, 128), jnp.float32), sds((1, t, 16, 128), jnp.float32),
                          sds((1, t, 48, 128), jnp.float32), sds((1, t, 48), jnp.float32), sds((1, t, 48), jnp.float32),
                          sds((1, 48, 128, 128), jnp.float32), sds((1, t, t), bool)]

@@ -49,11 +49,6 @@ from pallas_kernels import tree_delta_rule as tree_rule_kernel
 RECURRENT = True  # the cache is a HybridCache: K/V beside a recurrent state per Gated DeltaNet layer
 CHUNK = 64  # tokens per chunk of the chunked (WY) delta rule, as HF
 BLOCKED_SOLVE_ABOVE = 128  # systems larger than this are solved by blocks (`unit_lower_solve`)
-# The tree verify's delta rule takes the Pallas kernel (`pallas_kernels.tree_delta_rule`) up to this many nodes: on
-# the H200 at the Qwen3.6-27B shape it took 13.4 us per layer at T = 16 against XLA's 41.2, but 140-194 us at T = 65
-# against 87-92 (its blocks run one after another in one program per head; tools/gdn_probe.py and the bench's
-# traces, 2026-12-02). DFlash's chain of 16 and DDTree budgets <= 15 take it.
-TREE_RULE_KERNEL_UP_TO = 16
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -447,8 +442,10 @@ class GatedDeltaNet(nnx.Module):
                                                                        + self.dt_bias[...].astype(f32))
         nodes = None
         if tree:
-            if runtime.pallas and t <= TREE_RULE_KERNEL_UP_TO and tree_rule_kernel.supports(
-                    t, self.key_head_dim, self.value_head_dim):
+            # The Pallas kernel wherever it takes the tree: on the H200 at the Qwen3.6-27B shape 7 us per layer at
+            # T = 16, 64 at T = 65 and 118 at T = 128 against XLA's 35, 90-95 and 120-137 (tools/gdn_probe.py and
+            # the bench's traces, 2026-12-02); wider trees take the jnp WY form.
+            if runtime.pallas and tree_rule_kernel.supports(t, self.key_head_dim, self.value_head_dim):
                 precision = "highest" if x.dtype == jnp.float32 else "default"
                 core, values, log_decay = _tree_rule_kernel(q_keyed, k_keyed, v, g, beta, state.state, visible,
                                                             precision=precision, mesh=mesh)

@@ -17,6 +17,7 @@ from ddtree_jax.checkpoint import load_target
 from ddtree_jax.config import ConfigError, Qwen3_5Config, parse_qwen3_5
 from ddtree_jax.models.contract import ForwardMeta
 from ddtree_jax.models import qwen3_5
+from pallas_kernels import tree_delta_rule
 from conftest import YARN_ROPE_SCALING, chain_ordered, randomise_qwen3_5
 
 torch = pytest.importorskip("torch", reason="PyTorch is not importable (the transformers parity oracle)")
@@ -419,12 +420,12 @@ def test_blocked_unit_lower_solve_matches_float64(n, block):
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kernels,t,uses_kernel", [("pallas", 5, True), ("pallas", qwen3_5.TREE_RULE_KERNEL_UP_TO, True),
+@pytest.mark.parametrize("kernels,t,uses_kernel", [("pallas", 5, True), ("pallas", tree_delta_rule.MAX_NODES, True),
                                                    ("jax", 5, False),
-                                                   ("pallas", qwen3_5.TREE_RULE_KERNEL_UP_TO + 1, False)])
+                                                   ("pallas", tree_delta_rule.MAX_NODES + 1, False)])
 def test_tree_verify_takes_the_tree_rule_kernel_on_the_pallas_path(kernels, t, uses_kernel):
     """A Gated DeltaNet layer's tree mode runs `pallas_kernels.tree_delta_rule` on the Pallas path for trees of up to
-    TREE_RULE_KERNEL_UP_TO nodes, and the jnp WY form otherwise (the pure-JAX path; wider trees). Read from the traced
+    its MAX_NODES nodes, and the jnp WY form otherwise (the pure-JAX path; wider trees). Read from the traced
     program (the kernel's correctness is tests/kernels/test_tree_delta_rule.py's; the engine's tokens with it,
     tests/test_kernels_in_engine.py's)."""
     from flax import nnx
