@@ -50,7 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._dispatch import cdiv, check_knobs, resolve_interpret
+from pallas_kernels._dispatch import cdiv, check_knobs, next_pow2, resolve_interpret
 
 MAX_NODES = 128  # every node's keys, values and mask row fit one program; wider trees stay on the XLA path
 BLOCK = 16  # node rows per block: Triton's smallest matmul side
@@ -72,14 +72,20 @@ class TreeDeltaRuleConfig:
     num_stages:   Triton's software pipelining; 1: the block loop stores and reloads outputs across barriers.
     value_block:  value columns per program (a power of two >= 16; the value dim when larger): more programs per
                   head for wide trees, each repeating the 16-wide tiles of A and the diagonal inverse.
+    two_launch:   the two-launch form: every 16 x 16 tile of A and Q K^T and every diagonal inverse first, one
+                  program each, then the chain over the blocks with the solved rows in registers (its loads no
+                  longer wait on earlier blocks). Not yet timed on a GPU, so off by default.
+    tile_warps:   Triton's warps per program of the two-launch form's first launch (one tile each).
     """
 
     num_warps: int = 8
     num_stages: int = 1
     value_block: int = 64
+    two_launch: bool = False
+    tile_warps: int = 4
 
     def __post_init__(self):
-        check_knobs(self, pow2={"value_block": 16})
+        check_knobs(self, pow2={"value_block": 16, "tile_warps": 1})
 
 
 def default_config(t: int) -> TreeDeltaRuleConfig:
@@ -90,40 +96,73 @@ def default_config(t: int) -> TreeDeltaRuleConfig:
     return TreeDeltaRuleConfig(num_warps=8 if t <= BLOCK else 4)
 
 
+# Helpers of both forms. Rows and columns are node indices; `t` the node count (rows >= t are padding).
+def _rows_of(ref, rows, ok, t: int):  # [n, D] rows of a [T, D] ref; indices clamped (in bounds), masked rows 0
+    cols = jnp.arange(ref.shape[-1])
+    return plt.load(ref.at[jnp.minimum(rows, t - 1)[:, None], cols[None, :]], mask=ok[:, None], other=0.0)
+
+
+def _per_node(ref, rows, ok, t: int):  # [n] entries of a [T] ref
+    return plt.load(ref.at[jnp.minimum(rows, t - 1)], mask=ok, other=0.0)
+
+
+# Masked lanes of a store get an out-of-range row: the interpreter drops those writes (a masked lane writing back
+# the old value at a shared clamped row could overwrite a real one); Triton masks them.
+def _store_rows(ref, rows, ok, x, t: int):
+    cols = jnp.arange(ref.shape[-1])
+    plt.store(ref.at[jnp.where(ok, rows, t)[:, None], cols[None, :]], x.astype(ref.dtype), mask=ok[:, None])
+
+
+def _mask_of(vis_ref, rows, cols, ok_rows, ok_cols, t: int):  # [n, m] bool: visible[rows, cols]
+    clamp = lambda x: jnp.minimum(x, t - 1)  # noqa: E731
+    return plt.load(vis_ref.at[clamp(rows)[:, None], clamp(cols)[None, :]],
+                    mask=ok_rows[:, None] & ok_cols[None, :], other=0) != 0
+
+
+def _decay(visible, cum_rows, cum_cols):  # L on visible pairs, 0 elsewhere (exp only where visible)
+    return jnp.where(visible, jnp.exp(jnp.where(visible, cum_rows[:, None] - cum_cols[None, :], 0.0)), 0.0)
+
+
+def _dot(a, b, precision, dims=_DN):
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _exact_dot(a, b):  # float32 products whatever the kernel's precision (the inverse's merges, row selections)
+    return _dot(a, b, lax.Precision.HIGHEST)
+
+
+def _unit_lower_inverse(d):
+    """(I + d)^-1 for a strictly lower [16, 16] d: forward substitution inside its four 4 x 4 diagonal blocks at
+    once (4 steps: row s of each block is final once the rows above it are subtracted; every later row of the block
+    then subtracts d[:, s] times it), then two block merges, X <- X - X E X with E the lower off-diagonal blocks of
+    the 8s and then of the 16 ((I + X E)^-1 = I - X E as (X E)^2 = 0). As exact as substitution; the product form
+    (I - d)(I + d^2)(I + d^4)(I + d^8) loses ~4 digits to cancellation on near-parallel keys."""
+    block = jnp.arange(BLOCK)
+    within_row, within_col = block[:, None], block[None, :]
+    same_4 = (within_row // 4) == (within_col // 4)
+
+    def substitute(s, inv):
+        pivots = within_row % 4 == s  # row s of each 4-block
+        row_s = jnp.where(same_4, jnp.sum(jnp.where(pivots, inv, 0.0), axis=0)[None, :], 0.0)  # [16, 16]
+        col_s = jnp.sum(jnp.where(within_col == (within_row // 4) * 4 + s, d, 0.0), axis=1)  # [16]
+        return inv - jnp.where(within_row % 4 > s, col_s[:, None], 0.0) * row_s
+
+    inv = lax.fori_loop(0, 4, substitute, (within_row == within_col).astype(jnp.float32))
+    for half in (4, 8):
+        off = jnp.where(((within_row // half) == (within_col // half) + 1) & (within_row // half % 2 == 1), d, 0.0)
+        inv = inv - _exact_dot(_exact_dot(inv, off), inv)
+    return inv
+
+
 def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, vis_ref, s0_ref,  # inputs
             out_ref, vnew_ref, cum_ref,  # outputs (v_new and G also read back: earlier blocks' solved rows)
             *, t: int, precision, interpret: bool):
+    """The one-launch form: each program runs its head's blocks in order, reading earlier blocks back."""
     f32 = jnp.float32
-
-    def rows_of(ref, rows, ok):  # [n, D] rows of a [T, D] ref; indices clamped (in bounds), masked rows 0
-        cols = jnp.arange(ref.shape[-1])
-        return plt.load(ref.at[jnp.minimum(rows, t - 1)[:, None], cols[None, :]], mask=ok[:, None], other=0.0)
-
-    def per_node(ref, rows, ok):  # [n] entries of a [T] ref
-        return plt.load(ref.at[jnp.minimum(rows, t - 1)], mask=ok, other=0.0)
-
-    # Masked lanes of a store get an out-of-range row: the interpreter drops those writes (a masked lane writing
-    # back the old value at a shared clamped row could overwrite a real one); Triton masks them.
-    def store_rows(ref, rows, ok, x):
-        cols = jnp.arange(ref.shape[-1])
-        plt.store(ref.at[jnp.where(ok, rows, t)[:, None], cols[None, :]], x.astype(ref.dtype), mask=ok[:, None])
-
-    def mask_of(rows, cols, ok_rows, ok_cols):  # [n, m] bool: visible[rows, cols]
-        clamp = lambda x: jnp.minimum(x, t - 1)  # noqa: E731
-        return plt.load(vis_ref.at[clamp(rows)[:, None], clamp(cols)[None, :]],
-                        mask=ok_rows[:, None] & ok_cols[None, :], other=0) != 0
-
     block = jnp.arange(BLOCK)
-    within_row, within_col = block[:, None], block[None, :]
-
-    def dot(a, b, dims=_DN):
-        return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=f32)
-
-    def exact_dot(a, b):  # the inverse's merges in float32 products whatever `precision`
-        return lax.dot_general(a, b, _DN, precision=lax.Precision.HIGHEST, preferred_element_type=f32)
-
-    def decay(visible, cum_rows, cum_cols):  # L on visible pairs, 0 elsewhere (exp only where visible)
-        return jnp.where(visible, jnp.exp(jnp.where(visible, cum_rows[:, None] - cum_cols[None, :], 0.0)), 0.0)
+    rows_of, per_node = functools.partial(_rows_of, t=t), functools.partial(_per_node, t=t)
+    mask_of = functools.partial(_mask_of, vis_ref, t=t)
+    dot = lambda a, b, dims=_DN: _dot(a, b, precision, dims)  # noqa: E731
 
     def one_block(r, carry):
         rows = r * BLOCK + block
@@ -150,41 +189,89 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, vis_ref, s0_ref,  # inputs
             all_ok = cols < t
             k_c = rows_of(k_ref, cols, all_ok).astype(f32)
             vnew_c = rows_of(vnew_ref, cols, all_ok)
-            l_rc = decay(mask_of(rows, cols, ok, all_ok), cum_r, per_node(cum_ref, cols, all_ok))
+            l_rc = _decay(mask_of(rows, cols, ok, all_ok), cum_r, per_node(cum_ref, cols, all_ok))
             return (rhs - dot(dot(kb_r, k_c, _DN_T) * l_rc, vnew_c),
                     out_r + dot(dot(q_r, k_c, _DN_T) * l_rc, vnew_c))
 
         rhs, out_r = lax.fori_loop(0, r, earlier_block, (rhs, out_r))
-        # The diagonal block's (I + D)^-1: forward substitution inside its four 4 x 4 diagonal blocks at once (4 steps:
-        # row s of each block is final once the rows above it are subtracted; every later row of the block then
-        # subtracts D[:, s] times it), then two block merges, X <- X - X E X with E the lower off-diagonal blocks
-        # of the 8s and then of the 16 ((I + X E)^-1 = I - X E as (X E)^2 = 0). As exact as substitution; the product
-        # form (I - D)(I + D^2)(I + D^4)(I + D^8) loses ~4 digits to cancellation on near-parallel keys.
-        visible_d = mask_of(rows, rows, ok, ok)
-        l_rr = decay(visible_d, cum_r, cum_r)
-        d = jnp.where(within_col < within_row, dot(kb_r, k_r, _DN_T) * l_rr, 0.0)  # [16, 16]
-        same_4 = (within_row // 4) == (within_col // 4)
-
-        def substitute(s, inv):
-            pivots = within_row % 4 == s  # row s of each 4-block
-            row_s = jnp.where(same_4, jnp.sum(jnp.where(pivots, inv, 0.0), axis=0)[None, :], 0.0)  # [16, 16]
-            col_s = jnp.sum(jnp.where(within_col == (within_row // 4) * 4 + s, d, 0.0), axis=1)  # [16]
-            return inv - jnp.where(within_row % 4 > s, col_s[:, None], 0.0) * row_s
-
-        inv = lax.fori_loop(0, 4, substitute, (within_row == within_col).astype(f32))
-        for half in (4, 8):
-            off = jnp.where(((within_row // half) == (within_col // half) + 1) & (within_row // half % 2 == 1), d, 0.0)
-            inv = inv - exact_dot(exact_dot(inv, off), inv)
-        vnew_r = dot(inv, rhs)
+        l_rr = _decay(mask_of(rows, rows, ok, ok), cum_r, cum_r)
+        d = jnp.where(block[None, :] < block[:, None], dot(kb_r, k_r, _DN_T) * l_rr, 0.0)  # [16, 16]
+        vnew_r = dot(_unit_lower_inverse(d), rhs)
         out_r += dot(dot(q_r, k_r, _DN_T) * l_rr, vnew_r)
-        store_rows(vnew_ref, rows, ok, vnew_r)
-        store_rows(out_ref, rows, ok, out_r)
+        _store_rows(vnew_ref, rows, ok, vnew_r, t)
+        _store_rows(out_ref, rows, ok, out_r, t)
         plt.store(cum_ref.at[jnp.where(ok, rows, t)], cum_r, mask=ok)
         if not interpret:  # later blocks read these rows back (the interpreter runs a program sequentially)
             plt.debug_barrier()
         return carry
 
     lax.fori_loop(0, cdiv(t, BLOCK), one_block, 0)
+
+
+def _tiles_kernel(q_ref, k_ref, cum_ref, beta_ref, vis_ref,  # inputs
+                  a_ref, qk_ref, inv_ref,  # outputs: [16, 16] tiles
+                  *, t: int, precision):
+    """The two-launch form's first launch, one program per (row, value head, row block r, column block c): A's and
+    (Q K^T * L)'s 16 x 16 tiles (r, c), zeros where c > r (no ancestors there) or past the nodes, and for c = r
+    the diagonal block's inverse. Light programs (no S0): many stay resident per multiprocessor."""
+    r, c = pl.program_id(2), pl.program_id(3)
+
+    @pl.when(c > r)
+    def _():
+        a_ref[...] = jnp.zeros(a_ref.shape, a_ref.dtype)
+        qk_ref[...] = jnp.zeros(qk_ref.shape, qk_ref.dtype)
+
+    @pl.when(c <= r)
+    def _():
+        f32 = jnp.float32
+        block = jnp.arange(BLOCK)
+        rows, cols = r * BLOCK + block, c * BLOCK + block
+        ok, ok_c = rows < t, cols < t
+        k_c = _rows_of(k_ref, cols, ok_c, t).astype(f32)
+        beta_r = _per_node(beta_ref, rows, ok, t)
+        l_rc = _decay(_mask_of(vis_ref, rows, cols, ok, ok_c, t), _per_node(cum_ref, rows, ok, t),
+                      _per_node(cum_ref, cols, ok_c, t))
+        a = jnp.where(cols[None, :] < rows[:, None],
+                      _dot(_rows_of(k_ref, rows, ok, t).astype(f32) * beta_r[:, None], k_c, precision, _DN_T) * l_rc,
+                      0.0)
+        a_ref[...] = a
+        qk_ref[...] = _dot(_rows_of(q_ref, rows, ok, t).astype(f32), k_c, precision, _DN_T) * l_rc
+
+        @pl.when(c == r)
+        def _():
+            inv_ref[...] = _unit_lower_inverse(a)
+
+
+def _chain_kernel(q_ref, k_ref, v_ref, cum_ref, beta_ref, s0_ref, a_ref, qk_ref, inv_ref,  # inputs
+                  out_ref, vnew_ref,  # outputs
+                  *, t: int, precision):
+    """The two-launch form's second launch, one program per (row, value head, block of value columns): the blocks
+    in order, each v_new_r = inv_r (rhs_r - A[r, :] v_new) with rhs_r = diag(beta) (V - e^G K S0) of its rows, and
+    out_r = e^G Q S0 + (Q K^T * L)[r, :] v_new, with every solved row of v_new held in registers (rows of unsolved
+    blocks are zero, so whole row blocks of A and Q K^T multiply it). A block's loads and its S0 terms depend on
+    nothing solved: only two matmuls and the row insertion chain one block to the next."""
+    f32 = jnp.float32
+    width = a_ref.shape[-1]  # a power of two >= the padded node count
+    block = jnp.arange(BLOCK)
+
+    def one_block(r, solved):  # solved: [width, V block], v_new of blocks < r, zeros after
+        rows = r * BLOCK + block
+        ok = rows < t
+        at = pl.ds(r * BLOCK, BLOCK)
+        beta_r = _per_node(beta_ref, rows, ok, t)
+        decay_r = jnp.exp(_per_node(cum_ref, rows, ok, t))[:, None]
+        s0 = s0_ref[...]  # [K, V block], from L1/L2 each block: registers hold `solved`
+        rhs = beta_r[:, None] * (_rows_of(v_ref, rows, ok, t).astype(f32)
+                                 - decay_r * _dot(_rows_of(k_ref, rows, ok, t).astype(f32), s0, precision))
+        qs0 = _dot(_rows_of(q_ref, rows, ok, t).astype(f32) * decay_r, s0, precision)
+        vnew_r = _dot(inv_ref[at, :], rhs - _dot(a_ref[at, :], solved, precision), precision)
+        place = (jnp.arange(width)[:, None] == rows[None, :]).astype(f32)  # [width, 16] one-hot
+        solved = solved + _exact_dot(place, vnew_r)
+        _store_rows(vnew_ref, rows, ok, vnew_r, t)
+        _store_rows(out_ref, rows, ok, qs0 + _dot(qk_ref[at, :], solved, precision), t)
+        return solved
+
+    lax.fori_loop(0, cdiv(t, BLOCK), one_block, jnp.zeros((width, vnew_ref.shape[-1]), f32))
 
 
 @functools.partial(jax.jit, static_argnames=("precision", "config", "interpret", "debug"))
@@ -212,27 +299,54 @@ def tree_delta_rule_pallas(q, k, v, g, beta, initial_state, visible, *, precisio
     group = h // hk
     if precision not in ("highest", "default"):
         raise ValueError(f"precision={precision!r}: expected 'highest' or 'default'")
-    kernel = functools.partial(_kernel, t=t, precision=lax.Precision[precision.upper()], interpret=interpret)
+    matmul_precision = lax.Precision[precision.upper()]
     vb = min(config.value_block, dv)
-    key_spec = pl.BlockSpec((None, t, None, dk), lambda i, j, n: (i, 0, j // group, 0))
+    # Index maps take (row, head, ...): the one-launch grid is (b, H, V blocks), the tile launch's (b, H, r, c).
+    key_spec = pl.BlockSpec((None, t, None, dk), lambda i, j, *_: (i, 0, j // group, 0))
     value_rows = pl.BlockSpec((None, t, None, vb), lambda i, j, n: (i, 0, j, n))
-    per_node = pl.BlockSpec((None, t, None), lambda i, j, n: (i, 0, j))
-    out, v_new, cum = pl.pallas_call(
-        kernel,
+    per_node = pl.BlockSpec((None, t, None), lambda i, j, *_: (i, 0, j))
+    mask_spec = pl.BlockSpec((None, t, t), lambda i, *_: (i, 0, 0))
+    state_columns = pl.BlockSpec((None, None, dk, vb), lambda i, j, n: (i, j, 0, n))
+    f32 = jnp.float32
+    outputs = [jax.ShapeDtypeStruct((b, t, h, dv), f32), jax.ShapeDtypeStruct((b, t, h, dv), f32)]
+    params = plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
+    beta32, mask8, state32 = beta.astype(f32), visible.astype(jnp.int8), initial_state.astype(f32)
+    if not config.two_launch:
+        out, v_new, cum = pl.pallas_call(
+            functools.partial(_kernel, t=t, precision=matmul_precision, interpret=interpret),
+            grid=(b, h, dv // vb),
+            in_specs=[key_spec, key_spec, value_rows, per_node, per_node, mask_spec, state_columns],
+            # Every column block of a head writes the same G (the same float operations on the same inputs).
+            out_specs=[value_rows, value_rows, per_node],
+            out_shape=outputs + [jax.ShapeDtypeStruct((b, t, h), f32)],
+            compiler_params=params, interpret=interpret, debug=debug, name="tree_delta_rule",
+        )(q, k, v, g.astype(f32), beta32, mask8, state32)
+        return out, v_new, cum
+    # The two-launch form. G first, every node at once (elementwise sums: exact float32 whatever the backend).
+    cum = jnp.sum(jnp.where(visible[:, :, :, None], g.astype(f32)[:, None], 0.0), axis=2)  # [b, T, H]
+    blocks = cdiv(t, BLOCK)
+    rows, width = blocks * BLOCK, next_pow2(blocks * BLOCK)  # tile rows; columns a power of two (zeros past T)
+    tile = pl.BlockSpec((None, None, BLOCK, BLOCK), lambda i, j, r, c: (i, j, r, c))
+    a, qk, inv = pl.pallas_call(
+        functools.partial(_tiles_kernel, t=t, precision=matmul_precision),
+        grid=(b, h, blocks, width // BLOCK),
+        in_specs=[key_spec, key_spec, per_node, per_node, mask_spec],
+        out_specs=[tile, tile, pl.BlockSpec((None, None, BLOCK, BLOCK), lambda i, j, r, c: (i, j, r, 0))],
+        out_shape=[jax.ShapeDtypeStruct((b, h, rows, width), f32), jax.ShapeDtypeStruct((b, h, rows, width), f32),
+                   jax.ShapeDtypeStruct((b, h, rows, BLOCK), f32)],
+        compiler_params=plt.CompilerParams(num_warps=config.tile_warps, num_stages=1),
+        interpret=interpret, debug=debug, name="tree_delta_rule_tiles",
+    )(q, k, cum, beta32, mask8)
+    per_head = lambda dim: pl.BlockSpec((None, None, rows, dim), lambda i, j, n: (i, j, 0, 0))  # noqa: E731
+    out, v_new = pl.pallas_call(
+        functools.partial(_chain_kernel, t=t, precision=matmul_precision),
         grid=(b, h, dv // vb),
-        in_specs=[key_spec, key_spec, value_rows, per_node, per_node,
-                  pl.BlockSpec((None, t, t), lambda i, j, n: (i, 0, 0)),
-                  pl.BlockSpec((None, None, dk, vb), lambda i, j, n: (i, j, 0, n))],
-        # Every column block of a head writes the same G (the same float operations on the same inputs).
-        out_specs=[value_rows, value_rows, per_node],
-        out_shape=[jax.ShapeDtypeStruct((b, t, h, dv), jnp.float32), jax.ShapeDtypeStruct((b, t, h, dv), jnp.float32),
-                   jax.ShapeDtypeStruct((b, t, h), jnp.float32)],
-        compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        interpret=interpret,
-        debug=debug,
-        name="tree_delta_rule",
-    )(q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32), visible.astype(jnp.int8),
-      initial_state.astype(jnp.float32))
+        in_specs=[key_spec, key_spec, value_rows, per_node, per_node, state_columns,
+                  per_head(width), per_head(width), per_head(BLOCK)],
+        out_specs=[value_rows, value_rows],
+        out_shape=outputs,
+        compiler_params=params, interpret=interpret, debug=debug, name="tree_delta_rule_chain",
+    )(q, k, v, cum, beta32, state32, a, qk, inv)
     return out, v_new, cum
 
 

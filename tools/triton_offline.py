@@ -149,13 +149,19 @@ def main(argv: list[str] | None = None) -> int:
         for precision in ("default", "highest"):
             default = tdr.default_config(t)
             configs = [default] + ([] if args.quick else [
-                dataclasses.replace(default, num_warps=4 if default.num_warps == 8 else 8), dataclasses.replace(default, value_block=32)])
+                dataclasses.replace(default, num_warps=4 if default.num_warps == 8 else 8),
+                dataclasses.replace(default, value_block=32)])
             rule_args = [sds((1, t, 16, 128), jnp.float32), sds((1, t, 16, 128), jnp.float32),
                          sds((1, t, 48, 128), jnp.float32), sds((1, t, 48), jnp.float32), sds((1, t, 48), jnp.float32),
                          sds((1, 48, 128, 128), jnp.float32), sds((1, t, t), bool)]
             for config in configs:
                 fn = functools.partial(tdr.tree_delta_rule_pallas, precision=precision, config=config)
                 jobs.append((f"tree_delta_rule {precision} T={t}", config, fn, rule_args))
+            two = dataclasses.replace(default, two_launch=True)  # its tile launch, then its chain
+            fn = functools.partial(tdr.tree_delta_rule_pallas, precision=precision, config=two)
+            jobs.append((f"tree_delta_rule {precision} T={t} tiles",
+                         dataclasses.replace(two, num_warps=two.tile_warps, num_stages=1), fn, rule_args, 0))
+            jobs.append((f"tree_delta_rule {precision} T={t} chain", two, fn, rule_args, 1))
     jobs = [job for job in jobs if args.only in job[0]]
     for name, config, fn, fn_args, *which in jobs:
         label = f"{name:<32} {config!r}".replace("TreeAttentionConfig", "").replace("TreeAcceptConfig", "").replace(

@@ -8,6 +8,8 @@ Every kernel test class runs interpreted on CPU and compiled on a GPU (marked `g
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,33 +92,42 @@ def run_model_rule(args, visible):
 CASES = [(1, False), (16, True), (17, False), (40, False), (65, False)]
 
 
+# Both forms: one launch (each program walks its head's blocks, reading earlier ones back) and two launches (all
+# tiles and diagonal inverses first, then the chain with the solved rows in registers).
+FORMS = [pytest.param(False, id="one-launch"), pytest.param(True, id="two-launch")]
+
+
 @pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("two_launch", FORMS)
 class TestTreeDeltaRuleKernel:
     @pytest.mark.parametrize("t,chain", CASES, ids=[f"T{t}{'-chain' if c else ''}" for t, c in CASES])
-    def test_matches_the_float64_recurrence_and_the_model_rule(self, t, chain, interpret):
+    def test_matches_the_float64_recurrence_and_the_model_rule(self, t, chain, two_launch, interpret):
         args, parents, visible = inputs(t, seed=t, chain=chain)
-        got = [np.asarray(x, np.float64) for x in run_kernel(args, visible, interpret)]
+        config = dataclasses.replace(tdr.default_config(t), two_launch=two_launch)
+        got = [np.asarray(x, np.float64) for x in run_kernel(args, visible, interpret, config=config)]
         want = recurrence_float64(*args, parents)
         for name, x, y in zip(("out", "v_new", "G"), got, want):
             np.testing.assert_allclose(x, y, rtol=2e-4, atol=2e-5, err_msg=name)
         for name, x, y in zip(("out", "v_new", "G"), got, run_model_rule(args, visible)):
             np.testing.assert_allclose(x, np.asarray(y), rtol=1e-4, atol=1e-5, err_msg=f"{name} vs the jnp rule")
 
-    def test_value_columns_split_over_programs(self, interpret):
-        """value_block 16 runs each head's 32 value columns in two programs (each solving its own columns, both
-        writing G): the same results as the float64 recurrence."""
+    def test_value_columns_split_over_programs(self, two_launch, interpret):
+        """value_block 16 runs each head's 32 value columns in two programs, each solving its own columns: the
+        same results as the float64 recurrence."""
         args, parents, visible = inputs(40, seed=11)
-        got = run_kernel(args, visible, interpret, config=tdr.TreeDeltaRuleConfig(value_block=16))
+        config = tdr.TreeDeltaRuleConfig(value_block=16, two_launch=two_launch)
+        got = run_kernel(args, visible, interpret, config=config)
         for name, x, y in zip(("out", "v_new", "G"), got, recurrence_float64(*args, parents)):
             np.testing.assert_allclose(np.asarray(x, np.float64), y, rtol=2e-4, atol=2e-5, err_msg=name)
 
-    def test_the_tree_shapes_the_result(self, interpret):
+    def test_the_tree_shapes_the_result(self, two_launch, interpret):
         """Negative control: the same inputs under another tree (a chain) give other outputs, so the agreement
         above is the tree's, not the inputs' alone."""
         args, parents, visible = inputs(40, seed=3)
         chain = np.broadcast_to(ancestor_mask(random_parents(None, 40, True)), visible.shape)
-        tree_out = np.asarray(run_kernel(args, visible, interpret)[0])
-        chain_out = np.asarray(run_kernel(args, chain, interpret)[0])
+        config = dataclasses.replace(tdr.default_config(40), two_launch=two_launch)
+        tree_out = np.asarray(run_kernel(args, visible, interpret, config=config)[0])
+        chain_out = np.asarray(run_kernel(args, chain, interpret, config=config)[0])
         assert not np.allclose(tree_out, chain_out, rtol=1e-3, atol=1e-4)
         np.testing.assert_allclose(chain_out, recurrence_float64(*args, np.broadcast_to(
             random_parents(None, 40, True), parents.shape))[0], rtol=2e-4, atol=2e-5)
@@ -143,3 +154,5 @@ def test_refuses_what_it_does_not_take():
         tdr.TreeDeltaRuleConfig(num_warps=3)
     with pytest.raises(ValueError, match="value_block=8"):
         tdr.TreeDeltaRuleConfig(value_block=8)
+    with pytest.raises(ValueError, match="tile_warps=3"):
+        tdr.TreeDeltaRuleConfig(tile_warps=3)
