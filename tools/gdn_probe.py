@@ -121,6 +121,7 @@ def main(argv=None) -> int:
     p.add_argument("--kernel-value-blocks", default="64", help="the kernel's value_block values to time")
     p.add_argument("--kernel-forms", default="one,two",
                    help="the kernel's forms to time: one (one launch), two (TreeDeltaRuleConfig.two_launch)")
+    p.add_argument("--kernel-tile-warps", default="4", help="the two-launch form's tile_warps values to time")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the script)")
     args = p.parse_args(argv)
@@ -151,17 +152,21 @@ def main(argv=None) -> int:
             compiled = jax.jit(program).lower(data, tiny, jnp.int32(1)).compile()
             return in_loop_seconds(lambda n: compiled(data, tiny, jnp.int32(n)), args.repeats)[0] / layers
 
+        forms = [f"two{tw}" if form == "two" else form for form in args.kernel_forms.split(",")
+                 for tw in (args.kernel_tile_warps.split(",") if form == "two" else [""])]
         kernel_names = [f"kernel_{p}_w{w}_vb{vb}_{form}" for p in args.kernels.split(",") if p
                         for w in args.kernel_warps.split(",") for vb in args.kernel_value_blocks.split(",")
-                        for form in args.kernel_forms.split(",")]
+                        for form in forms]
         for name in names + ["rule_without_solve"] + kernel_names:
             row = {"t": t, "heads": heads, "variant": name}
             try:
                 if name.startswith("kernel_"):
                     precision, knobs = name.removeprefix("kernel_").split("_w")
                     warps, value_block, form = knobs.replace("_vb", "_").split("_")
-                    config = tree_delta_rule.TreeDeltaRuleConfig(num_warps=int(warps), value_block=int(value_block),
-                                                                 two_launch=form == "two")
+                    two_launch = form.startswith("two")  # "two4": the two-launch form with tile_warps 4
+                    config = tree_delta_rule.TreeDeltaRuleConfig(
+                        num_warps=int(warps), value_block=int(value_block), two_launch=two_launch,
+                        tile_warps=int(form.removeprefix("two")) if two_launch else 4)
                     if not tree_delta_rule.supports(t, dk, dv):
                         continue
 
