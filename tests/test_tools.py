@@ -7,10 +7,12 @@ import json
 import sys
 from pathlib import Path
 
+import jax.numpy as jnp
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
+import bitwise_probe  # noqa: E402
 import gdn_probe  # noqa: E402
 import gpu_probe  # noqa: E402
 import greedy_equality  # noqa: E402
@@ -164,3 +166,22 @@ def test_tp_layout_counts_each_devices_share_from_shapes():
     assert report["all_reduces_per_token"] == 8 and report["all_reduce_received_per_token"] == 8 * 64 * 2
     assert report["all_gathers_per_token"] == 3 and report["all_gather_received_per_token"] == 3 * 128 * 2 / 2
     assert tp_layout.layout("tiny", 2)["all_gathers_per_token"] == 0
+
+
+def test_bitwise_probe_smoke_and_its_comparison(tmp_path, capsys):
+    """tools/bitwise_probe.py at tiny shapes (kernels interpreted): every part runs, the elementwise control is
+    row-invariant; and the comparison flags a function whose rows depend on the other rows (a negative control)
+    while passing one whose rows do not."""
+    assert bitwise_probe.main(["--out", str(tmp_path), "--smoke", "--t", "5"]) == 0
+    rows = json.loads((tmp_path / "bitwise_probe.json").read_text())["rows"]
+    parts = {r["part"] for r in rows}
+    assert {"elementwise", "matmul_xla:lm_head", "matmul_stream_one_split:down", "add_rms_norm", "attention"} <= parts
+    for r in rows:
+        assert "error" not in r and r["rows"] == 5, r
+    assert [r["rows_differing"] for r in rows if r["part"] == "elementwise"] == [0]
+    x = jnp.arange(12.0).reshape(4, 3)
+    assert bitwise_probe.row_invariance(lambda x: x - x.mean(axis=0), x)["rows_differing"] == 4
+    assert bitwise_probe.row_invariance(lambda x: x * 2.0, x) == {"rows": 4, "rows_differing": 0, "max_abs_diff": 0.0}
+    capsys.readouterr()
+    assert bitwise_probe.main(["--out", str(tmp_path), "--t", "a,b"]) == 2
+    assert capsys.readouterr().err.startswith("error: --t: expected comma-separated integers")

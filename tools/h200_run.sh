@@ -36,6 +36,8 @@
 #             highest and default                                                        -> f32_highest/, f32_default/
 #   gdn       tools/gdn_probe.py: the hybrid's Gated DeltaNet tree rule and its triangular solve per layer, solve
 #             variants ($GDN_ARGS, e.g. --t 16,65 --solves trsm,blocked16)                       -> gdn/
+#   bitwise   tools/bitwise_probe.py: which parts of a Qwen3-8B forward give a row other bits in a T-row call than
+#             alone (issue 20), bf16, T = $BITWISE_T                                                   -> bitwise/
 #   demo_e2e  the bench on the shipped demo pair (checkpoints, bf16, held-out prompts)    -> demo/
 #   demo_bg, demo_pack   the demo pair's training in the background, and collecting it in a later call
 # Variables: BENCH_LIMIT, BUDGETS, KERNELS, MODES, REPEATS, KERNEL_LIMIT, KERNEL_ARGS, HYBRID_BUDGETS, HYBRID_MODES
@@ -85,6 +87,10 @@ for step in "$@"; do
       timeout "${TESTS_LIMIT:-200}" python3 -m pytest -q -o addopts=-ra -p no:cacheprovider -m gpu tests --ignore=tests/test_notebooks.py 2>&1 | tail -15
       timeout 150 python3 -m pytest -q -x -o addopts=-ra -p no:cacheprovider tests/test_ddtree_decoding.py \
         -k "greedy or transfers" 2>&1 | tail -5
+      ;;
+    bitwise)
+      log "row invariance of the forward's parts"
+      timeout "${BITWISE_LIMIT:-240}" python3 tools/bitwise_probe.py --out "$OUT/bitwise" --t "${BITWISE_T:-16,65}" 2>&1
       ;;
     gdn)
       log "Gated DeltaNet tree rule and solves"
