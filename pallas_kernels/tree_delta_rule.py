@@ -1,4 +1,4 @@
-"""The gated delta rule over the nodes of a draft tree, one launch per layer (Pallas, Triton).
+"""The gated delta rule over the nodes of a draft tree (Pallas, Triton): one launch per layer, or two.
 
 The contract is `ddtree_jax.models.qwen3_5.tree_gated_delta_rule` (the chunked WY form with the tree's
 ancestor relation in place of causal order): per value head h, with G_i = sum over node i's root path P(i) of g,
@@ -34,6 +34,11 @@ themselves), in a device loop; for block r:
      block, the diagonal's output term.
 v_new and G of solved blocks are read back from the outputs (L2-resident) after a CTA barrier. The programs of one
 head repeat steps 1, 3's A tiles and 4's inverse (16-wide, cheap) to run the value columns in parallel.
+
+The two-launch form (`TreeDeltaRuleConfig.two_launch`; opt-in until timed on a GPU) takes everything that does
+not depend on solved rows out of that chain: G by XLA (elementwise sums), then `_tiles_kernel` (every 16 x 16 tile
+of A and Q K^T * L and every diagonal inverse, one program each), then `_chain_kernel` (the blocks in order with
+the solved rows of v_new in registers).
 
 Letters: b batch, T nodes (at most MAX_NODES), H value heads, Hk key heads (value head h reads key head
 h // (H / Hk)), K key dim, V value dim.
