@@ -74,7 +74,9 @@ class TreeDeltaRuleConfig:
     """Tuning knobs of the kernel (static, hashable).
 
     num_warps:    Triton's warps per program.
-    num_stages:   Triton's software pipelining; 1: the block loop stores and reloads outputs across barriers.
+    num_stages:   Triton's software pipelining of the block loop. 1 for the one-launch form (it stores and reloads
+                  rows across barriers); the two-launch chain's loads depend on nothing solved, so 2 prefetches
+                  the next block's (107 KB of shared memory at T = 65 in the offline sm_90 compile).
     value_block:  value columns per program (a power of two >= 16; the value dim when larger): more programs per
                   head for wide trees, each repeating the 16-wide tiles of A and the diagonal inverse.
     two_launch:   the two-launch form: every 16 x 16 tile of A and Q K^T and every diagonal inverse first, one

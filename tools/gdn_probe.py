@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import platform
@@ -108,6 +109,18 @@ def looped(fn, feed):
     return program
 
 
+def kernel_configs(args) -> dict[str, tuple[str, tree_delta_rule.TreeDeltaRuleConfig]]:
+    """The kernel variants the --kernel* flags name: {name: (precision, config)}, every combination."""
+    chosen = args.kernel_forms.split(",")
+    forms = ([("one", False, 4)] if "one" in chosen else []) + (  # (name, two_launch, tile_warps)
+        [(f"two{w}", True, int(w)) for w in args.kernel_tile_warps.split(",")] if "two" in chosen else [])
+    return {f"kernel_{p}_w{w}_vb{vb}_s{st}_{form}": (p, tree_delta_rule.TreeDeltaRuleConfig(
+                num_warps=int(w), value_block=int(vb), num_stages=int(st), two_launch=two, tile_warps=tile_warps))
+            for p, w, vb, st, (form, two, tile_warps) in itertools.product(
+                [p for p in args.kernels.split(",") if p], args.kernel_warps.split(","),
+                args.kernel_value_blocks.split(","), args.kernel_stages.split(","), forms)}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
@@ -122,6 +135,7 @@ def main(argv=None) -> int:
     p.add_argument("--kernel-forms", default="one,two",
                    help="the kernel's forms to time: one (one launch), two (TreeDeltaRuleConfig.two_launch)")
     p.add_argument("--kernel-tile-warps", default="4", help="the two-launch form's tile_warps values to time")
+    p.add_argument("--kernel-stages", default="1", help="the kernel's num_stages values to time")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the script)")
     args = p.parse_args(argv)
@@ -135,6 +149,7 @@ def main(argv=None) -> int:
         if name not in solves:
             print(f"error: --solves: unknown {name!r}; expected some of {', '.join(solves)}", file=sys.stderr)
             return 2
+    kernel_variants = kernel_configs(args)
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     key = jax.random.PRNGKey(0)
@@ -152,21 +167,11 @@ def main(argv=None) -> int:
             compiled = jax.jit(program).lower(data, tiny, jnp.int32(1)).compile()
             return in_loop_seconds(lambda n: compiled(data, tiny, jnp.int32(n)), args.repeats)[0] / layers
 
-        forms = [f"two{tw}" if form == "two" else form for form in args.kernel_forms.split(",")
-                 for tw in (args.kernel_tile_warps.split(",") if form == "two" else [""])]
-        kernel_names = [f"kernel_{p}_w{w}_vb{vb}_{form}" for p in args.kernels.split(",") if p
-                        for w in args.kernel_warps.split(",") for vb in args.kernel_value_blocks.split(",")
-                        for form in forms]
-        for name in names + ["rule_without_solve"] + kernel_names:
+        for name in names + ["rule_without_solve"] + list(kernel_variants):
             row = {"t": t, "heads": heads, "variant": name}
             try:
                 if name.startswith("kernel_"):
-                    precision, knobs = name.removeprefix("kernel_").split("_w")
-                    warps, value_block, form = knobs.replace("_vb", "_").split("_")
-                    two_launch = form.startswith("two")  # "two4": the two-launch form with tile_warps 4
-                    config = tree_delta_rule.TreeDeltaRuleConfig(
-                        num_warps=int(warps), value_block=int(value_block), two_launch=two_launch,
-                        tile_warps=int(form.removeprefix("two")) if two_launch else 4)
+                    precision, config = kernel_variants[name]
                     if not tree_delta_rule.supports(t, dk, dv):
                         continue
 
