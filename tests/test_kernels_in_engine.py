@@ -42,9 +42,9 @@ def test_hybrid_with_pallas_kernels_matches_jax(tmp_path):
                                                num_hidden_layers=1, layer_types=["full_attention"]), target.config,
                            jnp.float32)
     prompts = [[1, 2, 3, 4, 5], [3, 9]]
-    for mode in (Mode.AR, Mode.DDTREE):
-        jax_out = generate(target, prompts, DecodeOptions(mode=mode, max_new_tokens=6, budget=4), drafter=drafter)
-        pallas_out = generate(target, prompts, DecodeOptions(mode=mode, max_new_tokens=6, budget=4, kernels="pallas"),
+    for mode in (Mode.AR, Mode.DDTREE):  # budget 20: a verify of 21 nodes, two of the tree-rule kernel's row blocks
+        jax_out = generate(target, prompts, DecodeOptions(mode=mode, max_new_tokens=6, budget=20), drafter=drafter)
+        pallas_out = generate(target, prompts, DecodeOptions(mode=mode, max_new_tokens=6, budget=20, kernels="pallas"),
                               drafter=drafter)
         assert pallas_out.output_ids == jax_out.output_ids
         assert pallas_out.acceptance_lengths == jax_out.acceptance_lengths
