@@ -6,8 +6,8 @@ TB/s for 65 (docs/performance.md). Here every row count runs the same streaming 
 
 - one program owns `block_n` rows of w and one of `splits` slices of the k axis, and walks its slice in
   `block_k` steps (Triton pipelines the loads `num_stages` deep), multiplying each [block_n, block_k]
-  weight tile by the [block_k, tp] tile of x^T (tp = t padded to a power of two >= 16) into a float32
-  [block_n, tp] accumulator;
+  weight tile by x^T's rows in power-of-two tiles >= 16 (65 rows as 64 + 16: padding to one power of two
+  would multiply 128) into float32 [block_n, tile] accumulators;
 - the `splits` partial sums are added in a fixed order outside the kernel (plain jnp), so that small
   matrices still give every streaming multiprocessor work (`splits` defaults to about two programs per
   multiprocessor).
@@ -59,26 +59,46 @@ class StreamMatmulConfig:
         check_knobs(self, pow2={"block_n": 16, "block_k": 16}, optional_counts=("splits",))
 
 
-def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_block: tuple[int, int] | None):
+def _row_tiles(t: int) -> tuple[int, ...]:
+    """t rows as row tiles that are powers of two >= 16, largest first: 65 -> (64, 16), 17 -> (16, 16), 128 ->
+    (128,). Padding t to one power of two would multiply 65 rows as 128; these multiply 80."""
+    tiles = []
+    while t > 0:
+        size = max(16, 1 << (t.bit_length() - 1))  # the largest power of two <= t, at least 16
+        tiles.append(size)
+        t -= size
+    return tuple(tiles)
+
+
+def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_block: tuple[int, int] | None,
+            row_tiles: tuple[int, ...]):
     # x_ref [tp, ks] rows of x, this split's k slice; w_ref [block_n, ks] weight rows; o_ref [block_n, tp] f32;
-    # with FP8 weights, s_ref [so, si] all the block scales (one scalar read per step).
+    # with FP8 weights, s_ref [so, si] all the block scales (one scalar read per step). The rows go in
+    # `row_tiles` (tp = their sum), each with its own accumulator; every weight tile is loaded once for all.
     s_ref, o_ref = refs if scale_block is not None else (None, *refs)
     if scale_block is not None:
         block_n = w_ref.shape[0]
         scale_row = pl.program_id(0) * block_n // scale_block[0]
         first_col = pl.program_id(1) * steps * block_k
+    starts = [sum(row_tiles[:i]) for i in range(len(row_tiles))]
 
-    def step(i, acc):
+    def step(i, accs):
         cols = pl.ds(i * block_k, block_k)
-        x = x_ref[:, cols]
-        w = w_ref[:, cols].astype(x.dtype)  # FP8 widened in registers; a no-op otherwise
-        tile = lax.dot_general(w, x, (((1,), (1,)), ((), ())), precision=precision,
-                               preferred_element_type=jnp.float32)
+        w = w_ref[:, cols]
+        scale = None
         if scale_block is not None:
-            tile = tile * s_ref[scale_row, (first_col + i * block_k) // scale_block[1]].astype(jnp.float32)
-        return acc + tile
+            scale = s_ref[scale_row, (first_col + i * block_k) // scale_block[1]].astype(jnp.float32)
+        new = []
+        for acc, start, size in zip(accs, starts, row_tiles):
+            x = x_ref[pl.ds(start, size), cols]
+            tile = lax.dot_general(w.astype(x.dtype), x, (((1,), (1,)), ((), ())), precision=precision,
+                                   preferred_element_type=jnp.float32)  # FP8 widened in registers
+            new.append(acc + (tile if scale is None else tile * scale))
+        return tuple(new)
 
-    o_ref[...] = lax.fori_loop(0, steps, step, jnp.zeros(o_ref.shape, jnp.float32))
+    accs = lax.fori_loop(0, steps, step, tuple(jnp.zeros((o_ref.shape[0], size), jnp.float32) for size in row_tiles))
+    for acc, start, size in zip(accs, starts, row_tiles):
+        o_ref[:, pl.ds(start, size)] = acc
 
 
 def fitted_config(n: int, k: int, block: tuple[int, int] | None = None,
@@ -129,7 +149,8 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
     if block is not None and (block[0] % block_n or block[1] % config.block_k):
         raise ValueError(f"FP8 scale blocks {tuple(block)}: block_n={block_n} and block_k={config.block_k} must "
                          "divide them (a tile inside one scale block)")
-    tp = max(16, next_pow2(t))
+    row_tiles = _row_tiles(t)
+    tp = sum(row_tiles)
     splits = _splits(k, n // block_n, config)
     ks = k // splits
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
@@ -143,7 +164,7 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
         operands.append(scale_inv)
     partial_sums = pl.pallas_call(
         functools.partial(_kernel, block_k=config.block_k, steps=ks // config.block_k, precision=precision,
-                          scale_block=None if block is None else tuple(block)),
+                          scale_block=None if block is None else tuple(block), row_tiles=row_tiles),
         grid=(n // block_n, splits),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((None, block_n, tp), lambda i, s: (s, i, 0)),

@@ -9,8 +9,10 @@ import pytest
 from pallas_kernels import stream_matmul as sm
 
 INTERPRET = [pytest.param(True, id="interpret"), pytest.param(False, id="compiled", marks=pytest.mark.gpu)]
-# (t, n, k, dtype, config): one row (AR), a DFlash block, a DDTree tree (odd), explicit and automatic splits.
+# (t, n, k, dtype, config): one row (AR), a DFlash block, a DDTree tree (odd: rows in tiles of 64 + 16), rows in
+# three tiles (64 + 32 + 16), explicit and automatic splits.
 CASES = [(1, 64, 256, "float32", sm.StreamMatmulConfig(block_n=32, block_k=64, splits=2)),
+         (100, 32, 128, "float32", sm.StreamMatmulConfig(block_n=16, block_k=64)),
          (16, 128, 256, "bfloat16", sm.StreamMatmulConfig(block_n=64, block_k=64)),
          (65, 64, 512, "float32", sm.StreamMatmulConfig(block_n=16, block_k=128, splits=4)),
          (5, 48, 128, "bfloat16", sm.StreamMatmulConfig(block_n=16, block_k=32, splits=1))]
@@ -33,6 +35,12 @@ def test_matches_float64_product(t, n, k, dtype, config, interpret):
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol, rtol=tol)
     ref = sm.stream_matmul_reference(x, w)
     np.testing.assert_allclose(np.asarray(ref, np.float64), want, atol=tol, rtol=tol)
+
+
+def test_row_tiles():
+    """Rows go in power-of-two tiles >= 16, largest first, covering t with less than 16 rows of padding."""
+    assert [sm._row_tiles(t) for t in (1, 16, 17, 65, 100, 128)] == [
+        (16,), (16,), (16, 16), (64, 16), (64, 32, 16), (128,)]
 
 
 def test_check_can_fail():
