@@ -29,7 +29,7 @@ from ddtree_jax.config import RopeConfig
 
 NORMAL_STD = 0.02
 # The most rows (tokens x batch) an FP8 projection streams under `Fp8Matmul.STREAM`. The kernel keeps a float32
-# [block_n, rows padded to a power of two] accumulator per program: it is written for decode calls (one token, a
+# [block_n, rows] accumulator per program (rows in power-of-two tiles >= 16): it is written for decode calls (one token, a
 # DFlash block, a tree of B <= 127 at batch 1; tools/gpu_probe.py timed its dense form up to 128 rows,
 # docs/performance.md). Calls with more rows (a prompt's prefill, wider trees, large batches) multiply as
 # `Fp8Matmul.DEQUANTIZE` does.
