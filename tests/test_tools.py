@@ -12,6 +12,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
+import auto_projection  # noqa: E402
 import bitwise_probe  # noqa: E402
 import gdn_probe  # noqa: E402
 import gpu_probe  # noqa: E402
@@ -185,3 +186,25 @@ def test_bitwise_probe_smoke_and_its_comparison(tmp_path, capsys):
     capsys.readouterr()
     assert bitwise_probe.main(["--out", str(tmp_path), "--t", "a,b"]) == 2
     assert capsys.readouterr().err.startswith("error: --t: expected comma-separated integers")
+
+
+def test_auto_projection_on_random_weights(tmp_path, capsys):
+    """tools/auto_projection.py: the chain, a fixed tree and auto emit the same greedy tokens (exit 0); each fixed
+    mode's rounds are all its own budget and cost that many rounds; auto's rounds split over the candidates; bad
+    --costs is one error line, exit 2."""
+    out = tmp_path / "proj.json"
+    assert auto_projection.main(["--shape", "tiny", "--costs", "chain=1e-3,4=1.2e-3", "--num-prompts", "2",
+                                 "--max-new-tokens", "8", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["outputs_equal"] and [r["mode"] for r in report["rows"]] == ["chain", "4", "auto"]
+    chain, tree, auto = report["rows"]
+    assert chain["rounds_by_budget"] == {"0": chain["rounds"], "4": 0}
+    assert tree["rounds_by_budget"] == {"0": 0, "4": tree["rounds"]}
+    assert chain["projected_s"] == pytest.approx(chain["rounds"] * 1e-3)
+    assert tree["projected_s"] == pytest.approx(tree["rounds"] * 1.2e-3)
+    assert sum(auto["rounds_by_budget"].values()) == auto["rounds"]
+    by_budget = auto["rounds_by_budget"]
+    assert auto["projected_s"] == pytest.approx(1e-3 * by_budget["0"] + 1.2e-3 * by_budget["4"])
+    capsys.readouterr()
+    assert auto_projection.main(["--costs", "16=1e-3"]) == 2
+    assert capsys.readouterr().err.startswith("error: --costs '16=1e-3'")

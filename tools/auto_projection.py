@@ -1,0 +1,114 @@
+"""`--budget auto`'s choices against the fixed budgets, under given round costs (issue 22).
+
+    PYTHONPATH=. python tools/auto_projection.py --costs chain=0.27255e-3,16=0.3031e-3 [--num-prompts 12]
+    PYTHONPATH=. python tools/auto_projection.py --shape tiny --costs chain=1e-3,4=1.2e-3   # random weights
+
+Generates with the chain (DFlash), each fixed tree budget and `--budget auto` over those candidates, on this
+machine in float32, with auto deciding by `--costs` (seconds per round of each candidate, e.g. as calibrated on
+a GPU: the `round_costs_s` of a bench JSON). Every round of every mode is then charged its candidate's cost, so
+the projected device seconds compare auto's choices with the fixed budgets' under one cost table, leaving out
+what auto's own machinery adds per round on that device (which only a run there shows). Greedy, so every
+mode emits the same tokens; acceptance is this machine's float32 (a GPU's bf16 may flip near-ties).
+Writes the result as JSON (`--out`) and prints a table. The demo pair and its held-out prompts by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def parse_costs(text: str) -> dict[int, float]:
+    """'chain=2.7e-4,16=3.0e-4' -> {0: 2.7e-4, 16: 3.0e-4} (0 the chain)."""
+    costs = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        costs[0 if name == "chain" else int(name)] = float(value)
+    if 0 not in costs or len(costs) < 2 or any(c <= 0 for c in costs.values()):
+        raise ValueError("expected the chain and at least one tree budget, seconds > 0")
+    return dict(sorted(costs.items()))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--costs", required=True, help="seconds per round: chain=S,B=S[,B=S...]")
+    p.add_argument("--shape", default=None,
+                   help="random weights of this bench shape (e.g. tiny) instead of the demo pair")
+    p.add_argument("--num-prompts", type=int, default=12)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    try:
+        costs = parse_costs(args.costs)
+    except ValueError as exc:
+        print(f"error: --costs {args.costs!r}: {exc}", file=sys.stderr)
+        return 2
+
+    import jax.numpy as jnp
+    import numpy as np
+
+    from ddtree_jax.engine import DecodeOptions, Mode, generate
+
+    if args.shape:
+        from ddtree_jax.measure.workload import random_pair
+        from ddtree_jax.parallel import Parallel
+
+        target, drafter = random_pair(args.shape, Parallel(), dtype=jnp.float32)
+        vocab = target.config.vocab_size - 1
+        prompts = [[(7 * i + 3 + 13 * r) % vocab for i in range(40 - 3 * r)] for r in range(min(args.num_prompts, 4))]
+        source = f"random {args.shape} weights"
+    else:
+        from ddtree_jax.bench import read_prompts
+        from ddtree_jax.checkpoint import load_drafter, load_target
+        from ddtree_jax.demo_pair import demo_drafter, demo_prompts, demo_target
+
+        target = load_target(demo_target(), jnp.float32)
+        drafter = load_drafter(demo_drafter(), target.config, jnp.float32)
+        prompts = read_prompts(demo_prompts(), demo_target(), target.config.vocab_size)[:args.num_prompts]
+        source = "the demo pair"
+
+    budgets = tuple(costs)
+    modes = [("chain", DecodeOptions(mode=Mode.DFLASH, max_new_tokens=args.max_new_tokens), None)]
+    modes += [(str(b), DecodeOptions(mode=Mode.DDTREE, max_new_tokens=args.max_new_tokens, budget=b), None)
+              for b in budgets if b]
+    modes += [("auto", DecodeOptions(mode=Mode.DDTREE, max_new_tokens=args.max_new_tokens, budgets=budgets),
+               [costs[b] for b in budgets])]
+    rows, outputs = [], {}
+    for name, options, round_costs in modes:
+        seconds, tokens, rounds, chosen = 0.0, 0, 0, []
+        for prompt in prompts:  # one row per call: auto's choice is per batch
+            result = generate(target, [prompt], options, drafter=drafter, round_costs=round_costs)
+            picks = result.budgets_chosen[0] if round_costs else [0 if name == "chain" else int(name)] * len(
+                result.acceptance_lengths[0])
+            seconds += sum(costs[b] for b in picks)
+            tokens += len(result.output_ids[0])
+            rounds += len(picks)
+            chosen += picks
+            outputs.setdefault(name, []).append(result.output_ids[0])
+        row = {"mode": name, "rounds": rounds, "tokens": tokens, "tau": tokens / rounds,
+               "projected_s": seconds, "projected_tokens_per_s": tokens / seconds,
+               "rounds_by_budget": {str(b): chosen.count(b) for b in budgets}}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    same = all(outputs[name] == outputs["chain"] for name in outputs)
+    report = {"source": source, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "costs_s": {str(b): c for b, c in costs.items()}, "outputs_equal": same, "rows": rows}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(report, indent=1))
+        tmp.replace(args.out)
+    best = max((r for r in rows if r["mode"] != "auto"), key=lambda r: r["projected_tokens_per_s"])
+    auto = rows[-1]
+    print(f"\n{'mode':>6} {'rounds':>7} {'tau':>6} {'projected tok/s':>16}")
+    for r in rows:
+        print(f"{r['mode']:>6} {r['rounds']:>7} {r['tau']:6.2f} {r['projected_tokens_per_s']:16.1f}")
+    print(f"auto / best fixed ({best['mode']}): {auto['projected_tokens_per_s'] / best['projected_tokens_per_s']:.4f}"
+          f"; outputs {'equal' if same else 'DIFFERENT'} across modes")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
