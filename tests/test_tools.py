@@ -176,7 +176,8 @@ def test_bitwise_probe_smoke_and_its_comparison(tmp_path, capsys):
     assert bitwise_probe.main(["--out", str(tmp_path), "--smoke", "--t", "5"]) == 0
     rows = json.loads((tmp_path / "bitwise_probe.json").read_text())["rows"]
     parts = {r["part"] for r in rows}
-    assert {"elementwise", "matmul_xla:lm_head", "matmul_stream_one_split:down", "add_rms_norm", "attention"} <= parts
+    assert {"elementwise", "matmul_xla:lm_head", "matmul_stream_one_split:down", "add_rms_norm", "attention",
+            "gdn_rule"} <= parts
     for r in rows:
         assert "error" not in r and r["rows"] == 5, r
     assert [r["rows_differing"] for r in rows if r["part"] == "elementwise"] == [0]

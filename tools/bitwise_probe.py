@@ -15,6 +15,9 @@ rows in one call and each row alone, and counts the rows whose bits differ:
   attention         `pallas_kernels.tree_attention` (kernel and reference): node j of a chain of T new tokens over
                     a cache of S, against the AR step attending to the same prefix (the chain's first j
                     tokens then in the cache, position S + j);
+  gdn_rule          a hybrid's Gated DeltaNet layer at the Qwen3.6-27B shape: node j of a chain of T through the
+                    tree rule (the kernel, or the model's jnp WY form) against the AR steps' one-token recurrence
+                    (`qwen3_5.recurrent_gated_delta_rule`, the state carried from step to step);
   elementwise       SiLU(x) * y: the control that must be row-invariant everywhere.
 
 A part whose rows all match in every case is row-invariant here; one that differs names what issue 20 has to
@@ -35,14 +38,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax.models import qwen3_5
 from pallas_kernels import on_gpu
 from pallas_kernels.rms_norm import add_rms_norm
 from pallas_kernels.stream_matmul import StreamMatmulConfig, fitted_config, stream_matmul
 from pallas_kernels.tree_attention import tree_attention
+from pallas_kernels.tree_delta_rule import tree_delta_rule
 
 QWEN3_8B = {"embed": 4096, "ffn": 12288, "heads": 32, "kv_heads": 8, "head_dim": 128, "vocab": 151936,
-            "cache": 2048}
-SMOKE = {"embed": 64, "ffn": 128, "heads": 4, "kv_heads": 2, "head_dim": 16, "vocab": 256, "cache": 40}
+            "cache": 2048, "gdn_value_heads": 48, "gdn_key_heads": 16, "gdn_dim": 128}  # GDN: Qwen3.6-27B's
+SMOKE = {"embed": 64, "ffn": 128, "heads": 4, "kv_heads": 2, "head_dim": 16, "vocab": 256, "cache": 40,
+         "gdn_value_heads": 4, "gdn_key_heads": 2, "gdn_dim": 16}
 
 
 def compare_rows(together, alone) -> dict:
@@ -61,7 +67,7 @@ def row_invariance(fn, x) -> dict:
     return compare_rows(compiled(x), jnp.concatenate([compiled(x[i:i + 1]) for i in range(x.shape[0])]))
 
 
-def attention_rows(shape: dict, t: int, dtype, implementation: str, key) -> dict:
+def attention_rows(shape: dict, t: int, *, dtype, implementation: str, key) -> dict:
     """Node j of a chain of t new tokens over a cache of S against the AR step at position S + j."""
     s, n, hq, d = shape["cache"], shape["kv_heads"], shape["heads"], shape["head_dim"]
     ks = jax.random.split(key, 5)
@@ -78,6 +84,33 @@ def attention_rows(shape: dict, t: int, dtype, implementation: str, key) -> dict
         kc, vc = k_cache.at[:, s:s + j].set(k_new[:, :j]), v_cache.at[:, s:s + j].set(v_new[:, :j])
         alone.append(attend(q[:, j:j + 1], kc, vc, jnp.array([s + j]), k_new[:, j:j + 1], v_new[:, j:j + 1],
                             jnp.ones((1, 1, 1), bool), jnp.array([[s + j]]))[0])
+    return compare_rows(together, jnp.concatenate(alone))
+
+
+def gdn_rows(shape: dict, t: int, implementation: str, key) -> dict:
+    """Node j of a chain of t through the tree rule against the AR steps' recurrence over tokens 0..j (float32,
+    as the model runs the rule)."""
+    hv, hk, d = shape["gdn_value_heads"], shape["gdn_key_heads"], shape["gdn_dim"]
+    ks = jax.random.split(key, 6)
+    unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)  # noqa: E731
+    q = unit(jax.random.normal(ks[0], (1, t, hk, d))) * d ** -0.5
+    k = unit(jax.random.normal(ks[1], (1, t, hk, d)))
+    v = jax.random.normal(ks[2], (1, t, hv, d))
+    g = -jnp.abs(jax.random.normal(ks[3], (1, t, hv))) * 0.1
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (1, t, hv)))
+    state = jax.random.normal(ks[5], (1, hv, d, d)) * 0.1
+    chain = jnp.tril(jnp.ones((1, t, t), bool))
+    group = hv // hk
+    q_v, k_v = jnp.repeat(q, group, axis=2), jnp.repeat(k, group, axis=2)  # by value head, as the model's jnp path
+    if implementation == "pallas":
+        together = jax.jit(tree_delta_rule)(q, k, v, g, beta, state, chain)[0][0]
+    else:
+        together = jax.jit(qwen3_5.tree_gated_delta_rule)(q_v, k_v, v, g, beta, state, chain)[0][0]
+    step = jax.jit(qwen3_5.recurrent_gated_delta_rule)
+    alone = []
+    for j in range(t):  # the AR step of token j, from the state the steps before it left
+        out, state = step(q_v[:, j:j + 1], k_v[:, j:j + 1], v[:, j:j + 1], g[:, j:j + 1], beta[:, j:j + 1], state)
+        alone.append(out[0])
     return compare_rows(together, jnp.concatenate(alone))
 
 
@@ -112,14 +145,15 @@ def probe(shape: dict, ts: list[int], dtype, implementations: list[str], key) ->
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             rows.append(row)
             print(json.dumps(row), flush=True)
-        for impl in implementations:
-            row = {"part": "attention", "implementation": impl, "t": t}
-            try:
-                row.update(attention_rows(shape, t, dtype, impl, jax.random.fold_in(key, 400 + t)))
-            except Exception as exc:
-                row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        for part, rows_of in (("attention", functools.partial(attention_rows, dtype=dtype)), ("gdn_rule", gdn_rows)):
+            for impl in implementations:
+                row = {"part": part, "implementation": impl, "t": t}
+                try:
+                    row.update(rows_of(shape, t, implementation=impl, key=jax.random.fold_in(key, 400 + t)))
+                except Exception as exc:
+                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     return rows
 
 
