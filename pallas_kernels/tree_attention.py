@@ -108,7 +108,7 @@ def _online_softmax_step(q, k, v, visible, carry, *, scale, precision, base2: bo
 
 def _tree_attention_kernel(
     # inputs
-    q_ref,     # [r, d] query rows of one KV head (row = token * g + head in group)
+    q_ref,     # [t, n*g, d] every query of this batch row; a KV head's rows are token * g + head in group
     k_ref,     # [s, d] committed keys of this row and KV head
     v_ref,     # [s, d] committed values
     kn_ref,    # [t, d] the new tokens' keys
@@ -133,13 +133,16 @@ def _tree_attention_kernel(
     precision,
     lean: bool,
 ):
-    row_block, chunk_id = pl.program_id(2), pl.program_id(3)
+    kv_head, row_block, chunk_id = pl.program_id(1), pl.program_id(2), pl.program_id(3)
     d = q_ref.shape[-1]
     rows = row_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
     row_ok = rows < num_new * group
-    # A masked load of this block's rows: the last block may run past r (no padded copy of q beforehand).
-    q = plt.load(q_ref.at[pl.ds(row_block * block_q, block_q), :], mask=row_ok[:, None], other=0)
     row_token = jnp.minimum(lax.div(rows, jnp.int32(group)), num_new - 1)  # clamped: padding rows stay in bounds
+    # This block's rows gathered from q's own layout (a transposed copy of q was one more XLA kernel per layer);
+    # masked: the last block may run past the rows.
+    row_head = kv_head * group + lax.rem(rows, jnp.int32(group))
+    q = plt.load(q_ref.at[row_token[:, None], row_head[:, None], jnp.arange(d)[None, :]], mask=row_ok[:, None],
+                 other=0)
     row_pos = pos_ref[row_token] if window is not None else None
     # lean: scores in base 2 (log2 e folded into the scale); whole cache blocks without masks.
     step = functools.partial(_online_softmax_step, scale=scale * _LOG2_E if lean else scale, precision=precision,
@@ -271,9 +274,7 @@ def _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, n
     def pad_d(x):
         return x if dp == d else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, dp - d)])
 
-    # [b, t, n*g, d] -> rows of each KV head, token-major: [b, n, t*g, dp] (the kernel masks the last row block).
-    q_rows = pad_d(q.reshape(b, t, n, group, d).transpose(0, 2, 1, 3, 4).reshape(b, n, t * group, d))
-    k_cache, v_cache, k_new, v_new = map(pad_d, (k_cache, v_cache, k_new, v_new))
+    q, k_cache, v_cache, k_new, v_new = map(pad_d, (q, k_cache, v_cache, k_new, v_new))
     mask8 = new_mask.astype(jnp.int8)
     positions = positions.astype(jnp.int32)
     lengths = cache_lengths.astype(jnp.int32)
@@ -291,7 +292,7 @@ def _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, n
         kernel,
         grid=(b, n, lay["row_blocks"], num_splits),
         in_specs=[
-            pl.BlockSpec((None, None, lay["rows"], dp), lambda i, h, r, c: (i, h, 0, 0)),  # q rows of the head
+            pl.BlockSpec((None, t, hq, dp), lambda i, h, r, c: (i, 0, 0, 0)),  # q (the kernel gathers its rows)
             pl.BlockSpec((None, s, None, dp), lambda i, h, r, c: (i, 0, h, 0)),  # k_cache
             pl.BlockSpec((None, s, None, dp), lambda i, h, r, c: (i, 0, h, 0)),  # v_cache
             pl.BlockSpec((None, t, None, dp), lambda i, h, r, c: (i, 0, h, 0)),  # k_new
@@ -312,7 +313,7 @@ def _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, n
         interpret=interpret,
         debug=debug,
         name="tree_attention",
-    )(q_rows, k_cache, v_cache, k_new, v_new, mask8, positions, lengths)
+    )(q, k_cache, v_cache, k_new, v_new, mask8, positions, lengths)
     return o, lse, lay
 
 
