@@ -38,6 +38,12 @@
 #             variants ($GDN_ARGS, e.g. --t 16,65 --solves trsm,blocked16)                       -> gdn/
 #   bitwise   tools/bitwise_probe.py: which parts of a Qwen3-8B forward give a row other bits in a T-row call than
 #             alone (issue 20), bf16, T = $BITWISE_T                                                   -> bitwise/
+#   kernel_tests  the GPU tests of the kernels changed last ($KERNEL_TESTS) and the hybrid engine with the Pallas
+#             kernels, compiled (the greedy DDTree decoding tests are the `tests` step's)
+#   fp8       tools/gpu_probe.py's FP8 projections (bf16, dequantised, streamed) at 1, 16 and 65 rows, then the 8B
+#             rounds with FP8 weights, streamed against dequantised (issue 23)        -> fp8_probe/, fp8_{dequantize,stream}/
+#   auto_cost what an auto round costs beyond the fixed round it runs (issue 22): the demo shape's fixed DFlash and
+#             B = 16 rounds, then the demo pair with auto's calibration (its round_costs_s)  -> demo_shape/, demo_auto/
 #   demo_e2e  the bench on the shipped demo pair (checkpoints, bf16, held-out prompts)    -> demo/
 #   demo_bg, demo_pack   the demo pair's training in the background, and collecting it in a later call
 # Variables: BENCH_LIMIT, BUDGETS, KERNELS, MODES, REPEATS, KERNEL_LIMIT, KERNEL_ARGS, HYBRID_BUDGETS, HYBRID_MODES
@@ -91,6 +97,34 @@ for step in "$@"; do
     bitwise)
       log "row invariance of the forward's parts"
       timeout "${BITWISE_LIMIT:-240}" python3 tools/bitwise_probe.py --out "$OUT/bitwise" --t "${BITWISE_T:-16,65}" 2>&1
+      ;;
+    kernel_tests)
+      log "GPU tests of the changed kernels, and the hybrid engine with the Pallas kernels"
+      changed="tests/kernels/test_tree_delta_rule.py tests/kernels/test_tree_attention.py tests/kernels/test_stream_matmul.py"
+      # shellcheck disable=SC2086
+      timeout "${KERNEL_TESTS_LIMIT:-200}" python3 -m pytest -q --tb=short -o addopts=-ra -p no:cacheprovider -m gpu \
+        ${KERNEL_TESTS:-$changed} 2>&1 | tail -25
+      timeout 150 python3 -m pytest -q --tb=short -o addopts=-ra -p no:cacheprovider tests/test_kernels_in_engine.py \
+        -k "hybrid_with_pallas or ddtree_with_pallas" 2>&1 | tail -5
+      ;;
+    fp8)
+      log "FP8 projections and rounds"
+      timeout "${FP8_PROBE_LIMIT:-150}" python3 tools/gpu_probe.py --out "$OUT/fp8_probe" --forms hf,fp8,stream_fp8 \
+        --tokens 1,16,65 --no-ceilings 2>&1 | grep '^|' | grep -v lm_head
+      for how in dequantize stream; do
+        timeout "${FP8_LIMIT:-180}" python3 -m ddtree_jax.bench --shape qwen3-8b --weights fp8 --budgets 16,64 \
+          --modes ar,dflash,ddtree --repeats 5 --kernels pallas --fp8-matmul "$how" --out "$OUT/fp8_$how" 2>&1 \
+          | grep -v '^{"mode"' | grep '^|'
+        rm -f "$OUT/fp8_$how"/bench.{md,png,partial.json}
+      done
+      ;;
+    auto_cost)
+      log "auto's round against the fixed rounds (demo)"
+      timeout "${AUTO_LIMIT:-150}" python3 -m ddtree_jax.bench --shape demo --budgets 16 --modes dflash,ddtree \
+        --repeats 10 --kernels pallas --out "$OUT/demo_shape" 2>&1 | grep -v '^{"mode"' | grep '^|'
+      timeout "${AUTO_LIMIT:-150}" python3 -m ddtree_jax.bench --budgets 16,auto --modes dflash,ddtree --max-new-tokens 128 \
+        --num-prompts 12 --recalibrate --out "$OUT/demo_auto" 2>&1 | tail -6
+      rm -f "$OUT"/demo_shape/bench.{md,png,partial.json} "$OUT"/demo_auto/bench.{md,partial.json}
       ;;
     gdn)
       log "Gated DeltaNet tree rule and solves"
