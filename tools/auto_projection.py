@@ -47,7 +47,6 @@ def main(argv=None) -> int:
         return 2
 
     import jax.numpy as jnp
-    import numpy as np
 
     from ddtree_jax.engine import DecodeOptions, Mode, generate
 
