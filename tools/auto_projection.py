@@ -48,6 +48,7 @@ def main(argv=None) -> int:
 
     import jax.numpy as jnp
 
+    from ddtree_jax.cli import atomic_path
     from ddtree_jax.engine import DecodeOptions, Mode, generate
 
     if args.shape:
@@ -96,9 +97,8 @@ def main(argv=None) -> int:
               "costs_s": {str(b): c for b, c in costs.items()}, "outputs_equal": same, "rows": rows}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(report, indent=1))
-        tmp.replace(args.out)
+        with atomic_path(args.out) as tmp:
+            tmp.write_text(json.dumps(report, indent=1))
     best = max((r for r in rows if r["mode"] != "auto"), key=lambda r: r["projected_tokens_per_s"])
     auto = rows[-1]
     print(f"\n{'mode':>6} {'rounds':>7} {'tau':>6} {'projected tok/s':>16}")

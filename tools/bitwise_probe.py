@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax.cli import atomic_path
 from ddtree_jax.models import qwen3_5
 from pallas_kernels import on_gpu
 from pallas_kernels.rms_norm import add_rms_norm
@@ -178,9 +179,8 @@ def main(argv=None) -> int:
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "dtype": args.dtype, "shape": shape,
               "rows": rows}
     path = args.out / "bitwise_probe.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(result, indent=1))
     print(f"\n{'part':>32} {'impl':>10} {'T':>4} {'rows differing':>15} {'max |diff|':>11}")
     for r in rows:
         print(f"{r['part']:>32} {r['implementation']:>10} {r['t']:>4} "

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ddtree_jax.cli import atomic_path
 from ddtree_jax.measure.timing import in_loop_seconds
 from ddtree_jax.models import qwen3_5
 from pallas_kernels import tree_delta_rule
@@ -202,9 +203,8 @@ def main(argv=None) -> int:
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version(),
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "rows": rows}
     path = args.out / "gdn_probe.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(result, indent=1))
     print(f"\n{'T':>4} {'variant':>20} {'solve us':>9} {'rule us':>9} {'rel err':>9}")
     for r in rows:
         print(f"{r['t']:>4} {r['variant']:>20} {r.get('solve_us', math.nan):9.1f} {r.get('rule_us', math.nan):9.1f} "
