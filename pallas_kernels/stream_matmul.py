@@ -84,15 +84,15 @@ def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_bloc
 
     def step(i, accs):
         cols = pl.ds(i * block_k, block_k)
-        w = w_ref[:, cols]
+        w = w_ref[:, cols].astype(x_ref.dtype)  # FP8 widened in registers once for every row tile; else a no-op
         scale = None
         if scale_block is not None:
             scale = s_ref[scale_row, (first_col + i * block_k) // scale_block[1]].astype(jnp.float32)
         new = []
         for acc, start, size in zip(accs, starts, row_tiles):
             x = x_ref[pl.ds(start, size), cols]
-            tile = lax.dot_general(w.astype(x.dtype), x, (((1,), (1,)), ((), ())), precision=precision,
-                                   preferred_element_type=jnp.float32)  # FP8 widened in registers
+            tile = lax.dot_general(w, x, (((1,), (1,)), ((), ())), precision=precision,
+                                   preferred_element_type=jnp.float32)
             new.append(acc + (tile if scale is None else tile * scale))
         return tuple(new)
 
