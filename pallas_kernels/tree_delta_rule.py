@@ -100,7 +100,11 @@ def default_config(t: int) -> TreeDeltaRuleConfig:
     the Qwen3.6-27B shape (tools/gdn_probe.py, 2026-12-02; two calls, the second with this inverse), us per layer
     at T = 16 / 65 / 128 with 64 columns: 4 warps 22.3, 11.1 / 64.1, 67.9 / 108, 118; 8 warps 5.1, 12.2 / 83.9,
     77.2 / 133, 137. 32 columns: 13-21 / 71-147 / 124-263; 128 columns with 4 warps: 14 / 578 / 867."""
-    return TreeDeltaRuleConfig(num_warps=8 if t <= BLOCK else 4)
+    if t <= BLOCK:
+        return TreeDeltaRuleConfig(num_warps=8)
+    # Past one block the two-launch form: its chain loads nothing that depends on solved rows, so two stages
+    # prefetch the next block (first timed in a round on the H200, 2026-12-02: docs/performance.md).
+    return TreeDeltaRuleConfig(num_warps=4, num_stages=2, two_launch=True)
 
 
 # Helpers of both forms. Rows and columns are node indices; `t` the node count (rows >= t are padding).

@@ -119,7 +119,8 @@ def kernel_configs(args) -> dict[str, tuple[str, tree_delta_rule.TreeDeltaRuleCo
                 num_warps=int(w), value_block=int(vb), num_stages=int(st), two_launch=two, tile_warps=tile_warps))
             for p, w, vb, st, (form, two, tile_warps) in itertools.product(
                 [p for p in args.kernels.split(",") if p], args.kernel_warps.split(","),
-                args.kernel_value_blocks.split(","), args.kernel_stages.split(","), forms)}
+                args.kernel_value_blocks.split(","), args.kernel_stages.split(","), forms)
+            if two or st == "1"}  # the one-launch form reloads rows across barriers: it pipelines nothing
 
 
 def main(argv=None) -> int:

@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
                          [sds((15, 151936), jnp.float32)], which))
     for t in (16, 17, 65, 128):  # the Gated DeltaNet tree rule at the Qwen3.6-27B shape (48 value heads, 16 key)
         for precision in ("default", "highest"):
-            default = tdr.default_config(t)
+            default = dataclasses.replace(tdr.default_config(t), two_launch=False, num_stages=1)  # the one-launch form
             configs = [default] + ([] if args.quick else [
                 dataclasses.replace(default, num_warps=4 if default.num_warps == 8 else 8),
                 dataclasses.replace(default, value_block=32)])
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             for config in configs:
                 fn = functools.partial(tdr.tree_delta_rule_pallas, precision=precision, config=config)
                 jobs.append((f"tree_delta_rule {precision} T={t}", config, fn, rule_args))
-            two = dataclasses.replace(default, two_launch=True)  # its tile launch, then its chain
+            two = dataclasses.replace(default, two_launch=True, num_stages=2)  # its tile launch, then its chain
             fn = functools.partial(tdr.tree_delta_rule_pallas, precision=precision, config=two)
             jobs.append((f"tree_delta_rule {precision} T={t} tiles",
                          dataclasses.replace(two, num_warps=two.tile_warps, num_stages=1), fn, rule_args, 0))
