@@ -35,7 +35,7 @@ themselves), in a device loop; for block r:
 v_new and G of solved blocks are read back from the outputs (L2-resident) after a CTA barrier. The programs of one
 head repeat steps 1, 3's A tiles and 4's inverse (16-wide, cheap) to run the value columns in parallel.
 
-The two-launch form (`TreeDeltaRuleConfig.two_launch`; opt-in until timed on a GPU) takes everything that does
+The two-launch form (`TreeDeltaRuleConfig.two_launch`; the default past one block) takes everything that does
 not depend on solved rows out of that chain: G by XLA (elementwise sums), then `_tiles_kernel` (every 16 x 16 tile
 of A and Q K^T * L and every diagonal inverse, one program each), then `_chain_kernel` (the blocks in order with
 the solved rows of v_new in registers).
@@ -75,13 +75,13 @@ class TreeDeltaRuleConfig:
 
     num_warps:    Triton's warps per program.
     num_stages:   Triton's software pipelining of the block loop. 1 for the one-launch form (it stores and reloads
-                  rows across barriers); the two-launch chain's loads depend on nothing solved, so 2 prefetches
-                  the next block's (107 KB of shared memory at T = 65 in the offline sm_90 compile).
+                  rows across barriers); the two-launch chain's loads depend on nothing solved, but 2 (prefetching
+                  the next block) was slower on the H200 (60.6 against 56.9 us per layer at T = 65).
     value_block:  value columns per program (a power of two >= 16; the value dim when larger): more programs per
                   head for wide trees, each repeating the 16-wide tiles of A and the diagonal inverse.
     two_launch:   the two-launch form: every 16 x 16 tile of A and Q K^T and every diagonal inverse first, one
                   program each, then the chain over the blocks with the solved rows in registers (its loads no
-                  longer wait on earlier blocks). Not yet timed on a GPU, so off by default.
+                  longer wait on earlier blocks). `default_config` takes it past one block.
     tile_warps:   Triton's warps per program of the two-launch form's first launch (one tile each).
     """
 
@@ -102,9 +102,10 @@ def default_config(t: int) -> TreeDeltaRuleConfig:
     77.2 / 133, 137. 32 columns: 13-21 / 71-147 / 124-263; 128 columns with 4 warps: 14 / 578 / 867."""
     if t <= BLOCK:
         return TreeDeltaRuleConfig(num_warps=8)
-    # Past one block the two-launch form: its chain loads nothing that depends on solved rows, so two stages
-    # prefetch the next block (first timed in a round on the H200, 2026-12-02: docs/performance.md).
-    return TreeDeltaRuleConfig(num_warps=4, num_stages=2, two_launch=True)
+    # Past one block the two-launch form: its chain loads nothing that depends on solved rows. H200, 27B shape
+    # (tools/gdn_probe.py, 2026-12-02), us per layer at T = 65 / 128: one launch 71.1 / 117.7, two launches
+    # 56.9 / 94.0 with one stage, 60.6 / 100.4 with two.
+    return TreeDeltaRuleConfig(num_warps=4, two_launch=True)
 
 
 # Helpers of both forms. Rows and columns are node indices; `t` the node count (rows >= t are padding).

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             for config in configs:
                 fn = functools.partial(tdr.tree_delta_rule_pallas, precision=precision, config=config)
                 jobs.append((f"tree_delta_rule {precision} T={t}", config, fn, rule_args))
-            two = dataclasses.replace(default, two_launch=True, num_stages=2)  # its tile launch, then its chain
+            two = dataclasses.replace(default, two_launch=True)  # its tile launch, then its chain
             fn = functools.partial(tdr.tree_delta_rule_pallas, precision=precision, config=two)
             jobs.append((f"tree_delta_rule {precision} T={t} tiles",
                          dataclasses.replace(two, num_warps=two.tile_warps, num_stages=1), fn, rule_args, 0))

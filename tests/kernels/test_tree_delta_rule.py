@@ -109,18 +109,13 @@ CASES = [(1, False), (16, True), (17, False), (40, False), (65, False)]
 FORMS = [pytest.param(False, id="one-launch"), pytest.param(True, id="two-launch")]
 
 
-def form_config(t: int, two_launch: bool) -> tdr.TreeDeltaRuleConfig:
-    """default_config(t) in the given form; the one-launch form pipelines nothing (it reloads rows across barriers)."""
-    return dataclasses.replace(tdr.default_config(t), two_launch=two_launch, num_stages=2 if two_launch else 1)
-
-
 @pytest.mark.parametrize("interpret", INTERPRET)
 @pytest.mark.parametrize("two_launch", FORMS)
 class TestTreeDeltaRuleKernel:
     @pytest.mark.parametrize("t,chain", CASES, ids=[f"T{t}{'-chain' if c else ''}" for t, c in CASES])
     def test_matches_the_float64_recurrence_and_the_model_rule(self, t, chain, two_launch, interpret):
         args, parents, visible = inputs(t, seed=t, chain=chain)
-        config = form_config(t, two_launch)
+        config = dataclasses.replace(tdr.default_config(t), two_launch=two_launch)
         got = [np.asarray(x, np.float64) for x in run_kernel(args, visible, interpret, config=config)]
         want = recurrence_float64(*args, parents)
         for name, x, y in zip(("out", "v_new", "G"), got, want):
@@ -141,7 +136,7 @@ class TestTreeDeltaRuleKernel:
         """The diagonal blocks' inverse stays float32-exact where I + A is ill-conditioned (the product form of
         the inverse, tried, is off by ~1e-3 in v_new here)."""
         args, parents, visible = near_parallel_inputs(40, seed=0)
-        config = form_config(40, two_launch)
+        config = dataclasses.replace(tdr.default_config(40), two_launch=two_launch)
         got = run_kernel(args, visible, interpret, config=config)
         for name, x, y in zip(("out", "v_new", "G"), got, recurrence_float64(*args, parents)):
             np.testing.assert_allclose(np.asarray(x, np.float64), y, rtol=2e-4, atol=2e-5, err_msg=name)
@@ -151,7 +146,7 @@ class TestTreeDeltaRuleKernel:
         above is the tree's, not the inputs' alone."""
         args, parents, visible = inputs(40, seed=3)
         chain = np.broadcast_to(ancestor_mask(random_parents(None, 40, True)), visible.shape)
-        config = form_config(40, two_launch)
+        config = dataclasses.replace(tdr.default_config(40), two_launch=two_launch)
         tree_out = np.asarray(run_kernel(args, visible, interpret, config=config)[0])
         chain_out = np.asarray(run_kernel(args, chain, interpret, config=config)[0])
         assert not np.allclose(tree_out, chain_out, rtol=1e-3, atol=1e-4)
