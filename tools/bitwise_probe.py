@@ -115,7 +115,10 @@ def gdn_rows(shape: dict, t: int, implementation: str, key) -> dict:
     return compare_rows(together, jnp.concatenate(alone))
 
 
-def probe(shape: dict, ts: list[int], dtype, implementations: list[str], key) -> list[dict]:
+def probe(shape: dict, ts: list[int], dtype, implementations: list[str], key,
+          parts: tuple[str, ...] = ()) -> list[dict]:
+    """Every part at every T (the attention, the Gated DeltaNet rule and the norm first: the matmuls' compiles are
+    the slow ones); `parts` keeps those whose name starts with one of them (all when empty)."""
     e, f, v = shape["embed"], shape["ffn"], shape["vocab"]
     qkv = (shape["heads"] + 2 * shape["kv_heads"]) * shape["head_dim"]
     weights = {name: jax.random.normal(jax.random.fold_in(key, i), dims, dtype) * dims[1] ** -0.5
@@ -138,23 +141,23 @@ def probe(shape: dict, ts: list[int], dtype, implementations: list[str], key) ->
         for impl in implementations:
             cases.append(("add_rms_norm", impl, lambda x, impl=impl: jnp.concatenate(
                 add_rms_norm(x, x[:, ::-1], norm_w, eps=1e-6, implementation=impl), axis=-1), x_e))
-        for part, impl, fn, x in cases:
+        measures = [(part, impl, functools.partial(rows_of, shape, t, implementation=impl,
+                                                   key=jax.random.fold_in(key, 400 + t)))
+                    for part, rows_of in (("attention", functools.partial(attention_rows, dtype=dtype)),
+                                          ("gdn_rule", gdn_rows))
+                    for impl in implementations]
+        cases.sort(key=lambda case: case[0].startswith("matmul"))  # the norm before the matmuls
+        measures += [(part, impl, functools.partial(row_invariance, fn, x)) for part, impl, fn, x in cases]
+        for part, impl, measure in measures:
+            if parts and not part.startswith(parts):
+                continue
             row = {"part": part, "implementation": impl, "t": t}
             try:
-                row.update(row_invariance(fn, x))
+                row.update(measure())
             except Exception as exc:  # a part that fails is recorded, the others go on
                 row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
             rows.append(row)
             print(json.dumps(row), flush=True)
-        for part, rows_of in (("attention", functools.partial(attention_rows, dtype=dtype)), ("gdn_rule", gdn_rows)):
-            for impl in implementations:
-                row = {"part": part, "implementation": impl, "t": t}
-                try:
-                    row.update(rows_of(shape, t, implementation=impl, key=jax.random.fold_in(key, 400 + t)))
-                except Exception as exc:
-                    row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
-                rows.append(row)
-                print(json.dumps(row), flush=True)
     return rows
 
 
@@ -164,6 +167,8 @@ def main(argv=None) -> int:
     p.add_argument("--t", default="16,17,65", help="rows per call (the verify's: 16 DFlash, 17 and 65 DDTree)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--smoke", action="store_true", help="tiny shapes, kernels interpreted (a CPU check of the script)")
+    p.add_argument("--parts", default="", help="comma-separated part names (or prefixes, e.g. matmul_stream) to "
+                   "probe; all when empty")
     args = p.parse_args(argv)
     try:
         ts = [int(x) for x in args.t.split(",")]
@@ -174,7 +179,8 @@ def main(argv=None) -> int:
     implementations = ["pallas", "reference"] if on_gpu() or args.smoke else ["reference"]
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.dtype}; shape {shape}", flush=True)
-    rows = probe(shape, ts, jnp.dtype(args.dtype), implementations, jax.random.PRNGKey(0))
+    rows = probe(shape, ts, jnp.dtype(args.dtype), implementations, jax.random.PRNGKey(0),
+                 parts=tuple(p for p in args.parts.split(",") if p))
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version(),
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "dtype": args.dtype, "shape": shape,
               "rows": rows}
