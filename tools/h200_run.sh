@@ -37,7 +37,7 @@
 #   gdn       tools/gdn_probe.py: the hybrid's Gated DeltaNet tree rule and its triangular solve per layer, solve
 #             variants ($GDN_ARGS, e.g. --t 16,65 --solves trsm,blocked16)                       -> gdn/
 #   bitwise   tools/bitwise_probe.py: which parts of a Qwen3-8B forward give a row other bits in a T-row call than
-#             alone (issue 20), bf16, T = $BITWISE_T, parts $BITWISE_PARTS (all)                                                  -> bitwise/
+#             alone (issue 20), bf16, T = $BITWISE_T, parts $BITWISE_PARTS (all)  -> bitwise/
 #   kernel_tests  the GPU tests of the kernels changed last ($KERNEL_TESTS) and the hybrid engine with the Pallas
 #             kernels, compiled (the greedy DDTree decoding tests are the `tests` step's)
 #   fp8       tools/gpu_probe.py's FP8 projections (bf16, dequantised, streamed) at 1, 16 and 65 rows, then the 8B
