@@ -132,7 +132,7 @@ def test_topk_probe_times_and_checks_every_chunk(tmp_path):
     lax.top_k, and the current builder against a baseline tree.py (here the same file: equal by construction, so
     a DIFFERENT would be the probe's own bug)."""
     assert topk_probe.main(["--out", str(tmp_path), "--vocab", "3000", "--budgets", "16", "--chunks", "0,64",
-                            "--top-k", "threshold,chunked,pallas:step=1024", "--depths", "3", "--rounds", "1",
+                            "--top-k", "threshold,chunked,pallas:step=1024", "--depths", "3", "--rounds", "1", "--passes", "2",
                             "--workers", "1"]) == 0
     report = json.loads((tmp_path / "topk_probe.json").read_text())
     assert [(r["budget"], r["chunk"], r["impl"]) for r in report["records"]] == [

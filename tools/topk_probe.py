@@ -2,7 +2,7 @@
 
 For each vocabulary size, budget B, chunk and vocabulary top-k (`--top-k`: `build_tree`'s `top_k`,
 "threshold", "pallas" or "chunked"): `build_tree(log_softmax(logits), roots, B, chunk, top_k=...)` on [1, L, V]
-float32 drafter logits, timed in a device loop (`measure.timing.in_loop_seconds`: 8 passes against 1 in one
+float32 drafter logits, timed in a device loop (`measure.timing.in_loop_seconds`: --passes passes against 1 in one
 call, so the call's dispatch cancels out; each pass depends on the previous one through an optimization
 barrier, so nothing is hoisted). `top-k <name>` times the first step alone (the top K = min(B, V) of every
 depth's vocabulary, `tree.threshold_top_k`, `tree.kernel_top_k` ("pallas", or "pallas:step=8192:num_warps=16"
@@ -143,7 +143,10 @@ def main(argv=None) -> int:
                         "pallas:block_rows=256:num_warps=8 (the kernel with those knobs)")
     p.add_argument("--baseline", type=Path, default=None, help="another version's tree.py, timed and compared")
     p.add_argument("--depths", type=int, default=15, help="L: the drafter's block size - 1")
-    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--rounds", type=int, default=7, help="timed calls per size (medians)")
+    p.add_argument("--passes", type=int, default=64,
+                   help="passes in the long call (against 1): at 8 the host's jitter over a call moved a ~50 us "
+                        "build by 2x between runs (H200, 2026-12-02)")
     p.add_argument("--workers", type=int, default=8, help="compile threads")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -188,7 +191,8 @@ def main(argv=None) -> int:
     records, trees = [], {}
     for v, b, c, impl in points:
         compiled, compile_s = programs[(v, b, c, impl)]
-        seconds = in_loop_seconds(lambda n: compiled(*inputs[v], jnp.int32(n)), args.rounds)[0]
+        seconds = in_loop_seconds(lambda n: compiled(*inputs[v], jnp.int32(n)), args.rounds,
+                                 iterations=args.passes)[0]
         records.append(dict(vocab=v, budget=b, chunk=c, impl=impl, us=seconds * 1e6, compile_s=compile_s,
                             threshold_fits=fits[(v, b)]))
         if impl.startswith("top-k "):  # one pass: the log-softmax of the logits themselves
