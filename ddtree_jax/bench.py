@@ -205,6 +205,7 @@ def run_checkpoints(args, parallel) -> dict:
 
     from ddtree_jax.checkpoint import load_drafter, load_target
     from ddtree_jax.engine import DecodeOptions, Mode, generate, resolve_options
+    from ddtree_jax.measure.timing import record_trace
 
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
     target = load_target(args.target, dtype, parallel=parallel)
@@ -226,6 +227,12 @@ def run_checkpoints(args, parallel) -> dict:
         warm = generate(target, prompts[:1], options, drafter=drafter, recalibrate=auto and args.recalibrate)
         results = [generate(target, [p], options, drafter=drafter, round_costs=warm.round_costs if auto else None)
                    for p in prompts]
+        if args.trace:  # one more decode of the first prompt, profiled (prefill included), outside the timing
+            trace_dir = args.trace / f"{mode}{budget or ''}"
+            traced = record_trace(trace_dir, lambda: generate(
+                target, prompts[:1], options, drafter=drafter, round_costs=warm.round_costs if auto else None))
+            with atomic_path(trace_dir / "rounds.json") as tmp:  # tools/trace_summary.py's divisor
+                tmp.write_text(json.dumps({"rounds": len(traced.acceptance_lengths[0])}))
         outputs = [r.output_ids[0] for r in results]
         decode_s = sum(r.decode_seconds for r in results)
         tokens = sum(len(o) for o in outputs)
@@ -414,8 +421,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile-workers", type=int, default=min(8, os.cpu_count() or 1),
                    help="--shape: threads compiling the rows before any is timed (hybrid shapes and CPUs: 1)")
     p.add_argument("--trace", type=Path, default=None,
-                   help=f"--shape: a profiler trace (TensorBoard + Perfetto JSON) of {LOOP_ROUNDS} rounds per row, "
-                        "under DIR/ROW")
+                   help=f"a profiler trace (TensorBoard + Perfetto JSON) per row under DIR/ROW: --shape, {LOOP_ROUNDS} "
+                        "rounds in the device loop; --target, one more decode of the first prompt (prefill "
+                        "included; its round count in DIR/ROW/rounds.json)")
     p.add_argument("--target", type=Path, default=None, help="target checkpoint folder (HF or orbax)")
     p.add_argument("--drafter", type=Path, default=None, help="--target: DFlash drafter checkpoint folder")
     p.add_argument("--prompts", type=Path, default=None,

@@ -93,6 +93,24 @@ def test_checkpoint_mode_reports_speedup_and_divergence(tmp_path, monkeypatch):
     assert auto["calibration_s"] > 0 and len(list((tmp_path / "costs").iterdir())) == 1
 
 
+def test_checkpoint_mode_traces_one_decode_per_row(tmp_path, monkeypatch):
+    """--trace with checkpoints: a profiler trace of one decode of the first prompt per row, and its round count
+    (prefill emits the first of the 12 tokens; the hand-built pair accepts every draft: 3 rounds of 4 at B = 4
+    against 11 AR steps)."""
+    from pairs import write_signal_pair
+
+    target, drafter = write_signal_pair(tmp_path)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2, 3]}\n')
+    traces = tmp_path / "traces"
+    assert main(["--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts), "--budgets", "4",
+                 "--modes", "ddtree", "--max-new-tokens", "12", "--dtype", "float32", "--trace", str(traces),
+                 "--out", str(tmp_path / "out")]) == 0
+    assert sorted(p.name for p in traces.iterdir()) == ["ar", "ddtree4"]
+    assert [json.loads((traces / row / "rounds.json").read_text())["rounds"] for row in ("ar", "ddtree4")] == [11, 3]
+    assert all(list((traces / row).glob("**/perfetto_trace.json.gz")) for row in ("ar", "ddtree4"))
+
+
 def test_projected_tau_and_bad_flags(capsys):
     assert projected_tau(DEFAULT_TAU, "dflash", None) == 7.79
     assert projected_tau(DEFAULT_TAU, "ddtree", 128) == DEFAULT_TAU[64]

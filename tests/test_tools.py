@@ -33,7 +33,7 @@ def _write_trace(path: Path, kernels: list[tuple[float, float, str]]) -> None:
         json.dump({"traceEvents": events}, f)
 
 
-def test_trace_summary_counts_gpu_kernels_per_round(tmp_path):
+def test_trace_summary_counts_gpu_kernels_per_round(tmp_path, capsys):
     # Two rounds: per round a 30-us matmul and two 2-us fusions, 1 us apart; a host event that must not count.
     kernels = []
     for start in (0.0, 100.0):
@@ -55,6 +55,11 @@ def test_trace_summary_counts_gpu_kernels_per_round(tmp_path):
     assert trace_summary.sequence(next(tmp_path.glob("ar-pallas/**/perfetto_trace.json.gz")), 2, 2) == [
         ("loop_add_fusion_7", 2.0), ("gemm_fusion_dot_12", 30.0)]  # launch order across the rounds
     assert trace_summary.main([str(tmp_path), "--rounds", "2", "--sequence", "1:3"]) == 0
+    # A row's rounds.json (the bench's checkpoint mode) overrides --rounds: its 6 kernels over 3 rounds, not 2.
+    (tmp_path / "ar-pallas" / "rounds.json").write_text('{"rounds": 3}')
+    capsys.readouterr()
+    assert trace_summary.main([str(tmp_path), "--rounds", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ar-pallas"]["kernels_per_round"] == 2
 
 
 def test_greedy_equality_on_random_weights(tmp_path):

@@ -43,7 +43,8 @@
 #   fp8       tools/gpu_probe.py's FP8 projections (bf16, dequantised, streamed) at 1, 16 and 65 rows, then the 8B
 #             rounds with FP8 weights, streamed against dequantised (issue 23)        -> fp8_probe/, fp8_{dequantize,stream}/
 #   auto_cost what an auto round costs beyond the fixed round it runs (issue 22): the demo shape's fixed DFlash and
-#             B = 16 rounds, then the demo pair with auto's calibration (its round_costs_s)  -> demo_shape/, demo_auto/
+#             B = 16 rounds, then the demo pair with auto's calibration (its round_costs_s), one decode of each row traced
+#             (kernels and gaps per round, prefill included)                 -> demo_shape/, demo_auto/, auto_trace_summary.json
 #   demo_e2e  the bench on the shipped demo pair (checkpoints, bf16, held-out prompts)    -> demo/
 #   demo_bg, demo_pack   the demo pair's training in the background, and collecting it in a later call
 # Variables: BENCH_LIMIT, BUDGETS, KERNELS, MODES, REPEATS, KERNEL_LIMIT, KERNEL_ARGS, HYBRID_BUDGETS, HYBRID_MODES
@@ -124,8 +125,10 @@ for step in "$@"; do
       timeout "${AUTO_LIMIT:-150}" python3 -m ddtree_jax.bench --shape demo --budgets 16 --modes dflash,ddtree \
         --repeats 10 --kernels pallas --out "$OUT/demo_shape" 2>&1 | grep -v '^{"mode"' | grep '^|'
       timeout "${AUTO_LIMIT:-150}" python3 -m ddtree_jax.bench --budgets 16,auto --modes dflash,ddtree --max-new-tokens 128 \
-        --num-prompts 12 --recalibrate --out "$OUT/demo_auto" 2>&1 | tail -6
+        --num-prompts 12 --recalibrate --trace /tmp/auto_traces --out "$OUT/demo_auto" 2>&1 | tail -6
       rm -f "$OUT"/demo_shape/bench.{md,png,partial.json} "$OUT"/demo_auto/bench.{md,partial.json}
+      timeout 60 python3 tools/trace_summary.py /tmp/auto_traces --top 12 2>&1 | tail -60
+      timeout 60 python3 tools/trace_summary.py /tmp/auto_traces --top 30 --json > "$OUT/auto_trace_summary.json"
       ;;
     gdn)
       log "Gated DeltaNet tree rule and solves"

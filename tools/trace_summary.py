@@ -7,8 +7,9 @@ first kernel's start to the last kernel's end, the sum of kernel times (busy), t
 (idle = wall - busy), the kernel count, the busy time by kind of kernel (matmul, tree attention, sort/top-k,
 ...), and the kernels grouped by name with their share of the busy time.
 Per round = divided by the number of rounds traced (`--rounds`: the bench traces one call of its device
-loop, `bench.LOOP_ROUNDS` = 8 rounds). Times come from the profiler, which slows dispatch but not kernels:
-busy time is the figure to compare with the bench's round time.
+loop, `bench.LOOP_ROUNDS` = 8 rounds; its checkpoint mode traces one decode and writes its round count in
+ROW/rounds.json). Times come from the profiler, which slows dispatch but not kernels: busy time is the figure
+to compare with the bench's round time.
 `--sequence 300:30` prints kernels 300..329 of each trace in launch order with their times (e.g. one decoder
 layer, to see which small kernels sit between its matmuls; map their names to fusions with an HLO dump, the
 `hlo` step of tools/h200_run.sh).
@@ -88,7 +89,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("dir", type=Path)
     p.add_argument("--top", type=int, default=12)
-    p.add_argument("--rounds", type=int, default=8, help="rounds in each trace (bench: LOOP_ROUNDS)")
+    p.add_argument("--rounds", type=int, default=8,
+                   help="rounds in each trace (bench --shape: LOOP_ROUNDS); a row's rounds.json overrides it")
     p.add_argument("--json", action="store_true")
     p.add_argument("--sequence", default=None, metavar="START:COUNT",
                    help="also print these kernels of each trace in launch order")
@@ -96,7 +98,9 @@ def main(argv=None) -> int:
     report, traces = {}, {}
     for trace in sorted(args.dir.glob("*/**/perfetto_trace.json.gz")):
         row = trace.relative_to(args.dir).parts[0]
-        report[row], traces[row] = summarise(trace, args.rounds, top=args.top), trace
+        counted = args.dir / row / "rounds.json"  # the bench's checkpoint mode: the traced decode's rounds
+        rounds = json.loads(counted.read_text())["rounds"] if counted.exists() else args.rounds
+        report[row], traces[row] = summarise(trace, rounds, top=args.top), trace
     if args.sequence:
         start, count = (int(x) for x in args.sequence.split(":"))
         for row, trace in traces.items():

@@ -10,7 +10,9 @@ way `generate` runs rounds. The benchmark times rounds this way and `tools/kerne
 from __future__ import annotations
 
 import statistics
+import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 LOOP_ROUNDS = 8  # iterations per call of the many-iterations call
@@ -39,3 +41,16 @@ def in_loop_seconds(call: Callable[[int], Any], repeats: int, iterations: int = 
     one = median_seconds(lambda: call(1), repeats, warmup)
     many = median_seconds(lambda: call(iterations), repeats, warmup)
     return max(many - one, 0.0) / (iterations - 1), one
+
+
+def record_trace(trace_dir: Path, fn: Callable[[], Any]) -> Any:
+    """`fn()` under a profiler trace (TensorBoard files and a Perfetto JSON under `trace_dir`), synchronised; a
+    profiler that cannot start costs the trace (one warning), not the work: `fn` then runs untraced."""
+    import jax
+
+    try:
+        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+            return jax.block_until_ready(fn())
+    except Exception as e:  # noqa: BLE001
+        print(f"warning: no trace in {trace_dir}: {str(e).splitlines()[0][:200]}", file=sys.stderr)
+        return jax.block_until_ready(fn())

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import sys
 from pathlib import Path
 from typing import Callable
 
@@ -20,7 +19,7 @@ import jax.numpy as jnp
 from ddtree_jax import round as rnd
 from ddtree_jax.cache import HybridCache, MTPCache, RecurrentState
 from ddtree_jax.engine import compile_program
-from ddtree_jax.measure.timing import LOOP_ROUNDS, in_loop_seconds, median_seconds
+from ddtree_jax.measure.timing import LOOP_ROUNDS, in_loop_seconds, median_seconds, record_trace
 from ddtree_jax.models import dflash, mtp, target_family
 from ddtree_jax.shapes import shape_configs
 
@@ -219,11 +218,7 @@ def time_row(row: RowPrograms, repeats: int, trace_dir: Path | None = None) -> d
     out = {}
     out["round"], out["round_call"] = in_loop_seconds(rounds_per_call, repeats)
     if trace_dir is not None:
-        try:
-            with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
-                jax.block_until_ready(rounds_per_call(LOOP_ROUNDS))
-        except Exception as e:  # noqa: BLE001 - a profiler that cannot start costs the trace, not the row
-            print(f"warning: no trace in {trace_dir}: {str(e).splitlines()[0][:200]}", file=sys.stderr)
+        record_trace(trace_dir, lambda: rounds_per_call(LOOP_ROUNDS))
     for name, (compiled, args) in row.programs.items():
         if name != "round":
             out[name] = median_seconds(lambda: compiled(*args), repeats)
