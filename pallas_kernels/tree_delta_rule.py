@@ -83,6 +83,9 @@ class TreeDeltaRuleConfig:
                   program each, then the chain over the blocks with the solved rows in registers (its loads no
                   longer wait on earlier blocks). `default_config` takes it past one block.
     tile_warps:   Triton's warps per program of the two-launch form's first launch (one tile each).
+    s0_in_xla:    the two-launch form with the initial state's terms (diag(beta)(V - e^G K S0) and e^G Q S0, every
+                  node at once) computed by XLA before the chain, so the chain loads two [16, V block] rows per
+                  block instead of q, k, v rows and the [K, V block] state (32 KB) and skips two matmuls. Untimed.
     """
 
     num_warps: int = 8
@@ -90,9 +93,12 @@ class TreeDeltaRuleConfig:
     value_block: int = 64
     two_launch: bool = False
     tile_warps: int = 4
+    s0_in_xla: bool = False
 
     def __post_init__(self):
         check_knobs(self, pow2={"value_block": 16, "tile_warps": 1})
+        if self.s0_in_xla and not self.two_launch:
+            raise ValueError("TreeDeltaRuleConfig.s0_in_xla is a knob of the two-launch form (two_launch=True)")
 
 
 def default_config(t: int) -> TreeDeltaRuleConfig:
@@ -286,6 +292,44 @@ def _chain_kernel(q_ref, k_ref, v_ref, cum_ref, beta_ref, s0_ref, a_ref, qk_ref,
     lax.fori_loop(0, cdiv(t, BLOCK), one_block, jnp.zeros((width, vnew_ref.shape[-1]), f32))
 
 
+def _chain_given_s0_kernel(rhs_ref, qs0_ref, a_ref, qk_ref, inv_ref,  # inputs
+                           out_ref, vnew_ref,  # outputs
+                           *, t: int, precision):
+    """`_chain_kernel` with the initial state's terms given (`TreeDeltaRuleConfig.s0_in_xla`): rhs_ref holds
+    diag(beta) (V - e^G K S0) and qs0_ref e^G Q S0, [T, V block] each."""
+    f32 = jnp.float32
+    width = a_ref.shape[-1]
+    block = jnp.arange(BLOCK)
+
+    def one_block(r, solved):
+        rows = r * BLOCK + block
+        ok = rows < t
+        at = pl.ds(r * BLOCK, BLOCK)
+        rhs = _rows_of(rhs_ref, rows, ok, t)
+        vnew_r = _dot(inv_ref[at, :], rhs - _dot(a_ref[at, :], solved, precision), precision)
+        solved = solved + _exact_dot((jnp.arange(width)[:, None] == rows[None, :]).astype(f32), vnew_r)
+        _store_rows(vnew_ref, rows, ok, vnew_r, t)
+        _store_rows(out_ref, rows, ok, _rows_of(qs0_ref, rows, ok, t) + _dot(qk_ref[at, :], solved, precision), t)
+        return solved
+
+    lax.fori_loop(0, cdiv(t, BLOCK), one_block, jnp.zeros((width, vnew_ref.shape[-1]), f32))
+
+
+def _initial_state_terms(q, k, v, cum, beta, state, precision):
+    """The two-launch form's S0 terms for every node in XLA: (diag(beta) (V - e^G K S0), e^G Q S0), [b, T, H, V]
+    float32 each; value head h reads key head h // (H / Hk)."""
+    b, t, hk, dk = q.shape
+    h, dv = v.shape[2], v.shape[3]
+    by_group = state.reshape(b, hk, h // hk, dk, dv)
+
+    def times_state(x):  # [b, T, Hk, K] -> [b, T, H, V]
+        return jnp.einsum("btgk,bgjkv->btgjv", x.astype(jnp.float32), by_group, precision=precision,
+                          preferred_element_type=jnp.float32).reshape(b, t, h, dv)
+
+    decay = jnp.exp(cum)[..., None]
+    return beta[..., None] * (v.astype(jnp.float32) - decay * times_state(k)), decay * times_state(q)
+
+
 @functools.partial(jax.jit, static_argnames=("precision", "config", "interpret", "debug"))
 def tree_delta_rule_pallas(q, k, v, g, beta, initial_state, visible, *, precision: str = "highest",
                            config: TreeDeltaRuleConfig | None = None, interpret: bool = False, debug: bool = False):
@@ -350,6 +394,17 @@ def tree_delta_rule_pallas(q, k, v, g, beta, initial_state, visible, *, precisio
         interpret=interpret, debug=debug, name="tree_delta_rule_tiles",
     )(q, k, cum, beta32, mask8)
     per_head = lambda dim: pl.BlockSpec((None, None, rows, dim), lambda i, j, n: (i, j, 0, 0))  # noqa: E731
+    if config.s0_in_xla:
+        rhs, qs0 = _initial_state_terms(q, k, v, cum, beta32, state32, matmul_precision)
+        out, v_new = pl.pallas_call(
+            functools.partial(_chain_given_s0_kernel, t=t, precision=matmul_precision),
+            grid=(b, h, dv // vb),
+            in_specs=[value_rows, value_rows, per_head(width), per_head(width), per_head(BLOCK)],
+            out_specs=[value_rows, value_rows],
+            out_shape=outputs,
+            compiler_params=params, interpret=interpret, debug=debug, name="tree_delta_rule_chain",
+        )(rhs, qs0, a, qk, inv)
+        return out, v_new, cum
     out, v_new = pl.pallas_call(
         functools.partial(_chain_kernel, t=t, precision=matmul_precision),
         grid=(b, h, dv // vb),

@@ -104,18 +104,19 @@ def run_model_rule(args, visible):
 CASES = [(1, False), (16, True), (17, False), (40, False), (65, False)]
 
 
-# Both forms: one launch (each program walks its head's blocks, reading earlier ones back) and two launches (all
+# The forms: one launch (each program walks its head's blocks, reading earlier ones back) and two launches (all
 # tiles and diagonal inverses first, then the chain with the solved rows in registers).
-FORMS = [pytest.param(False, id="one-launch"), pytest.param(True, id="two-launch")]
+FORMS = [pytest.param({"two_launch": False}, id="one-launch"), pytest.param({"two_launch": True}, id="two-launch"),
+         pytest.param({"two_launch": True, "s0_in_xla": True}, id="two-launch-s0-xla")]
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
-@pytest.mark.parametrize("two_launch", FORMS)
+@pytest.mark.parametrize("form", FORMS)
 class TestTreeDeltaRuleKernel:
     @pytest.mark.parametrize("t,chain", CASES, ids=[f"T{t}{'-chain' if c else ''}" for t, c in CASES])
-    def test_matches_the_float64_recurrence_and_the_model_rule(self, t, chain, two_launch, interpret):
+    def test_matches_the_float64_recurrence_and_the_model_rule(self, t, chain, form, interpret):
         args, parents, visible = inputs(t, seed=t, chain=chain)
-        config = dataclasses.replace(tdr.default_config(t), two_launch=two_launch)
+        config = dataclasses.replace(tdr.default_config(t), **form)
         got = [np.asarray(x, np.float64) for x in run_kernel(args, visible, interpret, config=config)]
         want = recurrence_float64(*args, parents)
         for name, x, y in zip(("out", "v_new", "G"), got, want):
@@ -123,30 +124,30 @@ class TestTreeDeltaRuleKernel:
         for name, x, y in zip(("out", "v_new", "G"), got, run_model_rule(args, visible)):
             np.testing.assert_allclose(x, np.asarray(y), rtol=1e-4, atol=1e-5, err_msg=f"{name} vs the jnp rule")
 
-    def test_value_columns_split_over_programs(self, two_launch, interpret):
+    def test_value_columns_split_over_programs(self, form, interpret):
         """value_block 16 runs each head's 32 value columns in two programs, each solving its own columns: the
         same results as the float64 recurrence."""
         args, parents, visible = inputs(40, seed=11)
-        config = tdr.TreeDeltaRuleConfig(value_block=16, two_launch=two_launch)
+        config = tdr.TreeDeltaRuleConfig(value_block=16, **form)
         got = run_kernel(args, visible, interpret, config=config)
         for name, x, y in zip(("out", "v_new", "G"), got, recurrence_float64(*args, parents)):
             np.testing.assert_allclose(np.asarray(x, np.float64), y, rtol=2e-4, atol=2e-5, err_msg=name)
 
-    def test_near_parallel_keys(self, two_launch, interpret):
+    def test_near_parallel_keys(self, form, interpret):
         """The diagonal blocks' inverse stays float32-exact where I + A is ill-conditioned (the product form of
         the inverse, tried, is off by ~1e-3 in v_new here)."""
         args, parents, visible = near_parallel_inputs(40, seed=0)
-        config = dataclasses.replace(tdr.default_config(40), two_launch=two_launch)
+        config = dataclasses.replace(tdr.default_config(40), **form)
         got = run_kernel(args, visible, interpret, config=config)
         for name, x, y in zip(("out", "v_new", "G"), got, recurrence_float64(*args, parents)):
             np.testing.assert_allclose(np.asarray(x, np.float64), y, rtol=2e-4, atol=2e-5, err_msg=name)
 
-    def test_the_tree_shapes_the_result(self, two_launch, interpret):
+    def test_the_tree_shapes_the_result(self, form, interpret):
         """Negative control: the same inputs under another tree (a chain) give other outputs, so the agreement
         above is the tree's, not the inputs' alone."""
         args, parents, visible = inputs(40, seed=3)
         chain = np.broadcast_to(ancestor_mask(random_parents(None, 40, True)), visible.shape)
-        config = dataclasses.replace(tdr.default_config(40), two_launch=two_launch)
+        config = dataclasses.replace(tdr.default_config(40), **form)
         tree_out = np.asarray(run_kernel(args, visible, interpret, config=config)[0])
         chain_out = np.asarray(run_kernel(args, chain, interpret, config=config)[0])
         assert not np.allclose(tree_out, chain_out, rtol=1e-3, atol=1e-4)
