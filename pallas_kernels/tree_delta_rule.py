@@ -86,6 +86,9 @@ class TreeDeltaRuleConfig:
     s0_in_xla:    the two-launch form with the initial state's terms (diag(beta)(V - e^G K S0) and e^G Q S0, every
                   node at once) computed by XLA before the chain, so the chain loads two [16, V block] rows per
                   block instead of q, k, v rows and the [K, V block] state (32 KB) and skips two matmuls. Untimed.
+    unrolled_chain: the two-launch form's chain with its blocks unrolled in Python (at most MAX_NODES / 16 = 8):
+                  each solved block its own tile, so a block multiplies only the tiles of A and Q K^T it needs
+                  (the device loop multiplies whole [16, width] row blocks) and inserts nothing. Untimed.
     """
 
     num_warps: int = 8
@@ -94,11 +97,13 @@ class TreeDeltaRuleConfig:
     two_launch: bool = False
     tile_warps: int = 4
     s0_in_xla: bool = False
+    unrolled_chain: bool = False
 
     def __post_init__(self):
         check_knobs(self, pow2={"value_block": 16, "tile_warps": 1})
-        if self.s0_in_xla and not self.two_launch:
-            raise ValueError("TreeDeltaRuleConfig.s0_in_xla is a knob of the two-launch form (two_launch=True)")
+        for knob in ("s0_in_xla", "unrolled_chain"):
+            if getattr(self, knob) and not self.two_launch:
+                raise ValueError(f"TreeDeltaRuleConfig.{knob} is a knob of the two-launch form (two_launch=True)")
 
 
 def default_config(t: int) -> TreeDeltaRuleConfig:
@@ -260,56 +265,64 @@ def _tiles_kernel(q_ref, k_ref, cum_ref, beta_ref, vis_ref,  # inputs
             inv_ref[...] = _unit_lower_inverse(a)
 
 
-def _chain_kernel(q_ref, k_ref, v_ref, cum_ref, beta_ref, s0_ref, a_ref, qk_ref, inv_ref,  # inputs
-                  out_ref, vnew_ref,  # outputs
-                  *, t: int, precision):
+def _chain_kernel(*refs, t: int, precision, s0_given: bool, unrolled: bool):
     """The two-launch form's second launch, one program per (row, value head, block of value columns): the blocks
     in order, each v_new_r = inv_r (rhs_r - A[r, :] v_new) with rhs_r = diag(beta) (V - e^G K S0) of its rows, and
-    out_r = e^G Q S0 + (Q K^T * L)[r, :] v_new, with every solved row of v_new held in registers (rows of unsolved
-    blocks are zero, so whole row blocks of A and Q K^T multiply it). A block's loads and its S0 terms depend on
-    nothing solved: only two matmuls and the row insertion chain one block to the next."""
+    out_r = e^G Q S0 + (Q K^T * L)[r, :] v_new. A block's loads and its S0 terms depend on nothing solved: only
+    matmuls with the solved rows chain one block to the next.
+
+    refs: q, k, v, G, beta, S0 (the S0 terms computed here) or, with `s0_given` (`TreeDeltaRuleConfig.s0_in_xla`),
+    rhs0 = diag(beta) (V - e^G K S0) and qs0 = e^G Q S0 [T, V block]; then the tiles A, Q K^T * L [rows, width] and
+    the diagonal inverses [rows, 16]; then the outputs out, v_new. The blocks run in a device loop holding every
+    solved row in one [width, V block] register tile (rows of unsolved blocks zero, so whole row blocks of A and
+    Q K^T multiply it; each block's rows go in by an exact one-hot product), or with `unrolled`
+    (`TreeDeltaRuleConfig.unrolled_chain`) in Python, each solved block its own [16, V block] tile, so block r
+    multiplies only its r tiles of A and r + 1 of Q K^T and nothing is inserted."""
+    if s0_given:
+        rhs_ref, qs0_ref, a_ref, qk_ref, inv_ref, out_ref, vnew_ref = refs
+    else:
+        q_ref, k_ref, v_ref, cum_ref, beta_ref, s0_ref, a_ref, qk_ref, inv_ref, out_ref, vnew_ref = refs
     f32 = jnp.float32
     width = a_ref.shape[-1]  # a power of two >= the padded node count
     block = jnp.arange(BLOCK)
+
+    def s0_terms(rows, ok):  # (rhs0, qs0) of a block's rows, [16, V block]
+        if s0_given:
+            return _rows_of(rhs_ref, rows, ok, t), _rows_of(qs0_ref, rows, ok, t)
+        beta_r = _per_node(beta_ref, rows, ok, t)
+        decay_r = jnp.exp(_per_node(cum_ref, rows, ok, t))[:, None]
+        s0 = s0_ref[...]  # [K, V block], from L1/L2 each block
+        rhs = beta_r[:, None] * (_rows_of(v_ref, rows, ok, t).astype(f32)
+                                 - decay_r * _dot(_rows_of(k_ref, rows, ok, t).astype(f32), s0, precision))
+        return rhs, _dot(_rows_of(q_ref, rows, ok, t).astype(f32) * decay_r, s0, precision)
+
+    if unrolled:
+        solved = []
+        for r in range(cdiv(t, BLOCK)):
+            rows = r * BLOCK + block
+            ok = rows < t
+            at = pl.ds(r * BLOCK, BLOCK)
+            rhs, qs0 = s0_terms(rows, ok)
+            for c, vnew_c in enumerate(solved):
+                rhs = rhs - _dot(a_ref[at, pl.ds(c * BLOCK, BLOCK)], vnew_c, precision)
+            solved.append(_dot(inv_ref[at, :], rhs, precision))
+            out_r = qs0
+            for c, vnew_c in enumerate(solved):
+                out_r = out_r + _dot(qk_ref[at, pl.ds(c * BLOCK, BLOCK)], vnew_c, precision)
+            _store_rows(vnew_ref, rows, ok, solved[-1], t)
+            _store_rows(out_ref, rows, ok, out_r, t)
+        return
 
     def one_block(r, solved):  # solved: [width, V block], v_new of blocks < r, zeros after
         rows = r * BLOCK + block
         ok = rows < t
         at = pl.ds(r * BLOCK, BLOCK)
-        beta_r = _per_node(beta_ref, rows, ok, t)
-        decay_r = jnp.exp(_per_node(cum_ref, rows, ok, t))[:, None]
-        s0 = s0_ref[...]  # [K, V block], from L1/L2 each block: registers hold `solved`
-        rhs = beta_r[:, None] * (_rows_of(v_ref, rows, ok, t).astype(f32)
-                                 - decay_r * _dot(_rows_of(k_ref, rows, ok, t).astype(f32), s0, precision))
-        qs0 = _dot(_rows_of(q_ref, rows, ok, t).astype(f32) * decay_r, s0, precision)
+        rhs, qs0 = s0_terms(rows, ok)
         vnew_r = _dot(inv_ref[at, :], rhs - _dot(a_ref[at, :], solved, precision), precision)
         place = (jnp.arange(width)[:, None] == rows[None, :]).astype(f32)  # [width, 16] one-hot
         solved = solved + _exact_dot(place, vnew_r)
         _store_rows(vnew_ref, rows, ok, vnew_r, t)
         _store_rows(out_ref, rows, ok, qs0 + _dot(qk_ref[at, :], solved, precision), t)
-        return solved
-
-    lax.fori_loop(0, cdiv(t, BLOCK), one_block, jnp.zeros((width, vnew_ref.shape[-1]), f32))
-
-
-def _chain_given_s0_kernel(rhs_ref, qs0_ref, a_ref, qk_ref, inv_ref,  # inputs
-                           out_ref, vnew_ref,  # outputs
-                           *, t: int, precision):
-    """`_chain_kernel` with the initial state's terms given (`TreeDeltaRuleConfig.s0_in_xla`): rhs_ref holds
-    diag(beta) (V - e^G K S0) and qs0_ref e^G Q S0, [T, V block] each."""
-    f32 = jnp.float32
-    width = a_ref.shape[-1]
-    block = jnp.arange(BLOCK)
-
-    def one_block(r, solved):
-        rows = r * BLOCK + block
-        ok = rows < t
-        at = pl.ds(r * BLOCK, BLOCK)
-        rhs = _rows_of(rhs_ref, rows, ok, t)
-        vnew_r = _dot(inv_ref[at, :], rhs - _dot(a_ref[at, :], solved, precision), precision)
-        solved = solved + _exact_dot((jnp.arange(width)[:, None] == rows[None, :]).astype(f32), vnew_r)
-        _store_rows(vnew_ref, rows, ok, vnew_r, t)
-        _store_rows(out_ref, rows, ok, _rows_of(qs0_ref, rows, ok, t) + _dot(qk_ref[at, :], solved, precision), t)
         return solved
 
     lax.fori_loop(0, cdiv(t, BLOCK), one_block, jnp.zeros((width, vnew_ref.shape[-1]), f32))
@@ -395,25 +408,20 @@ def tree_delta_rule_pallas(q, k, v, g, beta, initial_state, visible, *, precisio
     )(q, k, cum, beta32, mask8)
     per_head = lambda dim: pl.BlockSpec((None, None, rows, dim), lambda i, j, n: (i, j, 0, 0))  # noqa: E731
     if config.s0_in_xla:
-        rhs, qs0 = _initial_state_terms(q, k, v, cum, beta32, state32, matmul_precision)
-        out, v_new = pl.pallas_call(
-            functools.partial(_chain_given_s0_kernel, t=t, precision=matmul_precision),
-            grid=(b, h, dv // vb),
-            in_specs=[value_rows, value_rows, per_head(width), per_head(width), per_head(BLOCK)],
-            out_specs=[value_rows, value_rows],
-            out_shape=outputs,
-            compiler_params=params, interpret=interpret, debug=debug, name="tree_delta_rule_chain",
-        )(rhs, qs0, a, qk, inv)
-        return out, v_new, cum
+        terms = _initial_state_terms(q, k, v, cum, beta32, state32, matmul_precision)
+        term_specs = [value_rows, value_rows]
+    else:
+        terms = (q, k, v, cum, beta32, state32)
+        term_specs = [key_spec, key_spec, value_rows, per_node, per_node, state_columns]
     out, v_new = pl.pallas_call(
-        functools.partial(_chain_kernel, t=t, precision=matmul_precision),
+        functools.partial(_chain_kernel, t=t, precision=matmul_precision, s0_given=config.s0_in_xla,
+                          unrolled=config.unrolled_chain),
         grid=(b, h, dv // vb),
-        in_specs=[key_spec, key_spec, value_rows, per_node, per_node, state_columns,
-                  per_head(width), per_head(width), per_head(BLOCK)],
+        in_specs=term_specs + [per_head(width), per_head(width), per_head(BLOCK)],
         out_specs=[value_rows, value_rows],
         out_shape=outputs,
         compiler_params=params, interpret=interpret, debug=debug, name="tree_delta_rule_chain",
-    )(q, k, v, cum, beta32, state32, a, qk, inv)
+    )(*terms, a, qk, inv)
     return out, v_new, cum
 
 

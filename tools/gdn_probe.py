@@ -113,13 +113,13 @@ def looped(fn, feed):
 def kernel_configs(args) -> dict[str, tuple[str, tree_delta_rule.TreeDeltaRuleConfig]]:
     """The kernel variants the --kernel* flags name: {name: (precision, config)}, every combination."""
     chosen = args.kernel_forms.split(",")
-    forms = ([("one", False, 4, False)] if "one" in chosen else []) + [  # (name, two_launch, tile_warps, s0_in_xla)
-        (f"{name}{w}", True, int(w), name == "two_s0xla") for name in ("two", "two_s0xla") if name in chosen
+    forms = [(name, False, 4) for name in chosen if name == "one"] + [  # (name, two_launch, tile_warps)
+        (f"{name}{w}", True, int(w)) for name in chosen if name.startswith("two")
         for w in args.kernel_tile_warps.split(",")]
     return {f"kernel_{p}_w{w}_vb{vb}_s{st}_{form}": (p, tree_delta_rule.TreeDeltaRuleConfig(
                 num_warps=int(w), value_block=int(vb), num_stages=int(st), two_launch=two, tile_warps=tile_warps,
-                s0_in_xla=s0_in_xla))
-            for p, w, vb, st, (form, two, tile_warps, s0_in_xla) in itertools.product(
+                s0_in_xla="s0xla" in form, unrolled_chain="unrolled" in form))
+            for p, w, vb, st, (form, two, tile_warps) in itertools.product(
                 [p for p in args.kernels.split(",") if p], args.kernel_warps.split(","),
                 args.kernel_value_blocks.split(","), args.kernel_stages.split(","), forms)
             if two or st == "1"}  # the one-launch form reloads rows across barriers: it pipelines nothing
@@ -137,8 +137,8 @@ def main(argv=None) -> int:
     p.add_argument("--kernel-warps", default="8", help="the kernel's num_warps values to time")
     p.add_argument("--kernel-value-blocks", default="64", help="the kernel's value_block values to time")
     p.add_argument("--kernel-forms", default="one,two",
-                   help="the kernel's forms to time: one (one launch), two (TreeDeltaRuleConfig.two_launch), two_s0xla "
-                        "(two launches, the initial state's terms by XLA: s0_in_xla)")
+                   help="the kernel's forms to time: one (one launch), two (TreeDeltaRuleConfig.two_launch), and two "
+                        "with its knobs: two_s0xla (s0_in_xla), two_unrolled (unrolled_chain), two_s0xla_unrolled")
     p.add_argument("--kernel-tile-warps", default="4", help="the two-launch form's tile_warps values to time")
     p.add_argument("--kernel-stages", default="1", help="the kernel's num_stages values to time")
     p.add_argument("--repeats", type=int, default=10)

@@ -162,9 +162,11 @@ def main(argv: list[str] | None = None) -> int:
             jobs.append((f"tree_delta_rule {precision} T={t} tiles",
                          dataclasses.replace(two, num_warps=two.tile_warps, num_stages=1), fn, rule_args, 0))
             jobs.append((f"tree_delta_rule {precision} T={t} chain", two, fn, rule_args, 1))
-            given = dataclasses.replace(two, s0_in_xla=True)  # the chain with the initial state's terms given
-            jobs.append((f"tree_delta_rule {precision} T={t} chain s0xla", given,
-                         functools.partial(tdr.tree_delta_rule_pallas, precision=precision, config=given), rule_args, 1))
+            for knobs in ({"s0_in_xla": True}, {"unrolled_chain": True}):  # the chain's variants
+                variant = dataclasses.replace(two, **knobs)
+                jobs.append((f"tree_delta_rule {precision} T={t} chain {','.join(knobs)}", variant,
+                             functools.partial(tdr.tree_delta_rule_pallas, precision=precision, config=variant),
+                             rule_args, 1))
     jobs = [job for job in jobs if args.only in job[0]]
     for name, config, fn, fn_args, *which in jobs:
         label = f"{name:<32} {config!r}".replace("TreeAttentionConfig", "").replace("TreeAcceptConfig", "").replace(

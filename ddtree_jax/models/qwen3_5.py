@@ -443,7 +443,7 @@ class GatedDeltaNet(nnx.Module):
         nodes = None
         if tree:
             # The Pallas kernel wherever it takes the tree: on the H200 at the Qwen3.6-27B shape 7 us per layer at
-            # T = 16, 64 at T = 65 and 118 at T = 128 against XLA's 35, 90-95 and 120-137 (tools/gdn_probe.py and
+            # T = 16, 57 at T = 65 and 94 at T = 128 against XLA's 35, 90-95 and 120-137 (tools/gdn_probe.py and
             # the bench's traces, 2026-12-02); wider trees take the jnp WY form.
             if runtime.pallas and tree_rule_kernel.supports(t, self.key_head_dim, self.value_head_dim):
                 precision = "highest" if x.dtype == jnp.float32 else "default"

@@ -105,9 +105,11 @@ CASES = [(1, False), (16, True), (17, False), (40, False), (65, False)]
 
 
 # The forms: one launch (each program walks its head's blocks, reading earlier ones back) and two launches (all
-# tiles and diagonal inverses first, then the chain with the solved rows in registers).
+# tiles and diagonal inverses first, then the chain with the solved rows in registers), the latter with the initial
+# state's terms by XLA and with its blocks unrolled (each knob's code on its own).
 FORMS = [pytest.param({"two_launch": False}, id="one-launch"), pytest.param({"two_launch": True}, id="two-launch"),
-         pytest.param({"two_launch": True, "s0_in_xla": True}, id="two-launch-s0-xla")]
+         pytest.param({"two_launch": True, "s0_in_xla": True}, id="two-launch-s0-xla"),
+         pytest.param({"two_launch": True, "unrolled_chain": True}, id="two-launch-unrolled")]
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
