@@ -105,11 +105,11 @@ CASES = [(1, False), (16, True), (17, False), (40, False), (65, False)]
 
 
 # The forms: one launch (each program walks its head's blocks, reading earlier ones back) and two launches (all
-# tiles and diagonal inverses first, then the chain with the solved rows in registers), the latter with the initial
-# state's terms by XLA and with its blocks unrolled (each knob's code on its own).
-FORMS = [pytest.param({"two_launch": False}, id="one-launch"), pytest.param({"two_launch": True}, id="two-launch"),
-         pytest.param({"two_launch": True, "s0_in_xla": True}, id="two-launch-s0-xla"),
-         pytest.param({"two_launch": True, "unrolled_chain": True}, id="two-launch-unrolled")]
+# tiles and diagonal inverses first, then the chain with the solved rows in registers).
+FORMS = [pytest.param({"two_launch": False}, id="one-launch"), pytest.param({"two_launch": True}, id="two-launch")]
+# The two-launch chain's knobs, each on its own (the initial state's terms by XLA; the blocks unrolled).
+CHAIN_VARIANTS = [pytest.param({"two_launch": True, "s0_in_xla": True}, id="s0-xla"),
+                  pytest.param({"two_launch": True, "unrolled_chain": True}, id="unrolled")]
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
@@ -155,6 +155,18 @@ class TestTreeDeltaRuleKernel:
         assert not np.allclose(tree_out, chain_out, rtol=1e-3, atol=1e-4)
         np.testing.assert_allclose(chain_out, recurrence_float64(*args, np.broadcast_to(
             random_parents(None, 40, True), parents.shape))[0], rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("form", CHAIN_VARIANTS)
+@pytest.mark.parametrize("t", [17, 65])
+def test_chain_variants_match_the_float64_recurrence(t, form, interpret):
+    """The chain's knobs on random trees past one block (a partial last block) and on near-parallel keys."""
+    config = dataclasses.replace(tdr.default_config(t), **form)
+    for args, parents, visible in (inputs(t, seed=t), near_parallel_inputs(t, seed=1)):
+        got = run_kernel(args, visible, interpret, config=config)
+        for name, x, y in zip(("out", "v_new", "G"), got, recurrence_float64(*args, parents)):
+            np.testing.assert_allclose(np.asarray(x, np.float64), y, rtol=2e-4, atol=2e-5, err_msg=name)
 
 
 def test_default_precision_is_close():
