@@ -445,4 +445,5 @@ def test_tree_verify_takes_the_tree_rule_kernel_on_the_pallas_path(kernels, t, u
                                            runtime=Runtime(kernels))[0])(jnp.zeros((1, t, config.hidden_size)))
     names = [eqn.params.get("name") or getattr(eqn.params.get("name_and_src_info"), "name", None)
              for eqn, _ in equations(jaxpr) if eqn.primitive.name == "pallas_call"]
-    assert ("tree_delta_rule" in names) == uses_kernel, names
+    # One launch ("tree_delta_rule") for one block of nodes, two ("_tiles", "_chain") past it.
+    assert any(str(name).startswith("tree_delta_rule") for name in names) == uses_kernel, names
