@@ -83,6 +83,11 @@ def add_matmul_args(p: argparse.ArgumentParser) -> None:
                         "weight-streaming matmul reads the FP8 weight as stored and scales it inside: the Pallas "
                         "kernel with --kernels pallas, its jnp reference otherwise; one device, decode calls of few "
                         "rows, prefill dequantizes); auto: stream with the Pallas kernels on a GPU, else dequantize")
+    p.add_argument("--dense-matmul", choices=["xla", "stream"], default="xla",
+                   help="the other projections and the lm_head: xla (XLA's GEMMs) or stream (the weight-streaming "
+                        "matmul, whose arithmetic for a token does not depend on the other tokens of the call: a "
+                        "step towards bitwise-equal speculative decoding in bf16; slower; same limits as "
+                        "--fp8-matmul stream)")
 
 
 def resolve_dtype(name: str):

@@ -41,8 +41,8 @@ from ddtree_jax.accept import Accepted, accept_tree, chain_tree
 from ddtree_jax.budget import (CHAIN, BudgetState, chain_reach, check_candidates, choose, observe, predicted_reach,
                                tree_reach)
 from ddtree_jax.models import dflash, mtp, target_family
-from ddtree_jax.models.contract import (FP8_MATMUL_CHOICES, KERNEL_CHOICES, ForwardMeta, ForwardOut, Kernels, Runtime,
-                                        resolve_fp8_matmul, resolve_kernels)
+from ddtree_jax.models.contract import (DENSE_MATMUL_CHOICES, FP8_MATMUL_CHOICES, KERNEL_CHOICES, ForwardMeta,
+                                        ForwardOut, Kernels, Runtime, resolve_fp8_matmul, resolve_kernels)
 from ddtree_jax.models.params import ModelParams
 from ddtree_jax.parallel import Parallel, constrain_cache
 from ddtree_jax.sampling import SamplingConfig, decode_tokens
@@ -111,6 +111,11 @@ class DecodeOptions:
       `layers.Linear.stream_config`) or "auto" (`models.contract.resolve_fp8_matmul`: "stream" with the Pallas
       kernels on a GPU, where the FP8 projections streamed in a third of XLA's time), pinned by
       `engine.resolve_options`. No effect without FP8 weights.
+    dense_matmul: how the other projections and the lm_head multiply (`models.contract.DenseMatmul`): "xla" (XLA's
+      GEMMs) or "stream" (`pallas_kernels.stream_matmul`, whose arithmetic for a row does not depend on the
+      call's other rows, so a verified node's projections give the AR step's bits; the same limits as FP8's
+      "stream", `layers.dense_stream_config`). A step towards bitwise-equal speculative decoding in bf16 (issue
+      20: the attention still reduces differently), and slower than XLA at 16-65 rows on the H200.
     """
 
     mode: Mode = Mode.AR
@@ -127,6 +132,7 @@ class DecodeOptions:
     matmul_precision: str = "auto"
     split_k: str = "auto"
     fp8_matmul: str = "auto"
+    dense_matmul: str = "xla"
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -155,14 +161,18 @@ class DecodeOptions:
         if self.fp8_matmul not in FP8_MATMUL_CHOICES:
             raise ValueError(f"fp8_matmul must be one of {', '.join(map(repr, FP8_MATMUL_CHOICES))}, "
                              f"got {self.fp8_matmul!r}")
+        if self.dense_matmul not in DENSE_MATMUL_CHOICES:
+            raise ValueError(f"dense_matmul must be one of {', '.join(map(repr, DENSE_MATMUL_CHOICES))}, "
+                             f"got {self.dense_matmul!r}")
 
     @property
     def runtime(self) -> Runtime:
         """What the models and the accept stage receive: the kernel implementation, under tp the mesh the
-        Pallas attention's `shard_map` splits heads over, and the FP8 matmul."""
+        Pallas attention's `shard_map` splits heads over, and the FP8 and dense matmuls."""
         tp_mesh = self.parallel.mesh if self.parallel.mode == "tp" else None
         kernels = resolve_kernels(self.kernels)
-        return Runtime(kernels=kernels, tp_mesh=tp_mesh, fp8_matmul=resolve_fp8_matmul(self.fp8_matmul, kernels))
+        return Runtime(kernels=kernels, tp_mesh=tp_mesh, fp8_matmul=resolve_fp8_matmul(self.fp8_matmul, kernels),
+                       dense_matmul=self.dense_matmul)
 
     @property
     def auto_budget(self) -> bool:
@@ -326,7 +336,7 @@ def verify(target: ModelParams, tree: DraftTree, cache, tap_layers: tuple[int, .
     family = target_family(target.config)
     meta = ForwardMeta.tree(cache.lengths, tree.parents, tree.depths, tree.ancestor)
     out = family.forward(target, tree.tokens, meta, cache, tap_layers=tap_layers, runtime=options.runtime)
-    return out, family.logits(target, out.hidden)
+    return out, family.logits(target, out.hidden, options.runtime)
 
 
 @at_matmul_precision
@@ -442,7 +452,7 @@ def ar_round(target: ModelParams, drafter: None, state: DecodeState, options: De
     with jax.named_scope("verify"):
         out = family.forward(target, state.last_token[:, None], ForwardMeta.step(state.cache.lengths, running),
                              state.cache, runtime=options.runtime)
-        logits = family.logits(target, out.hidden[:, 0])
+        logits = family.logits(target, out.hidden[:, 0], options.runtime)
     counts = running.astype(jnp.int32)
     cache = constrain_cache(kv.advance(out.cache, counts), options.parallel)
     rng, key = jax.random.split(state.rng)
@@ -552,7 +562,7 @@ def prefill(target: ModelParams, drafter: ModelParams | None, tokens: jax.Array,
     cache = kv.advance(out.cache, prompt_lengths)
     last_hidden = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
     rng, key = jax.random.split(rng)
-    first = decode_tokens(family.logits(target, last_hidden), key, options.sampling)
+    first = decode_tokens(family.logits(target, last_hidden, options.runtime), key, options.sampling)
     draft_cache = None
     if options.mode is Mode.MTP:
         # Position i pairs with token i + 1: the prompt shifted left by one, the first emitted token last.

@@ -133,9 +133,9 @@ def _splits(k: int, n_blocks: int, config: StreamMatmulConfig) -> int:
     return max(s for s in range(1, steps + 1) if steps % s == 0 and s <= want)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "config", "interpret", "debug"))
+@functools.partial(jax.jit, static_argnames=("block", "config", "out_dtype", "interpret", "debug"))
 def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None = None,
-                         config: StreamMatmulConfig | None = None, interpret: bool = False,
+                         config: StreamMatmulConfig | None = None, out_dtype=None, interpret: bool = False,
                          debug: bool = False) -> jax.Array:
     """The Pallas kernel; arguments and result as `stream_matmul_reference`, plus the knobs."""
     config = StreamMatmulConfig() if config is None else config
@@ -177,15 +177,16 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
     total = partial_sums[0]
     for s in range(1, splits):  # a fixed order, whatever t is
         total = total + partial_sums[s]
-    return total[:, :t].T.astype(x.dtype)
+    return total[:, :t].T.astype(x.dtype if out_dtype is None else out_dtype)
 
 
 def stream_matmul(x, w, scale_inv=None, *, block: tuple[int, int] | None = None, implementation: str | None = None,
-                  config: StreamMatmulConfig | None = None, interpret: bool | None = None) -> jax.Array:
+                  config: StreamMatmulConfig | None = None, out_dtype=None, interpret: bool | None = None) -> jax.Array:
     """Dispatcher: the Pallas kernel on a GPU, the reference elsewhere (see `pallas_kernels.resolve_implementation`)."""
     if resolve_implementation(implementation) == "reference":
-        return stream_matmul_reference(x, w, scale_inv, block=block)
-    return stream_matmul_pallas(x, w, scale_inv, block=block, config=config, interpret=resolve_interpret(interpret))
+        return stream_matmul_reference(x, w, scale_inv, block=block, out_dtype=out_dtype)
+    return stream_matmul_pallas(x, w, scale_inv, block=block, config=config, out_dtype=out_dtype,
+                                interpret=resolve_interpret(interpret))
 
 
 def _check(x, w, scale_inv=None, block=None):
@@ -200,19 +201,21 @@ def _check(x, w, scale_inv=None, block=None):
                              f"{tuple(block)}, got {scale_inv.shape}")
 
 
-@functools.partial(jax.jit, static_argnames=("block",))
-def stream_matmul_reference(x, w, scale_inv=None, *, block: tuple[int, int] | None = None) -> jax.Array:
-    """x [t, k] @ w [n, k]^T -> [t, n] in x's dtype, accumulated in float32 (w in its HF [out, in] layout). With
-    `scale_inv` [ceil(n / bo), ceil(k / bi)] and `block` (bo, bi), w is block-scaled FP8 and is dequantised in
-    float32 first (w[r, c] x scale_inv[r // bo, c // bi])."""
+@functools.partial(jax.jit, static_argnames=("block", "out_dtype"))
+def stream_matmul_reference(x, w, scale_inv=None, *, block: tuple[int, int] | None = None,
+                            out_dtype=None) -> jax.Array:
+    """x [t, k] @ w [n, k]^T -> [t, n] in `out_dtype` (default x's dtype), accumulated in float32 (w in its HF
+    [out, in] layout). With `scale_inv` [ceil(n / bo), ceil(k / bi)] and `block` (bo, bi), w is block-scaled FP8
+    and is dequantised in float32 first (w[r, c] x scale_inv[r // bo, c // bi])."""
     _check(x, w, scale_inv, block)
+    out_dtype = x.dtype if out_dtype is None else out_dtype
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
     if block is not None:
         scales = jnp.repeat(jnp.repeat(scale_inv.astype(jnp.float32), block[0], axis=0), block[1], axis=1)
         w = w.astype(jnp.float32) * scales[:w.shape[0], :w.shape[1]]
-        return jnp.einsum("tk,nk->tn", x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST).astype(x.dtype)
+        return jnp.einsum("tk,nk->tn", x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST).astype(out_dtype)
     return jnp.einsum("tk,nk->tn", x, w.astype(x.dtype), precision=precision,
-                      preferred_element_type=jnp.float32).astype(x.dtype)
+                      preferred_element_type=jnp.float32).astype(out_dtype)
 
 
 __all__ = ["StreamMatmulConfig", "fitted_config", "stream_matmul", "stream_matmul_pallas", "stream_matmul_reference"]

@@ -58,6 +58,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--kernels", default="auto")
+    p.add_argument("--dense-matmul", default="xla", choices=["xla", "stream"],
+                   help="the projections' matmul (DecodeOptions.dense_matmul): stream makes them row-invariant")
     p.add_argument("--tie-tolerance", type=float, default=0.25,
                    help="largest top-2 logit gap at a first difference that still counts as a near-tie")
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON here too")
@@ -83,11 +85,12 @@ def main(argv=None) -> int:
         source = str(t_dir)
 
     def run(mode: Mode, budget: int = 64):
-        options = DecodeOptions(mode=mode, max_new_tokens=args.max_new_tokens, budget=budget, kernels=args.kernels)
+        options = DecodeOptions(mode=mode, max_new_tokens=args.max_new_tokens, budget=budget, kernels=args.kernels,
+                                dense_matmul=args.dense_matmul)
         return generate(target, prompts, options, drafter=drafter)
 
     ar = run(Mode.AR).output_ids
-    report = {"source": source, "kernels": args.kernels, "prompts": len(prompts),
+    report = {"source": source, "kernels": args.kernels, "dense_matmul": args.dense_matmul, "prompts": len(prompts),
               "max_new_tokens": args.max_new_tokens, "modes": []}
     bad = False
     for mode, budget in [(Mode.DFLASH, None)] + [(Mode.DDTREE, int(b)) for b in args.budgets.split(",") if b]:

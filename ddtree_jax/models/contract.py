@@ -66,6 +66,19 @@ class Fp8Matmul(str, enum.Enum):
 FP8_MATMUL_CHOICES = ("auto", "dequantize", "stream")  # DecodeOptions.fp8_matmul and --fp8-matmul
 
 
+class DenseMatmul(str, enum.Enum):
+    """How a projection with 16- or 32-bit weights multiplies: XLA's GEMM, whose algorithm (and so its order of
+    summation) XLA chooses per row count, or the weight-streaming matmul (`pallas_kernels.stream_matmul`), whose
+    arithmetic for a row does not depend on the other rows of the call (issue 20: on the H200, 2026-12-02, no row of
+    a 16-row call differed from the row alone, where XLA's GEMM gave other bits for 4 of 16 rows at down_proj)."""
+
+    XLA = "xla"
+    STREAM = "stream"
+
+
+DENSE_MATMUL_CHOICES = ("xla", "stream")  # DecodeOptions.dense_matmul and --dense-matmul
+
+
 def resolve_fp8_matmul(choice: str, kernels: Kernels | str = Kernels.JAX) -> Fp8Matmul:
     """The FP8 matmul a choice means with these (resolved) kernels; this is the one place that decides "auto":
     "stream" with the Pallas kernels on a GPU, "dequantize" elsewhere. On the H200 the 36 projections of the
@@ -88,15 +101,19 @@ class Runtime:
              one device and under data parallelism.
     fp8_matmul: `Fp8Matmul.DEQUANTIZE` or `Fp8Matmul.STREAM` (resolved, never "auto"): how FP8 projections
              multiply (`layers.Linear.__call__` says where "stream" applies); no effect on other weights.
+    dense_matmul: `DenseMatmul.XLA` or `DenseMatmul.STREAM`: how the other projections and the lm_head multiply
+             (`layers.project` says where "stream" applies).
     """
 
     kernels: Kernels = Kernels.JAX
     tp_mesh: jax.sharding.Mesh | None = None
     fp8_matmul: Fp8Matmul = Fp8Matmul.DEQUANTIZE
+    dense_matmul: DenseMatmul = DenseMatmul.XLA
 
     def __post_init__(self):
         object.__setattr__(self, "kernels", Kernels(self.kernels))
         object.__setattr__(self, "fp8_matmul", Fp8Matmul(self.fp8_matmul))
+        object.__setattr__(self, "dense_matmul", DenseMatmul(self.dense_matmul))
 
     @property
     def pallas(self) -> bool:

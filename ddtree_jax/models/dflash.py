@@ -126,4 +126,4 @@ def draft_hidden(params: ModelParams, target: ModelParams, block_tokens: jax.Arr
 def draft_logits(params: ModelParams, target: ModelParams, block_tokens: jax.Array, cache: KVCache,
                  runtime: Runtime = Runtime()) -> jax.Array:
     """float32 logits [b, bs - 1, v] for block slots 1 .. bs - 1 through the target's lm_head."""
-    return qwen3.logits(target, draft_hidden(params, target, block_tokens, cache, runtime)[:, 1:])
+    return qwen3.logits(target, draft_hidden(params, target, block_tokens, cache, runtime)[:, 1:], runtime)

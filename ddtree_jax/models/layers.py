@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from ddtree_jax.models import fp8
-from ddtree_jax.models.contract import Fp8Matmul, Runtime
+from ddtree_jax.models.contract import DenseMatmul, Fp8Matmul, Runtime
 from pallas_kernels.qk_norm_rope import qk_norm_rope
 from pallas_kernels.rms_norm import add_rms_norm
 from pallas_kernels.stream_matmul import StreamMatmulConfig, fitted_config, stream_matmul
@@ -28,12 +28,34 @@ from pallas_kernels.tree_attention import tree_attention
 from ddtree_jax.config import RopeConfig
 
 NORMAL_STD = 0.02
-# The most rows (tokens x batch) an FP8 projection streams under `Fp8Matmul.STREAM`. The kernel keeps a float32
-# [block_n, rows] accumulator per program (rows in power-of-two tiles >= 16): it is written for decode calls (one token, a
-# DFlash block, a tree of B <= 127 at batch 1; tools/gpu_probe.py timed its dense form up to 128 rows,
-# docs/performance.md). Calls with more rows (a prompt's prefill, wider trees, large batches) multiply as
-# `Fp8Matmul.DEQUANTIZE` does.
+# The most rows (tokens x batch) a projection streams (`Fp8Matmul.STREAM`, `DenseMatmul.STREAM`). The kernel keeps a
+# float32 [block_n, rows] accumulator per program (rows in power-of-two tiles >= 16): it is written for decode calls
+# (one token, a DFlash block, a tree of B <= 127 at batch 1; tools/gpu_probe.py timed its dense form up to 128 rows,
+# docs/performance.md). Calls with more rows (a prompt's prefill, wider trees, large batches) multiply as XLA does
+# (FP8 weights dequantised first).
 STREAM_MAX_ROWS = 128
+
+
+def dense_stream_config(weight_shape: tuple[int, int], rows: int, runtime: Runtime) -> StreamMatmulConfig | None:
+    """The streaming kernel's knobs for a dense [out, in] weight on `rows` rows if it streams, else None: under
+    `DenseMatmul.STREAM`, with no tensor-parallel mesh (no `shard_map` of the kernel yet), at most STREAM_MAX_ROWS
+    rows, and a weight the kernel tiles (`fitted_config`: out and in features multiples of 16)."""
+    if runtime.dense_matmul is not DenseMatmul.STREAM or runtime.tp_mesh is not None or rows > STREAM_MAX_ROWS:
+        return None
+    return fitted_config(*weight_shape)
+
+
+def linear(x: jax.Array, weight: jax.Array, runtime: Runtime, *, out_dtype=None) -> jax.Array:
+    """x [..., in] times a dense weight [out, in] (HF layout) transposed -> [..., out] in `out_dtype` (default x's
+    dtype). XLA's GEMM, or where `dense_stream_config` gives knobs `pallas_kernels.stream_matmul` (the Pallas kernel
+    on the Pallas path, its jnp reference otherwise), accumulating in float32."""
+    rows = math.prod(x.shape[:-1])
+    config = dense_stream_config(weight.shape, rows, runtime)
+    if config is None:
+        return jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype), preferred_element_type=out_dtype)
+    y = stream_matmul(x.reshape(rows, x.shape[-1]), weight.astype(x.dtype), config=config, out_dtype=out_dtype,
+                      implementation="pallas" if runtime.pallas else "reference")
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, axes: tuple[str | None, ...], init: str,
@@ -78,10 +100,13 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array, runtime: Runtime) -> jax.Array:
         """x [..., in] -> [..., out] in x's dtype.
 
-        XLA multiplies x by `dense_weight(x.dtype)` (an FP8 weight dequantised in float32, then cast), except
-        where `stream_config` gives knobs: then `pallas_kernels.stream_matmul` multiplies x in its dtype by the
-        FP8 weight as stored, accumulating in float32 (the Pallas kernel on the Pallas path, `runtime.kernels`;
-        its jnp reference, which dequantises in float32 first, otherwise)."""
+        A dense weight multiplies as `linear` says. XLA multiplies x by an FP8 weight's `dense_weight(x.dtype)`
+        (dequantised in float32, then cast), except where `stream_config` gives knobs: then
+        `pallas_kernels.stream_matmul` multiplies x in its dtype by the FP8 weight as stored, accumulating in float32
+        (the Pallas kernel on the Pallas path, `runtime.kernels`; its jnp reference, which dequantises in float32
+        first, otherwise)."""
+        if self.block is None:
+            return linear(x, self.weight[...], runtime)
         rows = math.prod(x.shape[:-1])
         config = self.stream_config(rows, runtime)
         if config is None:
@@ -161,8 +186,8 @@ def project_qk_norm_rope(attn, x: jax.Array, cos: jax.Array, sin: jax.Array,
     b, t, _ = x.shape
     d = attn.head_dim
     if runtime.pallas and runtime.tp_mesh is None and attn.qkv_proj.packed:
-        return qk_norm_rope(attn.qkv_proj.packed_output(x), attn.q_norm.weight[...], attn.k_norm.weight[...], cos,
-                            sin, eps=attn.q_norm.eps, implementation="pallas")
+        return qk_norm_rope(attn.qkv_proj.packed_output(x, runtime), attn.q_norm.weight[...], attn.k_norm.weight[...],
+                            cos, sin, eps=attn.q_norm.eps, implementation="pallas")
     q, k, v = attn.qkv_proj(x, runtime)
     q = apply_rope(attn.q_norm(q.reshape(b, t, -1, d)), cos, sin)
     k = apply_rope(attn.k_norm(k.reshape(b, t, -1, d)), cos, sin)
@@ -231,16 +256,21 @@ class PackedProjections(nnx.Module):
         (`Linear.__call__`); the packed weight is never FP8."""
         if not self.packed:
             return tuple(getattr(self, part.name)(x, runtime) for part in self.parts)
-        y = self.packed_output(x)
+        y = self.packed_output(x, runtime)
         outs, start = [], 0
         for part in self.parts:
             outs.append(y[..., start:start + part.units, :].reshape(*x.shape[:-1], -1))
             start += part.units
         return tuple(outs)
 
-    def packed_output(self, x: jax.Array) -> jax.Array:
-        """x [..., in] -> every part's output unsplit, [..., G, U, R] in x's dtype (while `packed`)."""
-        return jnp.einsum("...i,guri->...gur", x, self.weight[...].astype(x.dtype))
+    def packed_output(self, x: jax.Array, runtime: Runtime) -> jax.Array:
+        """x [..., in] -> every part's output unsplit, [..., G, U, R] in x's dtype (while `packed`); the weight as
+        one [G U R, in] matrix where it streams (`dense_stream_config`)."""
+        weight = self.weight[...]
+        g, u, r, n_in = weight.shape
+        if dense_stream_config((g * u * r, n_in), math.prod(x.shape[:-1]), runtime) is not None:
+            return linear(x, weight.reshape(g * u * r, n_in), runtime).reshape(*x.shape[:-1], g, u, r)
+        return jnp.einsum("...i,guri->...gur", x, weight.astype(x.dtype))
 
     def unpack(self, weight) -> dict[str, object]:
         """The packed weight [G, U, R, in] (an array or a ShapeDtypeStruct) -> {part name: HF weight}."""

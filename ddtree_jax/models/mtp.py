@@ -178,7 +178,7 @@ def draft_logits(params: ModelParams, target: ModelParams, cache: MTPCache, step
     config: MTPConfig = params.config
     head = params.module().mtp
     kv, hidden = cache.kv, cache.hidden
-    logits = [qwen3.logits(target, hidden)]
+    logits = [qwen3.logits(target, hidden, runtime)]
     chain = steps - 1
     if chain == 0:
         return jnp.stack(logits, axis=1)
@@ -197,5 +197,5 @@ def draft_logits(params: ModelParams, target: ModelParams, cache: MTPCache, step
             attended = cached_attention(rows, kv.k[0], kv.v[0], kv.lengths, buffer_k, buffer_v, mask, positions,
                                         scale=config.layers.head_dim ** -0.5, runtime=runtime)[:, i:i + 1]
             hidden = finish(head, x, attended, gate, runtime)[:, 0]
-            logits.append(qwen3.logits(target, hidden))
+            logits.append(qwen3.logits(target, hidden, runtime))
     return jnp.stack(logits, axis=1)

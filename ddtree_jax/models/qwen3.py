@@ -18,7 +18,7 @@ from ddtree_jax.cache import KVCache, PendingKV, write_pending
 from ddtree_jax.config import Qwen3Config
 from ddtree_jax.models.contract import ForwardMeta, ForwardOut, Runtime
 from ddtree_jax.models.layers import (Embedding, Linear, PackedProjections, Part, RMSNorm, SwiGLU, add_and_norm,
-                                      cached_attention, project_qk_norm_rope, rope_cos_sin)
+                                      cached_attention, linear, project_qk_norm_rope, rope_cos_sin)
 from ddtree_jax.models.params import ModelParams, abstract_params, random_params
 
 RECURRENT = False  # attention only: the cache is a KVCache
@@ -131,11 +131,12 @@ def check_tap_layers(tap_layers: tuple[int, ...], num_layers: int) -> None:
             raise ValueError(f"tap layer {layer_id} is outside 0..{num_layers - 1}")
 
 
-def logits(params: ModelParams, hidden: jax.Array) -> jax.Array:
-    """hidden [..., e] -> float32 logits [..., v] through lm_head (or the tied embedding)."""
+def logits(params: ModelParams, hidden: jax.Array, runtime: Runtime = Runtime()) -> jax.Array:
+    """hidden [..., e] -> float32 logits [..., v] through lm_head (or the tied embedding), multiplied as
+    `layers.linear` says."""
     model = params.module()
     if params.config.tie_word_embeddings:
         weight = model.model.embed_tokens.weight[...].astype(hidden.dtype)
     else:
         weight = model.lm_head.dense_weight(hidden.dtype)
-    return jnp.einsum("...e,ve->...v", hidden, weight, preferred_element_type=jnp.float32)
+    return linear(hidden, weight, runtime, out_dtype=jnp.float32)

@@ -1,5 +1,6 @@
 """Packed projections (`layers.PackedProjections`) against the separate HF projections they hold; FP8 projections
-(`layers.Linear`) on each of their matmul paths against a float64 product."""
+(`layers.Linear`) on each of their matmul paths against a float64 product; dense projections streamed
+(`layers.linear`, `DenseMatmul.STREAM`) against XLA's."""
 
 import jax
 import jax.numpy as jnp
@@ -8,8 +9,8 @@ import pytest
 from flax import nnx
 
 from ddtree_jax.config import Fp8Config
-from ddtree_jax.models.contract import Fp8Matmul, Kernels, Runtime
-from ddtree_jax.models.layers import STREAM_MAX_ROWS, Linear, PackedProjections, Part, apply_fp8
+from ddtree_jax.models.contract import DenseMatmul, Fp8Matmul, Kernels, Runtime
+from ddtree_jax.models.layers import STREAM_MAX_ROWS, Linear, PackedProjections, Part, apply_fp8, linear
 from jaxprs import equations
 from pallas_kernels.stream_matmul import StreamMatmulConfig, fitted_config
 
@@ -137,3 +138,41 @@ def test_stream_knobs_fit_the_weight_and_its_blocks():
     assert fitted_config(320, 64, (128, 128)) == StreamMatmulConfig(block_n=64, block_k=64)
     assert fitted_config(48, 96, (16, 32)) == StreamMatmulConfig(block_n=16, block_k=32)
     assert fitted_config(24, 96, (8, 32)) is None and fitted_config(48, 40) is None
+
+
+# ---- Dense projections streamed (`Runtime.dense_matmul`): issue 20's row-invariant matmul
+
+DENSE_STREAM = Runtime(Kernels.PALLAS, dense_matmul=DenseMatmul.STREAM)
+
+
+@pytest.mark.parametrize("rows,runtime,streams", [
+    ((2, 3), DENSE_STREAM, True),
+    ((2, 3), Runtime(Kernels.PALLAS), False),  # the default: XLA's GEMM
+    ((2, 3), Runtime(Kernels.JAX, dense_matmul=DenseMatmul.STREAM), False),  # the kernel's jnp reference
+    ((1, STREAM_MAX_ROWS + 1), DENSE_STREAM, False),  # a prefill's rows: XLA's
+    ((2, 3), "tp", False),
+], ids=["stream", "xla", "stream-reference", "stream-many-rows", "stream-under-tp"])
+def test_dense_projections_stream_where_chosen(rows, runtime, streams):
+    """A dense Linear, a packed q|k|v and float32 logits (`linear(..., out_dtype)`) give the float64 product on every
+    path, and the streaming kernel runs exactly where `dense_stream_config` says (one pallas_call per projection)."""
+    if runtime == "tp":
+        runtime = Runtime(Kernels.PALLAS, jax.make_mesh((1,), ("model",)), dense_matmul=DenseMatmul.STREAM)
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((*rows, 32)), jnp.float32)
+    dense = Linear(32, 48, ("embed", "mlp"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    want = np.asarray(x, np.float64) @ np.asarray(dense.weight[...], np.float64).T
+    np.testing.assert_allclose(np.asarray(dense(x, runtime), np.float64), want, rtol=1e-5, atol=1e-5)
+    assert _kernel_calls(lambda v: dense(v, runtime), x) == int(streams)
+    head = jnp.asarray(rng.standard_normal((64, 32)), jnp.bfloat16)  # an lm_head: bf16 in, float32 logits out
+    logits = linear(x.astype(jnp.bfloat16), head, runtime, out_dtype=jnp.float32)
+    assert logits.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(logits, np.float64), np.asarray(x.astype(jnp.bfloat16), np.float64)
+                               @ np.asarray(head, np.float64).T, rtol=1e-5, atol=1e-4)
+    # q|k|v of 2 KV heads of 3 query heads, head dim 8, input 16: a [2 * 5 * 8, 16] matrix the kernel tiles.
+    packed = PackedProjections(16, N, 8, PARTS, ("kv_heads", None, None, "embed"), dtype=jnp.float32,
+                               rngs=nnx.Rngs(0))
+    xe = jnp.asarray(rng.standard_normal((*rows, 16)), jnp.float32)
+    for got, (name, w) in zip(packed(xe, runtime), packed.unpack(packed.weight[...]).items()):
+        np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(xe, np.float64)
+                                   @ np.asarray(w, np.float64).T, rtol=1e-5, atol=1e-5, err_msg=name)
+    assert _kernel_calls(lambda v: packed(v, runtime), xe) == int(streams)
