@@ -3,9 +3,9 @@
 One prompt: streams text to the terminal and ends with one summary line on stderr, or prints one JSON
 object with `--json`: {"mode", "output_ids", "text" (with a tokenizer), "acceptance_lengths", "tau",
 "new_tokens", "decode_seconds", "tokens_per_second", "prefill_seconds", "compile_seconds",
-"matmul_precision", "split_k", "fp8_matmul" and "dense_matmul" (as resolved)}, plus "block_size" and "acceptance_histogram" for
-dflash, ddtree and mtp, "budget" for ddtree and "mtp_steps" for mtp; with `--budget auto` "budget" is "auto", plus
-"budget_candidates", "budgets_chosen" (the budget each round verified, 0 the chain), "round_costs_s" (seconds
+"matmul_precision", "split_k", "fp8_matmul" and "dense_matmul" (as resolved)}, plus "block_size" and
+"acceptance_histogram" for dflash, ddtree and mtp, "budget" for ddtree and "mtp_steps" for mtp; with `--budget
+auto` "budget" is "auto", plus "budget_candidates", "budgets_chosen" (the budget each round verified, 0 the chain), "round_costs_s" (seconds
 per round of each candidate, as used) and "calibration_seconds".
 Many prompts (`--prompts FILE.jsonl`): runs them in batches and writes one such JSON line per prompt, with
 its "index", "line" and "id", to `--out` or stdout; a line that cannot run gets {"index", "line", "id",

@@ -102,7 +102,7 @@ class Runtime:
     fp8_matmul: `Fp8Matmul.DEQUANTIZE` or `Fp8Matmul.STREAM` (resolved, never "auto"): how FP8 projections
              multiply (`layers.Linear.__call__` says where "stream" applies); no effect on other weights.
     dense_matmul: `DenseMatmul.XLA` or `DenseMatmul.STREAM`: how the other projections and the lm_head multiply
-             (`layers.project` says where "stream" applies).
+             (`layers.linear` says where "stream" applies).
     """
 
     kernels: Kernels = Kernels.JAX
