@@ -277,6 +277,8 @@ def markdown(report: dict) -> str:
     """The report as a markdown table with its notes."""
     from ddtree_jax.measure.ceilings import ceilings_text
 
+    streamed = (" Projections and lm_head through the weight-streaming matmul (`--dense-matmul stream`)."
+                if any(r.get("dense_matmul") == "stream" for r in report["rows"]) else "")
     if report["kind"] == "shape":
         head = ("| mode | B | kernels | batch | context | verify tokens | draft ms | tree ms | verify ms | accept ms | "
                 "commit ms | round ms | floor ms | x floor | x AR step | 1 round per call ms | projected tok/s (tau) | "
@@ -296,6 +298,7 @@ def markdown(report: dict) -> str:
         fp8_matmuls = ", ".join(dict.fromkeys(r.get("fp8_matmul", "dequantize") for r in report["rows"]))
         notes = (f" Target projections in block-scaled FP8 (`--weights fp8`), multiplied by {fp8_matmuls} "
                  "(`--fp8-matmul`)." if report.get("weights") == "fp8" else "")
+        notes += streamed
         if hybrid:
             notes += (f" Recurrent state MiB: what the verify keeps per node for the commit (every Gated DeltaNet "
                       f"layer's key, written value and log decay in float32, and the conv input), "
@@ -313,7 +316,7 @@ def markdown(report: dict) -> str:
     head = "| mode | B | tau | tokens/s | speedup over AR | first divergence from AR |\n|---|---|---|---|---|---|\n"
     notes = "".join(f"\n\nddtree auto: rounds by budget {r['rounds_by_budget']} (0: the chain), round costs "
                     f"{', '.join(f'{c * 1e3:.2f}' for c in r['round_costs_s'])} ms."
-                    for r in report["rows"] if r["budget"] == "auto")
+                    for r in report["rows"] if r["budget"] == "auto") + ("\n\n" + streamed.strip() if streamed else "")
     return head + "\n".join(f"| {r['mode']} | {r['budget'] or '-'} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
                             f"{r['speedup_over_ar']:.2f} | {r['first_divergence'] or 'none'} |"
                             for r in report["rows"]) + notes + "\n"
