@@ -192,6 +192,8 @@ def test_bitwise_probe_smoke_and_its_comparison(tmp_path, capsys):
     capsys.readouterr()
     assert bitwise_probe.main(["--out", str(tmp_path), "--t", "a,b"]) == 2
     assert capsys.readouterr().err.startswith("error: --t: expected comma-separated integers")
+    assert bitwise_probe.main(["--out", str(tmp_path), "--t", "5", "--parts", "attention,softmax"]) == 2
+    assert capsys.readouterr().err.startswith("error: --parts: softmax names no part")
 
 
 def test_auto_projection_on_random_weights(tmp_path, capsys):

@@ -52,6 +52,10 @@ SMOKE = {"embed": 64, "ffn": 128, "heads": 4, "kv_heads": 2, "head_dim": 16, "vo
          "gdn_value_heads": 4, "gdn_key_heads": 2, "gdn_dim": 16}
 
 
+PARTS = ("elementwise", "matmul_xla:", "matmul_stream:", "matmul_stream_one_split:", "add_rms_norm", "attention",
+         "gdn_rule")  # what `probe` measures (`--parts` takes their names or prefixes)
+
+
 def compare_rows(together, alone) -> dict:
     """together [T, ...] (one call on T rows), alone [T, ...] (row i computed by itself): how many rows differ in
     any bit, and the largest difference (float32)."""
@@ -175,12 +179,17 @@ def main(argv=None) -> int:
     except ValueError:
         print(f"error: --t: expected comma-separated integers, got {args.t!r}", file=sys.stderr)
         return 2
+    parts = tuple(p for p in args.parts.split(",") if p)
+    unknown = [p for p in parts if not any(k.startswith(p) or p.startswith(k) for k in PARTS)]
+    if unknown:
+        print(f"error: --parts: {', '.join(unknown)} names no part (parts: {', '.join(PARTS)}, each matmul with "
+              f":qkv, :down or :lm_head)", file=sys.stderr)
+        return 2
     shape = SMOKE if args.smoke else QWEN3_8B
     implementations = ["pallas", "reference"] if on_gpu() or args.smoke else ["reference"]
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}, {args.dtype}; shape {shape}", flush=True)
-    rows = probe(shape, ts, jnp.dtype(args.dtype), implementations, jax.random.PRNGKey(0),
-                 parts=tuple(p for p in args.parts.split(",") if p))
+    rows = probe(shape, ts, jnp.dtype(args.dtype), implementations, jax.random.PRNGKey(0), parts=parts)
     result = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "python": platform.python_version(),
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "dtype": args.dtype, "shape": shape,
               "rows": rows}
