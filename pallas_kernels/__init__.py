@@ -9,12 +9,14 @@
   order without sorting, in three launches; `tree.build_tree(..., top_k="pallas")` calls `vocab_top_k`.
 - `pallas_kernels.tree_build`: the draft-tree build after the vocabulary top-k in one launch, bit-identical
   to `ddtree_jax.tree._build_one`; `tree.build_tree(..., implementation="pallas")` calls `tree_build`.
-- `pallas_kernels.tree_delta_rule`: the Gated DeltaNet rule over a tree's nodes (the hybrid's verify) in one
-  launch per layer; the models call it for trees of up to 16 nodes on the Pallas path.
+- `pallas_kernels.tree_delta_rule`: the Gated DeltaNet rule over a tree's nodes (the hybrid's verify), one launch
+  per layer for one block of 16 nodes and two past it; the models call it for trees of up to 128 nodes on the
+  Pallas path.
 - `pallas_kernels.rms_norm`: the residual add and the RMSNorm after it (`add_rms_norm`), per token row.
 - `pallas_kernels.qk_norm_rope`: a Qwen3 attention's q|k|v split, q/k RMSNorm and RoPE (`qk_norm_rope`).
-- `pallas_kernels.stream_matmul`: a weight-streaming matmul for few rows (dense weights: unused, XLA's GEMMs were
-  faster; block-scaled FP8 weights: the models' `--fp8-matmul stream`, auto's choice on a GPU).
+- `pallas_kernels.stream_matmul`: a weight-streaming matmul for few rows whose arithmetic for a row does not depend
+  on the other rows (dense weights: the models' `--dense-matmul stream`, off by default, XLA's GEMMs being faster;
+  block-scaled FP8 weights: the models' `--fp8-matmul stream`, auto's choice on a GPU).
 
 A dispatcher runs the kernel on a GPU and the reference elsewhere; `implementation=` or the
 environment variable DDTREE_JAX_KERNELS=pallas|reference overrides (`resolve_implementation`). Kernels
