@@ -20,6 +20,7 @@ import greedy_equality  # noqa: E402
 import topk_probe  # noqa: E402
 import tp_layout  # noqa: E402
 import trace_summary  # noqa: E402
+import with_tree_rule  # noqa: E402
 
 
 def _write_trace(path: Path, kernels: list[tuple[float, float, str]]) -> None:
@@ -127,6 +128,7 @@ def test_gdn_probe_smoke_checks_every_variant(tmp_path, capsys):
     for r in rows:
         assert "error" not in r and r["rule_us"] >= 0
         assert r.get("rel_err", 0) < 1e-5 and r.get("rel_err_out", 0) < 1e-4
+        assert ("config" in r) == r["variant"].startswith("kernel_")  # with_tree_rule.py --best reads it
     capsys.readouterr()
     assert gdn_probe.main(["--out", str(tmp_path), "--solves", "lapack"]) == 2
     assert capsys.readouterr().err.startswith("error: --solves: unknown 'lapack'")
@@ -216,3 +218,35 @@ def test_auto_projection_on_random_weights(tmp_path, capsys):
     capsys.readouterr()
     assert auto_projection.main(["--costs", "16=1e-3"]) == 2
     assert capsys.readouterr().err.startswith("error: --costs '16=1e-3'")
+
+
+def test_with_tree_rule_overrides_past_one_block_and_names_the_fastest(tmp_path, monkeypatch, capsys):
+    """tools/with_tree_rule.py: KNOBS parsed (an unknown field or a non-integer is one error line, exit 2), laid over
+    default_config past one block only, seen by the module it runs; --best picks the fastest error-free kernel row
+    of a gdn_probe.json at T (exit 1 without one)."""
+    from pallas_kernels import tree_delta_rule as tdr
+
+    assert with_tree_rule.parse_knobs("unrolled_chain=1,value_block=32") == {"unrolled_chain": True, "value_block": 32}
+    for bad in ("unroll=1", "value_block=big"):
+        with pytest.raises(ValueError):
+            with_tree_rule.parse_knobs(bad)
+    monkeypatch.setattr(tdr, "default_config", tdr.default_config)  # restored after the test
+    (tmp_path / "probe_config.py").write_text(
+        "import sys\nfrom pallas_kernels import tree_delta_rule as tdr\n"
+        "print(tdr.default_config(65).value_block, tdr.default_config(65).unrolled_chain, "
+        "tdr.default_config(16).value_block, sys.argv[1:])\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert with_tree_rule.main(["unrolled_chain=1,value_block=32", "-m", "probe_config", "--x"]) == 0
+    assert capsys.readouterr().out.strip() == "32 True 64 ['--x']"
+    assert with_tree_rule.main(["value_block=24", "-m", "probe_config"]) == 2  # not a power of two: the config's check
+    assert capsys.readouterr().err.startswith("error: KNOBS 'value_block=24'")
+    rows = [{"t": 65, "variant": "trsm", "rule_us": 1.0},
+            {"t": 65, "variant": "a", "rule_us": 50.0, "config": {"num_warps": 4, "unrolled_chain": True}},
+            {"t": 65, "variant": "b", "rule_us": 40.0, "config": {"num_warps": 8, "unrolled_chain": False}},
+            {"t": 65, "variant": "c", "error": "x", "config": {"num_warps": 2, "unrolled_chain": False}},
+            {"t": 128, "variant": "d", "rule_us": 1.0, "config": {"num_warps": 2, "unrolled_chain": True}}]
+    probe = tmp_path / "gdn_probe.json"
+    probe.write_text(json.dumps({"rows": rows}))
+    assert with_tree_rule.main(["--best", str(probe), "--t", "65"]) == 0
+    assert capsys.readouterr().out.strip() == "num_warps=8,unrolled_chain=0"
+    assert with_tree_rule.main(["--best", str(probe), "--t", "17"]) == 1

@@ -15,6 +15,7 @@ checked against a float64 NumPy solve of the same systems. Writes DIR/gdn_probe.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -179,6 +180,7 @@ def main(argv=None) -> int:
                     precision, config = kernel_variants[name]
                     if not tree_delta_rule.supports(t, dk, dv):
                         continue
+                    row["config"] = dataclasses.asdict(config)  # tools/with_tree_rule.py --best reads it
 
                     def rule(q, k, v, g, beta, s0, visible, precision=precision, config=config):
                         out, v_new, cum = tree_delta_rule.tree_delta_rule(q, k, v, g, beta, s0, visible,

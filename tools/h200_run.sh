@@ -13,7 +13,8 @@
 #   tests     the GPU-marked tests and the greedy DDTree decoding tests, compiled on the GPU
 #   hybrid    python -m ddtree_jax.bench --shape qwen3.6-27b                        -> hybrid/
 #   bench_ab  the bench ($AB_SHAPE: qwen3-8b, $AB_MODES, $AB_BUDGETS, pallas) at a baseline tree ($BASELINE, e.g. a `git archive` of an
-#             older commit, carried) and at this one, with traces of this one's rows summarised -> ab/
+#             older commit, carried) and at this one (with $AB_TREE_RULE, the tree rule's knobs as tools/with_tree_rule.py
+#             takes them), with traces of this one's rows summarised -> ab/
 #   tree      tools/topk_probe.py: the tree build (and its vocabulary top-k) against $BASELINE's tree.py -> tree/
 #   build     the tree-build and vocabulary top-k kernels compiled (their GPU tests), then tools/topk_probe.py: XLA
 #             builder against the kernel and its $BUILD_KERNELS knob variants, with the vocabulary top-ks of
@@ -146,8 +147,10 @@ for step in "$@"; do
       for side in ${AB_SIDES:-baseline current}; do  # AB_SIDES=current: this tree alone (a rerun)
         dir="$PWD"; [ "$side" = baseline ] && dir="$BASELINE"
         trace=""; [ "$side" = current ] && trace="--trace /tmp/ab_traces"
+        # AB_TREE_RULE=KNOBS: this tree's side with the Gated DeltaNet tree rule's knobs changed (tools/with_tree_rule.py)
+        run="python3"; [ "$side" = current ] && [ -n "${AB_TREE_RULE:-}" ] && run="python3 $PWD/tools/with_tree_rule.py $AB_TREE_RULE"
         # shellcheck disable=SC2086
-        (cd "$dir" && PYTHONPATH="$dir" timeout "${AB_LIMIT:-200}" python3 -m ddtree_jax.bench --shape "${AB_SHAPE:-qwen3-8b}" \
+        (cd "$dir" && PYTHONPATH="$dir" timeout "${AB_LIMIT:-200}" $run -m ddtree_jax.bench --shape "${AB_SHAPE:-qwen3-8b}" \
           --context 2048 --budgets "${AB_BUDGETS:-16,64}" --modes "${AB_MODES:-ar,dflash,ddtree}" \
           --repeats "${AB_REPEATS:-10}" --kernels pallas \
           $trace --out "$OUT/ab/$side" 2>&1 | grep -v '^{"mode"' | tail -12)
