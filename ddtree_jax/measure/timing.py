@@ -44,13 +44,23 @@ def in_loop_seconds(call: Callable[[int], Any], repeats: int, iterations: int = 
 
 
 def record_trace(trace_dir: Path, fn: Callable[[], Any]) -> Any:
-    """`fn()` under a profiler trace (TensorBoard files and a Perfetto JSON under `trace_dir`), synchronised; a
-    profiler that cannot start costs the trace (one warning), not the work: `fn` then runs untraced."""
+    """`fn()` under a profiler trace (TensorBoard files and a Perfetto JSON under `trace_dir`), synchronised, run
+    once. A profiler that cannot start or write costs the trace (one warning), not the work; an error of `fn`
+    itself propagates."""
     import jax
 
-    try:
-        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
-            return jax.block_until_ready(fn())
-    except Exception as e:  # noqa: BLE001
+    def warn(e: Exception) -> None:
         print(f"warning: no trace in {trace_dir}: {str(e).splitlines()[0][:200]}", file=sys.stderr)
+
+    try:
+        jax.profiler.start_trace(str(trace_dir), create_perfetto_trace=True)
+    except Exception as e:  # noqa: BLE001 - the profiler's own failure
+        warn(e)
         return jax.block_until_ready(fn())
+    try:
+        return jax.block_until_ready(fn())
+    finally:
+        try:
+            jax.profiler.stop_trace()
+        except Exception as e:  # noqa: BLE001
+            warn(e)
