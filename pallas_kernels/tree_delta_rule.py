@@ -59,6 +59,9 @@ from pallas_kernels._dispatch import cdiv, check_knobs, next_pow2, resolve_inter
 
 MAX_NODES = 128  # every node's keys, values and mask row fit one program; wider trees stay on the XLA path
 BLOCK = 16  # node rows per block: Triton's smallest matmul side
+# The most nodes `default_config` unrolls the chain for: timed at 65 (DDTree B = 64); at 128 nodes the unrolled
+# chain spills (16 bytes per thread, sm_90 offline compile) and is untimed, so wider trees keep the device loop.
+UNROLLED_MAX_NODES = 5 * BLOCK
 
 _DN = (((1,), (0,)), ((), ()))  # a [m, k] @ [k, n]
 _DN_T = (((1,), (1,)), ((), ()))  # a [m, k] @ b[n, k]^T
@@ -85,10 +88,12 @@ class TreeDeltaRuleConfig:
     tile_warps:   Triton's warps per program of the two-launch form's first launch (one tile each).
     s0_in_xla:    the two-launch form with the initial state's terms (diag(beta)(V - e^G K S0) and e^G Q S0, every
                   node at once) computed by XLA before the chain, so the chain loads two [16, V block] rows per
-                  block instead of q, k, v rows and the [K, V block] state (32 KB) and skips two matmuls. Untimed.
+                  block instead of q, k, v rows and the [K, V block] state (32 KB) and skips two matmuls. Slower
+                  on the H200 (T = 65: 50.7-70.1 us per layer against 37.2-64.3 without; the extra XLA pass).
     unrolled_chain: the two-launch form's chain with its blocks unrolled in Python (at most MAX_NODES / 16 = 8):
                   each solved block its own tile, so a block multiplies only the tiles of A and Q K^T it needs
-                  (the device loop multiplies whole [16, width] row blocks) and inserts nothing. Untimed.
+                  (the device loop multiplies whole [16, width] row blocks) and inserts nothing. `default_config`
+                  takes it up to UNROLLED_MAX_NODES.
     """
 
     num_warps: int = 8
@@ -106,8 +111,10 @@ class TreeDeltaRuleConfig:
                 raise ValueError(f"TreeDeltaRuleConfig.{knob} is a knob of the two-launch form (two_launch=True)")
 
 
-def default_config(t: int) -> TreeDeltaRuleConfig:
-    """The knobs for T nodes: 64 value columns per program, 8 warps for one block and 4 for more. On the H200 at
+def default_config(t: int, precision: str = "default") -> TreeDeltaRuleConfig:
+    """The knobs for T nodes at a matmul `precision` ("default" or "highest", as the kernel takes it): 64 value
+    columns per program, 8 warps for one block; past one block the two-launch form with 4 warps, its chain unrolled
+    up to UNROLLED_MAX_NODES at the default precision. On the H200 at
     the Qwen3.6-27B shape (tools/gdn_probe.py, 2026-12-02; two calls, the second with this inverse), us per layer
     at T = 16 / 65 / 128 with 64 columns: 4 warps 22.3, 11.1 / 64.1, 67.9 / 108, 118; 8 warps 5.1, 12.2 / 83.9,
     77.2 / 133, 137. 32 columns: 13-21 / 71-147 / 124-263; 128 columns with 4 warps: 14 / 578 / 867."""
@@ -115,8 +122,12 @@ def default_config(t: int) -> TreeDeltaRuleConfig:
         return TreeDeltaRuleConfig(num_warps=8)
     # Past one block the two-launch form: its chain loads nothing that depends on solved rows. H200, 27B shape
     # (tools/gdn_probe.py, 2026-12-02), us per layer at T = 65 / 128: one launch 71.1 / 117.7, two launches
-    # 56.9 / 94.0 with one stage, 60.6 / 100.4 with two.
-    return TreeDeltaRuleConfig(num_warps=4, two_launch=True)
+    # 56.9 / 94.0 with one stage, 60.6 / 100.4 with two. The chain unrolled (evening, T = 65, 4 warps, one stage):
+    # 37.2 us with 64 value columns, 38.9 with 32, against 49.7-64.3 rolled; 8 warps 41.0-43.9. In the 27B's
+    # B = 64 round the chain took 1.14 ms against 1.82 (48 layers).
+    # At the "highest" precision (float32 products: three TF32 passes each) the unrolled chain spills ~8 KB.
+    unrolled = t <= UNROLLED_MAX_NODES and precision == "default"
+    return TreeDeltaRuleConfig(num_warps=4, two_launch=True, unrolled_chain=unrolled)
 
 
 # Helpers of both forms. Rows and columns are node indices; `t` the node count (rows >= t are padding).
@@ -353,7 +364,7 @@ def tree_delta_rule_pallas(q, k, v, g, beta, initial_state, visible, *, precisio
     written values and root-path log decays. precision: the matmuls' ("highest": float32 products; "default":
     the GPU's tensor-core float32 (TF32), as XLA's float32 dots at the default precision)."""
     b, t, hk, dk = q.shape
-    config = default_config(t) if config is None else config
+    config = default_config(t, precision) if config is None else config
     h, dv = v.shape[2], v.shape[3]
     if k.shape != q.shape or v.shape[:2] != (b, t) or h % hk:
         raise ValueError(f"q and k must be [b, T, Hk, K] and v [b, T, H, V] with Hk dividing H; got q {q.shape}, "

@@ -236,8 +236,9 @@ def test_with_tree_rule_overrides_past_one_block_and_names_the_fastest(tmp_path,
         "print(tdr.default_config(65).value_block, tdr.default_config(65).unrolled_chain, "
         "tdr.default_config(16).value_block, sys.argv[1:])\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert with_tree_rule.main(["unrolled_chain=1,value_block=32", "-m", "probe_config", "--x"]) == 0
-    assert capsys.readouterr().out.strip() == "32 True 64 ['--x']"
+    assert tdr.default_config(65).unrolled_chain  # so the override below changes it
+    assert with_tree_rule.main(["unrolled_chain=0,value_block=32", "-m", "probe_config", "--x"]) == 0
+    assert capsys.readouterr().out.strip() == "32 False 64 ['--x']"
     assert with_tree_rule.main(["value_block=24", "-m", "probe_config"]) == 2  # not a power of two: the config's check
     assert capsys.readouterr().err.startswith("error: KNOBS 'value_block=24'")
     rows = [{"t": 65, "variant": "trsm", "rule_us": 1.0},

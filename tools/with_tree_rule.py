@@ -46,8 +46,8 @@ def override(knobs: dict) -> None:
     base = tree_delta_rule.default_config
     dataclasses.replace(base(tree_delta_rule.BLOCK + 1), **knobs)  # fail now, not at the first trace
 
-    def default_config(t: int) -> tree_delta_rule.TreeDeltaRuleConfig:
-        config = base(t)
+    def default_config(t: int, precision: str = "default") -> tree_delta_rule.TreeDeltaRuleConfig:
+        config = base(t, precision)
         return dataclasses.replace(config, **knobs) if t > tree_delta_rule.BLOCK else config
 
     tree_delta_rule.default_config = default_config

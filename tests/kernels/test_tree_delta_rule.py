@@ -105,11 +105,14 @@ CASES = [(1, False), (16, True), (17, False), (40, False), (65, False)]
 
 
 # The forms: one launch (each program walks its head's blocks, reading earlier ones back) and two launches (all
-# tiles and diagonal inverses first, then the chain with the solved rows in registers).
-FORMS = [pytest.param({"two_launch": False}, id="one-launch"), pytest.param({"two_launch": True}, id="two-launch")]
-# The two-launch chain's knobs, each on its own (the initial state's terms by XLA; the blocks unrolled).
-CHAIN_VARIANTS = [pytest.param({"two_launch": True, "s0_in_xla": True}, id="s0-xla"),
-                  pytest.param({"two_launch": True, "unrolled_chain": True}, id="unrolled")]
+# tiles and diagonal inverses first, then the chain with the solved rows in registers), the chain in a device loop
+# over the blocks or unrolled (`default_config` up to UNROLLED_MAX_NODES).
+FORMS = [pytest.param({"two_launch": False, "unrolled_chain": False}, id="one-launch"),
+         pytest.param({"two_launch": True, "unrolled_chain": False}, id="two-launch"),
+         pytest.param({"two_launch": True, "unrolled_chain": True}, id="two-launch-unrolled")]
+# The two-launch chain's other knob, the initial state's terms by XLA, rolled and unrolled.
+CHAIN_VARIANTS = [pytest.param({"two_launch": True, "s0_in_xla": True, "unrolled_chain": False}, id="s0-xla"),
+                  pytest.param({"two_launch": True, "s0_in_xla": True, "unrolled_chain": True}, id="s0-xla-unrolled")]
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
