@@ -93,7 +93,7 @@ def run_shape(args, parallel) -> dict:
                                                   block_size=0 if mode == "mtp" else 16, budget=budget or 64,
                                                   mtp_steps=args.mtp_steps, parallel=parallel, kernels=kernels,
                                                   matmul_precision=args.matmul_precision, split_k=args.split_k,
-                                                  fp8_matmul=args.fp8_matmul, dense_matmul=args.dense_matmul),
+                                                  fp8_matmul=args.fp8_matmul, row_invariant=args.row_invariant),
                                    drafter_of(mode), dtype)
                     for mode, budget, kernels, _, _ in plan]
 
@@ -149,7 +149,7 @@ def run_shape(args, parallel) -> dict:
         floor = costs.floor(terms["bytes"], terms["flops"], ceilings)[0]
         tau = projected_tau(taus, mode, budget)
         rows.append({"mode": mode, "budget": budget, "kernels": kernels, "split_k": options.split_k,
-                     "fp8_matmul": options.fp8_matmul, "dense_matmul": options.dense_matmul, "batch": batch,
+                     "fp8_matmul": options.fp8_matmul, "row_invariant": options.row_invariant, "batch": batch,
                      "context": context, "verify_tokens": tokens, **{f"{k}_s": v for k, v in stages.items()},
                      "floor_s": floor, "ratio_to_floor": stages["round"] / floor, "tau_projected": tau,
                      # (on a CPU a tiny round can time as 0: the difference of two medians)
@@ -220,7 +220,7 @@ def run_checkpoints(args, parallel) -> dict:
                                 budget=64 if auto or budget is None else budget,
                                 budgets=args.budget_candidates if auto else (), parallel=parallel,
                                 matmul_precision=args.matmul_precision, split_k=args.split_k,
-                                fp8_matmul=args.fp8_matmul, dense_matmul=args.dense_matmul)
+                                fp8_matmul=args.fp8_matmul, row_invariant=args.row_invariant)
         # Warm-up: compilation, and for auto the round costs (calibrated unless cached, on the first prompt), then
         # used for every prompt: one cost table per run (a prompt of another cache size has its own cache entry,
         # which --recalibrate would not refresh).
@@ -248,7 +248,7 @@ def run_checkpoints(args, parallel) -> dict:
                     break
         resolved = resolve_options(options, drafter, dtype)
         rows.append({"mode": mode, "budget": budget, "split_k": resolved.split_k, "fp8_matmul": resolved.fp8_matmul,
-                     "dense_matmul": resolved.dense_matmul,
+                     "row_invariant": resolved.row_invariant,
                      "tau": float(np.mean(rounds)), "tokens": tokens,
                      "decode_s": decode_s, "tokens_per_s": tokens / decode_s, "first_divergence": divergence})
         if auto:
@@ -277,8 +277,9 @@ def markdown(report: dict) -> str:
     """The report as a markdown table with its notes."""
     from ddtree_jax.measure.ceilings import ceilings_text
 
-    streamed = (" Projections and lm_head through the weight-streaming matmul (`--dense-matmul stream`)."
-                if any(r.get("dense_matmul") == "stream" for r in report["rows"]) else "")
+    streamed = (" Row-invariant arithmetic (`--row-invariant`: the weight-streaming matmul for the projections and "
+                "the lm_head, the row-invariant attention)." if any(r.get("row_invariant") for r in report["rows"])
+                else "")
     if report["kind"] == "shape":
         head = ("| mode | B | kernels | batch | context | verify tokens | draft ms | tree ms | verify ms | accept ms | "
                 "commit ms | round ms | floor ms | x floor | x AR step | 1 round per call ms | projected tok/s (tau) | "

@@ -224,7 +224,7 @@ def cost_key(target_config, drafter_config, options, batch: int, capacity: int, 
             "parallel": options.parallel.mode, "dtype": jnp.dtype(dtype).name, "batch": batch, "context": context,
             "budgets": list(options.budgets), "block_size": options.block_size, "kernels": options.kernels,
             "matmul_precision": options.matmul_precision, "split_k": options.split_k,
-            "fp8_matmul": options.fp8_matmul, "dense_matmul": options.dense_matmul, "greedy": options.sampling.greedy,
+            "fp8_matmul": options.fp8_matmul, "row_invariant": options.row_invariant, "greedy": options.sampling.greedy,
             "jax": jax.__version__}
 
 

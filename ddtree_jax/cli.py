@@ -83,11 +83,11 @@ def add_matmul_args(p: argparse.ArgumentParser) -> None:
                         "weight-streaming matmul reads the FP8 weight as stored and scales it inside: the Pallas "
                         "kernel with --kernels pallas, its jnp reference otherwise; one device, decode calls of few "
                         "rows, prefill dequantizes); auto: stream with the Pallas kernels on a GPU, else dequantize")
-    p.add_argument("--dense-matmul", choices=["xla", "stream"], default="xla",
-                   help="the other projections and the lm_head: xla (XLA's GEMMs) or stream (the weight-streaming "
-                        "matmul, whose arithmetic for a token does not depend on the other tokens of the call: a "
-                        "step towards bitwise-equal speculative decoding in bf16; slower; same limits as "
-                        "--fp8-matmul stream)")
+    p.add_argument("--row-invariant", action="store_true",
+                   help="every token's arithmetic independent of the call's other tokens (the weight-streaming "
+                        "matmul in 16-row tiles for the projections and the lm_head, the row-invariant attention "
+                        "kernel): greedy DFlash and DDTree output equals AR bit for bit in bf16 on dense targets; "
+                        "needs the Pallas kernels; slower (one device; calls of at most 128 tokens)")
 
 
 def resolve_dtype(name: str):

@@ -3,7 +3,7 @@
 One prompt: streams text to the terminal and ends with one summary line on stderr, or prints one JSON
 object with `--json`: {"mode", "output_ids", "text" (with a tokenizer), "acceptance_lengths", "tau",
 "new_tokens", "decode_seconds", "tokens_per_second", "prefill_seconds", "compile_seconds",
-"matmul_precision", "split_k", "fp8_matmul" and "dense_matmul" (as resolved)}, plus "block_size" and
+"matmul_precision", "split_k", "fp8_matmul" and "row_invariant" (as resolved)}, plus "block_size" and
 "acceptance_histogram" for dflash, ddtree and mtp, "budget" for ddtree and "mtp_steps" for mtp; with `--budget
 auto` "budget" is "auto", plus "budget_candidates", "budgets_chosen" (the budget each round verified, 0 the chain), "round_costs_s" (seconds
 per round of each candidate, as used) and "calibration_seconds".
@@ -209,7 +209,7 @@ def prepare(args) -> Request:
                             mtp_steps=args.mtp_steps,
                             record_trees=args.save_trees is not None, parallel=parallel, kernels=args.kernels,
                             matmul_precision=args.matmul_precision, split_k=args.split_k,
-                            fp8_matmul=args.fp8_matmul, dense_matmul=args.dense_matmul)
+                            fp8_matmul=args.fp8_matmul, row_invariant=args.row_invariant)
     return Request(folder, args.drafter if mode in (Mode.DFLASH, Mode.DDTREE) else None, target_config,
                    drafter_config, tokenizer, chat, dtype, options)
 
@@ -303,7 +303,7 @@ def row_report(mode: str, options, result, row: int, tokenizer) -> dict:
         "matmul_precision": options.matmul_precision,  # what "auto" became
         "split_k": options.split_k,
         "fp8_matmul": options.fp8_matmul,
-        "dense_matmul": options.dense_matmul,
+        "row_invariant": options.row_invariant,
     }
     if tokenizer is not None:
         report["text"] = tokenizer.decode(out, skip_special_tokens=True)

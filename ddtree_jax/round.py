@@ -41,7 +41,7 @@ from ddtree_jax.accept import Accepted, accept_tree, chain_tree
 from ddtree_jax.budget import (CHAIN, BudgetState, chain_reach, check_candidates, choose, observe, predicted_reach,
                                tree_reach)
 from ddtree_jax.models import dflash, mtp, target_family
-from ddtree_jax.models.contract import (DENSE_MATMUL_CHOICES, FP8_MATMUL_CHOICES, KERNEL_CHOICES, ForwardMeta,
+from ddtree_jax.models.contract import (FP8_MATMUL_CHOICES, KERNEL_CHOICES, ForwardMeta,
                                         ForwardOut, Kernels, Runtime, resolve_fp8_matmul, resolve_kernels)
 from ddtree_jax.models.params import ModelParams
 from ddtree_jax.parallel import Parallel, constrain_cache
@@ -111,11 +111,10 @@ class DecodeOptions:
       `layers.Linear.stream_config`) or "auto" (`models.contract.resolve_fp8_matmul`: "stream" with the Pallas
       kernels on a GPU, where the FP8 projections streamed in a third of XLA's time), pinned by
       `engine.resolve_options`. No effect without FP8 weights.
-    dense_matmul: how the other projections and the lm_head multiply (`models.contract.DenseMatmul`): "xla" (XLA's
-      GEMMs) or "stream" (`pallas_kernels.stream_matmul`, whose arithmetic for a row does not depend on the
-      call's other rows, so a verified node's projections give the AR step's bits; the same limits as FP8's
-      "stream", `layers.dense_stream_config`). A step towards bitwise-equal speculative decoding in bf16 (issue
-      20: the attention still reduces differently), and slower than XLA at 16-65 rows on the H200.
+    row_invariant: every row's arithmetic independent of the call's other rows (`models.contract.Runtime`): the
+      weight-streaming matmul for the projections and the lm_head, the row-invariant attention kernel, so that
+      greedy speculative output is the AR output bit for bit in bf16 on dense targets (issue 20; hybrids: the
+      Gated DeltaNet verify and AR step still compute different arithmetic). Needs the Pallas kernels; slower.
     """
 
     mode: Mode = Mode.AR
@@ -132,7 +131,7 @@ class DecodeOptions:
     matmul_precision: str = "auto"
     split_k: str = "auto"
     fp8_matmul: str = "auto"
-    dense_matmul: str = "xla"
+    row_invariant: bool = False
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -161,9 +160,9 @@ class DecodeOptions:
         if self.fp8_matmul not in FP8_MATMUL_CHOICES:
             raise ValueError(f"fp8_matmul must be one of {', '.join(map(repr, FP8_MATMUL_CHOICES))}, "
                              f"got {self.fp8_matmul!r}")
-        if self.dense_matmul not in DENSE_MATMUL_CHOICES:
-            raise ValueError(f"dense_matmul must be one of {', '.join(map(repr, DENSE_MATMUL_CHOICES))}, "
-                             f"got {self.dense_matmul!r}")
+        if self.row_invariant and resolve_kernels(self.kernels) is not Kernels.PALLAS:
+            raise ValueError(f"row_invariant needs the Pallas kernels (kernels='pallas'), got kernels={self.kernels!r}"
+                             f" (resolved: {resolve_kernels(self.kernels).value})")
 
     @property
     def runtime(self) -> Runtime:
@@ -172,7 +171,7 @@ class DecodeOptions:
         tp_mesh = self.parallel.mesh if self.parallel.mode == "tp" else None
         kernels = resolve_kernels(self.kernels)
         return Runtime(kernels=kernels, tp_mesh=tp_mesh, fp8_matmul=resolve_fp8_matmul(self.fp8_matmul, kernels),
-                       dense_matmul=self.dense_matmul)
+                       row_invariant=self.row_invariant)
 
     @property
     def auto_budget(self) -> bool:

@@ -47,6 +47,9 @@ class StreamMatmulConfig:
     splits:   slices of the k axis (each its own program); None: enough for about two programs per streaming
               multiprocessor, among the divisors of k / block_k.
     num_warps, num_stages: Triton's warps per program and software-pipelining depth.
+    row_tile: None: the rows in tiles that are powers of two >= 16, largest first (65 rows as 64 + 16); a power of
+              two >= 16: every tile that many rows, so that every row count multiplies with one mma shape (Triton
+              takes Hopper's wgmma for 64-row tiles and mma.sync for 16-row ones; the row-invariant models take 16).
     """
 
     block_n: int = 64
@@ -54,14 +57,21 @@ class StreamMatmulConfig:
     splits: int | None = None
     num_warps: int = 4
     num_stages: int = 4
+    row_tile: int | None = None
 
     def __post_init__(self):
         check_knobs(self, pow2={"block_n": 16, "block_k": 16}, optional_counts=("splits",))
+        if self.row_tile is not None and (isinstance(self.row_tile, bool) or not isinstance(self.row_tile, int)
+                                          or self.row_tile < 16 or self.row_tile & (self.row_tile - 1)):
+            raise ValueError(f"StreamMatmulConfig.row_tile={self.row_tile!r}: must be None or a power of two >= 16")
 
 
-def _row_tiles(t: int) -> tuple[int, ...]:
+def _row_tiles(t: int, row_tile: int | None = None) -> tuple[int, ...]:
     """t rows as row tiles that are powers of two >= 16, largest first: 65 -> (64, 16), 17 -> (16, 16), 128 ->
-    (128,). Padding t to one power of two would multiply 65 rows as 128; these multiply 80."""
+    (128,). Padding t to one power of two would multiply 65 rows as 128; these multiply 80. With `row_tile`,
+    tiles of that many rows: 65 -> (16,) * 5 at 16."""
+    if row_tile is not None:
+        return (row_tile,) * -(-t // row_tile)
     tiles = []
     while t > 0:
         size = max(16, 1 << (t.bit_length() - 1))  # the largest power of two <= t, at least 16
@@ -149,7 +159,7 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
     if block is not None and (block[0] % block_n or block[1] % config.block_k):
         raise ValueError(f"FP8 scale blocks {tuple(block)}: block_n={block_n} and block_k={config.block_k} must "
                          "divide them (a tile inside one scale block)")
-    row_tiles = _row_tiles(t)
+    row_tiles = _row_tiles(t, config.row_tile)
     tp = sum(row_tiles)
     splits = _splits(k, n // block_n, config)
     ks = k // splits

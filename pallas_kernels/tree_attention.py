@@ -21,6 +21,9 @@ inference", 2023; the online softmax of FlashAttention-2, arXiv 2307.08691, Algo
 Triton wants power-of-two tiles of at least 16 for dots: the wrapper pads the head dim to a power of two
 (>= 16); query rows past t * g, key blocks past the cache length or past T are masked loads, so rows, S
 and T need no padding (a padded copy of q cost one more kernel per layer, ~2 us on the H200).
+
+The row-invariant kernel (`TreeAttentionConfig.row_invariant`, `ROW_INVARIANT_CONFIG`; issue 20) gives up the
+separate new-token chunk for bitwise agreement with the AR step: see `_row_invariant_kernel`.
 """
 
 from __future__ import annotations
@@ -64,6 +67,14 @@ class TreeAttentionConfig:
                 a multiply and a base-2 exponential on the GPU). No sliding window. On by default: in two
                 bench A/Bs on the H200 (Qwen3-8B shape, 2026-12-02) the DDTree B = 64 round took 6.94 and
                 6.96 ms with it against 7.14 and 7.08 without, the others within the spread.
+
+    row_invariant: the row-invariant kernel (`_row_invariant_kernel`, issue 20): a row's arithmetic does not
+                depend on the call's other rows, its token count or where the row sits, so a verified node gets the
+                AR step's bits for the same prefix. Keys in absolute-position order, in blocks at fixed offsets and
+                chunks fixed by the cache's capacity (`num_chunks` None: about one program per streaming
+                multiprocessor per (row, KV head), whatever T is), 16 rows per program (block_q and block_u
+                unused), the new tokens' keys gathered per token at their positions (new tokens must have distinct
+                positions along what each token sees, as tree paths and chains do). No sliding window.
     """
 
     block_q: int = 64
@@ -73,15 +84,47 @@ class TreeAttentionConfig:
     num_warps: int = 4
     num_stages: int = 3
     lean_steps: bool = True
+    row_invariant: bool = False
 
     def __post_init__(self):
         check_knobs(self, pow2={"block_q": 16, "block_k": 16, "block_u": 16}, optional_counts=("num_chunks",))
-        if not isinstance(self.lean_steps, bool):
-            raise ValueError(f"TreeAttentionConfig.lean_steps={self.lean_steps!r}: must be True or False")
+        for knob in ("lean_steps", "row_invariant"):
+            if not isinstance(getattr(self, knob), bool):
+                raise ValueError(f"TreeAttentionConfig.{knob}={getattr(self, knob)!r}: must be True or False")
+
+
+# The row-invariant kernel's configuration: one stage (two double its shared memory, to 186 KB per program at
+# T >= 16 with one program per SM: offline sm_90 compile, tools/triton_offline.py).
+ROW_INVARIANT_CONFIG = TreeAttentionConfig(row_invariant=True, num_stages=1)
 
 
 # ----------------------------------------------------------------------------------------------------
 # Kernel body
+
+
+def _scores(q, k, *, scale, precision):
+    """q [bq, d] . k [bk, d]^T * scale -> [bq, bk] float32."""
+    return lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32) * scale
+
+
+def _values(p, v, *, precision):
+    """p [bq, bk] f32 . v [bk, d] -> [bq, d] float32; the probabilities in v's dtype, as the reference does before
+    its value einsum."""
+    return lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def _softmax_update(scores, m, l, *, base2: bool):
+    """The online softmax's update by one block of (masked) scores [bq, bk]: -> (p [bq, bk] the block's
+    unnormalised probabilities, alpha [bq] the factor of the earlier output, m_new, l_new)."""
+    exp = jnp.exp2 if base2 else jnp.exp
+    m_new = jnp.maximum(m, jnp.max(scores, axis=1))
+    # A row that has seen nothing yet keeps m = -inf; shift by 0 there so exp gives 0, not NaN.
+    shift = jnp.where(m_new == _NEG_INF, 0.0, m_new)
+    p = exp(scores - shift[:, None])
+    alpha = exp(m - shift)
+    return p, alpha, m_new, alpha * l + jnp.sum(p, axis=1)
 
 
 def _online_softmax_step(q, k, v, visible, carry, *, scale, precision, base2: bool = False):
@@ -89,21 +132,11 @@ def _online_softmax_step(q, k, v, visible, carry, *, scale, precision, base2: bo
     score counts); carry = (acc [bq, d] f32 unnormalised output, m [bq] running max (-inf: nothing seen),
     l [bq] sum). base2: `scale` includes log2(e), and m and the exponentials are in base 2."""
     acc, m, l = carry
-    exp = jnp.exp2 if base2 else jnp.exp
-    scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())), precision=precision,
-                             preferred_element_type=jnp.float32) * scale
+    scores = _scores(q, k, scale=scale, precision=precision)
     if visible is not None:
         scores = jnp.where(visible, scores, _NEG_INF)
-    m_new = jnp.maximum(m, jnp.max(scores, axis=1))
-    # A row that has seen nothing yet keeps m = -inf; shift by 0 there so exp gives 0, not NaN.
-    shift = jnp.where(m_new == _NEG_INF, 0.0, m_new)
-    p = exp(scores - shift[:, None])
-    alpha = exp(m - shift)
-    l = alpha * l + jnp.sum(p, axis=1)
-    # Probabilities in v's dtype, as the reference does before its value einsum.
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), precision=precision,
-                         preferred_element_type=jnp.float32)
-    return alpha[:, None] * acc + pv, m_new, l
+    p, alpha, m_new, l_new = _softmax_update(scores, m, l, base2=base2)
+    return alpha[:, None] * acc + _values(p, v, precision=precision), m_new, l_new
 
 
 def _tree_attention_kernel(
@@ -209,6 +242,113 @@ def _tree_attention_kernel(
     lse_ref[...] = jnp.where(empty, _NEG_INF, lse)
 
 
+ROW_INVARIANT_ROWS = 16  # rows per program of the row-invariant kernel: one mma tile shape for every call
+
+
+def _row_invariant_kernel(
+    q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, pos_ref, len_ref,  # as _tree_attention_kernel's
+    o_ref,     # [16, d] float32 this chunk's output, normalised within the chunk
+    lse_ref,   # [16] float32 this chunk's log-sum-exp of scores (-inf: the chunk showed nothing)
+    *,
+    scale: float,
+    num_chunks: int,
+    chunk: int,
+    block_k: int,
+    group: int,
+    num_new: int,
+    num_slots: int,
+    precision,
+):
+    """Every row's keys in absolute-position order, in blocks of `block_k` positions at fixed offsets and chunks
+    of `chunk` positions fixed by the cache's capacity: a key at position j < length is the cache's slot j, one at
+    j >= length the new token the row sees at position j (its ancestor at depth j - length in a tree). A row
+    therefore runs the same operations as the AR step of the same token over the same prefix (where those
+    positions are already in the cache): the blocks below the committed length with one score matmul for all 16
+    rows (a row's scores do not depend on the tile's other rows), the blocks from it with each token's own keys
+    gathered in position order and multiplied separately, its rows picked. Blocks past a row's own keys are all
+    masked, which leaves (acc, m, l) unchanged bit for bit; so does a chunk past them (lse = -inf)."""
+    kv_head, row_block, chunk_id = pl.program_id(1), pl.program_id(2), pl.program_id(3)
+    rows_per = ROW_INVARIANT_ROWS
+    d = q_ref.shape[-1]
+    rows = row_block * rows_per + jnp.arange(rows_per, dtype=jnp.int32)
+    row_ok = rows < num_new * group
+    row_token = jnp.minimum(lax.div(rows, jnp.int32(group)), num_new - 1)
+    row_head = kv_head * group + lax.rem(rows, jnp.int32(group))
+    dcols = jnp.arange(d)[None, :]
+    q = plt.load(q_ref.at[row_token[:, None], row_head[:, None], dcols], mask=row_ok[:, None], other=0)
+    length = jnp.minimum(len_ref[...], num_slots)
+    tp = next_pow2(num_new)
+    new_idx = jnp.arange(tp, dtype=jnp.int32)
+    new_ok = new_idx < num_new
+    new_at = jnp.minimum(new_idx, num_new - 1)
+    new_pos = plt.load(pos_ref.at[new_at], mask=new_ok, other=-1)
+    last_pos = jnp.max(new_pos)  # the largest position any new token has
+    scale2 = scale * _LOG2_E  # base-2 softmax, as the lean steps of the fast kernel
+    acc0 = (jnp.zeros((rows_per, d), jnp.float32), jnp.full((rows_per,), _NEG_INF, jnp.float32),
+            jnp.zeros((rows_per,), jnp.float32))
+
+    first = chunk_id * (chunk // block_k)  # this chunk's blocks, in block units
+    end = jnp.where(chunk_id < num_chunks - 1, first + chunk // block_k,  # the last chunk runs to the last key
+                    lax.div(jnp.maximum(last_pos, 0), jnp.int32(block_k)) + 1)
+    end = jnp.minimum(end, lax.div(jnp.maximum(last_pos, length - 1), jnp.int32(block_k)) + 1)
+    whole = lax.div(length, jnp.int32(block_k))  # blocks entirely below the committed length
+
+    def cache_block(i, carry):  # every key in the cache and seen by every row: one matmul for all rows
+        acc, m, l = carry
+        k0 = i * block_k
+        if block_k <= num_slots:
+            k, v = k_ref[pl.ds(k0, block_k), :], v_ref[pl.ds(k0, block_k), :]
+        else:  # a cache shorter than one block has no whole block (this loop runs no step); loads that trace
+            slot = jnp.minimum(k0 + jnp.arange(block_k), num_slots - 1)[:, None]
+            k, v = plt.load(k_ref.at[slot, dcols]), plt.load(v_ref.at[slot, dcols])
+        scores = _scores(q, k, scale=scale2, precision=precision)
+        p, alpha, m, l = _softmax_update(scores, m, l, base2=True)
+        return alpha[:, None] * acc + _values(p, v, precision=precision), m, l
+
+    # Tokens a tile of rows spans (rows are token-major, `group` per token).
+    span = rows_per // group if rows_per % group == 0 else (rows_per - 1) // group + 2
+    first_token = lax.div(row_block * rows_per, jnp.int32(group))
+
+    def per_token_block(i, carry):  # keys from the committed length on: each token's own, in position order
+        acc, m, l = carry
+        cols = i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # absolute positions
+        cached = cols < length
+        slot = jnp.minimum(cols, num_slots - 1)[:, None]
+
+        def token_keys(j, cache_ref, new_ref):
+            """Token first_token + j's keys (or values) at the block's positions [block_k, d], which rows are its,
+            and which positions it sees."""
+            token = first_token + j
+            seen = plt.load(mask_ref.at[jnp.minimum(token, num_new - 1), new_at], mask=new_ok & (token < num_new),
+                            other=0) != 0
+            # match[c, a]: new token a is the one this token sees at position cols[c] (at most one per position)
+            match = (new_pos[None, :] == cols[:, None]) & seen[None, :] & ~cached[:, None]
+            found = jnp.max(match.astype(jnp.int32), axis=1) > 0
+            source = jnp.sum(jnp.where(match, new_idx[None, :], 0), axis=1)
+            x = jnp.where(cached[:, None], plt.load(cache_ref.at[slot, dcols], mask=cached[:, None], other=0),
+                          plt.load(new_ref.at[source[:, None], dcols], mask=found[:, None], other=0))
+            return x, (row_token == token) & row_ok, cached | found
+
+        scores = jnp.full((rows_per, block_k), _NEG_INF, jnp.float32)
+        for j in range(span):
+            k_token, mine, sees = token_keys(j, k_ref, kn_ref)
+            scores = jnp.where(mine[:, None] & sees[None, :], _scores(q, k_token, scale=scale2, precision=precision),
+                               scores)
+        p, alpha, m, l = _softmax_update(scores, m, l, base2=True)
+        pv = jnp.zeros((rows_per, d), jnp.float32)
+        for j in range(span):  # the values in a second pass: one token's [block_k, d] tile live at a time
+            v_token, mine, _ = token_keys(j, v_ref, vn_ref)
+            pv = jnp.where(mine[:, None], _values(p, v_token, precision=precision), pv)
+        return alpha[:, None] * acc + pv, m, l
+
+    carry = lax.fori_loop(first, jnp.minimum(end, whole), cache_block, acc0)
+    acc, m, l = lax.fori_loop(jnp.maximum(first, whole), end, per_token_block, carry)
+    empty = l == 0.0
+    l_safe = jnp.where(empty, 1.0, l)
+    o_ref[...] = acc / l_safe[:, None]
+    lse_ref[...] = jnp.where(empty, _NEG_INF, (m + jnp.log2(l_safe)) * _LN_2)
+
+
 # ----------------------------------------------------------------------------------------------------
 # pallas_call wrapper
 
@@ -239,27 +379,32 @@ def _layout(b: int, t: int, hq: int, n: int, s: int, d: int, config: TreeAttenti
     """Static tile sizes and grid for one problem shape (all Python ints)."""
     group = hq // n
     rows = t * group
-    block_q = min(config.block_q, max(16, next_pow2(rows)))
+    block_q = ROW_INVARIANT_ROWS if config.row_invariant else min(config.block_q, max(16, next_pow2(rows)))
     block_k = min(config.block_k, max(16, next_pow2(s)))
     block_u = min(config.block_u, max(16, next_pow2(t)))
     row_blocks = cdiv(rows, block_q)
     num_chunks = config.num_chunks
     if num_chunks is None:
-        # About one wave of programs; the new-token chunk adds one program per (row, head, row block).
-        num_chunks = cdiv(core_count(), b * n * row_blocks)
+        # About one wave of programs; the new-token chunk adds one program per (row, head, row block). The
+        # row-invariant kernel's chunks may not depend on T: one wave for one row block.
+        num_chunks = cdiv(core_count(), b * n * (1 if config.row_invariant else row_blocks))
     num_chunks = max(1, min(num_chunks, cdiv(s, block_k)))
     chunk = round_up(cdiv(s, num_chunks), block_k)
     num_chunks = cdiv(s, chunk)  # no empty trailing chunks
+    # Partial outputs per row: the cache's chunks and the new tokens' (the row-invariant kernel's last chunk
+    # runs on past the cache to the new tokens' positions instead).
+    num_splits = num_chunks if config.row_invariant else num_chunks + 1
     return dict(group=group, rows=rows, padded_rows=row_blocks * block_q, block_q=block_q, block_k=block_k,
-                block_u=block_u, row_blocks=row_blocks, num_chunks=num_chunks, chunk=chunk,
+                block_u=block_u, row_blocks=row_blocks, num_chunks=num_chunks, chunk=chunk, num_splits=num_splits,
                 head_dim=max(16, next_pow2(d)))
 
 
 def _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions, *,
                              scale: float, sliding_window: int | None, config: TreeAttentionConfig,
                              interpret: bool, debug: bool = False):
-    """Runs the kernel. Returns (o [c+1, b, n, padded rows, dp] f32, lse [c+1, b, n, padded rows] f32,
-    layout dict); the last chunk is the new tokens'."""
+    """Runs the kernel. Returns (o [c', b, n, padded rows, dp] f32, lse [c', b, n, padded rows] f32, layout dict)
+    with c' = layout["num_splits"] partials: the cache's chunks, then the new tokens' (the row-invariant
+    kernel's chunks cover both)."""
     _check_shapes(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions)
     b, t, hq, d = q.shape
     s, n = k_cache.shape[1], k_cache.shape[2]
@@ -279,14 +424,21 @@ def _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, n
     positions = positions.astype(jnp.int32)
     lengths = cache_lengths.astype(jnp.int32)
     window = None if sliding_window is None else int(sliding_window)
-    num_splits = lay["num_chunks"] + 1
+    num_splits = lay["num_splits"]
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
 
-    kernel = functools.partial(
-        _tree_attention_kernel, scale=float(scale), window=window, num_chunks=lay["num_chunks"],
-        chunk=lay["chunk"], block_q=lay["block_q"], block_k=lay["block_k"], block_u=lay["block_u"],
-        group=group, num_new=t, num_slots=s, precision=precision,
-        lean=config.lean_steps and window is None)  # a window masks inside whole blocks too
+    if config.row_invariant:
+        if window is not None:
+            raise ValueError("TreeAttentionConfig.row_invariant takes no sliding window")
+        kernel = functools.partial(
+            _row_invariant_kernel, scale=float(scale), num_chunks=lay["num_chunks"], chunk=lay["chunk"],
+            block_k=lay["block_k"], group=group, num_new=t, num_slots=s, precision=precision)
+    else:
+        kernel = functools.partial(
+            _tree_attention_kernel, scale=float(scale), window=window, num_chunks=lay["num_chunks"],
+            chunk=lay["chunk"], block_q=lay["block_q"], block_k=lay["block_k"], block_u=lay["block_u"],
+            group=group, num_new=t, num_slots=s, precision=precision,
+            lean=config.lean_steps and window is None)  # a window masks inside whole blocks too
     block_q = lay["block_q"]
     o, lse = pl.pallas_call(
         kernel,
@@ -312,7 +464,7 @@ def _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, n
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         debug=debug,
-        name="tree_attention",
+        name="tree_attention_row_invariant" if config.row_invariant else "tree_attention",
     )(q, k_cache, v_cache, k_new, v_new, mask8, positions, lengths)
     return o, lse, lay
 

@@ -96,8 +96,12 @@ def test_checkpoint_mode_reports_speedup_and_divergence(tmp_path, monkeypatch):
 def test_checkpoint_mode_traces_one_decode_per_row(tmp_path, monkeypatch):
     """--trace with checkpoints: a profiler trace of one decode of the first prompt per row, and its round count
     (prefill emits the first of the 12 tokens; the hand-built pair accepts every draft: 3 rounds of 4 at B = 4
-    against 11 AR steps); here with --dense-matmul stream, recorded per row and noted under the table."""
+    against 11 AR steps); here with --row-invariant (the Pallas kernels, interpreted), recorded per row and noted
+    under the table."""
     from pairs import write_signal_pair
+    from pallas_kernels import ENV_VAR
+
+    monkeypatch.setenv(ENV_VAR, "pallas")  # "auto" kernels: the Pallas ones, which --row-invariant needs
 
     target, drafter = write_signal_pair(tmp_path)
     prompts = tmp_path / "p.jsonl"
@@ -105,10 +109,10 @@ def test_checkpoint_mode_traces_one_decode_per_row(tmp_path, monkeypatch):
     traces = tmp_path / "traces"
     assert main(["--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts), "--budgets", "4",
                  "--modes", "ddtree", "--max-new-tokens", "12", "--dtype", "float32", "--trace", str(traces),
-                 "--dense-matmul", "stream", "--out", str(tmp_path / "out")]) == 0
+                 "--row-invariant", "--out", str(tmp_path / "out")]) == 0
     rows = json.loads((tmp_path / "out" / "bench.json").read_text())["rows"]
-    assert [r["dense_matmul"] for r in rows] == ["stream", "stream"] and [r["tau"] for r in rows] == [1.0, 4.0]
-    assert "weight-streaming matmul" in (tmp_path / "out" / "bench.md").read_text()
+    assert [r["row_invariant"] for r in rows] == [True, True] and [r["tau"] for r in rows] == [1.0, 4.0]
+    assert "Row-invariant arithmetic" in (tmp_path / "out" / "bench.md").read_text()
     assert sorted(p.name for p in traces.iterdir()) == ["ar", "ddtree4"]
     assert [json.loads((traces / row / "rounds.json").read_text())["rounds"] for row in ("ar", "ddtree4")] == [11, 3]
     assert all(list((traces / row).glob("**/perfetto_trace.json.gz")) for row in ("ar", "ddtree4"))

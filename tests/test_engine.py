@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import dataclasses
 
 import jax
@@ -166,16 +168,14 @@ def test_fp8_matmul_auto_is_resolved_in_one_place_and_bad_values_are_refused():
     assert tuple(flag.choices) == FP8_MATMUL_CHOICES and flag.default == "auto"
 
 
-def test_dense_matmul_streams_every_projection_and_bad_values_are_refused(random_target):
-    """`dense_matmul="stream"` reaches the models' Runtime: an AR step's forward holds one streaming kernel per
-    projection (q|k|v, o, gate|up, down: 4 per layer; none with "xla", the negative control) and its logits one
-    more; greedy AR through `generate` with it (the kernel's jnp reference: the pure-JAX path) gives the XLA
-    path's tokens (float32); a bad value is refused and the CLI offers exactly the engine's choices."""
-    import argparse
-
+def test_row_invariant_reaches_every_projection_and_the_attention(random_target):
+    """`row_invariant=True` reaches the models' Runtime: an AR step's forward holds one streaming kernel per
+    projection (q|k|v, o, gate|up, down: 4 per layer) and its logits one more, and its attention is the
+    row-invariant kernel; without it (the negative control) none streams and the attention is the fast kernel. It
+    needs the Pallas kernels, and the CLI flag maps onto it."""
     from ddtree_jax.cli import add_matmul_args
     from ddtree_jax.models import qwen3
-    from ddtree_jax.models.contract import DENSE_MATMUL_CHOICES, DenseMatmul, ForwardMeta
+    from ddtree_jax.models.contract import ForwardMeta
     from jaxprs import equations
 
     params = load_target(random_target, jnp.float32)
@@ -183,27 +183,26 @@ def test_dense_matmul_streams_every_projection_and_bad_values_are_refused(random
     cache = qwen3.create_cache(params.config, 1, 32, jnp.float32)
     meta = ForwardMeta.step(jnp.array([3]), jnp.array([True]))
 
-    def streams(fn) -> int:
+    def kernels(fn) -> dict:
         jaxpr = jax.make_jaxpr(fn)(params, jnp.array([[5]]))
-        return sum(eqn.primitive.name == "pallas_call" and "stream_matmul" in
-                   str(eqn.params.get("name") or eqn.params.get("name_and_src_info")) for eqn, _ in equations(jaxpr))
+        names = [str(eqn.params.get("name") or eqn.params.get("name_and_src_info")) for eqn, _ in equations(jaxpr)
+                 if eqn.primitive.name == "pallas_call"]
+        return {kind: sum(n.startswith(kind) for n in names)
+                for kind in ("stream_matmul", "tree_attention_row_invariant")}
 
-    for dense_matmul, per_layer in (("stream", 4), ("xla", 0)):
-        options = DecodeOptions(kernels="pallas", dense_matmul=dense_matmul)
-        assert options.runtime.dense_matmul is DenseMatmul(dense_matmul)
+    for row_invariant, streams, invariant_attention in ((True, 4, 1), (False, 0, 0)):
+        options = DecodeOptions(kernels="pallas", row_invariant=row_invariant)
+        assert options.runtime.row_invariant is row_invariant
         forward = lambda p, t: qwen3.forward(p, t, meta, cache, runtime=options.runtime).hidden  # noqa: E731
-        assert streams(forward) == per_layer * layers, dense_matmul
-        assert streams(lambda p, t: qwen3.logits(p, forward(p, t), options.runtime)) == per_layer * layers + (
-            dense_matmul == "stream"), dense_matmul
-    prompts = [[3, 1, 4, 1, 5]]
-    ar = generate(params, prompts, DecodeOptions(max_new_tokens=12, dense_matmul="stream")).output_ids
-    assert ar == generate(params, prompts, DecodeOptions(max_new_tokens=12)).output_ids  # float32: the same tokens
-    with pytest.raises(ValueError, match="dense_matmul must be one of 'xla', 'stream', got 'fast'"):
-        DecodeOptions(dense_matmul="fast")
+        assert kernels(forward) == {"stream_matmul": streams * layers,
+                                    "tree_attention_row_invariant": invariant_attention * layers}, row_invariant
+        logits = kernels(lambda p, t: qwen3.logits(p, forward(p, t), options.runtime))
+        assert logits["stream_matmul"] == streams * layers + row_invariant
+    with pytest.raises(ValueError, match="row_invariant needs the Pallas kernels .*kernels='jax'"):
+        DecodeOptions(kernels="jax", row_invariant=True)
     parser = argparse.ArgumentParser()
     add_matmul_args(parser)
-    flag = next(a for a in parser._actions if a.dest == "dense_matmul")
-    assert tuple(flag.choices) == DENSE_MATMUL_CHOICES and flag.default == "xla"
+    assert parser.parse_args(["--row-invariant"]).row_invariant and not parser.parse_args([]).row_invariant
 
 
 def test_compile_program_passes_split_k_off_and_survives_a_jaxlib_without_the_option(monkeypatch, capsys):

@@ -17,7 +17,7 @@ from ddtree_jax.demo_pair import demo_target
 
 JSON_KEYS = {"mode", "output_ids", "text", "acceptance_lengths", "tau", "new_tokens", "decode_seconds",
              "tokens_per_second", "prefill_seconds", "compile_seconds",
-             "matmul_precision", "split_k", "fp8_matmul", "dense_matmul"}
+             "matmul_precision", "split_k", "fp8_matmul", "row_invariant"}
 SUMMARY = re.compile(r"^\[(ar|dflash block=\d+|ddtree B=\d+|mtp steps=\d+)\] \d+ tokens, "
                      r"(\d+\.\d\d tokens per round \(tau\), )?decode \d+\.\d\d s( = \d+ tokens/s)?; compile \d+\.\d s$")
 

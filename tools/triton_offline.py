@@ -109,9 +109,10 @@ def main(argv: list[str] | None = None) -> int:
             attn_args = [sds((b, t, hq, d), dtype), sds((b, s, n, d), dtype), sds((b, s, n, d), dtype),
                          sds((b,), jnp.int32), sds((b, t, n, d), dtype), sds((b, t, n, d), dtype),
                          sds((b, t, t), bool), sds((b, t), jnp.int32)]
-            for config in configs:
+            for config in configs + [ta.TreeAttentionConfig(row_invariant=True, num_stages=st) for st in (1, 2)]:
                 fn = functools.partial(ta.tree_attention_pallas, scale=d ** -0.5, config=config)
-                jobs.append((f"tree_attention {jnp.dtype(dtype).name} T={t}", config, fn, attn_args))
+                kind = "tree_attention row_invariant" if config.row_invariant else "tree_attention"
+                jobs.append((f"{kind} {jnp.dtype(dtype).name} T={t}", config, fn, attn_args))
             fn = functools.partial(ta.tree_attention_pallas, scale=d ** -0.5)
             jobs.append((f"attention merge {jnp.dtype(dtype).name} T={t}", MERGE, fn, attn_args, 1))
         for rows in (1, 65):

@@ -66,19 +66,6 @@ class Fp8Matmul(str, enum.Enum):
 FP8_MATMUL_CHOICES = ("auto", "dequantize", "stream")  # DecodeOptions.fp8_matmul and --fp8-matmul
 
 
-class DenseMatmul(str, enum.Enum):
-    """How a projection with 16- or 32-bit weights multiplies: XLA's GEMM, whose algorithm (and so its order of
-    summation) XLA chooses per row count, or the weight-streaming matmul (`pallas_kernels.stream_matmul`), whose
-    arithmetic for a row does not depend on the other rows of the call (issue 20: on the H200, 2026-12-02, no row of
-    a 16-row call differed from the row alone, where XLA's GEMM gave other bits for 4 of 16 rows at down_proj)."""
-
-    XLA = "xla"
-    STREAM = "stream"
-
-
-DENSE_MATMUL_CHOICES = ("xla", "stream")  # DecodeOptions.dense_matmul and --dense-matmul
-
-
 def resolve_fp8_matmul(choice: str, kernels: Kernels | str = Kernels.JAX) -> Fp8Matmul:
     """The FP8 matmul a choice means with these (resolved) kernels; this is the one place that decides "auto":
     "stream" with the Pallas kernels on a GPU, "dequantize" elsewhere. On the H200 the 36 projections of the
@@ -101,19 +88,25 @@ class Runtime:
              one device and under data parallelism.
     fp8_matmul: `Fp8Matmul.DEQUANTIZE` or `Fp8Matmul.STREAM` (resolved, never "auto"): how FP8 projections
              multiply (`layers.Linear.__call__` says where "stream" applies); no effect on other weights.
-    dense_matmul: `DenseMatmul.XLA` or `DenseMatmul.STREAM`: how the other projections and the lm_head multiply
-             (`layers.linear` says where "stream" applies).
+    row_invariant: every row's arithmetic independent of the call's other rows, its row count and its place
+             (issue 20), with the Pallas kernels: projections and the lm_head through the weight-streaming matmul
+             in 16-row tiles (`layers.linear`, `layers.Linear`; on the H200, 2026-12-02, no row of a 16-row call
+             differed from the row alone, where XLA's GEMM gave other bits for 4 of 16 rows at down_proj) and the
+             attention through the row-invariant kernel (`layers.cached_attention`), for calls of at most
+             `layers.STREAM_MAX_ROWS` rows. So a verified node's logits are the AR step's bits on dense targets.
     """
 
     kernels: Kernels = Kernels.JAX
     tp_mesh: jax.sharding.Mesh | None = None
     fp8_matmul: Fp8Matmul = Fp8Matmul.DEQUANTIZE
-    dense_matmul: DenseMatmul = DenseMatmul.XLA
+    row_invariant: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "kernels", Kernels(self.kernels))
         object.__setattr__(self, "fp8_matmul", Fp8Matmul(self.fp8_matmul))
-        object.__setattr__(self, "dense_matmul", DenseMatmul(self.dense_matmul))
+        if self.row_invariant and self.kernels is not Kernels.PALLAS:
+            raise ValueError("row_invariant needs the Pallas kernels (--kernels pallas): the jnp path's matmuls and "
+                             "attention reduce in orders XLA chooses per shape")
 
     @property
     def pallas(self) -> bool:

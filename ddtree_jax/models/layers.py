@@ -19,16 +19,17 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from ddtree_jax.models import fp8
-from ddtree_jax.models.contract import DenseMatmul, Fp8Matmul, Runtime
+from ddtree_jax.models.contract import Fp8Matmul, Runtime
 from pallas_kernels.qk_norm_rope import qk_norm_rope
 from pallas_kernels.rms_norm import add_rms_norm
 from pallas_kernels.stream_matmul import StreamMatmulConfig, fitted_config, stream_matmul
-from pallas_kernels.tree_attention import tree_attention
+from pallas_kernels.tree_attention import ROW_INVARIANT_CONFIG, tree_attention
 
 from ddtree_jax.config import RopeConfig
 
 NORMAL_STD = 0.02
-# The most rows (tokens x batch) a projection streams (`Fp8Matmul.STREAM`, `DenseMatmul.STREAM`). The kernel keeps a
+# The most rows (tokens x batch) a projection streams (`Fp8Matmul.STREAM`, `Runtime.row_invariant`), and that the
+# row-invariant attention takes (tokens). The streaming kernel keeps a
 # float32 [block_n, rows] accumulator per program (rows in power-of-two tiles >= 16): it is written for decode calls
 # (one token, a DFlash block, a tree of B <= 127 at batch 1; tools/gpu_probe.py timed its dense form up to 128 rows,
 # docs/performance.md). Calls with more rows (a prompt's prefill, wider trees, large batches) multiply as XLA does
@@ -36,13 +37,18 @@ NORMAL_STD = 0.02
 STREAM_MAX_ROWS = 128
 
 
+# The streaming kernel's row tile under `Runtime.row_invariant`: one mma shape (Triton's mma.sync on Hopper) for
+# every row count, where power-of-two tiles would multiply 64 of 65 rows with wgmma and a lone row with mma.sync.
+ROW_INVARIANT_ROW_TILE = 16
+
+
 def dense_stream_config(weight_shape: tuple[int, int], rows: int, runtime: Runtime) -> StreamMatmulConfig | None:
     """The streaming kernel's knobs for a dense [out, in] weight on `rows` rows if it streams, else None: under
-    `DenseMatmul.STREAM`, with no tensor-parallel mesh (no `shard_map` of the kernel yet), at most STREAM_MAX_ROWS
-    rows, and a weight the kernel tiles (`fitted_config`: out and in features multiples of 16)."""
-    if runtime.dense_matmul is not DenseMatmul.STREAM or runtime.tp_mesh is not None or rows > STREAM_MAX_ROWS:
+    `Runtime.row_invariant`, with no tensor-parallel mesh (no `shard_map` of the kernel yet), at most
+    STREAM_MAX_ROWS rows, and a weight the kernel tiles (`fitted_config`: out and in features multiples of 16)."""
+    if not runtime.row_invariant or runtime.tp_mesh is not None or rows > STREAM_MAX_ROWS:
         return None
-    return fitted_config(*weight_shape)
+    return fitted_config(*weight_shape, config=StreamMatmulConfig(row_tile=ROW_INVARIANT_ROW_TILE))
 
 
 def linear(x: jax.Array, weight: jax.Array, runtime: Runtime, *, out_dtype=None) -> jax.Array:
@@ -117,14 +123,16 @@ class Linear(nnx.Module):
 
     def stream_config(self, rows: int, runtime: Runtime) -> StreamMatmulConfig | None:
         """The streaming kernel's knobs for a call on `rows` rows if it streams, else None. It streams when the
-        weight is FP8, `runtime.fp8_matmul` is `Fp8Matmul.STREAM`, there is no tensor-parallel mesh (there the
+        weight is FP8, `runtime.fp8_matmul` is `Fp8Matmul.STREAM` or `runtime.row_invariant` (then in 16-row
+        tiles), there is no tensor-parallel mesh (there the
         weight and its scales are split, and XLA partitions the dequantise path; no `shard_map` of the kernel
         yet), rows <= STREAM_MAX_ROWS, and the kernel tiles the weight (`fitted_config`: out and in features
         multiples of 16)."""
-        if (self.block is None or runtime.fp8_matmul is not Fp8Matmul.STREAM or runtime.tp_mesh is not None
-                or rows > STREAM_MAX_ROWS):
+        streams = runtime.fp8_matmul is Fp8Matmul.STREAM or runtime.row_invariant
+        if self.block is None or not streams or runtime.tp_mesh is not None or rows > STREAM_MAX_ROWS:
             return None
-        return fitted_config(*self.weight[...].shape, self.block)
+        tile = StreamMatmulConfig(row_tile=ROW_INVARIANT_ROW_TILE if runtime.row_invariant else None)
+        return fitted_config(*self.weight[...].shape, self.block, config=tile)
 
 
 def apply_fp8(module: nnx.Module, config) -> nnx.Module:
@@ -346,8 +354,11 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache
     divide by the mesh size it runs unsplit. XLA partitions the reference itself.
     """
     implementation = "pallas" if runtime.pallas else "reference"
+    # Row-invariant: calls of up to STREAM_MAX_ROWS tokens (decode steps and verifies; a long prompt's prefill, the
+    # same in every mode, keeps the fast kernel), no sliding window (the row-invariant kernel has none).
+    invariant = runtime.row_invariant and q.shape[1] <= STREAM_MAX_ROWS and sliding_window is None
     attend = functools.partial(tree_attention, scale=scale, sliding_window=sliding_window,
-                               implementation=implementation)
+                               implementation=implementation, config=ROW_INVARIANT_CONFIG if invariant else None)
     args = (q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions)
     mesh = runtime.tp_mesh
     if not runtime.pallas or mesh is None or k_cache.shape[2] % mesh.size:

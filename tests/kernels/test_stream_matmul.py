@@ -15,7 +15,8 @@ CASES = [(1, 64, 256, "float32", sm.StreamMatmulConfig(block_n=32, block_k=64, s
          (100, 32, 128, "float32", sm.StreamMatmulConfig(block_n=16, block_k=64)),
          (16, 128, 256, "bfloat16", sm.StreamMatmulConfig(block_n=64, block_k=64)),
          (65, 64, 512, "float32", sm.StreamMatmulConfig(block_n=16, block_k=128, splits=4)),
-         (5, 48, 128, "bfloat16", sm.StreamMatmulConfig(block_n=16, block_k=32, splits=1))]
+         (5, 48, 128, "bfloat16", sm.StreamMatmulConfig(block_n=16, block_k=32, splits=1)),
+         (65, 32, 128, "bfloat16", sm.StreamMatmulConfig(block_n=16, block_k=64, row_tile=16))]  # 5 tiles of 16
 
 
 def _inputs(t, n, k, dtype, seed):
@@ -38,9 +39,12 @@ def test_matches_float64_product(t, n, k, dtype, config, interpret):
 
 
 def test_row_tiles():
-    """Rows go in power-of-two tiles >= 16, largest first, covering t with less than 16 rows of padding."""
+    """Rows go in power-of-two tiles >= 16, largest first, covering t with less than 16 rows of padding; with
+    `row_tile`, in tiles of that many rows."""
     assert [sm._row_tiles(t) for t in (1, 16, 17, 65, 100, 128)] == [
         (16,), (16,), (16, 16), (64, 16), (64, 32, 16), (128,)]
+    assert [sm._row_tiles(t, 16) for t in (1, 16, 17, 65)] == [(16,), (16,), (16, 16), (16,) * 5]
+    assert sm._row_tiles(65, 32) == (32, 32, 32)
 
 
 def test_check_can_fail():
@@ -53,7 +57,7 @@ def test_check_can_fail():
 
 
 @pytest.mark.parametrize("field,value", [("block_n", 8), ("block_k", 48), ("splits", 0), ("num_warps", 3),
-                                         ("num_stages", 0)])
+                                         ("num_stages", 0), ("row_tile", 8), ("row_tile", 24)])
 def test_bad_config_names_the_value(field, value):
     with pytest.raises(ValueError, match=rf"StreamMatmulConfig\.{field}={value!r}"):
         sm.StreamMatmulConfig(**{field: value})

@@ -38,7 +38,8 @@ class Case:
 
     def __str__(self):
         return (f"t{self.t}-n{self.n}g{self.g}-s{self.s}-len{'_'.join(map(str, self.lengths))}-d{self.d}"
-                f"-w{self.window}-{self.dtype}" + ("-lean" if self.config.lean_steps else ""))
+                f"-w{self.window}-{self.dtype}" + ("-lean" if self.config.lean_steps else "")
+                + ("-row-invariant" if self.config.row_invariant else ""))
 
 
 CASES = [
@@ -65,6 +66,13 @@ CASES = [
     # lean_steps with a cache shorter than one key block (block_k 32 over 20 slots: no whole block).
     Case(t=5, n=2, g=4, s=20, lengths=(13, 20), d=24,
          config=ta.TreeAttentionConfig(block_q=16, block_k=32, lean_steps=True)),
+    # The row-invariant kernel: the AR step (an empty cache; a full one), a tree with padding nodes and a head dim
+    # padded to 32 whose deepest nodes run past the cache's last chunk, 65 nodes over 3 chunks in bf16.
+    Case(t=1, n=2, g=1, s=37, lengths=(0, 37), config=ta.TreeAttentionConfig(block_k=16, row_invariant=True)),
+    Case(t=5, n=2, g=4, s=50, lengths=(13, 48), d=24, valid=3,
+         config=ta.TreeAttentionConfig(block_k=16, row_invariant=True)),
+    Case(t=65, n=1, g=4, s=40, lengths=(33, 0), d=16, dtype="bfloat16",
+         config=ta.TreeAttentionConfig(block_k=16, num_chunks=3, row_invariant=True, num_stages=1)),
 ]
 
 
@@ -128,7 +136,8 @@ class TestTreeAttentionKernel:
         # The interpreter fills output buffers with NaN: none left means every partial was written.
         assert not np.isnan(np.asarray(o)).any() and not np.isnan(np.asarray(lse)).any()
         lay = ta._layout(len(case.lengths), case.t, case.n * case.g, case.n, case.s, case.d, case.config)
-        assert o.shape == (lay["num_chunks"] + 1, len(case.lengths), case.n, lay["padded_rows"], lay["head_dim"])
+        splits = lay["num_chunks"] + (0 if case.config.row_invariant else 1)  # the new tokens' own chunk
+        assert o.shape == (splits, len(case.lengths), case.n, lay["padded_rows"], lay["head_dim"])
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), **tolerance(case.dtype))
 
     def test_public_entry_and_stale_slots(self, interpret: bool):
@@ -163,6 +172,64 @@ class TestTreeAttentionKernel:
         out = ta.tree_attention_pallas(**x, scale=0.5, config=case.config, interpret=interpret)
         ref = ta.tree_attention_reference(**x, scale=0.5)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
+
+
+def ar_step_inputs(x: dict, row: int, node: int) -> dict:
+    """The AR step that decoded `node` of batch row `row`'s tree: its ancestors written into the cache at their
+    positions, the cache's length at the node's position, the node alone as the new token (the other batch row:
+    its own first node, over its own cache)."""
+    mask, pos = np.asarray(x["new_mask"]), np.asarray(x["positions"])
+    k_cache, v_cache = np.array(x["k_cache"]), np.array(x["v_cache"])
+    lengths = np.array(x["cache_lengths"])
+    picks = []
+    for r in range(mask.shape[0]):
+        i = node if r == row else 0
+        if r == row:
+            for a in np.nonzero(mask[r, i])[0]:
+                if a != i:
+                    k_cache[r, pos[r, a]], v_cache[r, pos[r, a]] = x["k_new"][r, a], x["v_new"][r, a]
+            lengths[r] = pos[r, i]
+        picks.append(i)
+    take = np.asarray(picks)[:, None]
+
+    def pick(a):
+        return jnp.take_along_axis(a, jnp.asarray(take).reshape(-1, 1, *([1] * (a.ndim - 2))), axis=1)
+
+    return dict(q=pick(x["q"]), k_cache=jnp.asarray(k_cache), v_cache=jnp.asarray(v_cache),
+                cache_lengths=jnp.asarray(lengths, jnp.int32), k_new=pick(x["k_new"]), v_new=pick(x["v_new"]),
+                new_mask=jnp.ones((mask.shape[0], 1, 1), bool), positions=pick(x["positions"]))
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+def test_row_invariant_rows_equal_the_ar_step_bitwise(interpret: bool):
+    """Issue 20: every node of a tree verified in one call gets the bits of the AR step that decodes it over the
+    same prefix (its ancestors then in the cache), in bf16; slots past a length hold NaN, which no row reads.
+    Negative control: the fast kernel (the new tokens in a chunk of their own) gives other bits for some rows."""
+    case = Case(t=17, n=2, g=4, s=70, lengths=(35, 22), dtype="bfloat16")  # 35: a partial key block; 2 chunks
+    x = make_inputs(case, seed=7)
+    slot = np.arange(case.s)[None, :, None, None]
+    stale = slot >= np.asarray(case.lengths)[:, None, None, None]
+    x = dict(x, k_cache=jnp.where(stale, jnp.nan, x["k_cache"]), v_cache=jnp.where(stale, jnp.nan, x["v_cache"]))
+    configs = {"row-invariant": ta.TreeAttentionConfig(block_k=16, num_chunks=2, row_invariant=True, num_stages=1),
+               "fast": ta.TreeAttentionConfig(block_q=16, block_k=16, num_chunks=2)}
+    differing = {}
+    for name, config in configs.items():
+        tree = np.asarray(ta.tree_attention_pallas(**x, scale=0.3, config=config, interpret=interpret), np.float32)
+        assert not np.isnan(tree).any()
+        differing[name] = 0
+        for row in range(len(case.lengths)):
+            for node in range(case.t):
+                ar = ta.tree_attention_pallas(**ar_step_inputs(x, row, node), scale=0.3, config=config,
+                                              interpret=interpret)
+                differing[name] += not np.array_equal(np.asarray(ar[row, 0], np.float32), tree[row, node])
+    assert differing["row-invariant"] == 0
+    assert differing["fast"] > 0
+
+
+def test_row_invariant_takes_no_window():
+    x = make_inputs(Case(t=5, n=1, g=4, s=20, lengths=(7,)), seed=1)
+    with pytest.raises(ValueError, match="no sliding window"):
+        ta.tree_attention_pallas(**x, scale=0.5, sliding_window=4, config=ta.ROW_INVARIANT_CONFIG, interpret=True)
 
 
 def numpy_attention(x: dict, scale: float, window: int | None) -> np.ndarray:
@@ -230,7 +297,7 @@ class TestDispatchAndConfig:
 
     @pytest.mark.parametrize("field,value", [("block_q", 8), ("block_q", 48), ("block_k", 0), ("block_k", True),
                                              ("block_u", 24), ("num_chunks", 0), ("num_warps", 3), ("num_stages", 0),
-                                             ("lean_steps", 1)])
+                                             ("lean_steps", 1), ("row_invariant", "yes")])
     def test_bad_config_names_the_value(self, field, value):
         with pytest.raises(ValueError, match=rf"TreeAttentionConfig\.{field}={value!r}"):
             ta.TreeAttentionConfig(**{field: value})

@@ -1,6 +1,6 @@
 """Packed projections (`layers.PackedProjections`) against the separate HF projections they hold; FP8 projections
 (`layers.Linear`) on each of their matmul paths against a float64 product; dense projections streamed
-(`layers.linear`, `DenseMatmul.STREAM`) against XLA's."""
+(`layers.linear`, `Runtime.row_invariant`) against XLA's."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 
 from ddtree_jax.config import Fp8Config
-from ddtree_jax.models.contract import DenseMatmul, Fp8Matmul, Kernels, Runtime
+from ddtree_jax.models.contract import Fp8Matmul, Kernels, Runtime
 from ddtree_jax.models.layers import STREAM_MAX_ROWS, Linear, PackedProjections, Part, apply_fp8, linear
 from jaxprs import equations
 from pallas_kernels.stream_matmul import StreamMatmulConfig, fitted_config
@@ -140,23 +140,22 @@ def test_stream_knobs_fit_the_weight_and_its_blocks():
     assert fitted_config(24, 96, (8, 32)) is None and fitted_config(48, 40) is None
 
 
-# ---- Dense projections streamed (`Runtime.dense_matmul`): issue 20's row-invariant matmul
+# ---- Dense projections streamed (`Runtime.row_invariant`): issue 20's row-invariant matmul
 
-DENSE_STREAM = Runtime(Kernels.PALLAS, dense_matmul=DenseMatmul.STREAM)
+DENSE_STREAM = Runtime(Kernels.PALLAS, row_invariant=True)
 
 
 @pytest.mark.parametrize("rows,runtime,streams", [
     ((2, 3), DENSE_STREAM, True),
     ((2, 3), Runtime(Kernels.PALLAS), False),  # the default: XLA's GEMM
-    ((2, 3), Runtime(Kernels.JAX, dense_matmul=DenseMatmul.STREAM), False),  # the kernel's jnp reference
     ((1, STREAM_MAX_ROWS + 1), DENSE_STREAM, False),  # a prefill's rows: XLA's
     ((2, 3), "tp", False),
-], ids=["stream", "xla", "stream-reference", "stream-many-rows", "stream-under-tp"])
+], ids=["stream", "xla", "stream-many-rows", "stream-under-tp"])
 def test_dense_projections_stream_where_chosen(rows, runtime, streams):
     """A dense Linear, a packed q|k|v and float32 logits (`linear(..., out_dtype)`) give the float64 product on every
     path, and the streaming kernel runs exactly where `dense_stream_config` says (one pallas_call per projection)."""
     if runtime == "tp":
-        runtime = Runtime(Kernels.PALLAS, jax.make_mesh((1,), ("model",)), dense_matmul=DenseMatmul.STREAM)
+        runtime = Runtime(Kernels.PALLAS, jax.make_mesh((1,), ("model",)), row_invariant=True)
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((*rows, 32)), jnp.float32)
     dense = Linear(32, 48, ("embed", "mlp"), dtype=jnp.float32, rngs=nnx.Rngs(0))
@@ -176,3 +175,17 @@ def test_dense_projections_stream_where_chosen(rows, runtime, streams):
         np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(xe, np.float64)
                                    @ np.asarray(w, np.float64).T, rtol=1e-5, atol=1e-5, err_msg=name)
     assert _kernel_calls(lambda v: packed(v, runtime), xe) == int(streams)
+
+
+def test_row_invariant_streams_in_16_row_tiles_and_needs_the_pallas_kernels():
+    """Every row count multiplies in 16-row tiles (one mma shape), dense and FP8 weights alike; the jnp path cannot
+    be row-invariant, so the runtime refuses it."""
+    from ddtree_jax.models.layers import dense_stream_config
+
+    assert dense_stream_config((48, 32), 65, DENSE_STREAM).row_tile == 16
+    fp8_linear = Linear(32, 48, ("embed", "mlp"), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    fp8_linear.to_fp8((16, 16))
+    assert fp8_linear.stream_config(65, DENSE_STREAM).row_tile == 16  # streamed although fp8_matmul is dequantize
+    assert fp8_linear.stream_config(65, Runtime(Kernels.PALLAS, fp8_matmul=Fp8Matmul.STREAM)).row_tile is None
+    with pytest.raises(ValueError, match="row_invariant needs the Pallas kernels"):
+        Runtime(Kernels.JAX, row_invariant=True)

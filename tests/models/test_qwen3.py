@@ -109,3 +109,46 @@ def test_batch_with_unequal_prompt_lengths_matches_rows_run_alone(hf_qwen3):
     ours = np.asarray(qwen3.logits(params, res.hidden))
     for r, p in enumerate(prompts):
         np.testing.assert_allclose(ours[r, :len(p)], _hf_logits(hf, p[None])[0], atol=TOL, rtol=0, err_msg=f"row {r}")
+
+
+@pytest.mark.parametrize("compiled", [pytest.param(False, id="interpret"),
+                                      pytest.param(True, id="compiled", marks=pytest.mark.gpu)])
+def test_row_invariant_verify_gives_the_ar_step_logits_bitwise(random_target, compiled):
+    """Issue 20: with `Runtime.row_invariant`, every node of a draft tree verified in one bf16 forward gets the
+    logits, bit for bit, of the AR steps that decode its root path one token at a time over the same prompt
+    (interpreted kernels on CPU; compiled on a GPU)."""
+    import jax
+
+    from ddtree_jax.models.contract import Kernels, Runtime
+    from ddtree_jax.tree import ancestor_mask
+    from pallas_kernels import on_gpu
+
+    if compiled != on_gpu():
+        pytest.skip("the compiled kernels need a GPU; on a GPU the interpreted run adds nothing")
+    params = load_target(random_target, jnp.bfloat16)
+    runtime = Runtime(Kernels.PALLAS, row_invariant=True)
+    prompt = jnp.asarray([[5, 1, 7, 2, 9, 4, 4, 8, 3]])
+    cache = qwen3.create_cache(params.config, 1, 48, jnp.bfloat16)
+    prefill = qwen3.forward(params, prompt, ForwardMeta.prompt(jnp.asarray([9]), 9), cache, runtime=runtime)
+    cache = advance(prefill.cache, jnp.asarray([9]))
+    parents = np.array([0, 0, 0, 1, 2, 3, 3, 5])  # root; two children; grandchildren; a depth-4 branch
+    depths = np.array([0, 1, 1, 2, 2, 3, 3, 4])
+    tokens = jnp.asarray([[4, 11, 3, 8, 8, 1, 14, 6]])
+    mask = ancestor_mask(jnp.asarray(parents), jnp.ones(8, bool), 8)[None]
+    meta = ForwardMeta.tree(cache.lengths, jnp.asarray(parents)[None], jnp.asarray(depths)[None], mask)
+    tree = jax.jit(lambda p, c: qwen3.logits(p, qwen3.forward(p, tokens, meta, c, runtime=runtime).hidden,
+                                             runtime))(params, cache)
+
+    @jax.jit
+    def step(p, token, c):  # the AR step: one token, written into the cache
+        out = qwen3.forward(p, token, ForwardMeta.step(c.lengths, jnp.asarray([True])), c, runtime=runtime)
+        return qwen3.logits(p, out.hidden, runtime), advance(out.cache, jnp.asarray([1]))
+
+    for node in range(8):
+        path = [node]
+        while path[-1] != 0:
+            path.append(int(parents[path[-1]]))
+        ar_cache = cache
+        for n in path[::-1]:
+            ar, ar_cache = step(params, tokens[:, n:n + 1], ar_cache)
+        np.testing.assert_array_equal(np.asarray(ar[0, 0]), np.asarray(tree[0, node]), err_msg=f"node {node}")
