@@ -144,6 +144,13 @@ def check_flags(args) -> None:
         raise BadInput("--drafter: not used by --mode mtp (the target's own MTP head drafts)")
     if args.mode == "mtp" and args.block_size:
         raise BadInput("--block-size: not used by --mode mtp (--mtp-steps sets the chain: mtp-steps + 1 tokens)")
+    if args.row_invariant:
+        from ddtree_jax.models.contract import Kernels, resolve_kernels
+
+        kernels = resolve_kernels(args.kernels, resolve_dtype(args.dtype))
+        if kernels is not Kernels.PALLAS:
+            raise BadInput(f"--row-invariant: needs the Pallas kernels (--kernels pallas); --kernels {args.kernels} "
+                           f"means {kernels.value} here")
 
 
 @dataclasses.dataclass

@@ -284,3 +284,15 @@ def test_mtp_mode_json_and_one_error_without_a_head(tmp_path, random_target):
         bad = run_cli("--target", *args, "--mode", "mtp", "--prompt-ids", "1")
         assert bad.returncode == 2 and message in bad.stderr, bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+
+
+def test_row_invariant_without_the_pallas_kernels_is_one_error_line(capsys, monkeypatch):
+    """--row-invariant needs the Pallas kernels: where --kernels resolves to jax (a CPU), one error line, exit 2,
+    before any checkpoint is read."""
+    from ddtree_jax.generate import main
+    from pallas_kernels import ENV_VAR
+
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert main(["--row-invariant", "--kernels", "jax", "--target", "/nonexistent"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --row-invariant: needs the Pallas kernels (--kernels pallas); --kernels jax means jax here"]
