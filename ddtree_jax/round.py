@@ -113,8 +113,9 @@ class DecodeOptions:
       `engine.resolve_options`. No effect without FP8 weights.
     row_invariant: every row's arithmetic independent of the call's other rows (`models.contract.Runtime`): the
       weight-streaming matmul for the projections and the lm_head, the row-invariant attention kernel, so that
-      greedy speculative output is the AR output bit for bit in bf16 on dense targets (issue 20; hybrids: the
-      Gated DeltaNet verify and AR step still compute different arithmetic). Needs the Pallas kernels; slower.
+      greedy speculative output is the AR output bit for bit in bf16 on dense targets without sliding windows
+      (issue 20; hybrids: the Gated DeltaNet verify and AR step still compute different arithmetic). The prompt's
+      pass (`prefill`) is the same in every mode and keeps the fast kernels. Needs the Pallas kernels; slower.
     """
 
     mode: Mode = Mode.AR
@@ -556,12 +557,14 @@ def prefill(target: ModelParams, drafter: ModelParams | None, tokens: jax.Array,
     family = target_family(target.config)
     cache = constrain_cache(family.create_cache(target.config, b, capacity, dtype), options.parallel)
     taps = drafter.config.target_layer_ids if drafter is not None else ()
+    # The prompt's pass is the same in every mode, so row-invariant arithmetic buys nothing here: fast kernels.
+    runtime = dataclasses.replace(options.runtime, row_invariant=False)
     out = family.forward(target, tokens, ForwardMeta.prompt(prompt_lengths, p), cache, tap_layers=taps,
-                         runtime=options.runtime)
+                         runtime=runtime)
     cache = kv.advance(out.cache, prompt_lengths)
     last_hidden = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
     rng, key = jax.random.split(rng)
-    first = decode_tokens(family.logits(target, last_hidden, options.runtime), key, options.sampling)
+    first = decode_tokens(family.logits(target, last_hidden, runtime), key, options.sampling)
     draft_cache = None
     if options.mode is Mode.MTP:
         # Position i pairs with token i + 1: the prompt shifted left by one, the first emitted token last.

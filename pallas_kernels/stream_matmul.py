@@ -10,7 +10,10 @@ TB/s for 65 (docs/performance.md). Here every row count runs the same streaming 
   would multiply 128) into float32 [block_n, tile] accumulators;
 - the `splits` partial sums are added in a fixed order outside the kernel (plain jnp), so that small
   matrices still give every streaming multiprocessor work (`splits` defaults to about two programs per
-  multiprocessor).
+  multiprocessor);
+- more than GROUP_ROWS rows (a batch of trees under `Runtime.row_invariant`) go in groups of GROUP_ROWS, a grid
+  axis: each group's programs stream the weight again (from L2 where its tiles are still there), and a row's
+  arithmetic is the same in every group.
 
 Block-scaled FP8 weights (the published format, `ddtree_jax/models/fp8.py`): with `scale_inv` [ceil(n / bo),
 ceil(k / bi)] and `block` (bo, bi), w is float8_e4m3fn and stays so in memory (half the bytes to stream); each
@@ -19,7 +22,7 @@ in registers (exact: every e4m3 value is a bfloat16 one), multiplied into a floa
 tile times its block's scale is added to the accumulator: sum over blocks of s_b (sum over the block of q x),
 which is the product with the dequantised weight up to float32 rounding.
 
-Letters: t rows (tokens), tp padded rows, k input features, n output features, s splits of k.
+Letters: t rows (tokens), tg rows per group, tp padded rows, k input features, n output features, s splits of k.
 `stream_matmul_reference` is the plain-jnp restatement (float32 accumulation, result in x's dtype; an FP8
 weight dequantised in float32 first).
 """
@@ -36,6 +39,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._dispatch import check_knobs, core_count, next_pow2, resolve_implementation, resolve_interpret
+
+
+GROUP_ROWS = 128  # the most rows one program multiplies (its accumulators: block_n x 128 float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,9 +88,9 @@ def _row_tiles(t: int, row_tile: int | None = None) -> tuple[int, ...]:
 
 def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_block: tuple[int, int] | None,
             row_tiles: tuple[int, ...]):
-    # x_ref [tp, ks] rows of x, this split's k slice; w_ref [block_n, ks] weight rows; o_ref [block_n, tp] f32;
+    # x_ref [tg, ks] one group's rows of x, this split's k slice; w_ref [block_n, ks] weight rows; o_ref [block_n, tg] f32;
     # with FP8 weights, s_ref [so, si] all the block scales (one scalar read per step). The rows go in
-    # `row_tiles` (tp = their sum), each with its own accumulator; every weight tile is loaded once for all.
+    # `row_tiles` (tg = their sum), each with its own accumulator; every weight tile is loaded once for all.
     s_ref, o_ref = refs if scale_block is not None else (None, *refs)
     if scale_block is not None:
         block_n = w_ref.shape[0]
@@ -159,25 +165,27 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
     if block is not None and (block[0] % block_n or block[1] % config.block_k):
         raise ValueError(f"FP8 scale blocks {tuple(block)}: block_n={block_n} and block_k={config.block_k} must "
                          "divide them (a tile inside one scale block)")
-    row_tiles = _row_tiles(t, config.row_tile)
-    tp = sum(row_tiles)
+    groups = -(-t // GROUP_ROWS)
+    row_tiles = _row_tiles(min(t, GROUP_ROWS), config.row_tile)
+    tg = sum(row_tiles)  # rows per group
+    tp = groups * tg
     splits = _splits(k, n // block_n, config)
     ks = k // splits
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
     # The weight's dtype for x unless the weight is FP8 (then the tiles are widened to x's dtype).
     xp = jnp.pad(x.astype(x.dtype if block is not None else w.dtype), [(0, tp - t), (0, 0)])
-    in_specs = [pl.BlockSpec((tp, ks), lambda i, s: (0, s)),  # x rows, this split's k slice
-                pl.BlockSpec((block_n, ks), lambda i, s: (i, s))]  # w rows
+    in_specs = [pl.BlockSpec((tg, ks), lambda i, s, g: (g, s)),  # x rows of this group, this split's k slice
+                pl.BlockSpec((block_n, ks), lambda i, s, g: (i, s))]  # w rows
     operands = [xp, w]
     if block is not None:
-        in_specs.append(pl.BlockSpec(scale_inv.shape, lambda i, s: (0, 0)))  # every scale (a scalar read per step)
+        in_specs.append(pl.BlockSpec(scale_inv.shape, lambda i, s, g: (0, 0)))  # every scale (a scalar read per step)
         operands.append(scale_inv)
     partial_sums = pl.pallas_call(
         functools.partial(_kernel, block_k=config.block_k, steps=ks // config.block_k, precision=precision,
                           scale_block=None if block is None else tuple(block), row_tiles=row_tiles),
-        grid=(n // block_n, splits),
+        grid=(n // block_n, splits, groups),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, block_n, tp), lambda i, s: (s, i, 0)),
+        out_specs=pl.BlockSpec((None, block_n, tg), lambda i, s, g: (s, i, g)),
         out_shape=jax.ShapeDtypeStruct((splits, n, tp), jnp.float32),
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,

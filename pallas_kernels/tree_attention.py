@@ -69,12 +69,15 @@ class TreeAttentionConfig:
                 6.96 ms with it against 7.14 and 7.08 without, the others within the spread.
 
     row_invariant: the row-invariant kernel (`_row_invariant_kernel`, issue 20): a row's arithmetic does not
-                depend on the call's other rows, its token count or where the row sits, so a verified node gets the
-                AR step's bits for the same prefix. Keys in absolute-position order, in blocks at fixed offsets and
-                chunks fixed by the cache's capacity (`num_chunks` None: about one program per streaming
-                multiprocessor per (row, KV head), whatever T is), 16 rows per program (block_q and block_u
-                unused), the new tokens' keys gathered per token at their positions (new tokens must have distinct
-                positions along what each token sees, as tree paths and chains do). No sliding window.
+                depend on the call's other rows, its token count, where the row sits or the cache's capacity, so a
+                verified node gets the AR step's bits for the same prefix. Keys in absolute-position order, in
+                blocks of block_k (not clamped) at fixed offsets and chunks of `chunk` positions, 16 rows per
+                program (block_q and block_u unused), the new tokens' keys gathered per token at their positions
+                (new tokens must have distinct positions along what each token sees, as tree paths and chains do).
+                No sliding window.
+    chunk:      the row-invariant kernel's cache chunk in positions, a multiple of block_k (None: ROW_INVARIANT_CHUNK);
+                fixed, not derived from the capacity, which differs between AR and a verify (`engine.cache_shape`).
+                The fast kernel takes `num_chunks` instead.
     """
 
     block_q: int = 64
@@ -85,13 +88,23 @@ class TreeAttentionConfig:
     num_stages: int = 3
     lean_steps: bool = True
     row_invariant: bool = False
+    chunk: int | None = None
 
     def __post_init__(self):
-        check_knobs(self, pow2={"block_q": 16, "block_k": 16, "block_u": 16}, optional_counts=("num_chunks",))
+        check_knobs(self, pow2={"block_q": 16, "block_k": 16, "block_u": 16}, optional_counts=("num_chunks", "chunk"))
         for knob in ("lean_steps", "row_invariant"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"TreeAttentionConfig.{knob}={getattr(self, knob)!r}: must be True or False")
+        if self.row_invariant and self.num_chunks is not None:
+            raise ValueError("TreeAttentionConfig.num_chunks: the row-invariant kernel's chunks are `chunk` positions")
+        if self.chunk is not None and (not self.row_invariant or self.chunk % self.block_k):
+            raise ValueError(f"TreeAttentionConfig.chunk={self.chunk}: a row-invariant kernel's knob, a multiple of "
+                             f"block_k={self.block_k}")
 
+
+# The row-invariant kernel's cache chunk in positions: at 2048 positions and 8 KV heads, 64 programs for the AR
+# step (the fast kernel takes ~one wave); the merge's unrolled loop stays at 128 partials up to 32768 positions.
+ROW_INVARIANT_CHUNK = 256
 
 # The row-invariant kernel's configuration: one stage (two double its shared memory, to 186 KB per program at
 # T >= 16 with one program per SM: offline sm_90 compile, tools/triton_offline.py).
@@ -246,7 +259,9 @@ ROW_INVARIANT_ROWS = 16  # rows per program of the row-invariant kernel: one mma
 
 
 def _row_invariant_kernel(
-    q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, pos_ref, len_ref,  # as _tree_attention_kernel's
+    q_ref, k_ref, v_ref, kn_ref, vn_ref,  # as _tree_attention_kernel's
+    anc_ref,   # [t, t] int32: entry (i, j) the new token that token i sees at position length + j (-1: none)
+    pos_ref, len_ref,  # as _tree_attention_kernel's
     o_ref,     # [16, d] float32 this chunk's output, normalised within the chunk
     lse_ref,   # [16] float32 this chunk's log-sum-exp of scores (-inf: the chunk showed nothing)
     *,
@@ -260,13 +275,15 @@ def _row_invariant_kernel(
     precision,
 ):
     """Every row's keys in absolute-position order, in blocks of `block_k` positions at fixed offsets and chunks
-    of `chunk` positions fixed by the cache's capacity: a key at position j < length is the cache's slot j, one at
-    j >= length the new token the row sees at position j (its ancestor at depth j - length in a tree). A row
-    therefore runs the same operations as the AR step of the same token over the same prefix (where those
-    positions are already in the cache): the blocks below the committed length with one score matmul for all 16
-    rows (a row's scores do not depend on the tile's other rows), the blocks from it with each token's own keys
-    gathered in position order and multiplied separately, its rows picked. Blocks past a row's own keys are all
-    masked, which leaves (acc, m, l) unchanged bit for bit; so does a chunk past them (lse = -inf)."""
+    of `chunk` positions: a key at position j < length is the cache's slot j, one at j >= length the new token the
+    row sees at position j (its ancestor at depth j - length in a tree; `anc_ref`). A row therefore runs the same
+    operations as the AR step of the same token over the same prefix (where those positions are already in the
+    cache): the blocks below the committed length with one score matmul for all 16 rows (a row's scores do not
+    depend on the tile's other rows), the blocks from it with each token's own keys gathered and multiplied
+    separately, its rows picked. Both kinds of block end in the same operations (the value product picked by a
+    `where`, then added: Triton would fold a bare `acc + dot` into the mma's accumulator, another rounding).
+    Blocks past a row's own keys are all masked, which leaves (acc, m, l) unchanged bit for bit; so does a chunk
+    past them (lse = -inf)."""
     kv_head, row_block, chunk_id = pl.program_id(1), pl.program_id(2), pl.program_id(3)
     rows_per = ROW_INVARIANT_ROWS
     d = q_ref.shape[-1]
@@ -279,9 +296,7 @@ def _row_invariant_kernel(
     length = jnp.minimum(len_ref[...], num_slots)
     tp = next_pow2(num_new)
     new_idx = jnp.arange(tp, dtype=jnp.int32)
-    new_ok = new_idx < num_new
-    new_at = jnp.minimum(new_idx, num_new - 1)
-    new_pos = plt.load(pos_ref.at[new_at], mask=new_ok, other=-1)
+    new_pos = plt.load(pos_ref.at[jnp.minimum(new_idx, num_new - 1)], mask=new_idx < num_new, other=-1)
     last_pos = jnp.max(new_pos)  # the largest position any new token has
     scale2 = scale * _LOG2_E  # base-2 softmax, as the lean steps of the fast kernel
     acc0 = (jnp.zeros((rows_per, d), jnp.float32), jnp.full((rows_per,), _NEG_INF, jnp.float32),
@@ -303,7 +318,8 @@ def _row_invariant_kernel(
             k, v = plt.load(k_ref.at[slot, dcols]), plt.load(v_ref.at[slot, dcols])
         scores = _scores(q, k, scale=scale2, precision=precision)
         p, alpha, m, l = _softmax_update(scores, m, l, base2=True)
-        return alpha[:, None] * acc + _values(p, v, precision=precision), m, l
+        pv = jnp.where(row_ok[:, None], _values(p, v, precision=precision), 0.0)  # as per_token_block's pick
+        return alpha[:, None] * acc + pv, m, l
 
     # Tokens a tile of rows spans (rows are token-major, `group` per token).
     span = rows_per // group if rows_per % group == 0 else (rows_per - 1) // group + 2
@@ -314,19 +330,18 @@ def _row_invariant_kernel(
         cols = i * block_k + jnp.arange(block_k, dtype=jnp.int32)  # absolute positions
         cached = cols < length
         slot = jnp.minimum(cols, num_slots - 1)[:, None]
+        depth = cols - length
+        in_tree = (depth >= 0) & (depth < num_new)
 
         def token_keys(j, cache_ref, new_ref):
             """Token first_token + j's keys (or values) at the block's positions [block_k, d], which rows are its,
             and which positions it sees."""
             token = first_token + j
-            seen = plt.load(mask_ref.at[jnp.minimum(token, num_new - 1), new_at], mask=new_ok & (token < num_new),
-                            other=0) != 0
-            # match[c, a]: new token a is the one this token sees at position cols[c] (at most one per position)
-            match = (new_pos[None, :] == cols[:, None]) & seen[None, :] & ~cached[:, None]
-            found = jnp.max(match.astype(jnp.int32), axis=1) > 0
-            source = jnp.sum(jnp.where(match, new_idx[None, :], 0), axis=1)
+            source = plt.load(anc_ref.at[jnp.minimum(token, num_new - 1), jnp.clip(depth, 0, num_new - 1)],
+                              mask=in_tree & (token < num_new), other=-1)
+            found = source >= 0
             x = jnp.where(cached[:, None], plt.load(cache_ref.at[slot, dcols], mask=cached[:, None], other=0),
-                          plt.load(new_ref.at[source[:, None], dcols], mask=found[:, None], other=0))
+                          plt.load(new_ref.at[jnp.maximum(source, 0)[:, None], dcols], mask=found[:, None], other=0))
             return x, (row_token == token) & row_ok, cached | found
 
         scores = jnp.full((rows_per, block_k), _NEG_INF, jnp.float32)
@@ -347,6 +362,17 @@ def _row_invariant_kernel(
     l_safe = jnp.where(empty, 1.0, l)
     o_ref[...] = acc / l_safe[:, None]
     lse_ref[...] = jnp.where(empty, _NEG_INF, (m + jnp.log2(l_safe)) * _LN_2)
+
+
+def _ancestor_table(new_mask, positions, lengths, num_slots: int) -> jax.Array:
+    """[b, t, t] int32 for the row-invariant kernel: entry (i, j) the new token that token i sees (`new_mask`) at
+    position length + j, -1 where it sees none (a scatter-max: the largest such index if several)."""
+    b, t = positions.shape
+    depth = positions - jnp.minimum(lengths, num_slots)[:, None]  # [b, u]
+    sees = new_mask & ((depth >= 0) & (depth < t))[:, None, :]  # [b, i, u]
+    source = jnp.where(sees, jnp.arange(t, dtype=jnp.int32)[None, None, :], -1)
+    rows = jnp.arange(b)[:, None, None], jnp.arange(t)[None, :, None]
+    return jnp.full((b, t, t), -1, jnp.int32).at[(*rows, jnp.clip(depth, 0, t - 1)[:, None, :])].max(source)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -380,17 +406,23 @@ def _layout(b: int, t: int, hq: int, n: int, s: int, d: int, config: TreeAttenti
     group = hq // n
     rows = t * group
     block_q = ROW_INVARIANT_ROWS if config.row_invariant else min(config.block_q, max(16, next_pow2(rows)))
-    block_k = min(config.block_k, max(16, next_pow2(s)))
+    # The row-invariant kernel's key blocks sit at fixed positions, whatever the capacity.
+    block_k = config.block_k if config.row_invariant else min(config.block_k, max(16, next_pow2(s)))
     block_u = min(config.block_u, max(16, next_pow2(t)))
     row_blocks = cdiv(rows, block_q)
-    num_chunks = config.num_chunks
-    if num_chunks is None:
-        # About one wave of programs; the new-token chunk adds one program per (row, head, row block). The
-        # row-invariant kernel's chunks may not depend on T: one wave for one row block.
-        num_chunks = cdiv(core_count(), b * n * (1 if config.row_invariant else row_blocks))
-    num_chunks = max(1, min(num_chunks, cdiv(s, block_k)))
-    chunk = round_up(cdiv(s, num_chunks), block_k)
-    num_chunks = cdiv(s, chunk)  # no empty trailing chunks
+    if config.row_invariant:  # chunks of fixed positions (the capacity differs between AR and a verify)
+        chunk = config.chunk or ROW_INVARIANT_CHUNK
+        if chunk % block_k:
+            raise ValueError(f"the row-invariant kernel's chunk ({chunk} positions) must be a multiple of block_k "
+                             f"({block_k})")
+        num_chunks = cdiv(s, chunk)
+    else:
+        num_chunks = config.num_chunks
+        if num_chunks is None:  # about one wave of programs; the new-token chunk adds one per (row, head, row block)
+            num_chunks = cdiv(core_count(), b * n * row_blocks)
+        num_chunks = max(1, min(num_chunks, cdiv(s, block_k)))
+        chunk = round_up(cdiv(s, num_chunks), block_k)
+        num_chunks = cdiv(s, chunk)  # no empty trailing chunks
     # Partial outputs per row: the cache's chunks and the new tokens' (the row-invariant kernel's last chunk
     # runs on past the cache to the new tokens' positions instead).
     num_splits = num_chunks if config.row_invariant else num_chunks + 1
@@ -420,9 +452,10 @@ def _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, n
         return x if dp == d else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, dp - d)])
 
     q, k_cache, v_cache, k_new, v_new = map(pad_d, (q, k_cache, v_cache, k_new, v_new))
-    mask8 = new_mask.astype(jnp.int8)
     positions = positions.astype(jnp.int32)
     lengths = cache_lengths.astype(jnp.int32)
+    # The fast kernel reads the mask; the row-invariant one each token's source per position (same block shape).
+    mask8 = (_ancestor_table(new_mask, positions, lengths, s) if config.row_invariant else new_mask.astype(jnp.int8))
     window = None if sliding_window is None else int(sliding_window)
     num_splits = lay["num_splits"]
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
@@ -449,7 +482,7 @@ def _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, n
             pl.BlockSpec((None, s, None, dp), lambda i, h, r, c: (i, 0, h, 0)),  # v_cache
             pl.BlockSpec((None, t, None, dp), lambda i, h, r, c: (i, 0, h, 0)),  # k_new
             pl.BlockSpec((None, t, None, dp), lambda i, h, r, c: (i, 0, h, 0)),  # v_new
-            pl.BlockSpec((None, t, t), lambda i, h, r, c: (i, 0, 0)),  # new_mask
+            pl.BlockSpec((None, t, t), lambda i, h, r, c: (i, 0, 0)),  # new_mask (or the ancestor table)
             pl.BlockSpec((None, t), lambda i, h, r, c: (i, 0)),  # positions
             pl.BlockSpec((None,), lambda i, h, r, c: (i,)),  # cache_lengths
         ],

@@ -92,8 +92,9 @@ class Runtime:
              (issue 20), with the Pallas kernels: projections and the lm_head through the weight-streaming matmul
              in 16-row tiles (`layers.linear`, `layers.Linear`; on the H200, 2026-12-02, no row of a 16-row call
              differed from the row alone, where XLA's GEMM gave other bits for 4 of 16 rows at down_proj) and the
-             attention through the row-invariant kernel (`layers.cached_attention`), for calls of at most
-             `layers.STREAM_MAX_ROWS` rows. So a verified node's logits are the AR step's bits on dense targets.
+             attention through the row-invariant kernel (`layers.cached_attention`; not in sliding-window
+             layers), for calls of any rows. So a verified node's logits are the AR step's bits on dense targets.
+             `round.prefill` runs the prompt without it (the same pass in every mode; the fast kernels).
     """
 
     kernels: Kernels = Kernels.JAX

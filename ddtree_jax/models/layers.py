@@ -28,12 +28,12 @@ from pallas_kernels.tree_attention import ROW_INVARIANT_CONFIG, tree_attention
 from ddtree_jax.config import RopeConfig
 
 NORMAL_STD = 0.02
-# The most rows (tokens x batch) a projection streams (`Fp8Matmul.STREAM`, `Runtime.row_invariant`), and that the
-# row-invariant attention takes (tokens). The streaming kernel keeps a
-# float32 [block_n, rows] accumulator per program (rows in power-of-two tiles >= 16): it is written for decode calls
-# (one token, a DFlash block, a tree of B <= 127 at batch 1; tools/gpu_probe.py timed its dense form up to 128 rows,
+# The most rows (tokens x batch) an FP8 projection streams under `Fp8Matmul.STREAM`, a speed choice: the kernel
+# keeps a float32 [block_n, rows] accumulator per program and is written for decode calls (one token, a DFlash
+# block, a tree of B <= 127 at batch 1; tools/gpu_probe.py timed its dense form up to 128 rows,
 # docs/performance.md). Calls with more rows (a prompt's prefill, wider trees, large batches) multiply as XLA does
-# (FP8 weights dequantised first).
+# (the weights dequantised first). Under `Runtime.row_invariant` every call streams, whatever its rows (in groups
+# of `pallas_kernels.stream_matmul.GROUP_ROWS`): a verify of a batch of trees must multiply as its AR steps do.
 STREAM_MAX_ROWS = 128
 
 
@@ -44,9 +44,9 @@ ROW_INVARIANT_ROW_TILE = 16
 
 def dense_stream_config(weight_shape: tuple[int, int], rows: int, runtime: Runtime) -> StreamMatmulConfig | None:
     """The streaming kernel's knobs for a dense [out, in] weight on `rows` rows if it streams, else None: under
-    `Runtime.row_invariant`, with no tensor-parallel mesh (no `shard_map` of the kernel yet), at most
-    STREAM_MAX_ROWS rows, and a weight the kernel tiles (`fitted_config`: out and in features multiples of 16)."""
-    if not runtime.row_invariant or runtime.tp_mesh is not None or rows > STREAM_MAX_ROWS:
+    `Runtime.row_invariant` (any number of rows), with no tensor-parallel mesh (no `shard_map` of the kernel yet),
+    and a weight the kernel tiles (`fitted_config`: out and in features multiples of 16)."""
+    if not runtime.row_invariant or runtime.tp_mesh is not None:
         return None
     return fitted_config(*weight_shape, config=StreamMatmulConfig(row_tile=ROW_INVARIANT_ROW_TILE))
 
@@ -123,13 +123,12 @@ class Linear(nnx.Module):
 
     def stream_config(self, rows: int, runtime: Runtime) -> StreamMatmulConfig | None:
         """The streaming kernel's knobs for a call on `rows` rows if it streams, else None. It streams when the
-        weight is FP8, `runtime.fp8_matmul` is `Fp8Matmul.STREAM` or `runtime.row_invariant` (then in 16-row
-        tiles), there is no tensor-parallel mesh (there the
-        weight and its scales are split, and XLA partitions the dequantise path; no `shard_map` of the kernel
-        yet), rows <= STREAM_MAX_ROWS, and the kernel tiles the weight (`fitted_config`: out and in features
-        multiples of 16)."""
-        streams = runtime.fp8_matmul is Fp8Matmul.STREAM or runtime.row_invariant
-        if self.block is None or not streams or runtime.tp_mesh is not None or rows > STREAM_MAX_ROWS:
+        weight is FP8, `runtime.row_invariant` (any rows, in 16-row tiles) or `runtime.fp8_matmul` is
+        `Fp8Matmul.STREAM` with rows <= STREAM_MAX_ROWS, there is no tensor-parallel mesh (there the weight and its
+        scales are split, and XLA partitions the dequantise path; no `shard_map` of the kernel yet), and the kernel
+        tiles the weight (`fitted_config`: out and in features multiples of 16)."""
+        streams = runtime.row_invariant or (runtime.fp8_matmul is Fp8Matmul.STREAM and rows <= STREAM_MAX_ROWS)
+        if self.block is None or not streams or runtime.tp_mesh is not None:
             return None
         tile = StreamMatmulConfig(row_tile=ROW_INVARIANT_ROW_TILE if runtime.row_invariant else None)
         return fitted_config(*self.weight[...].shape, self.block, config=tile)
@@ -354,9 +353,8 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache
     divide by the mesh size it runs unsplit. XLA partitions the reference itself.
     """
     implementation = "pallas" if runtime.pallas else "reference"
-    # Row-invariant: calls of up to STREAM_MAX_ROWS tokens (decode steps and verifies; a long prompt's prefill, the
-    # same in every mode, keeps the fast kernel), no sliding window (the row-invariant kernel has none).
-    invariant = runtime.row_invariant and q.shape[1] <= STREAM_MAX_ROWS and sliding_window is None
+    # The row-invariant kernel has no sliding window: a windowed layer keeps the fast kernel.
+    invariant = runtime.row_invariant and sliding_window is None
     attend = functools.partial(tree_attention, scale=scale, sliding_window=sliding_window,
                                implementation=implementation, config=ROW_INVARIANT_CONFIG if invariant else None)
     args = (q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions)

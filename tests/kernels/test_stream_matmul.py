@@ -10,13 +10,16 @@ from pallas_kernels import stream_matmul as sm
 
 INTERPRET = [pytest.param(True, id="interpret"), pytest.param(False, id="compiled", marks=pytest.mark.gpu)]
 # (t, n, k, dtype, config): one row (AR), a DFlash block, a DDTree tree (odd: rows in tiles of 64 + 16), rows in
-# three tiles (64 + 32 + 16), explicit and automatic splits.
+# three tiles (64 + 32 + 16), explicit and automatic splits, rows in groups.
 CASES = [(1, 64, 256, "float32", sm.StreamMatmulConfig(block_n=32, block_k=64, splits=2)),
          (100, 32, 128, "float32", sm.StreamMatmulConfig(block_n=16, block_k=64)),
          (16, 128, 256, "bfloat16", sm.StreamMatmulConfig(block_n=64, block_k=64)),
          (65, 64, 512, "float32", sm.StreamMatmulConfig(block_n=16, block_k=128, splits=4)),
          (5, 48, 128, "bfloat16", sm.StreamMatmulConfig(block_n=16, block_k=32, splits=1)),
-         (65, 32, 128, "bfloat16", sm.StreamMatmulConfig(block_n=16, block_k=64, row_tile=16))]  # 5 tiles of 16
+         (65, 32, 128, "bfloat16", sm.StreamMatmulConfig(block_n=16, block_k=64, row_tile=16)),  # 5 tiles of 16
+         # more rows than a group (GROUP_ROWS): two groups of 8 x 16 rows; three groups of one 128-row tile
+         (150, 32, 128, "bfloat16", sm.StreamMatmulConfig(block_n=16, block_k=64, row_tile=16)),
+         (300, 16, 64, "float32", sm.StreamMatmulConfig(block_n=16, block_k=32))]
 
 
 def _inputs(t, n, k, dtype, seed):
@@ -36,6 +39,18 @@ def test_matches_float64_product(t, n, k, dtype, config, interpret):
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol, rtol=tol)
     ref = sm.stream_matmul_reference(x, w)
     np.testing.assert_allclose(np.asarray(ref, np.float64), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+def test_a_row_gets_the_same_bits_in_every_call_under_row_tile(interpret):
+    """Issue 20: with `row_tile`, a row's product does not depend on how many rows the call holds or where the row
+    sits (one row, a tree of 17, a batch of trees past one group), in bf16."""
+    x, w = _inputs(150, 64, 256, "bfloat16", seed=11)
+    config = sm.StreamMatmulConfig(block_n=32, block_k=64, row_tile=16)
+    whole = np.asarray(sm.stream_matmul_pallas(x, w, config=config, interpret=interpret), np.float32)
+    for start, rows in ((0, 1), (140, 1), (130, 17)):
+        part = sm.stream_matmul_pallas(x[start:start + rows], w, config=config, interpret=interpret)
+        np.testing.assert_array_equal(np.asarray(part, np.float32), whole[start:start + rows])
 
 
 def test_row_tiles():

@@ -72,7 +72,7 @@ CASES = [
     Case(t=5, n=2, g=4, s=50, lengths=(13, 48), d=24, valid=3,
          config=ta.TreeAttentionConfig(block_k=16, row_invariant=True)),
     Case(t=65, n=1, g=4, s=40, lengths=(33, 0), d=16, dtype="bfloat16",
-         config=ta.TreeAttentionConfig(block_k=16, num_chunks=3, row_invariant=True, num_stages=1)),
+         config=ta.TreeAttentionConfig(block_k=16, chunk=16, row_invariant=True, num_stages=1)),
 ]
 
 
@@ -174,12 +174,15 @@ class TestTreeAttentionKernel:
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=2e-5)
 
 
-def ar_step_inputs(x: dict, row: int, node: int) -> dict:
+def ar_step_inputs(x: dict, row: int, node: int, extra_slots: int = 0) -> dict:
     """The AR step that decoded `node` of batch row `row`'s tree: its ancestors written into the cache at their
     positions, the cache's length at the node's position, the node alone as the new token (the other batch row:
-    its own first node, over its own cache)."""
+    its own first node, over its own cache); the cache `extra_slots` (NaN) longer, as an AR cache's capacity
+    differs from a verify's (`engine.cache_shape`)."""
     mask, pos = np.asarray(x["new_mask"]), np.asarray(x["positions"])
-    k_cache, v_cache = np.array(x["k_cache"]), np.array(x["v_cache"])
+    pad = [(0, 0), (0, extra_slots), (0, 0), (0, 0)]
+    k_cache = np.pad(np.asarray(x["k_cache"], np.float32), pad, constant_values=np.nan).astype(x["k_cache"].dtype)
+    v_cache = np.pad(np.asarray(x["v_cache"], np.float32), pad, constant_values=np.nan).astype(x["v_cache"].dtype)
     lengths = np.array(x["cache_lengths"])
     picks = []
     for r in range(mask.shape[0]):
@@ -203,14 +206,17 @@ def ar_step_inputs(x: dict, row: int, node: int) -> dict:
 @pytest.mark.parametrize("interpret", INTERPRET)
 def test_row_invariant_rows_equal_the_ar_step_bitwise(interpret: bool):
     """Issue 20: every node of a tree verified in one call gets the bits of the AR step that decodes it over the
-    same prefix (its ancestors then in the cache), in bf16; slots past a length hold NaN, which no row reads.
-    Negative control: the fast kernel (the new tokens in a chunk of their own) gives other bits for some rows."""
-    case = Case(t=17, n=2, g=4, s=70, lengths=(35, 22), dtype="bfloat16")  # 35: a partial key block; 2 chunks
+    same prefix (its ancestors then in the cache, whose capacity differs), in bf16; slots past a length hold NaN,
+    which no row reads. Row 0's paths cross a key block (length 45, blocks of 16), so the AR step scores whole
+    cache blocks where the verify gathers per token. Negative control: the fast kernel (the new tokens in a chunk
+    of their own, chunks from the capacity) gives other bits for some rows."""
+    case = Case(t=17, n=2, g=4, s=70, lengths=(45, 22), dtype="bfloat16")  # partial key blocks; 3 chunks
     x = make_inputs(case, seed=7)
+    assert np.asarray(x["positions"])[0].max() >= 48  # the premise: some path crosses the block at 48
     slot = np.arange(case.s)[None, :, None, None]
     stale = slot >= np.asarray(case.lengths)[:, None, None, None]
     x = dict(x, k_cache=jnp.where(stale, jnp.nan, x["k_cache"]), v_cache=jnp.where(stale, jnp.nan, x["v_cache"]))
-    configs = {"row-invariant": ta.TreeAttentionConfig(block_k=16, num_chunks=2, row_invariant=True, num_stages=1),
+    configs = {"row-invariant": ta.TreeAttentionConfig(block_k=16, chunk=32, row_invariant=True, num_stages=1),
                "fast": ta.TreeAttentionConfig(block_q=16, block_k=16, num_chunks=2)}
     differing = {}
     for name, config in configs.items():
@@ -219,7 +225,7 @@ def test_row_invariant_rows_equal_the_ar_step_bitwise(interpret: bool):
         differing[name] = 0
         for row in range(len(case.lengths)):
             for node in range(case.t):
-                ar = ta.tree_attention_pallas(**ar_step_inputs(x, row, node), scale=0.3, config=config,
+                ar = ta.tree_attention_pallas(**ar_step_inputs(x, row, node, extra_slots=37), scale=0.3, config=config,
                                               interpret=interpret)
                 differing[name] += not np.array_equal(np.asarray(ar[row, 0], np.float32), tree[row, node])
     assert differing["row-invariant"] == 0

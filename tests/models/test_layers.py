@@ -148,7 +148,7 @@ DENSE_STREAM = Runtime(Kernels.PALLAS, row_invariant=True)
 @pytest.mark.parametrize("rows,runtime,streams", [
     ((2, 3), DENSE_STREAM, True),
     ((2, 3), Runtime(Kernels.PALLAS), False),  # the default: XLA's GEMM
-    ((1, STREAM_MAX_ROWS + 1), DENSE_STREAM, False),  # a prefill's rows: XLA's
+    ((1, STREAM_MAX_ROWS + 1), DENSE_STREAM, True),  # more rows than one group: still streamed, in two groups
     ((2, 3), "tp", False),
 ], ids=["stream", "xla", "stream-many-rows", "stream-under-tp"])
 def test_dense_projections_stream_where_chosen(rows, runtime, streams):
@@ -178,14 +178,18 @@ def test_dense_projections_stream_where_chosen(rows, runtime, streams):
 
 
 def test_row_invariant_streams_in_16_row_tiles_and_needs_the_pallas_kernels():
-    """Every row count multiplies in 16-row tiles (one mma shape), dense and FP8 weights alike; the jnp path cannot
-    be row-invariant, so the runtime refuses it."""
+    """Every row count multiplies in 16-row tiles (one mma shape), dense and FP8 weights alike, however many rows;
+    the jnp path cannot be row-invariant, so the runtime refuses it."""
     from ddtree_jax.models.layers import dense_stream_config
 
     assert dense_stream_config((48, 32), 65, DENSE_STREAM).row_tile == 16
+    assert dense_stream_config((48, 32), 8 * 257, DENSE_STREAM).row_tile == 16  # a batch of 8 trees of B = 256
     fp8_linear = Linear(32, 48, ("embed", "mlp"), dtype=jnp.float32, rngs=nnx.Rngs(0))
     fp8_linear.to_fp8((16, 16))
     assert fp8_linear.stream_config(65, DENSE_STREAM).row_tile == 16  # streamed although fp8_matmul is dequantize
     assert fp8_linear.stream_config(65, Runtime(Kernels.PALLAS, fp8_matmul=Fp8Matmul.STREAM)).row_tile is None
+    # Past STREAM_MAX_ROWS rows FP8 streaming is XLA's (a speed choice); row-invariant calls stream any rows.
+    assert fp8_linear.stream_config(STREAM_MAX_ROWS + 1, Runtime(Kernels.PALLAS, fp8_matmul=Fp8Matmul.STREAM)) is None
+    assert fp8_linear.stream_config(STREAM_MAX_ROWS + 1, DENSE_STREAM).row_tile == 16
     with pytest.raises(ValueError, match="row_invariant needs the Pallas kernels"):
         Runtime(Kernels.JAX, row_invariant=True)
