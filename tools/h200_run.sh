@@ -46,6 +46,9 @@
 #   auto_cost what an auto round costs beyond the fixed round it runs (issue 22): the demo shape's fixed DFlash and
 #             B = 16 rounds, then the demo pair with auto's calibration (its round_costs_s), one decode of each row traced
 #             (kernels and gaps per round, prefill included)                 -> demo_shape/, demo_auto/, auto_trace_summary.json
+#   invariant the row-invariant mode (issue 20): its GPU tests, greedy equality with --row-invariant on random 8B
+#             weights (B = 16, 64, 256) and the demo pair                                        -> invariant/
+#   invariant_bench  the 8B bench with and without the row-invariant mode                     -> invariant/
 #   demo_e2e  the bench on the shipped demo pair (checkpoints, bf16, held-out prompts)    -> demo/
 #   demo_bg, demo_pack   the demo pair's training in the background, and collecting it in a later call
 # Variables: BENCH_LIMIT, BUDGETS, KERNELS, MODES, REPEATS, KERNEL_LIMIT, KERNEL_ARGS, HYBRID_BUDGETS, HYBRID_MODES
@@ -100,6 +103,24 @@ for step in "$@"; do
       log "row invariance of the forward's parts"
       timeout "${BITWISE_LIMIT:-240}" python3 tools/bitwise_probe.py --out "$OUT/bitwise" --t "${BITWISE_T:-16,65}" \
         --parts "${BITWISE_PARTS:-}" 2>&1
+      ;;
+    invariant)
+      log "row-invariant mode: GPU tests, greedy equality, cost"
+      mkdir -p "$OUT/invariant"
+      timeout "${INV_TEST_LIMIT:-200}" python3 -m pytest -q --tb=short -o addopts=-ra -p no:cacheprovider -m gpu \
+        tests/kernels/test_tree_attention.py tests/kernels/test_stream_matmul.py tests/models/test_qwen3.py \
+        -k "row_invariant or row_tile or bitwise or matches" 2>&1 | tail -8
+      timeout "${INV_EQ_LIMIT:-300}" python3 tools/greedy_equality.py --shape qwen3-8b --budgets 16,64,256 \
+        --max-new-tokens 64 --num-prompts 8 --row-invariant --out "$OUT/invariant/equality_qwen3-8b.json"; echo "rc=$?"
+      timeout "${INV_DEMO_LIMIT:-200}" python3 tools/greedy_equality.py --budgets 16,64,256 --num-prompts 32 \
+        --max-new-tokens 128 --row-invariant --out "$OUT/invariant/equality_demo.json"; echo "rc=$?"
+      ;;
+    invariant_bench)
+      log "the 8B rounds with and without the row-invariant mode"
+      for flag in "" --row-invariant; do
+        timeout "${INV_BENCH_LIMIT:-200}" python3 -m ddtree_jax.bench --shape qwen3-8b --budgets 16,64,256 --kernels pallas \
+          $flag --out "$OUT/invariant/bench${flag:+_row_invariant}" 2>&1 | grep -E "^\||error" | tail -12
+      done
       ;;
     kernel_tests)
       log "GPU tests of the changed kernels, and the hybrid engine with the Pallas kernels"
