@@ -151,6 +151,8 @@ def check_flags(args) -> None:
         if kernels is not Kernels.PALLAS:
             raise BadInput(f"--row-invariant: needs the Pallas kernels (--kernels pallas); --kernels {args.kernels} "
                            f"means {kernels.value} here")
+        if args.devices > 1 and args.parallel == "tp":
+            raise BadInput("--row-invariant: one device or --parallel dp (its matmuls are not split over devices)")
 
 
 @dataclasses.dataclass

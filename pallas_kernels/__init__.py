@@ -15,7 +15,7 @@
 - `pallas_kernels.rms_norm`: the residual add and the RMSNorm after it (`add_rms_norm`), per token row.
 - `pallas_kernels.qk_norm_rope`: a Qwen3 attention's q|k|v split, q/k RMSNorm and RoPE (`qk_norm_rope`).
 - `pallas_kernels.stream_matmul`: a weight-streaming matmul for few rows whose arithmetic for a row does not depend
-  on the other rows (dense weights: the models' `--dense-matmul stream`, off by default, XLA's GEMMs being faster;
+  on the other rows (dense weights: the models' `--row-invariant`, off by default, XLA's GEMMs being faster;
   block-scaled FP8 weights: the models' `--fp8-matmul stream`, auto's choice on a GPU).
 
 A dispatcher runs the kernel on a GPU and the reference elsewhere; `implementation=` or the

@@ -287,8 +287,8 @@ def test_mtp_mode_json_and_one_error_without_a_head(tmp_path, random_target):
 
 
 def test_row_invariant_without_the_pallas_kernels_is_one_error_line(capsys, monkeypatch):
-    """--row-invariant needs the Pallas kernels: where --kernels resolves to jax (a CPU), one error line, exit 2,
-    before any checkpoint is read."""
+    """--row-invariant needs the Pallas kernels and no tensor parallelism: where --kernels resolves to jax (a CPU),
+    or with --devices 2 (tp), one error line, exit 2, before any checkpoint is read."""
     from ddtree_jax.generate import main
     from pallas_kernels import ENV_VAR
 
@@ -296,3 +296,6 @@ def test_row_invariant_without_the_pallas_kernels_is_one_error_line(capsys, monk
     assert main(["--row-invariant", "--kernels", "jax", "--target", "/nonexistent"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "error: --row-invariant: needs the Pallas kernels (--kernels pallas); --kernels jax means jax here"]
+    assert main(["--row-invariant", "--kernels", "pallas", "--devices", "2", "--target", "/nonexistent"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: --row-invariant: one device or --parallel dp (its matmuls are not split over devices)"]

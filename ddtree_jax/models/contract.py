@@ -108,6 +108,9 @@ class Runtime:
         if self.row_invariant and self.kernels is not Kernels.PALLAS:
             raise ValueError("row_invariant needs the Pallas kernels (--kernels pallas): the jnp path's matmuls and "
                              "attention reduce in orders XLA chooses per shape")
+        if self.row_invariant and self.tp_mesh is not None:
+            raise ValueError("row_invariant runs on one device or under data parallelism, not tensor parallelism (the "
+                             "streaming matmul has no shard_map yet; XLA's split GEMMs are not row-invariant)")
 
     @property
     def pallas(self) -> bool:

@@ -44,9 +44,9 @@ ROW_INVARIANT_ROW_TILE = 16
 
 def dense_stream_config(weight_shape: tuple[int, int], rows: int, runtime: Runtime) -> StreamMatmulConfig | None:
     """The streaming kernel's knobs for a dense [out, in] weight on `rows` rows if it streams, else None: under
-    `Runtime.row_invariant` (any number of rows), with no tensor-parallel mesh (no `shard_map` of the kernel yet),
-    and a weight the kernel tiles (`fitted_config`: out and in features multiples of 16)."""
-    if not runtime.row_invariant or runtime.tp_mesh is not None:
+    `Runtime.row_invariant` (any number of rows; never with a tensor-parallel mesh, which `Runtime` refuses), for
+    a weight the kernel tiles (`fitted_config`: out and in features multiples of 16)."""
+    if not runtime.row_invariant:
         return None
     return fitted_config(*weight_shape, config=StreamMatmulConfig(row_tile=ROW_INVARIANT_ROW_TILE))
 

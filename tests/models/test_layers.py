@@ -149,13 +149,10 @@ DENSE_STREAM = Runtime(Kernels.PALLAS, row_invariant=True)
     ((2, 3), DENSE_STREAM, True),
     ((2, 3), Runtime(Kernels.PALLAS), False),  # the default: XLA's GEMM
     ((1, STREAM_MAX_ROWS + 1), DENSE_STREAM, True),  # more rows than one group: still streamed, in two groups
-    ((2, 3), "tp", False),
-], ids=["stream", "xla", "stream-many-rows", "stream-under-tp"])
+], ids=["stream", "xla", "stream-many-rows"])
 def test_dense_projections_stream_where_chosen(rows, runtime, streams):
     """A dense Linear, a packed q|k|v and float32 logits (`linear(..., out_dtype)`) give the float64 product on every
     path, and the streaming kernel runs exactly where `dense_stream_config` says (one pallas_call per projection)."""
-    if runtime == "tp":
-        runtime = Runtime(Kernels.PALLAS, jax.make_mesh((1,), ("model",)), row_invariant=True)
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((*rows, 32)), jnp.float32)
     dense = Linear(32, 48, ("embed", "mlp"), dtype=jnp.float32, rngs=nnx.Rngs(0))
@@ -179,7 +176,8 @@ def test_dense_projections_stream_where_chosen(rows, runtime, streams):
 
 def test_row_invariant_streams_in_16_row_tiles_and_needs_the_pallas_kernels():
     """Every row count multiplies in 16-row tiles (one mma shape), dense and FP8 weights alike, however many rows;
-    the jnp path cannot be row-invariant, so the runtime refuses it."""
+    the jnp path cannot be row-invariant, nor XLA's split GEMMs under tensor parallelism, so the runtime refuses
+    both."""
     from ddtree_jax.models.layers import dense_stream_config
 
     assert dense_stream_config((48, 32), 65, DENSE_STREAM).row_tile == 16
@@ -193,3 +191,5 @@ def test_row_invariant_streams_in_16_row_tiles_and_needs_the_pallas_kernels():
     assert fp8_linear.stream_config(STREAM_MAX_ROWS + 1, DENSE_STREAM).row_tile == 16
     with pytest.raises(ValueError, match="row_invariant needs the Pallas kernels"):
         Runtime(Kernels.JAX, row_invariant=True)
+    with pytest.raises(ValueError, match="not tensor parallelism"):
+        Runtime(Kernels.PALLAS, jax.make_mesh((1,), ("model",)), row_invariant=True)
