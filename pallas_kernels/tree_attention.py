@@ -97,9 +97,11 @@ class TreeAttentionConfig:
                 raise ValueError(f"TreeAttentionConfig.{knob}={getattr(self, knob)!r}: must be True or False")
         if self.row_invariant and self.num_chunks is not None:
             raise ValueError("TreeAttentionConfig.num_chunks: the row-invariant kernel's chunks are `chunk` positions")
-        if self.chunk is not None and (not self.row_invariant or self.chunk % self.block_k):
-            raise ValueError(f"TreeAttentionConfig.chunk={self.chunk}: a row-invariant kernel's knob, a multiple of "
-                             f"block_k={self.block_k}")
+        if self.chunk is not None and not self.row_invariant:
+            raise ValueError(f"TreeAttentionConfig.chunk={self.chunk}: a knob of the row-invariant kernel only")
+        if self.row_invariant and (self.chunk or ROW_INVARIANT_CHUNK) % self.block_k:
+            raise ValueError(f"TreeAttentionConfig.chunk={self.chunk or ROW_INVARIANT_CHUNK} (positions) must be a "
+                             f"multiple of block_k={self.block_k}")
 
 
 # The row-invariant kernel's cache chunk in positions: at 2048 positions and 8 KV heads, 64 programs for the AR
@@ -411,10 +413,7 @@ def _layout(b: int, t: int, hq: int, n: int, s: int, d: int, config: TreeAttenti
     block_u = min(config.block_u, max(16, next_pow2(t)))
     row_blocks = cdiv(rows, block_q)
     if config.row_invariant:  # chunks of fixed positions (the capacity differs between AR and a verify)
-        chunk = config.chunk or ROW_INVARIANT_CHUNK
-        if chunk % block_k:
-            raise ValueError(f"the row-invariant kernel's chunk ({chunk} positions) must be a multiple of block_k "
-                             f"({block_k})")
+        chunk = config.chunk or ROW_INVARIANT_CHUNK  # a multiple of block_k (the config checks)
         num_chunks = cdiv(s, chunk)
     else:
         num_chunks = config.num_chunks
@@ -455,7 +454,7 @@ def _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, n
     positions = positions.astype(jnp.int32)
     lengths = cache_lengths.astype(jnp.int32)
     # The fast kernel reads the mask; the row-invariant one each token's source per position (same block shape).
-    mask8 = (_ancestor_table(new_mask, positions, lengths, s) if config.row_invariant else new_mask.astype(jnp.int8))
+    seen = (_ancestor_table(new_mask, positions, lengths, s) if config.row_invariant else new_mask.astype(jnp.int8))
     window = None if sliding_window is None else int(sliding_window)
     num_splits = lay["num_splits"]
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else lax.Precision.DEFAULT
@@ -498,7 +497,7 @@ def _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, n
         interpret=interpret,
         debug=debug,
         name="tree_attention_row_invariant" if config.row_invariant else "tree_attention",
-    )(q, k_cache, v_cache, k_new, v_new, mask8, positions, lengths)
+    )(q, k_cache, v_cache, k_new, v_new, seen, positions, lengths)
     return o, lse, lay
 
 
