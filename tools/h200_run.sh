@@ -51,6 +51,9 @@
 #   invariant_bench  the 8B bench with and without the row-invariant mode                     -> invariant/
 #   demo_e2e  the bench on the shipped demo pair (checkpoints, bf16, held-out prompts)    -> demo/
 #   demo_bg, demo_pack   the demo pair's training in the background, and collecting it in a later call
+#   invariant_demo  greedy equality with --row-invariant on the demo pair at B = $INV_DEMO_BUDGETS   -> invariant/
+#   retrain_bg, retrain_wait  tools/retrain_demo.sh (issue 24: extract, train, measure both drafters) in the
+#             background, and collecting it (in this call or the next, while the machine is warm)     -> retrain/
 # Variables: BENCH_LIMIT, BUDGETS, KERNELS, MODES, REPEATS, KERNEL_LIMIT, KERNEL_ARGS, HYBRID_BUDGETS, HYBRID_MODES
 # (e.g. ar,dflash,mtp,ddtree: the 27B's MTP head beside DFlash and DDTree).
 set -uo pipefail
@@ -303,6 +306,31 @@ for step in "$@"; do
       if [ -f /tmp/demo/summary.json ]; then
         tar -C /tmp -cf - --exclude=checkpoints demo | split -b 15M - "$OUT/demo.tar.part-"; ls -la "$OUT"
       fi
+      ;;
+    invariant_demo)
+      log "row-invariant greedy equality on the demo pair, B = ${INV_DEMO_BUDGETS:-256} (32 held-out prompts x 128, one batch)"
+      mkdir -p "$OUT/invariant"
+      timeout "${INV_DEMO_LIMIT:-420}" python3 tools/greedy_equality.py --budgets "${INV_DEMO_BUDGETS:-256}" \
+        --num-prompts 32 --max-new-tokens 128 --row-invariant --out "$OUT/invariant/equality_demo.json"; echo "rc=$?"
+      ;;
+    retrain_bg)
+      # tools/retrain_demo.sh (issue 24) in its own process session: it outlives this call while the machine
+      # stays warm (the next call within the warm window collects it with retrain_wait). Shares the GPU with the
+      # steps after it: both take under half its memory.
+      log "demo drafter retraining in the background"
+      export XLA_PYTHON_CLIENT_MEM_FRACTION=0.45
+      RETRAIN_DIR=/tmp/retrain setsid nohup bash tools/retrain_demo.sh > /tmp/retrain.log 2>&1 < /dev/null &
+      ;;
+    retrain_wait)
+      # Wait for it until $RETRAIN_WAIT s after this call's start, then bring back what it made.
+      log "waiting for the retraining"
+      while [ ! -f /tmp/retrain/done ] && [ "$SECONDS" -lt "${RETRAIN_WAIT:-560}" ]; do sleep 5; done
+      cat /tmp/retrain/stages.log; tail -25 /tmp/retrain.log
+      mkdir -p "$OUT/retrain"; cp /tmp/retrain.log "$OUT/retrain/"
+      for f in drafter.tar train_log.json loss.png acceptance.png bench_shipped.json bench_new.json; do
+        [ -f "/tmp/retrain/$f" ] && cp "/tmp/retrain/$f" "$OUT/retrain/"
+      done
+      ls -la "$OUT/retrain"
       ;;
     *)
       echo "unknown step $step"; exit 2 ;;
