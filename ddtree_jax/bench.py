@@ -430,7 +430,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "rounds in the device loop; --target, one more decode of the first prompt (prefill "
                         "included; its round count in DIR/ROW/rounds.json)")
     p.add_argument("--target", type=Path, default=None, help="target checkpoint folder (HF or orbax)")
-    p.add_argument("--drafter", type=Path, default=None, help="--target: DFlash drafter checkpoint folder")
+    p.add_argument("--drafter", type=Path, default=None, help="DFlash drafter checkpoint folder (without --target: with the demo target)")
     p.add_argument("--prompts", type=Path, default=None,
                    help="--target: JSONL prompts, {\"prompt\": ...} or {\"prompt_ids\": [...]} per line")
     p.add_argument("--num-prompts", type=int, default=8, help="--target: the first N prompts of the file")
@@ -501,10 +501,11 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if args.shape is None and args.target is None:  # the shipped demo pair on its held-out prompts
+    if args.shape is None and args.target is None:  # the demo target; its drafter and prompts unless given
         from ddtree_jax.demo_pair import DEMO_NOTE, demo_drafter, demo_prompts, demo_target
 
-        args.target, args.drafter, args.prompts = demo_target(), demo_drafter(), demo_prompts()
+        args.target, args.drafter, args.prompts = demo_target(), args.drafter or demo_drafter(), \
+            args.prompts or demo_prompts()
         print(f"note: no --shape or --target given, so this runs the demo pair: {DEMO_NOTE}.", file=sys.stderr)
     setup_compilation_cache(args)
     try:

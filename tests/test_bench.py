@@ -130,6 +130,9 @@ def test_projected_tau_and_bad_flags(capsys):
     assert "--budgets auto needs checkpoints" in capsys.readouterr().err
     assert main(["--budgets", "auto", "--budget-candidates", "16"]) == 2
     assert "--budget-candidates: expected at least two" in capsys.readouterr().err
+    # Without --target the demo target runs, with the --drafter given (as generate and the doctor do).
+    assert main(["--drafter", "no_such_drafter", "--num-prompts", "1", "--max-new-tokens", "2"]) == 2
+    assert "no_such_drafter" in capsys.readouterr().err
 
 
 def test_shape_mode_under_tp(tmp_path):
