@@ -270,7 +270,8 @@ def with_round_costs(state: DecodeState, seconds: Sequence[float]) -> DecodeStat
 
 
 CALIBRATION_ROUNDS = 8  # timed rounds per call of the calibration
-CALIBRATION_REPEATS = 3  # calls per candidate (median)
+CALIBRATION_REPEATS = 5  # timed pairs of calls per candidate (median)
+CALIBRATION_WARMUP_S = 0.25  # untimed calls of every candidate first, at least this long
 FORCED_OUT = 1e30  # the cost that keeps a candidate from being chosen while another one is measured
 
 
@@ -281,35 +282,55 @@ def calibrate(run_prefill: Callable[[], DecodeState], run_loop: Callable[[Decode
     the time of a call of 1 + CALIBRATION_ROUNDS rounds less that of a call of one round (each after a fresh
     prefill and one untimed round), per round of difference, so that a call's own dispatch cancels (timing
     the long call alone read 0.70 ms for both the chain and B = 16 on the demo pair on the H200, 2026-12-02,
-    whose rounds take 0.33 and 0.39 ms); the median of CALIBRATION_REPEATS such pairs. Returns (seconds,
-    complete): a candidate that got no timed round (the rows finished within one round) is given seconds in
-    proportion to its verified tokens against the measured ones, and `complete` is False (not worth caching)."""
+    whose rounds take 0.33 and 0.39 ms). The schedule is `calibration_schedule`'s. Returns (seconds, complete):
+    a candidate that got no timed round (the rows finished within one round) is given seconds in proportion to
+    its verified tokens against the measured ones, and `complete` is False (not worth caching)."""
     budgets = options.budgets
 
-    def timed(forced: list[float], rounds: int) -> tuple[float, int]:
+    def timed(i: int, rounds: int) -> tuple[float, int]:
+        forced = [FORCED_OUT] * len(budgets)
+        forced[i] = 1.0
         state = jax.block_until_ready(run_loop(with_round_costs(run_prefill(), forced), 1))
         first = int(to_host(state.step))
         start = time.perf_counter()
         state = jax.block_until_ready(run_loop(state, rounds))
         return time.perf_counter() - start, int(to_host(state.step)) - first
 
-    seconds: list[float | None] = []
-    for i in range(len(budgets)):
-        forced = [FORCED_OUT] * len(budgets)
-        forced[i] = 1.0
-        times = []
-        for _ in range(CALIBRATION_REPEATS):
-            long_s, long_rounds = timed(forced, 1 + CALIBRATION_ROUNDS)
-            short_s, short_rounds = timed(forced, 1)
-            if long_rounds > short_rounds and long_s > short_s:
-                times.append((long_s - short_s) / (long_rounds - short_rounds))
-            elif long_rounds:  # timer noise above the difference: the long call alone
-                times.append(long_s / long_rounds)
-        seconds.append(statistics.median(times) if times else None)
     widths = [options.candidate(b).verify_width for b in budgets]
+    return calibration_schedule(timed, widths, clock=time.perf_counter)
+
+
+def calibration_schedule(timed: Callable[[int, int], tuple[float, int]], widths: Sequence[int], *,
+                         clock: Callable[[], float], warmup_s: float = CALIBRATION_WARMUP_S,
+                         repeats: int = CALIBRATION_REPEATS) -> tuple[list[float], bool]:
+    """`calibrate`'s measurement order, apart from the device: timed(i, rounds) -> (seconds, rounds run) for
+    candidate i; widths: each candidate's verified tokens per round (for one that gets no timed round).
+
+    First every candidate runs untimed, round-robin, for at least `warmup_s` (clock seconds): a GPU that was
+    idle runs its first milliseconds at a low clock, and the candidate measured first read 0.41 ms per round
+    against the 0.24 its rounds take (the demo pair's chain on the H200, 2026-12-03). Then the candidates take
+    turns, one (long, short) pair each per repeat, so that what drifts during the calibration drifts for all of
+    them alike; per candidate the median over the repeats."""
+    n = len(widths)
+    start = clock()
+    while True:
+        for i in range(n):
+            timed(i, 1 + CALIBRATION_ROUNDS)
+        if clock() - start >= warmup_s:
+            break
+    times: list[list[float]] = [[] for _ in range(n)]
+    for _ in range(repeats):
+        for i in range(n):
+            long_s, long_rounds = timed(i, 1 + CALIBRATION_ROUNDS)
+            short_s, short_rounds = timed(i, 1)
+            if long_rounds > short_rounds and long_s > short_s:
+                times[i].append((long_s - short_s) / (long_rounds - short_rounds))
+            elif long_rounds:  # timer noise above the difference: the long call alone
+                times[i].append(long_s / long_rounds)
+    seconds = [statistics.median(t) if t else None for t in times]
     measured = [(s, w) for s, w in zip(seconds, widths) if s is not None]
     per_token = statistics.median(s / w for s, w in measured) if measured else 1.0
-    return [s if s is not None else per_token * w for s, w in zip(seconds, widths)], len(measured) == len(budgets)
+    return [s if s is not None else per_token * w for s, w in zip(seconds, widths)], len(measured) == n
 
 
 def _trace_rows(state: DecodeState, running: np.ndarray) -> list[dict]:

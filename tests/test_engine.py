@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from ddtree_jax.checkpoint import load_target
-from ddtree_jax.engine import DecodeOptions, DecodeState, generate
+from ddtree_jax.engine import CALIBRATION_ROUNDS, DecodeOptions, DecodeState, calibration_schedule, generate
 from ddtree_jax.models.contract import causal_mask
 from ddtree_jax.round import _emit
 from ddtree_jax.sampling import SamplingConfig
@@ -222,3 +222,50 @@ def test_compile_program_passes_split_k_off_and_survives_a_jaxlib_without_the_op
         np.testing.assert_array_equal(engine.compile_program(f, (x,), {"options": off})(x),
                                       np.asarray(x) @ np.asarray(x).T)
     assert capsys.readouterr().err.count("xla_gpu_no_such_option_for_this_test") == 1
+
+
+class WarmingDevice:
+    """A simulated device for `calibration_schedule`: candidate i's round takes ROUND_S[i] seconds, a call adds
+    DISPATCH_S, and for the first SLOW_FOR_S seconds of its clock every round takes SLOW_BY times longer (a GPU
+    waking from idle at a low clock)."""
+
+    ROUND_S, DISPATCH_S, SLOW_FOR_S, SLOW_BY = (0.244e-3, 0.327e-3), 0.05e-3, 0.02, 1.7
+
+    def __init__(self):
+        self.now, self.calls = 0.0, []
+
+    def clock(self) -> float:
+        return self.now
+
+    def timed(self, i: int, rounds: int) -> tuple[float, int]:
+        self.calls.append(i)
+        speed = self.SLOW_BY if self.now < self.SLOW_FOR_S else 1.0
+        seconds = self.DISPATCH_S + rounds * self.ROUND_S[i] * speed
+        self.now += seconds + 1e-3  # and the untimed prefill before it
+        return seconds, rounds
+
+
+def test_calibration_warms_up_then_interleaves_the_candidates():
+    device = WarmingDevice()
+    costs, complete = calibration_schedule(device.timed, [16, 17], clock=device.clock, warmup_s=0.25, repeats=5)
+    assert complete and costs == pytest.approx(WarmingDevice.ROUND_S, rel=1e-9)
+    timed = device.calls[-20:]  # 5 repeats x 2 candidates x (long, short)
+    assert timed == [0, 0, 1, 1] * 5 and device.calls[:2] == [0, 1]  # warm-up round-robin first
+    # Negative control: one candidate measured first without the warm-up (the order before) has most of its
+    # pairs in the slow period, and the median keeps them (the chain's 0.41 ms against its 0.24 on the H200).
+    cold = WarmingDevice()
+    costs, _ = calibration_schedule(cold.timed, [16], clock=cold.clock, warmup_s=0.0, repeats=5)
+    assert costs[0] > 1.3 * WarmingDevice.ROUND_S[0]
+
+
+def test_calibration_of_a_candidate_without_a_timed_round_scales_by_width():
+    """Rows that finish within one round give the long call no more rounds than the short one: that
+    candidate's cost is the measured ones' cost per verified token times its width, and not complete."""
+
+    def timed(i, rounds):
+        return (1e-3 * rounds, rounds) if i == 0 else (1e-6, 0)
+
+    costs, complete = calibration_schedule(timed, [16, 32], clock=iter(range(10**6)).__next__, warmup_s=0.0,
+                                           repeats=3)
+    assert not complete and costs[0] == pytest.approx(1e-3) and costs[1] == pytest.approx(2e-3)
+    assert CALIBRATION_ROUNDS >= 2
