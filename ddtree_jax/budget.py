@@ -39,7 +39,7 @@ drafter's own prediction. All of it lives in the decode state (`BudgetState`) an
 
 Costs. Seconds per round of each candidate come from a short calibration on the actual model, device and
 batch (`engine.calibrate`: a few rounds of the compiled decode loop with the choice forced to
-one candidate), cached on disk (`cost_cache_path`, keyed by `cost_key`). They reach the compiled loop in the
+one candidate, after every candidate has run untimed for a quarter second, the candidates taking turns), cached on disk (`cost_cache_path`, keyed by `cost_key`). They reach the compiled loop in the
 state (`BudgetState.costs`), an array argument, so a new calibration never recompiles.
 
 Worked example (one row, chain and B = 4, depths 1..3): chain top-1 probabilities [0.5 0.5 0.5] give reach
@@ -212,11 +212,14 @@ def observe(budget_state: BudgetState, pick: jax.Array, reach: jax.Array, chain:
 # The cost cache (host side)
 
 
+CALIBRATION_VERSION = 2  # 2: a warm-up, then the candidates interleaved (2026-12-03)
+
+
 def cost_key(target_config, drafter_config, options, batch: int, capacity: int, dtype) -> dict:
     """What a round's cost depends on: the models' shapes (their configs), the device, the dtype, the batch,
     the context (the cache capacity, rounded up to a power of two), the candidates and the options that change
     the compiled round (block size, kernels, matmul precision, split-K, FP8 matmul, greedy or sampled acceptance,
-    layout)."""
+    layout), and the calibration's own version (costs measured by an older schedule are measured again)."""
     device = jax.devices()[0]
     context = 1 << max(7, (capacity - 1).bit_length())
     return {"target": _digest(repr(target_config)), "drafter": _digest(repr(drafter_config)),
@@ -225,7 +228,7 @@ def cost_key(target_config, drafter_config, options, batch: int, capacity: int, 
             "budgets": list(options.budgets), "block_size": options.block_size, "kernels": options.kernels,
             "matmul_precision": options.matmul_precision, "split_k": options.split_k,
             "fp8_matmul": options.fp8_matmul, "row_invariant": options.row_invariant, "greedy": options.sampling.greedy,
-            "jax": jax.__version__}
+            "jax": jax.__version__, "calibration": CALIBRATION_VERSION}
 
 
 def _digest(text: str) -> str:

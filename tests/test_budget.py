@@ -134,6 +134,7 @@ def test_cost_cache_round_trip_is_keyed_and_atomic(tmp_path, monkeypatch):
     assert auto.load_costs({**key, "batch": 4}) is None  # another batch: another entry
     streamed = dataclasses.replace(options, fp8_matmul="stream")  # another FP8 matmul: another compiled round
     assert auto.load_costs(auto.cost_key(config, None, streamed, 2, 300, jnp.float32)) is None
+    assert auto.load_costs({**key, "calibration": key["calibration"] - 1}) is None  # an older schedule's costs
     path.write_text(json.dumps({"key": key, "seconds": [1, -1, 2]}))
     assert auto.load_costs(key) is None  # a broken entry is measured again, not used
     path.write_text("{not json")
