@@ -71,6 +71,15 @@ def test_greedy_equality_on_random_weights(tmp_path):
     assert [(m["mode"], m["budget"]) for m in report["modes"]] == [("dflash", None), ("ddtree", 4)]
     for m in report["modes"]:  # a difference must come with its top-2 gap, and be a near-tie to pass
         assert m["equal_to_ar"] or (m["first_difference"] is not None and m["near_tie"])
+    # In groups of one prompt per call: the same tokens (each compared with its own AR output), the same tau.
+    grouped = tmp_path / "eq1.json"
+    assert greedy_equality.main(["--shape", "tiny", "--budgets", "", "--max-new-tokens", "8", "--num-prompts", "2",
+                                 "--batch", "1", "--out", str(grouped)]) == 0  # DFlash only: fewer compilations
+    by_one = json.loads(grouped.read_text())
+    assert (report["batch"], by_one["batch"]) == (2, 1)
+    assert [(m["equal_to_ar"], m["tau"]) for m in by_one["modes"]] == [(m["equal_to_ar"], m["tau"])
+                                                                      for m in report["modes"][:1]]
+    assert greedy_equality.main(["--shape", "tiny", "--batch", "0"]) == 2
 
 
 def test_top2_gap_is_the_gap_of_the_next_token_logits():

@@ -51,7 +51,8 @@
 #   invariant_bench  the 8B bench with and without the row-invariant mode                     -> invariant/
 #   demo_e2e  the bench on the shipped demo pair (checkpoints, bf16, held-out prompts)    -> demo/
 #   demo_bg, demo_pack   the demo pair's training in the background, and collecting it in a later call
-#   invariant_demo  greedy equality with --row-invariant on the demo pair at B = $INV_DEMO_BUDGETS   -> invariant/
+#   invariant_demo  greedy equality with --row-invariant on the demo pair at B = $INV_DEMO_BUDGETS ($INV_DEMO_ARGS,
+#             e.g. --batch 8: the prompts in groups)                                                -> invariant/
 #   retrain_bg, retrain_wait  tools/retrain_demo.sh (issue 24: extract, train, measure both drafters) in the
 #             background, and collecting it (in this call or the next, while the machine is warm)     -> retrain/
 # Variables: BENCH_LIMIT, BUDGETS, KERNELS, MODES, REPEATS, KERNEL_LIMIT, KERNEL_ARGS, HYBRID_BUDGETS, HYBRID_MODES
@@ -311,7 +312,8 @@ for step in "$@"; do
       log "row-invariant greedy equality on the demo pair, B = ${INV_DEMO_BUDGETS:-256} (32 held-out prompts x 128, one batch)"
       mkdir -p "$OUT/invariant"
       timeout "${INV_DEMO_LIMIT:-420}" python3 tools/greedy_equality.py --budgets "${INV_DEMO_BUDGETS:-256}" \
-        --num-prompts 32 --max-new-tokens 128 --row-invariant --out "$OUT/invariant/equality_demo.json"; echo "rc=$?"
+        --num-prompts 32 --max-new-tokens 128 --row-invariant ${INV_DEMO_ARGS:-} --out "$OUT/invariant/equality_demo.json"
+      echo "rc=$?"
       ;;
     retrain_bg)
       # tools/retrain_demo.sh (issue 24) in its own process session: it outlives this call while the machine
