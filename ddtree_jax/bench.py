@@ -15,8 +15,9 @@ Two ways to run:
 - `--target DIR --drafter DIR --prompts FILE.jsonl`: all modes on real prompts: tau, tokens/s, speedup
   over AR measured in the same run, and the first greedy divergence from AR. `--budgets 16,64,auto` adds a
   `--budget auto` row over `--budget-candidates` (its round costs calibrated, or read from the cost cache, by
-  `generate` itself, outside the timed decode), with how often each budget was chosen. With neither `--shape` nor
-  `--target`: the demo pair shipped with the package, on its held-out prompts.
+  `generate` itself, outside the timed decode), with how often each budget was chosen. Every row compiles and
+  warms up first, then each prompt is decoded by every row in turn (drift weighs on all rows alike). With
+  neither `--shape` nor `--target`: the demo target, with the shipped drafter and held-out prompts unless given.
 
 Writes bench.json (every figure), bench.md (the table) and bench.png (time per round against the budget,
 with the floor) under `--out`; `--trace DIR` adds a profiler trace per row. The measuring itself
@@ -213,8 +214,8 @@ def run_checkpoints(args, parallel) -> dict:
     prompts = read_prompts(args.prompts, args.target, target.config.vocab_size)[:args.num_prompts]
     plan = [("ar", None)] + [("dflash", None)] * ("dflash" in args.modes) + \
         [("ddtree", b) for b in args.budgets if "ddtree" in args.modes]
-    rows, reference = [], None
-    for mode, budget in tqdm(plan, desc="bench", disable=None):
+    options_of, warm_of = {}, {}
+    for mode, budget in tqdm(plan, desc="compile", disable=None):
         auto = budget == "auto"
         options = DecodeOptions(mode=Mode(mode), max_new_tokens=args.max_new_tokens,
                                 budget=64 if auto or budget is None else budget,
@@ -224,9 +225,21 @@ def run_checkpoints(args, parallel) -> dict:
         # Warm-up: compilation, and for auto the round costs (calibrated unless cached, on the first prompt), then
         # used for every prompt: one cost table per run (a prompt of another cache size has its own cache entry,
         # which --recalibrate would not refresh).
-        warm = generate(target, prompts[:1], options, drafter=drafter, recalibrate=auto and args.recalibrate)
-        results = [generate(target, [p], options, drafter=drafter, round_costs=warm.round_costs if auto else None)
-                   for p in prompts]
+        options_of[mode, budget] = options
+        warm_of[mode, budget] = generate(target, prompts[:1], options, drafter=drafter,
+                                         recalibrate=auto and args.recalibrate)
+    # Timed: prompt by prompt, every row in turn, so that what drifts during the run (a GPU's clock, a shared
+    # CPU's load) weighs on every row alike; the rows decoded one after the other had moved by up to 1.7x on
+    # this project's CPU.
+    results_of = {key: [] for key in plan}
+    for p in tqdm(prompts, desc="bench", disable=None):
+        for key in plan:
+            results_of[key].append(generate(target, [p], options_of[key], drafter=drafter,
+                                            round_costs=warm_of[key].round_costs if key[1] == "auto" else None))
+    rows, reference = [], None
+    for mode, budget in plan:
+        auto, options, warm, results = budget == "auto", options_of[mode, budget], warm_of[mode, budget], \
+            results_of[mode, budget]
         if args.trace:  # one more decode of the first prompt, profiled (prefill included), outside the timing
             trace_dir = args.trace / f"{mode}{budget or ''}"
             traced = record_trace(trace_dir, lambda: generate(

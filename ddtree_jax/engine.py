@@ -83,7 +83,8 @@ def cache_shape(max_prompt_len: int, options: DecodeOptions) -> tuple[int, int]:
     return width, _round_up(width + options.max_new_tokens + options.verify_width, CAPACITY_BUCKET)
 
 
-COMPILED_KEPT = 16  # compiled programs kept per process (least recently used dropped first)
+COMPILED_KEPT = 64  # compiled programs kept per process (least recently used dropped first): the bench
+# decodes every prompt with each of its rows in turn, two programs per row and prompt length bucket
 _COMPILED: collections.OrderedDict = collections.OrderedDict()
 
 # XLA's compiler option for DecodeOptions.split_k == "off": every GEMM with one split of K. An experimental

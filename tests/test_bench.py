@@ -73,8 +73,22 @@ def test_checkpoint_mode_reports_speedup_and_divergence(tmp_path, monkeypatch):
     prompts.write_text('{"prompt_ids": [1, 2, 3]}\n{"prompt_ids": [4, 5]}\n')
     out = tmp_path / "out"
     monkeypatch.chdir(tmp_path)  # checkpoint folders under the working directory are recorded relative to it
+    from ddtree_jax import engine
+
+    calls, generate = [], engine.generate
+
+    def recording(target, prompts, options, **kw):  # which row decodes which prompts, and whether it compiled
+        result = generate(target, prompts, options, **kw)
+        calls.append((options.mode.value, options.budgets or options.budget, len(prompts[0]), result.compile_seconds))
+        return result
+
+    monkeypatch.setattr(engine, "generate", recording)
     assert main(["--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts), "--budgets", "4,auto",
                  "--budget-candidates", "chain,4", "--max-new-tokens", "12", "--dtype", "float32", "--out", str(out)]) == 0
+    plan = [("ar", 64), ("dflash", 64), ("ddtree", 4), ("ddtree", (0, 4))]
+    # Every row compiles and warms up first; then prompt by prompt every row in turn, none compiling again.
+    assert [c[:2] for c in calls] == plan + plan + plan and [c[2] for c in calls[4:]] == [3] * 4 + [2] * 4
+    assert all(c[3] == 0 for c in calls[4:])
     record = json.loads((out / "bench.json").read_text())
     assert (record["target"], record["drafter"]) == (str(target.relative_to(tmp_path)), str(drafter.relative_to(tmp_path)))
     rows = record["rows"]
