@@ -38,9 +38,10 @@ depends on the tree (the chain's top-1 products are not a wide tree's sums), and
 drafter's own prediction. All of it lives in the decode state (`BudgetState`) and updates on device.
 
 Costs. Seconds per round of each candidate come from a short calibration on the actual model, device and
-batch (`engine.calibrate`: a few rounds of the compiled decode loop with the choice forced to
-one candidate, after every candidate has run untimed for a quarter second, the candidates taking turns), cached on disk (`cost_cache_path`, keyed by `cost_key`). They reach the compiled loop in the
-state (`BudgetState.costs`), an array argument, so a new calibration never recompiles.
+batch (`engine.calibrate`: a few rounds of the compiled decode loop with the choice forced to one
+candidate, after every candidate has run untimed for a quarter second, the candidates taking turns), cached
+on disk (`cost_cache_path`, keyed by `cost_key`). They reach the compiled loop in the state
+(`BudgetState.costs`), an array argument, so a new calibration never recompiles.
 
 Worked example (one row, chain and B = 4, depths 1..3): chain top-1 probabilities [0.5 0.5 0.5] give reach
 [0.5 0.25 0.125] and 1.875 expected tokens; B = 4's share learned as [0.6 0.2 0] predicts reach
