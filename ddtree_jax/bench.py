@@ -443,7 +443,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "rounds in the device loop; --target, one more decode of the first prompt (prefill "
                         "included; its round count in DIR/ROW/rounds.json)")
     p.add_argument("--target", type=Path, default=None, help="target checkpoint folder (HF or orbax)")
-    p.add_argument("--drafter", type=Path, default=None, help="DFlash drafter checkpoint folder (without --target: with the demo target)")
+    p.add_argument("--drafter", type=Path, default=None,
+                   help="DFlash drafter checkpoint folder (without --target: with the demo target)")
     p.add_argument("--prompts", type=Path, default=None,
                    help="--target: JSONL prompts, {\"prompt\": ...} or {\"prompt_ids\": [...]} per line")
     p.add_argument("--num-prompts", type=int, default=8, help="--target: the first N prompts of the file")
