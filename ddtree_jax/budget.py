@@ -2,11 +2,12 @@
 
 The round drafts once; then, before any tree is built, each candidate budget (`DecodeOptions.budgets`, 0 = the
 chain, i.e. a DFlash round) gets the number of tokens it is expected to commit, and the round verifies the
-candidate with the most expected tokens per second of its measured round cost (`choose`), through a
-`lax.switch` whose branches are the ordinary fixed-budget rounds (`round.auto_round`): the chain branch takes the
-argmaxes as DFlash does, a tree branch builds its own tree. Every branch is an exact speculative round, so the
-choice never changes what is emitted, only how fast; and a round that verifies the chain costs a DFlash round
-(no vocabulary top-k, no tree build).
+candidate with the most expected tokens per second of its measured round cost (`choose`): the ordinary
+fixed-budget round of that candidate (`round.auto_candidate_round`; the chain takes the argmaxes as DFlash does,
+a tree builds its own tree). The loop (`round.auto_loop`) runs each chosen candidate's rounds under a
+`lax.switch` that runs once per change of candidate, not every round (on a GPU a conditional waits for the
+host). Every round is an exact speculative round, so the choice never changes what is emitted, only how fast;
+and a round that verifies the chain costs a DFlash round (no vocabulary top-k, no tree build).
 
 Reach. Under the drafter's marginals a tree node is on the accepted path with the probability of its root path,
 exp(score) (`DraftTree.scores`), and siblings exclude each other, so the probability that the path reaches depth

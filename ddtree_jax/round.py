@@ -17,7 +17,8 @@ round composes and that the benchmark and the tools compile and time as they are
             over the emitted tokens with the target's hidden states and keeps their K/V, `mtp.ingest`)
 
 An AR round is the verify of one token (`ar_round`). `decode_loop` runs rounds in a `lax.while_loop`
-until every row is done or a step limit is reached; the host side (`engine.generate`) compiles it once
+until every row is done or a step limit is reached (`--budget auto`: `auto_loop`, a loop of each chosen
+candidate's rounds under a switch that runs once per change of candidate); the host side (`engine.generate`) compiles it once
 per shape and donates the state, so caches update in place. Every one of these entry points traces under
 the options' matmul precision (`at_matmul_precision`): float32 means float32 on a GPU too (no TF32).
 
@@ -86,7 +87,7 @@ class DecodeOptions:
     budget: DDTree tree nodes besides the root (B); the target verifies B + 1 tokens per round.
     budgets: DDTree with `--budget auto` when not empty: the candidate budgets, ascending, 0 meaning the chain
       (a DFlash round); every round verifies the one expected to commit the most tokens per second
-      (`auto_round`, `budget.py`), and `budget` is unused.
+      (`auto_loop`, `budget.py`), and `budget` is unused.
     mtp_steps: MTP steps per round (m): the head drafts m tokens and the target verifies m + 1.
     kernels: "auto" (the Pallas kernels on a GPU for 16-bit weights, pure JAX elsewhere;
       $DDTREE_JAX_KERNELS overrides), "jax" or "pallas" (`models.contract.resolve_kernels`);
@@ -176,7 +177,7 @@ class DecodeOptions:
 
     @property
     def auto_budget(self) -> bool:
-        """DDTree choosing its budget every round among `budgets` (`auto_round`)."""
+        """DDTree choosing its budget every round among `budgets` (`auto_loop`)."""
         return bool(self.budgets)
 
     def candidate(self, budget: int) -> "DecodeOptions":
@@ -462,53 +463,70 @@ def ar_round(target: ModelParams, drafter: None, state: DecodeState, options: De
 
 
 @at_matmul_precision
-def auto_round(target: ModelParams, drafter: ModelParams, state: DecodeState, options: DecodeOptions) -> DecodeState:
-    """`--budget auto`: draft once, predict every candidate's reach from the chain's (`budget.predicted_reach`:
-    no tree is built to choose), verify the candidate with the most expected tokens per second of its round
-    cost, then learn from what ran: the target's acceptance (the correction) and, for a tree, its reach against
-    the chain's (the share).
-
-    Each branch of the `lax.switch` is the fixed round of `options.candidate(budget)` up to the commit: the
-    chain branch takes the argmaxes as DFlash does (no top-k, no tree build), a tree branch builds its own
-    budget's tree (`propose`), and both verify and accept it (`verify_accept`). What the commit reads comes out
-    padded to the widest candidate, and one commit after the switch (`finish_round`, gathering by the accepted
-    path, which for a chain is its nodes in order) writes the caches: the round of every branch is the fixed
-    round's.
-    """
-    budgets, depths = options.budgets, options.block_size - 1
+def auto_candidate_round(target: ModelParams, drafter: ModelParams, state: DecodeState, logits: jax.Array,
+                         chain: jax.Array, pick: int, options: DecodeOptions) -> DecodeState:
+    """One `--budget auto` round that verifies candidate `pick` (static; `options.budgets[pick]`), from this
+    round's draft `logits` [b, L, v] and the chain's reach `chain` [b, L]: the fixed round of
+    `options.candidate(budget)` (the chain takes the argmaxes as DFlash does, no top-k and no tree build; a tree
+    builds its own budget's tree), then the correction and the share learn from what ran (`budget.observe`)."""
+    budget = options.budgets[pick]
+    sub = options.candidate(budget)
     running = ~state.done
-    with jax.named_scope("draft"):
-        logits = draft(drafter, target, state.last_token, state.draft_cache, options)
-    with jax.named_scope("choose"):
-        chain = chain_reach(logits)  # [b, L]
-        pick = choose(predicted_reach(chain, budgets, state.budget), running, state.budget)
-
     rng, key = jax.random.split(state.rng)
-    nodes = options.verify_width
-
-    def branch(budget: int):
-        sub = options.candidate(budget)
-
-        def run():
-            with jax.named_scope("tree"):
-                tree = propose(logits, state.last_token, sub)
-                reach = chain if budget == CHAIN else tree_reach(tree, depths)  # the drafter's, of what runs
-            out, acc = verify_accept(target, drafter, state, tree, key, sub)
-            # One shape for every branch: what the commit and the trace read, padded to the widest candidate's
-            # nodes (the commit gathers by the accepted path, which stays inside the real ones).
-            return pad_nodes((out.taps, out.pending, out.nodes, tree), nodes), acc, reach
-
-        return run
-
-    # Only reads of the caches inside the switch, and the commit after it: caches carried through a branch's
-    # output were copied in and out on every round (44 cache-sized copies per round, the CPU's compiled loop).
-    (taps, pending, node_states, tree), acc, reach = jax.lax.switch(pick, [branch(b) for b in budgets])
-    out = ForwardOut(hidden=None, taps=taps, cache=state.cache, pending=pending, nodes=node_states)
+    with jax.named_scope("tree"):
+        tree = propose(logits, state.last_token, sub)
+        reach = chain if budget == CHAIN else tree_reach(tree, options.block_size - 1)  # the drafter's, of what runs
+    out, acc = verify_accept(target, drafter, state, tree, key, sub)
+    if options.record_trees:  # the trace holds the widest candidate's nodes
+        tree = pad_nodes(tree, options.verify_width)
+    # Committed as a tree's path (the chain's is 0, 1, 2, ...): the chain's own commit, a slice of its nodes
+    # written in place, made XLA copy every cache array in each round of this loop (CPU, 2026-12-03); the
+    # path's gather does not.
     after = finish_round(target, drafter, state, tree, out, acc, rng, options)
     counts = jnp.where(running, acc.count, 0)
-    budget_state = observe(state.budget, pick, reach, chain, counts, running, jnp.asarray(budgets, jnp.int32)[pick],
+    budget_state = observe(state.budget, jnp.int32(pick), reach, chain, counts, running, jnp.int32(budget),
                            state.num_rounds)
     return dataclasses.replace(after, budget=budget_state)
+
+
+@at_matmul_precision
+def auto_loop(target: ModelParams, drafter: ModelParams, state: DecodeState, stop_at: jax.Array,
+              options: DecodeOptions) -> DecodeState:
+    """`--budget auto`'s decode loop: every round drafts once, predicts every candidate's reach from the chain's
+    (`budget.predicted_reach`: no tree is built to choose) and verifies the candidate with the most expected
+    tokens per second of its round cost (`budget.choose`), in rounds of `auto_candidate_round`.
+
+    The switch between candidates sits outside the rounds: a `lax.switch` on the chosen candidate runs that
+    candidate's rounds in a `lax.while_loop` of their own for as long as it stays the choice, each round drafting
+    the next one and choosing for it at its end. On a GPU a conditional costs a round trip to the host (an
+    auto round cost 0.40 ms against a fixed B = 16 round's 0.33 on the demo pair on the H200, 2026-12-03, with a
+    switch in every round); here it runs once per change of candidate. The draft of the round after the last one
+    (one per call) is the only extra work. Every round is the fixed round of its candidate, so the output is
+    what any fixed budget's is (greedy: AR's), and the rounds' choices are those a switch in every round makes.
+    The chosen index is carried, not recomputed, between the switch and the loop's condition."""
+    more = lambda s: (~s.done).any() & (s.step < stop_at)  # noqa: E731
+
+    def drafted(s: DecodeState):
+        """This round's draft logits, the chain's reach, and the candidate chosen for it."""
+        with jax.named_scope("draft"):
+            logits = draft(drafter, target, s.last_token, s.draft_cache, options)
+        with jax.named_scope("choose"):
+            chain = chain_reach(logits)  # [b, L]
+            pick = choose(predicted_reach(chain, options.budgets, s.budget), ~s.done, s.budget)
+        return logits, chain, pick
+
+    def rounds_of(pick: int):
+        def body(carry):
+            s, logits, chain, _ = carry
+            s = auto_candidate_round(target, drafter, s, logits, chain, pick, options)
+            return (s, *drafted(s))
+
+        return lambda carry: jax.lax.while_loop(lambda c: more(c[0]) & (c[3] == pick), body, carry)
+
+    branches = [rounds_of(i) for i in range(len(options.budgets))]
+    carry = jax.lax.while_loop(lambda c: more(c[0]), lambda c: jax.lax.switch(c[3], branches, c),
+                               (state, *drafted(state)))
+    return carry[0]
 
 
 def pad_nodes(tree_of_arrays, nodes: int):
@@ -528,17 +546,15 @@ ROUNDS = {Mode.AR: ar_round, Mode.DFLASH: speculative_round, Mode.DDTREE: specul
           Mode.MTP: speculative_round}
 
 
-def round_function(options: DecodeOptions):
-    """The round the decode loop runs for these options (`auto_round` for `--budget auto`)."""
-    return auto_round if options.auto_budget else ROUNDS[options.mode]
-
-
 @at_matmul_precision
 def decode_loop(target: ModelParams, drafter: ModelParams | None, state: DecodeState, max_steps: jax.Array,
                 options: DecodeOptions) -> DecodeState:
-    """Run rounds until every row is done or `max_steps` more rounds have run (all on device)."""
-    round_fn = round_function(options)
+    """Run rounds until every row is done or `max_steps` more rounds have run (all on device); `--budget auto`:
+    `auto_loop`."""
     stop_at = state.step + max_steps
+    if options.auto_budget:
+        return auto_loop(target, drafter, state, stop_at, options)
+    round_fn = ROUNDS[options.mode]
 
     def cond(s: DecodeState):
         return (~s.done).any() & (s.step < stop_at)
@@ -623,5 +639,5 @@ def _record_round(state: DecodeState, counts: jax.Array, running: jax.Array) -> 
 
 __all__ = ["MATMUL_PRECISIONS", "SPLIT_K_CHOICES", "Mode", "DecodeOptions", "DecodeState", "RoundTrace", "Kernels",
            "at_matmul_precision", "STAGES", "draft", "propose", "verify", "accept", "commit", "speculative_round",
-           "verify_round", "verify_accept", "finish_round", "auto_round", "pad_nodes", "ar_round", "ROUNDS",
-           "round_function", "decode_loop", "prefill"]
+           "verify_round", "verify_accept", "finish_round", "auto_candidate_round", "auto_loop", "pad_nodes", "ar_round",
+           "ROUNDS", "decode_loop", "prefill"]

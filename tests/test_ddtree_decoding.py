@@ -13,7 +13,7 @@ import pytest
 
 from ddtree_jax.checkpoint import load_drafter, load_target
 from ddtree_jax.engine import DecodeOptions, Mode, decode_loop, generate, prefill, resolve_options
-from ddtree_jax.round import auto_round, speculative_round
+from ddtree_jax.round import speculative_round
 from ddtree_jax.models.contract import ForwardMeta
 from ddtree_jax.models import dflash, qwen3
 from ddtree_jax.random_checkpoint import tiny_qwen3_config, write_random_dflash, write_random_qwen3
@@ -226,18 +226,21 @@ def _primitives(jaxpr, skip=None) -> set[str]:
 
 
 def test_auto_budget_builds_a_tree_only_in_the_branches_that_verify_one(pair16):
-    """The round's program: the vocabulary top-k that every tree build starts with (`top_k`) is inside the tree
-    branches of the budget switch and nowhere else, so a round that verifies the chain runs no top-k and no
-    build (a DFlash round's work). Positive control: the check finds the top-k of a fixed DDTree round, and
-    none in a DFlash round's."""
+    """The loop's program: one switch on the chosen candidate, each branch a loop of that candidate's rounds
+    (the switch runs once per change of candidate, not every round); the vocabulary top-k that every tree build
+    starts with (`top_k`) is inside the tree branches and nowhere else, so a round that verifies the chain runs
+    no top-k and no build (a DFlash round's work). Positive control: the check finds the top-k of a fixed DDTree
+    round, and none in a DFlash round's."""
     target, drafter = pair16
     options = resolve_options(AUTO, drafter)
     state = jax.jit(prefill, static_argnames=("capacity", "options"))(
         target, drafter, jnp.asarray([[1, 2, 3, 4]]), jnp.asarray([4]), jax.random.key(0), capacity=64,
         options=options)
-    jaxpr = jax.make_jaxpr(lambda s: auto_round(target, drafter, s, options))(state).jaxpr
+    steps = jnp.asarray(8, jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda s: decode_loop(target, drafter, s, steps, options))(state).jaxpr
     [switch] = [e for e, _ in equations(jaxpr) if e.primitive.name == "cond"
                 and len(e.params["branches"]) == len(AUTO.budgets)]
+    assert all(b.jaxpr.eqns[-1].primitive.name == "while" for b in switch.params["branches"])
     chain, *trees = [_primitives(b) for b in switch.params["branches"]]
     assert AUTO.budgets[0] == 0 and "top_k" not in chain and "argmax" in chain
     assert all("top_k" in t for t in trees)
