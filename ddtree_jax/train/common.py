@@ -225,6 +225,8 @@ class TrainRun:
         ax.plot(steps, [h["loss"] for h in self.history], lw=1, label="train")
         if self.evals:
             ax.plot([e["step"] for e in self.evals], [e["loss"] for e in self.evals], "o-", ms=3, label="held out")
+        if all(h["loss"] > 0 for h in self.history):  # the first steps' loss would flatten the rest on a linear axis
+            ax.set_yscale("log")
         ax.set_xlabel("step")
         ax.set_ylabel(self.meta.get("loss_name", "loss"))
         ax.set_title(self.title)
