@@ -237,9 +237,9 @@ def run_checkpoints(args, parallel) -> dict:
             results_of[key].append(generate(target, [p], options_of[key], drafter=drafter,
                                             round_costs=warm_of[key].round_costs if key[1] == "auto" else None))
     rows, reference = [], None
-    for mode, budget in plan:
-        auto, options, warm, results = budget == "auto", options_of[mode, budget], warm_of[mode, budget], \
-            results_of[mode, budget]
+    for key in plan:
+        (mode, budget), options, warm, results = key, options_of[key], warm_of[key], results_of[key]
+        auto = budget == "auto"
         if args.trace:  # one more decode of the first prompt, profiled (prefill included), outside the timing
             trace_dir = args.trace / f"{mode}{budget or ''}"
             traced = record_trace(trace_dir, lambda: generate(

@@ -310,9 +310,8 @@ def calibration_schedule(timed: Callable[[int, int], tuple[float, int]], widths:
     First every candidate runs untimed, round-robin, for at least `warmup_s` (clock seconds): the candidate
     measured first read 0.41 ms per round against the 0.24 its rounds take (the demo pair's chain on the H200,
     2026-12-03, measured right after compiling; a GPU that was idle starts at a low clock, the likely cause,
-    not yet confirmed). Then the candidates take
-    turns, one (long, short) pair each per repeat, so that what drifts during the calibration drifts for all of
-    them alike; per candidate the median over the repeats."""
+    not yet confirmed). Then the candidates take turns, one (long, short) pair each per repeat, so that what
+    drifts during the calibration drifts for all of them alike; per candidate the median over the repeats."""
     n = len(widths)
     start = clock()
     while True:

@@ -18,8 +18,8 @@ round composes and that the benchmark and the tools compile and time as they are
 
 An AR round is the verify of one token (`ar_round`). `decode_loop` runs rounds in a `lax.while_loop`
 until every row is done or a step limit is reached (`--budget auto`: `auto_loop`, a loop of each chosen
-candidate's rounds under a switch that runs once per change of candidate); the host side (`engine.generate`) compiles it once
-per shape and donates the state, so caches update in place. Every one of these entry points traces under
+candidate's rounds under a switch that runs once per change of candidate); the host side (`engine.generate`)
+compiles it once per shape and donates the state, so caches update in place. Every one of these entry points traces under
 the options' matmul precision (`at_matmul_precision`): float32 means float32 on a GPU too (no TF32).
 
 Letters (the package glossary, `ddtree_jax/__init__.py`): b rows, T tree nodes (B + 1 for DDTree, bs for
@@ -498,9 +498,9 @@ def auto_loop(target: ModelParams, drafter: ModelParams, state: DecodeState, sto
 
     The switch between candidates sits outside the rounds: a `lax.switch` on the chosen candidate runs that
     candidate's rounds in a `lax.while_loop` of their own for as long as it stays the choice, each round drafting
-    the next one and choosing for it at its end. On a GPU a conditional costs a round trip to the host (an
-    auto round cost 0.40 ms against a fixed B = 16 round's 0.33 on the demo pair on the H200, 2026-12-03, with a
-    switch in every round); here it runs once per change of candidate. The draft of the round after the last one
+    the next one and choosing for it at its end. On a GPU a conditional waits for the host (likely the main part
+    of why an auto round cost 0.40 ms against a fixed B = 16 round's 0.33 on the demo pair on the H200,
+    2026-12-03, with a switch in every round); here it runs once per change of candidate. The draft of the round after the last one
     (one per call) is the only extra work. Every round is the fixed round of its candidate, so the output is
     what any fixed budget's is (greedy: AR's), and the rounds' choices are those a switch in every round makes.
     The chosen index is carried, not recomputed, between the switch and the loop's condition."""
@@ -531,7 +531,7 @@ def auto_loop(target: ModelParams, drafter: ModelParams, state: DecodeState, sto
 
 def pad_nodes(tree_of_arrays, nodes: int):
     """Every array of a pytree padded along axis 1 (the node axis) to `nodes` entries (zeros, False; a tree's
-    ancestor mask along both node axes), for `lax.switch` branches that verify trees of different sizes."""
+    ancestor mask along both node axes): an auto round's tree in the trace, which holds the widest candidate's."""
     def pad(x):
         widths = [(0, 0)] * x.ndim
         widths[1] = (0, nodes - x.shape[1])
