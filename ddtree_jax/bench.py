@@ -190,7 +190,7 @@ def read_prompts(path: Path, target_dir: Path, vocab_size: int) -> list[list[int
     return [p.ids for p in lines]
 
 
-def _shown(path) -> str:
+def shown_path(path) -> str:
     """A checkpoint folder as a record shows it: relative to the working directory when it lies under it (the
     shipped demo pair's records then carry no machine paths), else as given."""
     try:
@@ -272,7 +272,7 @@ def run_checkpoints(args, parallel) -> dict:
                             round_costs_s=warm.round_costs, calibration_s=warm.calibration_seconds)
     for r in rows:
         r["speedup_over_ar"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
-    return {"kind": "checkpoints", "target": _shown(args.target), "drafter": _shown(args.drafter),
+    return {"kind": "checkpoints", "target": shown_path(args.target), "drafter": shown_path(args.drafter),
             "prompts": len(prompts), "device": str(jax.devices()[0].device_kind), "devices": parallel.size,
             "parallel": parallel.mode, "jax": jax.__version__, "dtype": args.dtype,
             "matmul_precision": resolve_options(options, drafter, dtype).matmul_precision, "rows": rows}

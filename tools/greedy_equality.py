@@ -82,7 +82,7 @@ def main(argv=None) -> int:
         prompts = [[(7 * i + 3 + 13 * r) % vocab for i in range(40 - 3 * r)] for r in range(min(args.num_prompts, 12))]
         source = f"random {args.shape} weights"
     else:
-        from ddtree_jax.bench import _shown, read_prompts
+        from ddtree_jax.bench import shown_path, read_prompts
         from ddtree_jax.checkpoint import load_drafter, load_target
         from ddtree_jax.demo_pair import demo_drafter, demo_prompts, demo_target
 
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
         target = load_target(t_dir, jnp.bfloat16)
         drafter = load_drafter(d_dir, target.config, jnp.bfloat16)
         prompts = read_prompts(demo_prompts(), t_dir, target.config.vocab_size)[:args.num_prompts]
-        source = _shown(t_dir)  # relative to the working directory when under it: no machine paths in records
+        source = shown_path(t_dir)  # relative to the working directory when under it: no machine paths
 
     def run(mode: Mode, budget: int = 64) -> tuple[list[list[int]], float]:
         """Every prompt's output tokens, and tau over all of them."""
