@@ -199,6 +199,13 @@ def shown_path(path) -> str:
         return str(path)
 
 
+def costs_of(warm) -> dict:
+    """generate's keyword arguments that reuse a warm-up's `--budget auto` costs (none for a fixed row)."""
+    if warm.round_costs is None:
+        return {}
+    return {"round_costs": warm.round_costs, "change_cost": warm.change_cost}
+
+
 def run_checkpoints(args, parallel) -> dict:
     import jax
     import jax.numpy as jnp
@@ -234,16 +241,15 @@ def run_checkpoints(args, parallel) -> dict:
     results_of = {key: [] for key in plan}
     for p in tqdm(prompts, desc="bench", disable=None):
         for key in plan:
-            results_of[key].append(generate(target, [p], options_of[key], drafter=drafter,
-                                            round_costs=warm_of[key].round_costs if key[1] == "auto" else None))
+            results_of[key].append(generate(target, [p], options_of[key], drafter=drafter, **costs_of(warm_of[key])))
     rows, reference = [], None
     for key in plan:
         (mode, budget), options, warm, results = key, options_of[key], warm_of[key], results_of[key]
         auto = budget == "auto"
         if args.trace:  # one more decode of the first prompt, profiled (prefill included), outside the timing
             trace_dir = args.trace / f"{mode}{budget or ''}"
-            traced = record_trace(trace_dir, lambda: generate(
-                target, prompts[:1], options, drafter=drafter, round_costs=warm.round_costs if auto else None))
+            traced = record_trace(trace_dir, lambda: generate(target, prompts[:1], options, drafter=drafter,
+                                                              **costs_of(warm)))
             with atomic_path(trace_dir / "rounds.json") as tmp:  # tools/trace_summary.py's divisor
                 tmp.write_text(json.dumps({"rounds": len(traced.acceptance_lengths[0])}))
         outputs = [r.output_ids[0] for r in results]
@@ -269,7 +275,8 @@ def run_checkpoints(args, parallel) -> dict:
             rows[-1].update(budget_candidates=list(options.budgets),
                             rounds_by_budget={str(b): chosen.count(b) for b in options.budgets},
                             budgets_by_round=[r.budgets_chosen[0] for r in results],
-                            round_costs_s=warm.round_costs, calibration_s=warm.calibration_seconds)
+                            round_costs_s=warm.round_costs, change_cost_s=warm.change_cost,
+                            calibration_s=warm.calibration_seconds)
     for r in rows:
         r["speedup_over_ar"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
     return {"kind": "checkpoints", "target": shown_path(args.target), "drafter": shown_path(args.drafter),
@@ -329,7 +336,8 @@ def markdown(report: dict) -> str:
                 f"round time." + notes + "\n")
     head = "| mode | B | tau | tokens/s | speedup over AR | first divergence from AR |\n|---|---|---|---|---|---|\n"
     notes = "".join(f"\n\nddtree auto: rounds by budget {r['rounds_by_budget']} (0: the chain), round costs "
-                    f"{', '.join(f'{c * 1e3:.2f}' for c in r['round_costs_s'])} ms."
+                    f"{', '.join(f'{c * 1e3:.2f}' for c in r['round_costs_s'])} ms, a change of candidate "
+                    f"{r.get('change_cost_s', 0.0) * 1e3:.2f} ms."
                     for r in report["rows"] if r["budget"] == "auto") + ("\n\n" + streamed.strip() if streamed else "")
     return head + "\n".join(f"| {r['mode']} | {r['budget'] or '-'} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
                             f"{r['speedup_over_ar']:.2f} | {r['first_divergence'] or 'none'} |"

@@ -42,7 +42,10 @@ Costs. Seconds per round of each candidate come from a short calibration on the 
 batch (`engine.calibrate`: a few rounds of the compiled decode loop with the choice forced to one
 candidate, after every candidate has run untimed for a quarter second, the candidates taking turns), cached
 on disk (`cost_cache_path`, keyed by `cost_key`). They reach the compiled loop in the state
-(`BudgetState.costs`), an array argument, so a new calibration never recompiles.
+(`BudgetState.costs`), an array argument, so a new calibration never recompiles. So does the cost of a change
+of candidate (`BudgetState.change_cost`: leaving one candidate's loop and entering another's, where on a GPU each
+conditional waits for the host), which `choose` charges to every candidate but the last round's: the rule
+changes candidate only when the change pays for itself.
 
 Worked example (one row, chain and B = 4, depths 1..3): chain top-1 probabilities [0.5 0.5 0.5] give reach
 [0.5 0.25 0.125] and 1.875 expected tokens; B = 4's share learned as [0.6 0.2 0] predicts reach
@@ -118,6 +121,10 @@ class BudgetState:
     room:     [N, L] float32 per candidate, moving average of what the chain's reach left, 1 - chain reach.
     chosen:   [b, max_new] int32 the budget each round of a row verified (0 the chain), as
               `DecodeState.round_lengths`.
+    change_cost: [] float32 seconds a round costs beyond its candidate's `costs` when the round before it
+              verified another candidate (the loop leaves one candidate's rounds and enters another's:
+              `round.auto_loop`); set by the host with `costs`.
+    last:     [] int32 the candidate the last round verified (-1 before any round: no change is charged).
     """
 
     costs: jax.Array
@@ -126,12 +133,15 @@ class BudgetState:
     gain: jax.Array
     room: jax.Array
     chosen: jax.Array
+    change_cost: jax.Array
+    last: jax.Array
 
     @classmethod
     def start(cls, batch: int, max_new: int, candidates: int, depths: int) -> "BudgetState":
         zeros = lambda: jnp.zeros((candidates, depths), jnp.float32)  # noqa: E731
         return cls(costs=jnp.ones((candidates,), jnp.float32), seen=zeros(), expected=zeros(), gain=zeros(),
-                   room=zeros(), chosen=jnp.zeros((batch, max_new), jnp.int32))
+                   room=zeros(), chosen=jnp.zeros((batch, max_new), jnp.int32),
+                   change_cost=jnp.zeros((), jnp.float32), last=jnp.full((), -1, jnp.int32))
 
     @property
     def correction(self) -> jax.Array:
@@ -177,11 +187,17 @@ def choose(reach: jax.Array, running: jax.Array, budget_state: BudgetState) -> j
     """The candidate index [] int32 with the most expected tokens per second over the batch's running rows.
 
     reach [b, N, L] predicted (`predicted_reach`), corrected per candidate and depth (capped at 1); a row expects
-    1 + sum_d reach_d tokens. One choice for the batch: a `lax.switch` on a batched index would run every
+    1 + sum_d reach_d tokens. A candidate other than the last round's is charged `change_cost` on top of its
+    round's cost: on the H200 a change cost about a round (0.17 ms per change against 0.20-0.30 ms rounds, the
+    demo pair, 2026-12-03), and choosing afresh every round changed candidate in 399 of 894 rounds, which made
+    auto 0.80x the best fixed budget. One choice for the batch: a `lax.switch` on a batched index would run every
     branch."""
     corrected = jnp.minimum(reach * budget_state.correction[None], 1.0)
     tokens = 1.0 + corrected.sum(-1)  # [b, N]
-    per_second = jnp.sum(jnp.where(running[:, None], tokens, 0.0), axis=0) / budget_state.costs
+    candidates = jnp.arange(budget_state.costs.shape[0])
+    change = (candidates != budget_state.last) & (budget_state.last >= 0)
+    seconds = budget_state.costs + jnp.where(change, budget_state.change_cost, 0.0)
+    per_second = jnp.sum(jnp.where(running[:, None], tokens, 0.0), axis=0) / seconds
     return jnp.argmax(per_second).astype(jnp.int32)
 
 
@@ -191,7 +207,8 @@ def observe(budget_state: BudgetState, pick: jax.Array, reach: jax.Array, chain:
     reach (counts [b] committed tokens, root included), the drafter's reach of what was verified (reach [b, L])
     and the chain's (chain [b, L]) into that candidate's averages; every other candidate's share moves
     1 - FORGET of the way back to 1 (so a tree that stopped being chosen is tried again); record `budget` at each
-    running row's round index `num_rounds` [b]. A round in which no row runs changes nothing."""
+    running row's round index `num_rounds` [b], and `pick` as the last candidate. A round in which no row runs
+    changes nothing."""
     depths = reach.shape[-1]
     n = jnp.maximum(running.sum(), 1).astype(jnp.float32)
     mean = lambda x: jnp.where(running[:, None], x, 0.0).sum(0) / n  # noqa: E731  [b, L] -> [L], running rows
@@ -207,14 +224,15 @@ def observe(budget_state: BudgetState, pick: jax.Array, reach: jax.Array, chain:
     idx = jnp.where(running, num_rounds, max_new)
     return dataclasses.replace(budget_state, seen=blend(budget_state.seen, mean(got)),
                                expected=blend(budget_state.expected, mean(reach)), gain=gain, room=room,
-                               chosen=budget_state.chosen.at[jnp.arange(b), idx].set(budget, mode="drop"))
+                               chosen=budget_state.chosen.at[jnp.arange(b), idx].set(budget, mode="drop"),
+                               last=jnp.where(running.any(), pick.astype(jnp.int32), budget_state.last))
 
 
 # ----------------------------------------------------------------------------------------------------
 # The cost cache (host side)
 
 
-CALIBRATION_VERSION = 2  # 2: a warm-up, then the candidates interleaved (2026-12-03)
+CALIBRATION_VERSION = 3  # 2: a warm-up, then the candidates interleaved; 3: and the cost of a change (2026-12-03)
 
 
 def cost_key(target_config, drafter_config, options, batch: int, capacity: int, dtype) -> dict:
@@ -248,22 +266,26 @@ def cost_cache_path(key: dict) -> Path:
     return cost_cache_dir() / f"{_digest(json.dumps(key, sort_keys=True))}.json"
 
 
-def load_costs(key: dict) -> list[float] | None:
-    """The cached seconds per round of `key`'s candidates, or None (absent, unreadable or for another key)."""
+def load_costs(key: dict) -> tuple[list[float], float] | None:
+    """The cached (seconds per round of `key`'s candidates, seconds per change of candidate), or None (absent,
+    unreadable or for another key)."""
     try:
         entry = json.loads(cost_cache_path(key).read_text())
     except (OSError, ValueError):
         return None
-    seconds = entry.get("seconds") if isinstance(entry, dict) and entry.get("key") == key else None
-    if not isinstance(seconds, list) or len(seconds) != len(key["budgets"]) or not all(
-            isinstance(s, (int, float)) and s > 0 for s in seconds):
+    if not isinstance(entry, dict) or entry.get("key") != key:
         return None
-    return [float(s) for s in seconds]
+    seconds, change = entry.get("seconds"), entry.get("change_seconds")
+    if not isinstance(seconds, list) or len(seconds) != len(key["budgets"]) or not all(
+            isinstance(s, (int, float)) and s > 0 for s in seconds) or not isinstance(change, (int, float)) or change < 0:
+        return None
+    return [float(s) for s in seconds], float(change)
 
 
-def save_costs(key: dict, seconds) -> Path | None:
-    """Write the entry atomically (a temporary file, then a rename); None (and nothing written) when the
-    cache folder cannot be written: the costs then hold for this process only."""
+def save_costs(key: dict, seconds, change_seconds: float) -> Path | None:
+    """Write the entry (seconds per round of each candidate, seconds per change of candidate) atomically (a
+    temporary file, then a rename); None (and nothing written) when the cache folder cannot be written: the
+    costs then hold for this process only."""
     from ddtree_jax.cli import atomic_path
 
     path = cost_cache_path(key)
@@ -271,6 +293,7 @@ def save_costs(key: dict, seconds) -> Path | None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(path) as tmp:
             tmp.write_text(json.dumps({"key": key, "seconds": [float(s) for s in seconds],
+                                       "change_seconds": float(change_seconds),
                                        "date": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1) + "\n")
     except OSError:
         return None

@@ -45,10 +45,11 @@ class GenerationResult:
     compile_seconds: float
     trees: list[dict] | None = None  # with options.record_trees: one dict per row per round
     # --budget auto: per row, the budget each round verified (0: the chain), as acceptance_lengths; the seconds
-    # per round of each candidate that the choice used (options.budgets order), and the seconds spent measuring
-    # them (0 when they came from the cost cache or the caller)
+    # per round of each candidate that the choice used (options.budgets order), the seconds it charged a change
+    # of candidate, and the seconds spent measuring them (0 when they came from the cost cache or the caller)
     budgets_chosen: list[list[int]] | None = None
     round_costs: list[float] | None = None
+    change_cost: float | None = None
     calibration_seconds: float = 0.0
 
     def acceptance_histogram(self, block_size: int) -> list[int]:
@@ -168,14 +169,16 @@ def resolve_options(options: DecodeOptions, drafter: ModelParams | None, dtype=N
 def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: DecodeOptions, *,
              drafter: ModelParams | None = None, seed: int = 0, steps_per_call: int | None = None,
              on_tokens: Callable[[list[list[int]]], None] | None = None,
-             round_costs: Sequence[float] | None = None, recalibrate: bool = False) -> GenerationResult:
+             round_costs: Sequence[float] | None = None, change_cost: float = 0.0,
+             recalibrate: bool = False) -> GenerationResult:
     """Generate for a batch of token-id prompts (unequal lengths allowed).
 
     drafter: the DFlash drafter (dflash and ddtree modes), or the target's MTP head (mtp mode:
     `checkpoint.load_mtp`). steps_per_call: rounds per device call (None: the whole loop in one call);
     `on_tokens` receives every row's tokens so far after each call, for streaming.
-    `--budget auto` (options.budgets): round_costs, seconds per round of each candidate; None takes them from
-    the cost cache, or measures them on these prompts first (`calibrate`) and caches them (`recalibrate`:
+    `--budget auto` (options.budgets): round_costs, seconds per round of each candidate, and change_cost, seconds
+    a round costs on top when it verifies another candidate than the round before; round_costs None takes both
+    from the cost cache, or measures them on these prompts first (`calibrate`) and caches them (`recalibrate`:
     measure even when cached).
     """
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -187,6 +190,8 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
         raise ValueError("record_trees needs a speculative mode (dflash, ddtree or mtp)")
     if round_costs is not None and len(round_costs) != len(options.budgets):
         raise ValueError(f"round_costs: one per candidate budget {options.budgets}, got {len(round_costs)}")
+    if change_cost < 0:
+        raise ValueError(f"change_cost: seconds >= 0, got {change_cost}")
     vocab = target.config.vocab_size
     for r, prompt in enumerate(prompts):
         bad = [t for t in prompt if not 0 <= int(t) < vocab]
@@ -222,18 +227,20 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
     if options.auto_budget and round_costs is None:
         key = auto.cost_key(target.config, drafter.config, options, b, capacity,
                             target.array("model.embed_tokens.weight").dtype)
-        round_costs = None if recalibrate else auto.load_costs(key)
-        if round_costs is None:
+        cached = None if recalibrate else auto.load_costs(key)
+        if cached is not None:
+            round_costs, change_cost = cached
+        else:
             start = time.perf_counter()
-            round_costs, complete = calibrate(lambda: prefill_fn(target, drafter, tokens, lengths_dev, rng),
-                                              lambda s, n: loop_fn(target, drafter, s, jnp.asarray(n, jnp.int32)),
-                                              options)
+            round_costs, change_cost, complete = calibrate(
+                lambda: prefill_fn(target, drafter, tokens, lengths_dev, rng),
+                lambda s, n: loop_fn(target, drafter, s, jnp.asarray(n, jnp.int32)), options)
             calibration_s = time.perf_counter() - start
-            if complete and auto.save_costs(key, round_costs) is None:
+            if complete and auto.save_costs(key, round_costs, change_cost) is None:
                 print(f"warning: cannot write the round-cost cache in {auto.cost_cache_dir()}; the costs hold "
                       "for this run only", file=sys.stderr)
     if options.auto_budget:
-        state = with_round_costs(state, round_costs)
+        state = with_round_costs(state, round_costs, change_cost)
 
     trees: list[dict] | None = [] if options.record_trees else None
     decode_s = 0.0
@@ -260,14 +267,18 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
         trees=trees,
         budgets_chosen=None if chosen is None else [chosen[r, :num_rounds[r]].tolist() for r in range(n_prompts)],
         round_costs=[float(c) for c in round_costs] if options.auto_budget else None,
+        change_cost=float(change_cost) if options.auto_budget else None,
         calibration_seconds=calibration_s,
     )
 
 
-def with_round_costs(state: DecodeState, seconds: Sequence[float]) -> DecodeState:
-    """The state with `--budget auto`'s seconds per round of each candidate (an array argument of the loop)."""
-    costs = jax.device_put(np.asarray(seconds, np.float32), state.budget.costs.sharding)
-    return dataclasses.replace(state, budget=dataclasses.replace(state.budget, costs=costs))
+def with_round_costs(state: DecodeState, seconds: Sequence[float], change_seconds: float = 0.0) -> DecodeState:
+    """The state with `--budget auto`'s seconds per round of each candidate and per change of candidate (array
+    arguments of the loop)."""
+    budget = state.budget
+    costs = jax.device_put(np.asarray(seconds, np.float32), budget.costs.sharding)
+    change = jax.device_put(np.asarray(change_seconds, np.float32), budget.change_cost.sharding)
+    return dataclasses.replace(state, budget=dataclasses.replace(budget, costs=costs, change_cost=change))
 
 
 CALIBRATION_ROUNDS = 8  # timed rounds per call of the calibration
@@ -277,15 +288,17 @@ FORCED_OUT = 1e30  # the cost that keeps a candidate from being chosen while ano
 
 
 def calibrate(run_prefill: Callable[[], DecodeState], run_loop: Callable[[DecodeState, int], DecodeState],
-              options: DecodeOptions) -> tuple[list[float], bool]:
-    """Seconds per round of each `--budget auto` candidate, measured with the compiled prefill and decode loop
-    that the generation runs: per candidate, the choice forced to it (every other candidate's cost FORCED_OUT),
-    the time of a call of 1 + CALIBRATION_ROUNDS rounds less that of a call of one round (each after a fresh
-    prefill and one untimed round), per round of difference, so that a call's own dispatch cancels (timing
-    the long call alone read 0.70 ms for both the chain and B = 16 on the demo pair on the H200, 2026-12-02,
-    whose rounds take 0.33 and 0.39 ms). The schedule is `calibration_schedule`'s. Returns (seconds, complete):
-    a candidate that got no timed round (the rows finished within one round) is given seconds in proportion to
-    its verified tokens against the measured ones, and `complete` is False (not worth caching)."""
+              options: DecodeOptions) -> tuple[list[float], float, bool]:
+    """Seconds per round of each `--budget auto` candidate, and per change of candidate, measured with the
+    compiled prefill and decode loop that the generation runs: per candidate, the choice forced to it (every
+    other candidate's cost FORCED_OUT), the time of a call of 1 + CALIBRATION_ROUNDS rounds less that of a call
+    of one round (each after a fresh prefill and one untimed round), per round of difference, so that a call's
+    own dispatch cancels (timing the long call alone read 0.70 ms for both the chain and B = 16 on the demo pair
+    on the H200, 2026-12-02, whose rounds take 0.33 and 0.39 ms). Every call enters its candidate's loop once
+    (`round.auto_loop`), as a change of candidate does: a call of one round less a call of none, less a round,
+    is the cost of that entry. The schedule is `calibration_schedule`'s. Returns (seconds, change seconds,
+    complete): a candidate that got no timed round (the rows finished within one round) is given seconds in
+    proportion to its verified tokens against the measured ones, and `complete` is False (not worth caching)."""
     budgets = options.budgets
 
     def timed(i: int, rounds: int) -> tuple[float, int]:
@@ -303,15 +316,18 @@ def calibrate(run_prefill: Callable[[], DecodeState], run_loop: Callable[[Decode
 
 def calibration_schedule(timed: Callable[[int, int], tuple[float, int]], widths: Sequence[int], *,
                          clock: Callable[[], float], warmup_s: float = CALIBRATION_WARMUP_S,
-                         repeats: int = CALIBRATION_REPEATS) -> tuple[list[float], bool]:
+                         repeats: int = CALIBRATION_REPEATS) -> tuple[list[float], float, bool]:
     """`calibrate`'s measurement order, apart from the device: timed(i, rounds) -> (seconds, rounds run) for
-    candidate i; widths: each candidate's verified tokens per round (for one that gets no timed round).
+    candidate i (rounds may be 0: the call drafts and chooses, and runs no round); widths: each candidate's
+    verified tokens per round (for one that gets no timed round).
 
     First every candidate runs untimed, round-robin, for at least `warmup_s` (clock seconds): the candidate
     measured first read 0.41 ms per round against the 0.24 its rounds take (the demo pair's chain on the H200,
     2026-12-03, measured right after compiling; a GPU that was idle starts at a low clock, the likely cause,
-    not yet confirmed). Then the candidates take turns, one (long, short) pair each per repeat, so that what
-    drifts during the calibration drifts for all of them alike; per candidate the median over the repeats."""
+    not yet confirmed). Then the candidates take turns, one (long, short, empty) triple each per repeat, so that
+    what drifts during the calibration drifts for all of them alike; per candidate the median over the repeats
+    of (long - short) per round; the change's cost is the median over candidates and repeats of short - empty
+    less that repeat's round (at least 0)."""
     n = len(widths)
     start = clock()
     while True:
@@ -320,18 +336,24 @@ def calibration_schedule(timed: Callable[[int, int], tuple[float, int]], widths:
         if clock() - start >= warmup_s:
             break
     times: list[list[float]] = [[] for _ in range(n)]
+    changes: list[float] = []
     for _ in range(repeats):
         for i in range(n):
             long_s, long_rounds = timed(i, 1 + CALIBRATION_ROUNDS)
             short_s, short_rounds = timed(i, 1)
+            empty_s, _ = timed(i, 0)
             if long_rounds > short_rounds and long_s > short_s:
-                times[i].append((long_s - short_s) / (long_rounds - short_rounds))
+                per_round = (long_s - short_s) / (long_rounds - short_rounds)
+                times[i].append(per_round)
+                if short_rounds == 1:
+                    changes.append(short_s - empty_s - per_round)
             elif long_rounds:  # timer noise above the difference: the long call alone
                 times[i].append(long_s / long_rounds)
     seconds = [statistics.median(t) if t else None for t in times]
     measured = [(s, w) for s, w in zip(seconds, widths) if s is not None]
     per_token = statistics.median(s / w for s, w in measured) if measured else 1.0
-    return [s if s is not None else per_token * w for s, w in zip(seconds, widths)], len(measured) == n
+    change = max(0.0, statistics.median(changes)) if changes else 0.0
+    return [s if s is not None else per_token * w for s, w in zip(seconds, widths)], change, len(measured) == n
 
 
 def _trace_rows(state: DecodeState, running: np.ndarray) -> list[dict]:

@@ -6,7 +6,8 @@ object with `--json`: {"mode", "output_ids", "text" (with a tokenizer), "accepta
 "matmul_precision", "split_k", "fp8_matmul" and "row_invariant" (as resolved)}, plus "block_size" and
 "acceptance_histogram" for dflash, ddtree and mtp, "budget" for ddtree and "mtp_steps" for mtp; with `--budget
 auto` "budget" is "auto", plus "budget_candidates", "budgets_chosen" (the budget each round verified, 0 the chain), "round_costs_s" (seconds
-per round of each candidate, as used) and "calibration_seconds".
+per round of each candidate, as used), "change_cost_s" (seconds charged to a change of candidate) and
+"calibration_seconds".
 Many prompts (`--prompts FILE.jsonl`): runs them in batches and writes one such JSON line per prompt, with
 its "index", "line" and "id", to `--out` or stdout; a line that cannot run gets {"index", "line", "id",
 "error"} instead, and the others still run (exit status 1 then).
@@ -325,6 +326,7 @@ def row_report(mode: str, options, result, row: int, tokenizer) -> dict:
         report["budget_candidates"] = list(options.budgets)
         report["budgets_chosen"] = result.budgets_chosen[row]
         report["round_costs_s"] = result.round_costs
+        report["change_cost_s"] = result.change_cost
         report["calibration_seconds"] = result.calibration_seconds
     if options.mode is Mode.MTP:
         report["mtp_steps"] = options.mtp_steps

@@ -116,7 +116,7 @@ class DecodeOptions:
       weight-streaming matmul for the projections and the lm_head, the row-invariant attention kernel, so that
       greedy speculative output is the AR output bit for bit in bf16 on dense targets without sliding windows
       (issue 20; hybrids: the Gated DeltaNet verify and AR step still compute different arithmetic). The prompt's
-      pass (`prefill`) is the same in every mode and keeps the fast kernels. Needs the Pallas kernels; slower.
+      pass (`prefill`) too: each mode compiles its own. Needs the Pallas kernels; slower.
     """
 
     mode: Mode = Mode.AR
@@ -573,8 +573,10 @@ def prefill(target: ModelParams, drafter: ModelParams | None, tokens: jax.Array,
     family = target_family(target.config)
     cache = constrain_cache(family.create_cache(target.config, b, capacity, dtype), options.parallel)
     taps = drafter.config.target_layer_ids if drafter is not None else ()
-    # The prompt's pass is the same in every mode, so row-invariant arithmetic buys nothing here: fast kernels.
-    runtime = dataclasses.replace(options.runtime, row_invariant=False)
+    # Row-invariant too when asked: each mode compiles its own prefill (DFlash's returns the taps and fills the
+    # drafter's cache), and with XLA's GEMMs the prompt's K/V differed in bits between AR's program and DFlash's
+    # and between batch sizes, so greedy DFlash left AR at a near-tie (the demo pair, bf16, H200, 2026-12-03).
+    runtime = options.runtime
     out = family.forward(target, tokens, ForwardMeta.prompt(prompt_lengths, p), cache, tap_layers=taps,
                          runtime=runtime)
     cache = kv.advance(out.cache, prompt_lengths)

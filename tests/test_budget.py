@@ -58,6 +58,29 @@ def test_reach_prediction_and_choice_of_the_worked_example():
     np.testing.assert_allclose(np.asarray(low[0, 1]), [.5, .25 - .075, 0], rtol=1e-6)
 
 
+def test_a_change_of_candidate_is_charged_its_cost():
+    """The worked example at costs [1.0, 1.2] ms: the tree (2.325 tokens, 1.94 per ms) beats the chain (1.875 per
+    ms) by 3.3%. After a chain round, with a change costing 0.1 ms, the tree's round counts 1.3 ms (1.79 per ms):
+    the chain stays; after a tree round the chain would need 1.1 ms (1.70 per ms): the tree stays. With no last
+    round (-1) or a free change, the better rate wins as before; observe records the candidate that ran."""
+    probs = jnp.asarray([[[.5, .5], [.5, .5], [.5, .5]]], jnp.float32)
+    chain = auto.chain_reach(jnp.log(probs))
+    state = dataclasses.replace(learned(auto.BudgetState.start(1, 8, 2, 3), 1, [.6, .2, 0]),
+                                costs=jnp.asarray([1.0, 1.2]), change_cost=jnp.asarray(0.1, jnp.float32))
+    reach = auto.predicted_reach(chain, (auto.CHAIN, 4), state)
+    running = jnp.asarray([True])
+    pick = lambda **kw: int(auto.choose(reach, running, dataclasses.replace(state, **kw)))  # noqa: E731
+    assert int(state.last) == -1 and pick() == 1
+    assert pick(last=jnp.asarray(0)) == 0 and pick(last=jnp.asarray(1)) == 1
+    assert pick(last=jnp.asarray(0), change_cost=jnp.asarray(0.0)) == 1
+    ran = auto.observe(state, jnp.asarray(0), chain, chain, jnp.asarray([2]), running, jnp.asarray(0),
+                       jnp.asarray([0]))
+    assert int(ran.last) == 0
+    idle = auto.observe(ran, jnp.asarray(1), chain, chain, jnp.asarray([0]), jnp.asarray([False]), jnp.asarray(4),
+                        jnp.asarray([0]))
+    assert int(idle.last) == 0  # a round in which no row ran changes nothing
+
+
 def test_observe_learns_the_correction_and_the_share_per_candidate_and_depth():
     """Candidate 1 (budget 4) ran a tree of drafter reach [.8 .4 0] where the chain's was [.5 .25 .1]; the target
     grants depth 1 half as often as predicted (counts 2, 1: one row reaches depth 1, one does not): its correction
@@ -128,14 +151,16 @@ def test_cost_cache_round_trip_is_keyed_and_atomic(tmp_path, monkeypatch):
     key = auto.cost_key(config, None, options, 2, 300, jnp.float32)
     assert key["context"] == 512 and key["batch"] == 2 and key["budgets"] == [0, 4, 16]
     assert auto.load_costs(key) is None
-    path = auto.save_costs(key, [1e-3, 2e-3, 3e-3])
+    path = auto.save_costs(key, [1e-3, 2e-3, 3e-3], 0.5e-3)
     assert path.parent == tmp_path / "c" and [p.name for p in path.parent.iterdir()] == [path.name]  # no temp left
-    assert auto.load_costs(key) == [1e-3, 2e-3, 3e-3]
+    assert auto.load_costs(key) == ([1e-3, 2e-3, 3e-3], 0.5e-3)
     assert auto.load_costs({**key, "batch": 4}) is None  # another batch: another entry
     streamed = dataclasses.replace(options, fp8_matmul="stream")  # another FP8 matmul: another compiled round
     assert auto.load_costs(auto.cost_key(config, None, streamed, 2, 300, jnp.float32)) is None
     assert auto.load_costs({**key, "calibration": key["calibration"] - 1}) is None  # an older schedule's costs
-    path.write_text(json.dumps({"key": key, "seconds": [1, -1, 2]}))
+    path.write_text(json.dumps({"key": key, "seconds": [1, -1, 2], "change_seconds": 0}))
     assert auto.load_costs(key) is None  # a broken entry is measured again, not used
+    path.write_text(json.dumps({"key": key, "seconds": [1, 1, 2]}))
+    assert auto.load_costs(key) is None  # no change cost: measured again
     path.write_text("{not json")
     assert auto.load_costs(key) is None

@@ -176,6 +176,7 @@ def test_row_invariant_reaches_every_projection_and_the_attention(random_target)
     from ddtree_jax.cli import add_matmul_args
     from ddtree_jax.models import qwen3
     from ddtree_jax.models.contract import ForwardMeta
+    from ddtree_jax.round import prefill as round_prefill
     from jaxprs import equations
 
     params = load_target(random_target, jnp.float32)
@@ -198,6 +199,10 @@ def test_row_invariant_reaches_every_projection_and_the_attention(random_target)
                                     "tree_attention_row_invariant": invariant_attention * layers}, row_invariant
         logits = kernels(lambda p, t: qwen3.logits(p, forward(p, t), options.runtime))
         assert logits["stream_matmul"] == streams * layers + row_invariant
+        # The prompt's pass too: each mode compiles its own prefill, whose XLA GEMMs gave other bits per program.
+        prefill = kernels(lambda p, t: round_prefill(p, None, jnp.tile(t, (1, 4)), jnp.array([4]), jax.random.key(0),
+                                                     capacity=32, options=options).cache.k)
+        assert prefill == logits, row_invariant
     with pytest.raises(ValueError, match="row_invariant needs the Pallas kernels .*kernels='jax'"):
         DecodeOptions(kernels="jax", row_invariant=True)
     parser = argparse.ArgumentParser()
@@ -226,10 +231,10 @@ def test_compile_program_passes_split_k_off_and_survives_a_jaxlib_without_the_op
 
 class WarmingDevice:
     """A simulated device for `calibration_schedule`: candidate i's round takes ROUND_S[i] seconds, a call adds
-    DISPATCH_S, and for the first SLOW_FOR_S seconds of its clock every round takes SLOW_BY times longer (a GPU
-    waking from idle at a low clock)."""
+    DISPATCH_S, a call that runs rounds enters its candidate's loop once (ENTRY_S), and for the first SLOW_FOR_S
+    seconds of its clock every round takes SLOW_BY times longer (a GPU waking from idle at a low clock)."""
 
-    ROUND_S, DISPATCH_S, SLOW_FOR_S, SLOW_BY = (0.244e-3, 0.327e-3), 0.05e-3, 0.02, 1.7
+    ROUND_S, DISPATCH_S, ENTRY_S, SLOW_FOR_S, SLOW_BY = (0.244e-3, 0.327e-3), 0.05e-3, 0.17e-3, 0.03, 1.7
 
     def __init__(self):
         self.now, self.calls = 0.0, []
@@ -240,21 +245,23 @@ class WarmingDevice:
     def timed(self, i: int, rounds: int) -> tuple[float, int]:
         self.calls.append(i)
         speed = self.SLOW_BY if self.now < self.SLOW_FOR_S else 1.0
-        seconds = self.DISPATCH_S + rounds * self.ROUND_S[i] * speed
+        seconds = self.DISPATCH_S + (self.ENTRY_S if rounds else 0.0) + rounds * self.ROUND_S[i] * speed
         self.now += seconds + 1e-3  # and the untimed prefill before it
         return seconds, rounds
 
 
 def test_calibration_warms_up_then_interleaves_the_candidates():
     device = WarmingDevice()
-    costs, complete = calibration_schedule(device.timed, [16, 17], clock=device.clock, warmup_s=0.25, repeats=5)
+    costs, change, complete = calibration_schedule(device.timed, [16, 17], clock=device.clock, warmup_s=0.25,
+                                                   repeats=5)
     assert complete and costs == pytest.approx(WarmingDevice.ROUND_S, rel=1e-9)
-    timed = device.calls[-20:]  # 5 repeats x 2 candidates x (long, short)
-    assert timed == [0, 0, 1, 1] * 5 and device.calls[:2] == [0, 1]  # warm-up round-robin first
+    assert change == pytest.approx(WarmingDevice.ENTRY_S, rel=1e-9)  # the entry, not the dispatch
+    timed = device.calls[-30:]  # 5 repeats x 2 candidates x (long, short, empty)
+    assert timed == [0, 0, 0, 1, 1, 1] * 5 and device.calls[:2] == [0, 1]  # warm-up round-robin first
     # Negative control: one candidate measured first without the warm-up (the order before) has most of its
     # pairs in the slow period, and the median keeps them (the chain's 0.41 ms against its 0.24 on the H200).
     cold = WarmingDevice()
-    costs, _ = calibration_schedule(cold.timed, [16], clock=cold.clock, warmup_s=0.0, repeats=5)
+    costs, _, _ = calibration_schedule(cold.timed, [16], clock=cold.clock, warmup_s=0.0, repeats=5)
     assert costs[0] > 1.3 * WarmingDevice.ROUND_S[0]
 
 
@@ -265,7 +272,7 @@ def test_calibration_of_a_candidate_without_a_timed_round_scales_by_width():
     def timed(i, rounds):
         return (1e-3 * rounds, rounds) if i == 0 else (1e-6, 0)
 
-    costs, complete = calibration_schedule(timed, [16, 32], clock=iter(range(10**6)).__next__, warmup_s=0.0,
-                                           repeats=3)
-    assert not complete and costs[0] == pytest.approx(1e-3) and costs[1] == pytest.approx(2e-3)
+    costs, change, complete = calibration_schedule(timed, [16, 32], clock=iter(range(10**6)).__next__,
+                                                   warmup_s=0.0, repeats=3)
+    assert not complete and change == pytest.approx(0.0, abs=1e-12) and costs[0] == pytest.approx(1e-3) and costs[1] == pytest.approx(2e-3)
     assert CALIBRATION_ROUNDS >= 2

@@ -163,7 +163,7 @@ def test_pallas_kernels_on_gpu_are_lossless(tmp_path, monkeypatch):
 def test_row_invariant_ddtree_gives_the_ar_tokens_in_bf16(tmp_path):
     """Issue 20 through the engine (kernels interpreted, bf16): with `row_invariant`, greedy DDTree at B = 64 on a
     batch of 2 (130 rows per verify: two of the streaming kernel's row groups; the attention's ancestor table)
-    gives AR's tokens; the prompt's pass runs the fast kernels in every mode. (DFlash: the compiled GPU runs.)"""
+    gives AR's tokens; the prompt's pass is row-invariant too. (DFlash: the compiled GPU runs.)"""
     target = load_target(write_random_qwen3(tmp_path / "t", seed=8, with_tokenizer=False), jnp.bfloat16)
     drafter = load_drafter(write_random_dflash(tmp_path / "d", tiny_qwen3_config(), seed=9), target.config,
                            jnp.bfloat16)

@@ -94,7 +94,7 @@ class Runtime:
              differed from the row alone, where XLA's GEMM gave other bits for 4 of 16 rows at down_proj) and the
              attention through the row-invariant kernel (`layers.cached_attention`; not in sliding-window
              layers), for calls of any rows. So a verified node's logits are the AR step's bits on dense targets.
-             `round.prefill` runs the prompt without it (the same pass in every mode; the fast kernels).
+             `round.prefill` runs the prompt with it too (each mode compiles its own prefill program).
     """
 
     kernels: Kernels = Kernels.JAX
