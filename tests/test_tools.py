@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
@@ -17,6 +18,7 @@ import bitwise_probe  # noqa: E402
 import gdn_probe  # noqa: E402
 import gpu_probe  # noqa: E402
 import greedy_equality  # noqa: E402
+import invariant_layers  # noqa: E402
 import topk_probe  # noqa: E402
 import tp_layout  # noqa: E402
 import trace_summary  # noqa: E402
@@ -260,3 +262,23 @@ def test_with_tree_rule_overrides_past_one_block_and_names_the_fastest(tmp_path,
     assert with_tree_rule.main(["--best", str(probe), "--t", "65"]) == 0
     assert capsys.readouterr().out.strip() == "num_warps=8,unrolled_chain=0"
     assert with_tree_rule.main(["--best", str(probe), "--t", "17"]) == 1
+
+
+def test_invariant_layers_finds_the_first_differing_position_and_layer(random_target):
+    """The comparison names the first position and layer whose bits differ (a one-ulp change in layer 1 of
+    position 3), and on the tiny target with the row-invariant kernels (interpreted) chain verifies of 3 tokens
+    give every position the AR steps' bits, over a cache of either capacity."""
+    from ddtree_jax.checkpoint import load_target
+    from ddtree_jax.models.contract import Kernels, Runtime
+
+    alone = [np.arange(8, dtype=np.float32) + 10 * i for i in range(5)]  # 5 positions, 2 layers of 4 features
+    together = np.stack(alone[2:5])
+    assert invariant_layers.first_difference(together, alone, 2, 2) is None
+    together[1, 5] = np.nextafter(together[1, 5], np.float32(np.inf))
+    position, layer, diff = invariant_layers.first_difference(together, alone, 2, 2)
+    assert (position, layer) == (3, 1) and 0 < diff < 1e-5
+    target = load_target(random_target, jnp.bfloat16)
+    runtime = Runtime(Kernels.PALLAS, row_invariant=True)
+    for capacity in (32, 64):
+        row = invariant_layers.compare(target, [5, 1, 7, 2], [3, 9, 4, 4, 8, 1, 2], runtime, 3, capacity)
+        assert row == {"chain": 3, "capacity": capacity, "positions": 6, "first_difference": None}
