@@ -188,9 +188,9 @@ def choose(reach: jax.Array, running: jax.Array, budget_state: BudgetState) -> j
 
     reach [b, N, L] predicted (`predicted_reach`), corrected per candidate and depth (capped at 1); a row expects
     1 + sum_d reach_d tokens. A candidate other than the last round's is charged `change_cost` on top of its
-    round's cost: on the H200 a change cost about a round (0.17 ms per change against 0.20-0.30 ms rounds, the
-    demo pair, 2026-12-03), and choosing afresh every round changed candidate in 399 of 894 rounds, which made
-    auto 0.80x the best fixed budget. One choice for the batch: a `lax.switch` on a batched index would run every
+    round's cost: choosing afresh every round changed candidate in 399 of 894 rounds on the H200's demo pair,
+    whose decode then took ~0.37 ms per change beyond its calibrated 0.20-0.30 ms rounds (auto at 0.80x the
+    best fixed budget, 2026-12-03). One choice for the batch: a `lax.switch` on a batched index would run every
     branch."""
     corrected = jnp.minimum(reach * budget_state.correction[None], 1.0)
     tokens = 1.0 + corrected.sum(-1)  # [b, N]
