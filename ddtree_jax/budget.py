@@ -277,7 +277,9 @@ def load_costs(key: dict) -> tuple[list[float], float] | None:
         return None
     seconds, change = entry.get("seconds"), entry.get("change_seconds")
     if not isinstance(seconds, list) or len(seconds) != len(key["budgets"]) or not all(
-            isinstance(s, (int, float)) and s > 0 for s in seconds) or not isinstance(change, (int, float)) or change < 0:
+            isinstance(s, (int, float)) and s > 0 for s in seconds):
+        return None
+    if not isinstance(change, (int, float)) or change < 0:
         return None
     return [float(s) for s in seconds], float(change)
 

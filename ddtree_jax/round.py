@@ -18,9 +18,10 @@ round composes and that the benchmark and the tools compile and time as they are
 
 An AR round is the verify of one token (`ar_round`). `decode_loop` runs rounds in a `lax.while_loop`
 until every row is done or a step limit is reached (`--budget auto`: `auto_loop`, a loop of each chosen
-candidate's rounds under a switch that runs once per change of candidate); the host side (`engine.generate`)
-compiles it once per shape and donates the state, so caches update in place. Every one of these entry points traces under
-the options' matmul precision (`at_matmul_precision`): float32 means float32 on a GPU too (no TF32).
+candidate's rounds under a switch that runs once per change of candidate); the host side
+(`engine.generate`) compiles it once per shape and donates the state, so caches update in place. Every one of
+these entry points traces under the options' matmul precision (`at_matmul_precision`): float32 means float32
+on a GPU too (no TF32).
 
 Letters (the package glossary, `ddtree_jax/__init__.py`): b rows, T tree nodes (B + 1 for DDTree, bs for
 DFlash, m + 1 for MTP, 1 for AR), P path slots (the block size; m + 1 for MTP), m MTP steps, v vocabulary.
@@ -500,9 +501,10 @@ def auto_loop(target: ModelParams, drafter: ModelParams, state: DecodeState, sto
     candidate's rounds in a `lax.while_loop` of their own for as long as it stays the choice, each round drafting
     the next one and choosing for it at its end. On a GPU a conditional waits for the host (likely the main part
     of why an auto round cost 0.40 ms against a fixed B = 16 round's 0.33 on the demo pair on the H200,
-    2026-12-03, with a switch in every round); here it runs once per change of candidate. The draft of the round after the last one
-    (one per call) is the only extra work. Every round is the fixed round of its candidate, so the output is
-    what any fixed budget's is (greedy: AR's), and the rounds' choices are those a switch in every round makes.
+    2026-12-03, with a switch in every round); here it runs once per change of candidate. The draft of the round
+    after the last one (one per call) is the only extra work. Every round is the fixed round of its candidate, so
+    the output is what any fixed budget's is (greedy: AR's), and the rounds' choices are those a switch in every
+    round makes.
     The chosen index is carried, not recomputed, between the switch and the loop's condition."""
     more = lambda s: (~s.done).any() & (s.step < stop_at)  # noqa: E731
 
@@ -573,16 +575,15 @@ def prefill(target: ModelParams, drafter: ModelParams | None, tokens: jax.Array,
     family = target_family(target.config)
     cache = constrain_cache(family.create_cache(target.config, b, capacity, dtype), options.parallel)
     taps = drafter.config.target_layer_ids if drafter is not None else ()
-    # Row-invariant too when asked: each mode compiles its own prefill (DFlash's returns the taps and fills the
-    # drafter's cache), and with XLA's GEMMs the prompt's K/V differed in bits between AR's program and DFlash's
-    # and between batch sizes, so greedy DFlash left AR at a near-tie (the demo pair, bf16, H200, 2026-12-03).
-    runtime = options.runtime
+    # The options' runtime, row-invariant when asked: each mode compiles its own prefill (DFlash's returns the taps
+    # and fills the drafter's cache), and with XLA's GEMMs the prompt's K/V differed in bits between AR's program
+    # and DFlash's and between batch sizes, so greedy DFlash left AR at a near-tie (demo pair, bf16, H200, 2026-12-03).
     out = family.forward(target, tokens, ForwardMeta.prompt(prompt_lengths, p), cache, tap_layers=taps,
-                         runtime=runtime)
+                         runtime=options.runtime)
     cache = kv.advance(out.cache, prompt_lengths)
     last_hidden = jnp.take_along_axis(out.hidden, (prompt_lengths - 1)[:, None, None], axis=1)[:, 0]
     rng, key = jax.random.split(rng)
-    first = decode_tokens(family.logits(target, last_hidden, runtime), key, options.sampling)
+    first = decode_tokens(family.logits(target, last_hidden, options.runtime), key, options.sampling)
     draft_cache = None
     if options.mode is Mode.MTP:
         # Position i pairs with token i + 1: the prompt shifted left by one, the first emitted token last.
@@ -641,5 +642,5 @@ def _record_round(state: DecodeState, counts: jax.Array, running: jax.Array) -> 
 
 __all__ = ["MATMUL_PRECISIONS", "SPLIT_K_CHOICES", "Mode", "DecodeOptions", "DecodeState", "RoundTrace", "Kernels",
            "at_matmul_precision", "STAGES", "draft", "propose", "verify", "accept", "commit", "speculative_round",
-           "verify_round", "verify_accept", "finish_round", "auto_candidate_round", "auto_loop", "pad_nodes", "ar_round",
-           "ROUNDS", "decode_loop", "prefill"]
+           "verify_round", "verify_accept", "finish_round", "auto_candidate_round", "auto_loop", "pad_nodes",
+           "ar_round", "ROUNDS", "decode_loop", "prefill"]

@@ -26,7 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from ddtree_jax import cache as kv
+from ddtree_jax.accept import chain_tree
 from ddtree_jax.cli import atomic_path
+from ddtree_jax.engine import PROMPT_BUCKET
 from ddtree_jax.models import target_family
 from ddtree_jax.models.contract import ForwardMeta, Kernels, Runtime
 
@@ -50,7 +52,7 @@ def compare(target, prompt: list[int], output: list[int], runtime: Runtime, chai
     layers = target.config.num_layers
     taps = tuple(range(layers))
     p = len(prompt)
-    width = -(-p // 32) * 32
+    width = -(-p // PROMPT_BUCKET) * PROMPT_BUCKET  # as the engine pads it
     tokens = jnp.asarray([list(prompt) + [0] * (width - p)], jnp.int32)
     cache = family.create_cache(target.config, 1, capacity, target.array("model.embed_tokens.weight").dtype)
     out = jax.jit(lambda c: family.forward(target, tokens, ForwardMeta.prompt(jnp.asarray([p]), width), c,
@@ -65,9 +67,8 @@ def compare(target, prompt: list[int], output: list[int], runtime: Runtime, chai
 
     @jax.jit
     def verify(chain_tokens, c):
-        t = chain_tokens.shape[1]
-        meta = ForwardMeta.tree(c.lengths, jnp.maximum(jnp.arange(t) - 1, 0)[None], jnp.arange(t)[None],
-                                jnp.tril(jnp.ones((1, t, t), bool)))
+        tree = chain_tree(chain_tokens)
+        meta = ForwardMeta.tree(c.lengths, tree.parents, tree.depths, tree.ancestor)
         o = family.forward(target, chain_tokens, meta, c, tap_layers=taps, runtime=runtime)
         return o.taps[0], family.logits(target, o.hidden, runtime)[0]
 
@@ -122,7 +123,7 @@ def main(argv=None) -> int:
         print(f"error: --prompt {args.prompt}: expected 0..{len(prompts) - 1}", file=sys.stderr)
         return 2
     prompt = prompts[args.prompt]
-    need = -(-len(prompt) // 32) * 32 + args.max_new_tokens
+    need = -(-len(prompt) // PROMPT_BUCKET) * PROMPT_BUCKET + args.max_new_tokens
     if min(capacities) < need:
         print(f"error: --capacities: every cache needs at least {need} slots (the padded prompt and the output)",
               file=sys.stderr)
