@@ -13,6 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
+import auto_counterfactual  # noqa: E402
 import auto_projection  # noqa: E402
 import bitwise_probe  # noqa: E402
 import gdn_probe  # noqa: E402
@@ -229,6 +230,35 @@ def test_auto_projection_on_random_weights(tmp_path, capsys):
     capsys.readouterr()
     assert auto_projection.main(["--costs", "16=1e-3"]) == 2
     assert capsys.readouterr().err.startswith("error: --costs '16=1e-3'")
+
+
+def test_auto_counterfactual_rules_and_trajectory(tmp_path, capsys):
+    """tools/auto_counterfactual.py: Dinkelbach's rule on a hand-worked case (where the per-round best ratio loses);
+    the trajectory's picks and counts are what the engine's compiled `--budget auto` loop chose and committed under
+    the same costs; bad --costs is one error line, exit 2."""
+    counts, costs = np.array([[1.0, 3.0], [4.0, 4.0]]), np.array([1.0, 2.0])
+    rate, picks = auto_counterfactual.dinkelbach(counts, counts, costs)
+    assert rate == pytest.approx(2.5) and picks.tolist() == [0, 0]  # the ratio rule: tree, chain -> 7/3
+    assert auto_counterfactual.tokens_per_second(counts, costs, np.array([1, 0])) == pytest.approx(7 / 3)
+
+    from ddtree_jax.engine import DecodeOptions, Mode, generate
+
+    target, drafter, prompts, _ = auto_projection.load_pair("tiny", 2)
+    seconds = [1e-3, 1.2e-3]  # auto runs both candidates here (checked below)
+    got_counts, got_picks, predicted, exact = auto_counterfactual.trajectory(target, drafter, prompts, (0, 4),
+                                                                             seconds, 8)
+    options = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=8, budgets=(0, 4))
+    want_counts, want_picks = [], []
+    for prompt in prompts:
+        result = generate(target, [prompt], options, drafter=drafter, round_costs=seconds)
+        want_counts += result.acceptance_lengths[0]
+        want_picks += [(0, 4).index(b) for b in result.budgets_chosen[0]]
+    assert got_picks.tolist() == want_picks and set(want_picks) == {0, 1}
+    assert got_counts[np.arange(len(want_picks)), got_picks].tolist() == want_counts
+    assert (got_counts >= 1).all() and predicted.shape == exact.shape == got_counts.shape
+    capsys.readouterr()
+    assert auto_counterfactual.main(["--costs", "4=1e-3"]) == 2
+    assert capsys.readouterr().err.startswith("error: --costs '4=1e-3'")
 
 
 def test_with_tree_rule_overrides_past_one_block_and_names_the_fastest(tmp_path, monkeypatch, capsys):

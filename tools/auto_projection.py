@@ -5,7 +5,9 @@
 
 Generates with the chain (DFlash), each fixed tree budget and `--budget auto` over those candidates, on this
 machine in float32, with auto deciding by `--costs` (seconds per round of each candidate, e.g. as calibrated on
-a GPU: the `round_costs_s` of a bench JSON). Every round of every mode is then charged its candidate's cost, so
+a GPU: the `round_costs_s` of a bench JSON) and `--change-cost` (seconds a round costs on top when it verifies
+another candidate than the round before: the JSON's `change_cost_s`). Every round of every mode is then charged
+its candidate's cost (and auto's changes theirs), so
 the projected device seconds compare auto's choices with the fixed budgets' under one cost table, leaving out
 what auto's own machinery adds per round on that device (which only a run there shows). Greedy, so every
 mode emits the same tokens; acceptance is this machine's float32 (a GPU's bf16 may flip near-ties).
@@ -31,9 +33,34 @@ def parse_costs(text: str) -> dict[int, float]:
     return dict(sorted(costs.items()))
 
 
+def load_pair(shape: str | None, num_prompts: int):
+    """(target, drafter, prompts, source) in float32: random weights of a bench shape (up to 4 synthetic prompts),
+    or the demo pair and its first `num_prompts` held-out prompts (shape None)."""
+    import jax.numpy as jnp
+
+    if shape:
+        from ddtree_jax.measure.workload import random_pair
+        from ddtree_jax.parallel import Parallel
+
+        target, drafter = random_pair(shape, Parallel(), dtype=jnp.float32)
+        vocab = target.config.vocab_size - 1
+        prompts = [[(7 * i + 3 + 13 * r) % vocab for i in range(40 - 3 * r)] for r in range(min(num_prompts, 4))]
+        return target, drafter, prompts, f"random {shape} weights"
+    from ddtree_jax.bench import read_prompts
+    from ddtree_jax.checkpoint import load_drafter, load_target
+    from ddtree_jax.demo_pair import demo_drafter, demo_prompts, demo_target
+
+    target = load_target(demo_target(), jnp.float32)
+    drafter = load_drafter(demo_drafter(), target.config, jnp.float32)
+    prompts = read_prompts(demo_prompts(), demo_target(), target.config.vocab_size)[:num_prompts]
+    return target, drafter, prompts, "the demo pair"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--costs", required=True, help="seconds per round: chain=S,B=S[,B=S...]")
+    p.add_argument("--change-cost", type=float, default=0.0,
+                   help="seconds per change of candidate (a bench JSON's change_cost_s)")
     p.add_argument("--shape", default=None,
                    help="random weights of this bench shape (e.g. tiny) instead of the demo pair")
     p.add_argument("--num-prompts", type=int, default=12)
@@ -45,29 +72,14 @@ def main(argv=None) -> int:
     except ValueError as exc:
         print(f"error: --costs {args.costs!r}: {exc}", file=sys.stderr)
         return 2
-
-    import jax.numpy as jnp
+    if args.change_cost < 0:
+        print(f"error: --change-cost {args.change_cost}: expected seconds >= 0", file=sys.stderr)
+        return 2
 
     from ddtree_jax.cli import atomic_path
     from ddtree_jax.engine import DecodeOptions, Mode, generate
 
-    if args.shape:
-        from ddtree_jax.measure.workload import random_pair
-        from ddtree_jax.parallel import Parallel
-
-        target, drafter = random_pair(args.shape, Parallel(), dtype=jnp.float32)
-        vocab = target.config.vocab_size - 1
-        prompts = [[(7 * i + 3 + 13 * r) % vocab for i in range(40 - 3 * r)] for r in range(min(args.num_prompts, 4))]
-        source = f"random {args.shape} weights"
-    else:
-        from ddtree_jax.bench import read_prompts
-        from ddtree_jax.checkpoint import load_drafter, load_target
-        from ddtree_jax.demo_pair import demo_drafter, demo_prompts, demo_target
-
-        target = load_target(demo_target(), jnp.float32)
-        drafter = load_drafter(demo_drafter(), target.config, jnp.float32)
-        prompts = read_prompts(demo_prompts(), demo_target(), target.config.vocab_size)[:args.num_prompts]
-        source = "the demo pair"
+    target, drafter, prompts, source = load_pair(args.shape, args.num_prompts)
 
     budgets = tuple(costs)
     modes = [("chain", DecodeOptions(mode=Mode.DFLASH, max_new_tokens=args.max_new_tokens), None)]
@@ -77,24 +89,28 @@ def main(argv=None) -> int:
                [costs[b] for b in budgets])]
     rows, outputs = [], {}
     for name, options, round_costs in modes:
-        seconds, tokens, rounds, chosen = 0.0, 0, 0, []
+        seconds, tokens, rounds, changes, chosen = 0.0, 0, 0, 0, []
         for prompt in prompts:  # one row per call: auto's choice is per batch
-            result = generate(target, [prompt], options, drafter=drafter, round_costs=round_costs)
+            result = generate(target, [prompt], options, drafter=drafter, round_costs=round_costs,
+                              change_cost=args.change_cost if round_costs else 0.0)
             picks = result.budgets_chosen[0] if round_costs else [0 if name == "chain" else int(name)] * len(
                 result.acceptance_lengths[0])
-            seconds += sum(costs[b] for b in picks)
+            changed = sum(a != b for a, b in zip(picks, picks[1:]))  # the first round enters with the call
+            seconds += sum(costs[b] for b in picks) + changed * args.change_cost
+            changes += changed
             tokens += len(result.output_ids[0])
             rounds += len(picks)
             chosen += picks
             outputs.setdefault(name, []).append(result.output_ids[0])
         row = {"mode": name, "rounds": rounds, "tokens": tokens, "tau": tokens / rounds,
                "projected_s": seconds, "projected_tokens_per_s": tokens / seconds,
-               "rounds_by_budget": {str(b): chosen.count(b) for b in budgets}}
+               "rounds_by_budget": {str(b): chosen.count(b) for b in budgets}, "changes": changes}
         rows.append(row)
         print(json.dumps(row), flush=True)
     same = all(outputs[name] == outputs["chain"] for name in outputs)
     report = {"source": source, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-              "costs_s": {str(b): c for b, c in costs.items()}, "outputs_equal": same, "rows": rows}
+              "costs_s": {str(b): c for b, c in costs.items()}, "change_cost_s": args.change_cost,
+              "outputs_equal": same, "rows": rows}
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(args.out) as tmp:

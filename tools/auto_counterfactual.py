@@ -1,0 +1,179 @@
+"""What `--budget auto`'s choices could gain: every candidate's round from the same state, round by round (issue 22).
+
+    PYTHONPATH=. python tools/auto_counterfactual.py --costs chain=0.226e-3,16=0.286e-3,32=0.306e-3 \
+        --num-prompts 8 --max-new-tokens 512 [--out FILE]
+    PYTHONPATH=. python tools/auto_counterfactual.py --shape tiny --costs chain=1e-3,4=1.2e-3   # random weights
+
+Decodes with `--budget auto` over the candidates of `--costs` (seconds per round, e.g. the fixed rows' measured
+round costs on a GPU), one prompt per call, in float32 on this machine, greedy. Every round, from the state auto
+reached, each candidate's round runs too (`round.auto_candidate_round`), so every round has every candidate's
+committed count from the same state; auto's own round then continues. Along that trajectory it reports, under
+the cost table, the tokens per second of
+- each candidate in every round (a fixed budget on these states),
+- auto's choices,
+- the rule that knows the drafter's exact reach of every candidate's tree (built every round, a cost this table
+  leaves out) and picks the most expected tokens less lambda x cost, lambda the rule's own resulting tokens per
+  second (Dinkelbach's rule: per round the best ratio of expected tokens to cost is not the best total ratio),
+- the same rule knowing the committed counts themselves (an oracle: the most any per-round choice can reach),
+and how well the predicted gain of each tree over the chain (auto's, and the exact reach's) correlates with the
+gain the target granted. Greedy, so every candidate emits the same tokens; a change of candidate is not charged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from auto_projection import load_pair, parse_costs
+
+
+def tokens_per_second(counts: np.ndarray, costs: np.ndarray, picks: np.ndarray) -> float:
+    """counts [R, N] committed tokens of each candidate per round, costs [N] seconds, picks [R] candidate index."""
+    rounds = np.arange(len(picks))
+    return float(counts[rounds, picks].sum() / costs[picks].sum())
+
+
+def dinkelbach(expected: np.ndarray, counts: np.ndarray, costs: np.ndarray, iterations: int = 50):
+    """The per-round rule argmax_c expected[r, c] - lam x costs[c] with lam the tokens per second its own picks
+    reach on `counts` (iterated to the fixed point, from lam = 0): returns (tokens per second, picks [R]).
+    With expected = counts it is the best any per-round choice reaches on these rounds.
+
+    Example: counts [[1, 3], [4, 4]], costs [1, 2]: the ratio rule picks the tree in round 0 (3/2 > 1/1) and reaches
+    7/3; this rule settles on the chain in both rounds, 5/2."""
+    lam, picks = 0.0, None
+    for _ in range(iterations):
+        new = np.argmax(expected - lam * costs[None], axis=1)
+        if picks is not None and np.array_equal(new, picks):
+            break
+        picks = new
+        lam = tokens_per_second(counts, costs, picks)
+    return lam, picks
+
+
+def summarize(counts: np.ndarray, picks: np.ndarray, predicted: np.ndarray, exact: np.ndarray,
+              costs: np.ndarray, names: list[str]) -> dict:
+    """counts [R, N], auto's picks [R], auto's corrected predicted tokens [R, N], the drafter's exact expected
+    tokens [R, N] (1 + its reach summed over depths), costs [N] -> the report's figures."""
+    gain = counts[:, 1:] - counts[:, :1]
+
+    def corr(a, b):
+        return float(np.corrcoef(a, b)[0, 1]) if a.std() > 0 and b.std() > 0 else None
+
+    oracle, oracle_picks = dinkelbach(counts, counts, costs)
+    reach_rule, reach_picks = dinkelbach(exact, counts, costs)
+    return {
+        "rounds": int(len(picks)),
+        "fixed": {n: {"tau": float(counts[:, i].mean()),
+                      "tokens_per_s": tokens_per_second(counts, costs, np.full(len(picks), i))}
+                  for i, n in enumerate(names)},
+        "auto": {"tokens_per_s": tokens_per_second(counts, costs, picks),
+                 "rounds_by_candidate": dict(zip(names, np.bincount(picks, minlength=len(names)).tolist()))},
+        "exact_reach_rule": {"tokens_per_s": reach_rule,
+                             "rounds_by_candidate": dict(zip(names, np.bincount(reach_picks, minlength=len(names)).tolist()))},
+        "oracle": {"tokens_per_s": oracle,
+                   "rounds_by_candidate": dict(zip(names, np.bincount(oracle_picks, minlength=len(names)).tolist()))},
+        "gain_over_chain": {n: {"mean": float(gain[:, i].mean()),
+                                "auto_predicted_mean": float((predicted[:, i + 1] - predicted[:, 0]).mean()),
+                                "auto_correlation": corr(predicted[:, i + 1] - predicted[:, 0], gain[:, i]),
+                                "exact_reach_mean": float((exact[:, i + 1] - exact[:, 0]).mean()),
+                                "exact_reach_correlation": corr(exact[:, i + 1] - exact[:, 0], gain[:, i])}
+                            for i, n in enumerate(names[1:])},
+    }
+
+
+def trajectory(target, drafter, prompts, budgets: tuple[int, ...], costs: list[float], max_new_tokens: int):
+    """Auto's decode of each prompt (one per call), every round's every candidate run from the same state.
+    Returns per round (all prompts in order): counts [R, N], auto's picks [R], auto's corrected predicted tokens
+    [R, N], the drafter's exact expected tokens [R, N]."""
+    import jax
+    import jax.numpy as jnp
+
+    from ddtree_jax import round as rounds
+    from ddtree_jax.budget import CHAIN, chain_reach, choose, predicted_reach, tree_reach
+    from ddtree_jax.engine import DecodeOptions, Mode, cache_shape, resolve_options, with_round_costs
+
+    options = resolve_options(DecodeOptions(mode=Mode.DDTREE, max_new_tokens=max_new_tokens, budgets=budgets),
+                              drafter, jnp.float32)
+    depths = options.block_size - 1
+
+    @jax.jit
+    def features(s):
+        logits = rounds.draft(drafter, target, s.last_token, s.draft_cache, options)
+        chain = chain_reach(logits)
+        predicted = predicted_reach(chain, options.budgets, s.budget)
+        corrected = jnp.minimum(predicted * s.budget.correction[None], 1.0)  # as `budget.choose` corrects it
+        exact = [chain if b == CHAIN else tree_reach(rounds.propose(logits, s.last_token, options.candidate(b)),
+                                                     depths) for b in budgets]
+        return (logits, chain, choose(predicted, ~s.done, s.budget), 1.0 + corrected.sum(-1),
+                1.0 + jnp.stack(exact, 1).sum(-1))
+
+    run = [jax.jit(lambda s, logits, chain, i=i: rounds.auto_candidate_round(target, drafter, s, logits, chain, i,
+                                                                              options)) for i in range(len(budgets))]
+    counts, picks, predicted, exact = [], [], [], []
+    for prompt in prompts:
+        width, capacity = cache_shape(len(prompt), options)
+        tokens = np.zeros((1, width), np.int32)
+        tokens[0, :len(prompt)] = prompt
+        state = rounds.prefill(target, drafter, jnp.asarray(tokens), jnp.asarray([len(prompt)], jnp.int32),
+                               jax.random.key(0), capacity=capacity, options=options)
+        state = with_round_costs(state, costs)
+        while not bool(state.done[0]):
+            logits, chain, pick, pred, ex = features(state)
+            after = [r(state, logits, chain) for r in run]
+            counts.append([int(a.round_lengths[0, int(a.num_rounds[0]) - 1]) for a in after])
+            picks.append(int(pick))
+            predicted.append(np.asarray(pred[0]))
+            exact.append(np.asarray(ex[0]))
+            state = after[int(pick)]
+    return np.array(counts, float), np.array(picks), np.array(predicted), np.array(exact)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--costs", required=True, help="seconds per round: chain=S,B=S[,B=S...]")
+    p.add_argument("--shape", default=None,
+                   help="random weights of this bench shape (e.g. tiny) instead of the demo pair")
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    try:
+        costs = parse_costs(args.costs)
+    except ValueError as exc:
+        print(f"error: --costs {args.costs!r}: {exc}", file=sys.stderr)
+        return 2
+
+    from ddtree_jax.cli import atomic_path
+
+    target, drafter, prompts, source = load_pair(args.shape, args.num_prompts)
+    budgets = tuple(costs)
+    names = ["chain" if b == 0 else str(b) for b in budgets]
+    seconds = np.array([costs[b] for b in budgets])
+    counts, picks, predicted, exact = trajectory(target, drafter, prompts, budgets, list(seconds),
+                                                 args.max_new_tokens)
+    report = {"source": source, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+              "costs_s": dict(zip(names, seconds.tolist())),
+              **summarize(counts, picks, predicted, exact, seconds, names)}
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(args.out) as tmp:
+            tmp.write_text(json.dumps(report, indent=1))
+    print(f"{report['rounds']} rounds of {source}, costs {args.costs}")
+    for name, row in report["fixed"].items():
+        print(f"  every round {name:>5}: tau {row['tau']:.2f}, {row['tokens_per_s']:9.0f} tokens/s")
+    for key in ("auto", "exact_reach_rule", "oracle"):
+        print(f"  {key:>16}: {report[key]['tokens_per_s']:9.0f} tokens/s, rounds {report[key]['rounds_by_candidate']}")
+    r2 = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+    for name, g in report["gain_over_chain"].items():
+        print(f"  {name}'s gain over the chain: {g['mean']:.2f} tokens (auto predicts {g['auto_predicted_mean']:.2f}, "
+              f"correlation {r2(g['auto_correlation'])}; exact reach {g['exact_reach_mean']:.2f}, correlation "
+              f"{r2(g['exact_reach_correlation'])})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
