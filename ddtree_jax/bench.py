@@ -238,10 +238,14 @@ def run_checkpoints(args, parallel) -> dict:
     # Timed: prompt by prompt, every row in turn, so that what drifts during the run (a GPU's clock, a shared
     # CPU's load) weighs on every row alike; the rows decoded one after the other had moved by up to 1.7x on
     # this project's CPU.
+    # Auto carries what it learned from one prompt to the next (as `generate --prompts` does from batch to batch),
+    # starting from nothing at the first timed prompt.
     results_of = {key: [] for key in plan}
     for p in tqdm(prompts, desc="bench", disable=None):
         for key in plan:
-            results_of[key].append(generate(target, [p], options_of[key], drafter=drafter, **costs_of(warm_of[key])))
+            learned = results_of[key][-1].auto_learned if results_of[key] else None
+            results_of[key].append(generate(target, [p], options_of[key], drafter=drafter, auto_learned=learned,
+                                            **costs_of(warm_of[key])))
     rows, reference = [], None
     for key in plan:
         (mode, budget), options, warm, results = key, options_of[key], warm_of[key], results_of[key]

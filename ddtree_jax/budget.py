@@ -1,58 +1,45 @@
-"""`--budget auto`: every round, the draft-tree size that is expected to commit the most tokens per second.
+"""`--budget auto`: the draft-tree size that commits the most tokens per second, learned from what the target grants.
 
-The round drafts once; then, before any tree is built, each candidate budget (`DecodeOptions.budgets`, 0 = the
-chain, i.e. a DFlash round) gets the number of tokens it is expected to commit, and the round verifies the
-candidate with the most expected tokens per second of its measured round cost (`choose`): the ordinary
-fixed-budget round of that candidate (`round.auto_candidate_round`; the chain takes the argmaxes as DFlash does,
-a tree builds its own tree). The loop (`round.auto_loop`) runs each chosen candidate's rounds under a
-`lax.switch` that runs once per change of candidate, not every round (on a GPU a conditional waits for the
-host). Every round is an exact speculative round, so the choice never changes what is emitted, only how fast;
-and a round that verifies the chain costs a DFlash round (no vocabulary top-k, no tree build).
+The candidates (`DecodeOptions.budgets`, 0 = the chain, i.e. a DFlash round) each have a measured cost per round
+(calibrated on the actual model, device and batch; below) and a committed-tokens-per-round that the decode learns
+as it goes. Every round verifies the candidate with the most tokens per second, tokens / cost (`choose`), as the
+ordinary fixed-budget round of that candidate (`round.auto_candidate_round`); a `lax.switch` runs once per change
+of candidate (`round.auto_loop`). Every round is an exact speculative round, so the choice never changes what is
+emitted, only how fast.
 
-Reach. Under the drafter's marginals a tree node is on the accepted path with the probability of its root path,
-exp(score) (`DraftTree.scores`), and siblings exclude each other, so the probability that the path reaches depth
-d (its reach) is the sum of exp(score) over the tree's depth-d nodes (`tree_reach`), and the expected committed
-tokens are 1 + sum_d reach_d. The chain's reach is the product of the per-depth top-1 probabilities
-(`chain_reach`: a max and a logsumexp over the vocabulary).
+What a round teaches (`observe`). A round that verified a tree of budget B also tells, exactly, what every
+smaller candidate would have committed from the same state (greedy; with sampling, an estimate): the trees are
+nested (a budget-b tree is the first b + 1 nodes of the budget-B tree, `tree.build_tree`'s best-first order, which
+also numbers every node after its parent), so a smaller tree's walk is the accepted path's nodes numbered <= b;
+and the chain follows the target's tokens along the accepted path for as long as its per-depth argmaxes match
+them (where the chain would go past the last known token, the count is a lower bound). So each candidate's
+committed tokens per round are averaged over every round that revealed them (exponentially, DECAY per round),
+and a round that runs the widest candidate reveals all of them: the first round of a decode that has learned
+nothing runs it, and so does a round after PROBE rounds without it (the estimates of the trees stay current
+while a narrower candidate wins). What was learned carries from one `generate` call to the next
+(`GenerationResult.auto_learned`, `generate(auto_learned=...)`): the bench and `generate --prompts` pass it on.
 
-Predicting a tree's reach without building it. The widest tree costs a vocabulary top-k and a build, which
-is what a chain round should not pay, so a tree's reach is predicted from the chain's (`predicted_reach`):
-chain_d + share_d x (1 - chain_d), where share_d is the part of what the chain leaves at depth d that this
-candidate's tree adds, learned from the rounds that built it (moving averages of tree - chain and of
-1 - chain, whose ratio is `BudgetState.share`; on the demo pair B = 16's share falls with depth, from about
-0.6 at depth 1 to 0 past depth 7). Before a tree candidate has run its share is 1 (untried, it looks good and
-gets tried), and every round it is not verified its share moves 1 - FORGET of the way back to 1, so a tree that
-stopped being chosen is tried again (exploration; the chain's prediction needs none). The prediction is not the
-built tree's exact reach, so a round may choose differently than a rule that builds the widest tree first
-(the rule before 2026-12-02); replayed on that rule's recorded demo-pair rounds it chose the same candidate in
-88% of them, at 0.6% fewer expected tokens per second by that rule's own measure. The alternative kept exact
-choices: an upper bound on each tree's expected tokens from the per-depth top-3 probabilities, building only
-when some tree might win; it could skip the build in only 72% of the rounds the chain won, and it costs a top-k
-pass and a sort in every round, more than it saves where trees mostly win (the CPU).
+Why averages, not a per-round prediction. The rule before 2026-12-03 predicted each round's tokens from the
+drafter's confidence (the chain's reach, a learned share of it per tree, a correction per depth). Along auto's
+own rounds on the demo pair (`tools/auto_counterfactual.py`: every candidate run from the same states, 751 rounds,
+the H200's costs), the predicted gain of a tree over the chain correlated 0.06-0.12 with the gain the target
+granted; even the drafter's exact reach of every built tree (0.28-0.31) gave a per-round rule 0.6% above the
+best candidate's average, and a least-squares fit of the counts on every such feature 0.15% (in-sample). Acting
+on the weak signal cost more than it won: that rule reached 0.964x the best fixed candidate (and 0.90x on the
+H200, 2026-12-03), this one ~0.99x in replays.
 
-Correction. Drafters are over- or under-confident, so the reach the target actually grants is tracked
-against the drafter's reach of what ran (the tree's `tree_reach` after its build, the chain's): per candidate
-and depth, moving averages of the observed indicator (committed count - 1 >= d) and of the drafter's reach, over
-the running rows of each round; their ratio (with a pseudo-count `PRIOR`) scales that candidate's predicted
-reach before the next choice. A candidate keeps its own factor because how far the drafter's confidence carries
-depends on the tree (the chain's top-1 products are not a wide tree's sums), and one that has not run keeps the
-drafter's own prediction. All of it lives in the decode state (`BudgetState`) and updates on device.
+Costs. Seconds per round of each candidate come from a short calibration (`engine.calibrate`: a few rounds of the
+compiled decode loop with the choice forced to one candidate, after every candidate has run untimed for a
+quarter second, the candidates taking turns), cached on disk (`cost_cache_path`, keyed by `cost_key`). They reach
+the compiled loop in the state (`BudgetState.costs`), an array argument, so a new calibration never recompiles.
+So does the cost of a change of candidate (`BudgetState.change_cost`: leaving one candidate's loop and entering
+another's), which `choose` spreads over CHANGE_ROUNDS rounds for every candidate but the last round's: charged in
+full to one round, it kept replays on a worse candidate for hundreds of rounds.
 
-Costs. Seconds per round of each candidate come from a short calibration on the actual model, device and
-batch (`engine.calibrate`: a few rounds of the compiled decode loop with the choice forced to one
-candidate, after every candidate has run untimed for a quarter second, the candidates taking turns), cached
-on disk (`cost_cache_path`, keyed by `cost_key`). They reach the compiled loop in the state
-(`BudgetState.costs`), an array argument, so a new calibration never recompiles. So does the cost of a change
-of candidate (`BudgetState.change_cost`: leaving one candidate's loop and entering another's, where on a GPU each
-conditional waits for the host), which `choose` charges to every candidate but the last round's: the rule
-changes candidate only when the change pays for itself.
+Worked example (chain and B = 4): the chain commits 1.875 tokens per round on average, B = 4 2.3. At costs
+[1.0, 1.3] ms: 1.875 against 1.77 tokens per ms, so the chain runs; at [1.0, 1.2] ms B = 4 (1.92 per ms).
 
-Worked example (one row, chain and B = 4, depths 1..3): chain top-1 probabilities [0.5 0.5 0.5] give reach
-[0.5 0.25 0.125] and 1.875 expected tokens; B = 4's share learned as [0.6 0.2 0] predicts reach
-[0.5 + 0.6 x 0.5, 0.25 + 0.2 x 0.75, 0.125] = [0.8 0.4 0.125] and 2.325 tokens. At costs [1.0, 1.3] ms: 1.875
-vs 1.79 tokens per ms, so the chain runs; at [1.0, 1.2] ms the tree (1.94 per ms).
-
-Letters: b rows, N candidate budgets, L draft depths (block size - 1), T nodes of the widest tree.
+Letters: b rows, N candidate budgets, P = block size (the longest accepted path, root included).
 """
 
 from __future__ import annotations
@@ -66,16 +53,12 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-
-from ddtree_jax.tree import DraftTree
+import numpy as np
 
 CHAIN = 0  # the candidate budget that means a DFlash round (the chain of per-depth argmaxes)
 # The chain and B = 16: on the H200 (docs/performance.md, 2026-12-02) B = 64 projected only 2% above B = 16 at
 # the Qwen3-8B shape and ran slower on the demo pair.
 DEFAULT_CANDIDATES = (CHAIN, 16)
-DECAY = 0.9  # per round, of the observed / predicted reach averages (about 10 rounds of memory)
-PRIOR = 0.05  # pseudo-count of both correction averages: the correction starts at 1 and moves once data arrives
-FORGET = 0.995  # per round not verified, a candidate's share keeps this much of its distance from 1 (exploration)
 COST_CACHE_ENV = "DDTREE_JAX_ROUND_COSTS"  # a folder that overrides the cost cache's default place
 
 
@@ -110,122 +93,117 @@ def check_candidates(values) -> tuple[int, ...]:
 class BudgetState:
     """What `--budget auto` carries through the decode loop (device).
 
-    costs:    [N] float32 seconds per round of each candidate (`DecodeOptions.budgets` order); set by the host
-              (`engine.generate`) before the loop: an argument, not part of the compiled program.
-    seen:     [N, L] float32 per candidate, moving average of the observed reach (the accepted path got to
-              depth d + 1) over the rounds that verified it.
-    expected: [N, L] float32 per candidate, moving average of the drafter's reach of what those rounds verified
-              (its tree's `tree_reach`; the chain's `chain_reach`).
-    gain:     [N, L] float32 per candidate, moving average of its tree's reach less the chain's, over the same
-              rounds (0 for the chain).
-    room:     [N, L] float32 per candidate, moving average of what the chain's reach left, 1 - chain reach.
-    chosen:   [b, max_new] int32 the budget each round of a row verified (0 the chain), as
-              `DecodeState.round_lengths`.
-    change_cost: [] float32 seconds a round costs beyond its candidate's `costs` when the round before it
-              verified another candidate (the loop leaves one candidate's rounds and enters another's:
-              `round.auto_loop`); set by the host with `costs`.
-    last:     [] int32 the candidate the last round verified (-1 before any round: no change is charged).
+    costs:        [N] float32 seconds per round of each candidate (`DecodeOptions.budgets` order); set by the host
+                  (`engine.generate`) before the loop: an argument, not part of the compiled program.
+    change_cost:  [] float32 seconds a round costs beyond its candidate's `costs` when the round before it verified
+                  another candidate; set by the host with `costs`.
+    tokens:       [N] float32 committed tokens (root included) of the rows of every round that revealed the
+                  candidate's count, exponentially weighted (DECAY per round).
+    rows:         [N] float32 those rows, weighted alike: tokens / rows is the candidate's tokens per row-round.
+    since_widest: [] int32 rounds since the widest candidate ran (PROBE of them run it again).
+    last:         [] int32 the candidate the last round verified (-1 before any round: no change is charged).
+    chosen:       [b, max_new] int32 the budget each round of a row verified (0 the chain), as
+                  `DecodeState.round_lengths`.
     """
 
     costs: jax.Array
-    seen: jax.Array
-    expected: jax.Array
-    gain: jax.Array
-    room: jax.Array
-    chosen: jax.Array
     change_cost: jax.Array
+    tokens: jax.Array
+    rows: jax.Array
+    since_widest: jax.Array
     last: jax.Array
+    chosen: jax.Array
 
     @classmethod
-    def start(cls, batch: int, max_new: int, candidates: int, depths: int) -> "BudgetState":
-        zeros = lambda: jnp.zeros((candidates, depths), jnp.float32)  # noqa: E731
-        return cls(costs=jnp.ones((candidates,), jnp.float32), seen=zeros(), expected=zeros(), gain=zeros(),
-                   room=zeros(), chosen=jnp.zeros((batch, max_new), jnp.int32),
-                   change_cost=jnp.zeros((), jnp.float32), last=jnp.full((), -1, jnp.int32))
+    def start(cls, batch: int, max_new: int, candidates: int) -> "BudgetState":
+        zeros = jnp.zeros((candidates,), jnp.float32)
+        return cls(costs=jnp.ones((candidates,), jnp.float32), change_cost=jnp.zeros((), jnp.float32),
+                   tokens=zeros, rows=zeros, since_widest=jnp.zeros((), jnp.int32),
+                   last=jnp.full((), -1, jnp.int32), chosen=jnp.zeros((batch, max_new), jnp.int32))
 
-    @property
-    def correction(self) -> jax.Array:
-        """[N, L] observed over predicted reach, per candidate and depth (1 before the candidate runs)."""
-        return (self.seen + PRIOR) / (self.expected + PRIOR)
+    def learned(self) -> dict:
+        """What carries to the next call (host numpy): tokens, rows, since_widest."""
+        return {"tokens": np.asarray(self.tokens), "rows": np.asarray(self.rows),
+                "since_widest": int(self.since_widest)}
 
-    @property
-    def share(self) -> jax.Array:
-        """[N, L] the part of what the chain's reach leaves (1 - chain reach) that each candidate's tree adds,
-        per depth: gain / room (within [-1, 1]); 1, all of it, before the candidate has run (an untried tree
-        looks good, so it gets tried). Both averages start at 0 and move together, so their ratio carries no
-        start-up bias."""
-        ratio = self.gain / jnp.where(self.room > 0, self.room, 1.0)
-        return jnp.where(self.room > 0, jnp.clip(ratio, -1.0, 1.0), 1.0)  # clipped: a near-0 room is noise
+    def with_learned(self, learned: dict) -> "BudgetState":
+        """This state with a previous call's `learned()` (arrays placed as this state's)."""
+        put = lambda value, like: jax.device_put(np.asarray(value, like.dtype), like.sharding)  # noqa: E731
+        return dataclasses.replace(self, tokens=put(learned["tokens"], self.tokens),
+                                   rows=put(learned["rows"], self.rows),
+                                   since_widest=put(learned["since_widest"], self.since_widest))
 
 
-def tree_reach(tree: DraftTree, depths: int) -> jax.Array:
-    """[b, L] the drafter's reach by depth of a tree: the sum of exp(score) over its nodes at each depth.
-
-    Example: scores [0, ln .5, ln .3, ln .25] at depths [0 1 1 2]: reach [.8 .25]."""
-    prob = jnp.where(tree.valid, jnp.exp(tree.scores), 0.0)  # [b, T]
-    at_depth = tree.depths[:, :, None] == jnp.arange(1, depths + 1)[None, None, :]  # the root (depth 0) nowhere
-    return jnp.sum(prob[:, :, None] * at_depth, axis=1)
+DECAY = 0.999  # per round, of every candidate's tokens and rows (about 1000 rounds of memory)
+PROBE = 256  # rounds without the widest candidate before it runs once more (it reveals every candidate's count)
+CHANGE_ROUNDS = 32  # rounds a change of candidate is spread over in `choose`
 
 
-def chain_reach(logits: jax.Array) -> jax.Array:
-    """[b, L] reach by depth of the chain of per-depth argmaxes: the product of the top-1 probabilities down
-    to each depth (logits or log-probabilities [b, L, v] float32: a max and a logsumexp per depth)."""
-    top1 = jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1)
-    return jnp.exp(jnp.cumsum(top1, axis=-1))
-
-
-def predicted_reach(chain: jax.Array, budgets: tuple[int, ...], budget_state: BudgetState) -> jax.Array:
-    """[b, N, L] each candidate's reach by depth as the drafter would predict it, from the chain's reach
-    (chain [b, L]) alone: the chain's own, and for a tree chain + share x (1 - chain) (`BudgetState.share`,
-    learned from the trees that ran), within [0, 1]. No tree is built for it."""
-    is_tree = jnp.asarray([b != CHAIN for b in budgets])[None, :, None]
-    tree = jnp.clip(chain[:, None, :] + budget_state.share[None] * (1.0 - chain[:, None, :]), 0.0, 1.0)
-    return jnp.where(is_tree, tree, chain[:, None, :])
-
-
-def choose(reach: jax.Array, running: jax.Array, budget_state: BudgetState) -> jax.Array:
-    """The candidate index [] int32 with the most expected tokens per second over the batch's running rows.
-
-    reach [b, N, L] predicted (`predicted_reach`), corrected per candidate and depth (capped at 1); a row expects
-    1 + sum_d reach_d tokens. A candidate other than the last round's is charged `change_cost` on top of its
-    round's cost: choosing afresh every round changed candidate in 399 of 894 rounds on the H200's demo pair,
-    whose decode then took ~0.37 ms per change beyond its calibrated 0.20-0.30 ms rounds (auto at 0.80x the
-    best fixed budget, 2026-12-03). One choice for the batch: a `lax.switch` on a batched index would run every
-    branch."""
-    corrected = jnp.minimum(reach * budget_state.correction[None], 1.0)
-    tokens = 1.0 + corrected.sum(-1)  # [b, N]
-    candidates = jnp.arange(budget_state.costs.shape[0])
+def choose(budget_state: BudgetState) -> jax.Array:
+    """The candidate index [] int32 with the most tokens per second, tokens / rows / (cost + the change's share),
+    a change's share being change_cost / CHANGE_ROUNDS for every candidate but the last round's; the widest
+    candidate when it has never run or PROBE rounds have passed without it. A candidate of infinite cost is
+    never chosen (the calibration forces one candidate so)."""
+    costs = budget_state.costs
+    widest = costs.shape[0] - 1
+    allowed = jnp.isfinite(costs)
+    per_round = budget_state.tokens / jnp.maximum(budget_state.rows, 1e-30)
+    candidates = jnp.arange(costs.shape[0])
     change = (candidates != budget_state.last) & (budget_state.last >= 0)
-    seconds = budget_state.costs + jnp.where(change, budget_state.change_cost, 0.0)
-    per_second = jnp.sum(jnp.where(running[:, None], tokens, 0.0), axis=0) / seconds
-    return jnp.argmax(per_second).astype(jnp.int32)
+    seconds = costs + jnp.where(change, budget_state.change_cost / CHANGE_ROUNDS, 0.0)
+    best = jnp.argmax(jnp.where(allowed, per_round / jnp.where(allowed, seconds, 1.0), -1.0)).astype(jnp.int32)
+    explore = allowed[widest] & ((budget_state.rows[widest] == 0) | (budget_state.since_widest >= PROBE))
+    return jnp.where(explore, jnp.int32(widest), best)
 
 
-def observe(budget_state: BudgetState, pick: jax.Array, reach: jax.Array, chain: jax.Array, counts: jax.Array,
-            running: jax.Array, budget: jax.Array, num_rounds: jax.Array) -> BudgetState:
-    """After a round that verified candidate `pick` [] (its budget `budget` []): fold the running rows' observed
-    reach (counts [b] committed tokens, root included), the drafter's reach of what was verified (reach [b, L])
-    and the chain's (chain [b, L]) into that candidate's averages; every other candidate's share moves
-    1 - FORGET of the way back to 1 (so a tree that stopped being chosen is tried again); record `budget` at each
-    running row's round index `num_rounds` [b], and `pick` as the last candidate. A round in which no row runs
-    changes nothing."""
-    depths = reach.shape[-1]
-    n = jnp.maximum(running.sum(), 1).astype(jnp.float32)
-    mean = lambda x: jnp.where(running[:, None], x, 0.0).sum(0) / n  # noqa: E731  [b, L] -> [L], running rows
-    got = (counts[:, None] - 1 >= jnp.arange(1, depths + 1)[None, :]).astype(jnp.float32)
-    candidates = jnp.arange(budget_state.seen.shape[0])[:, None]
-    ran = (candidates == pick) & running.any()  # [N, 1]
-    idle = (candidates != pick) & running.any()
-    blend = lambda old, new: jnp.where(ran, DECAY * old + (1 - DECAY) * new[None], old)  # noqa: E731
-    room = blend(budget_state.room, mean(1.0 - chain))
-    gain = blend(budget_state.gain, mean(reach - chain))
-    gain = jnp.where(idle, gain + (1 - FORGET) * (room - gain), gain)
+def revealed_counts(budgets: tuple[int, ...], pick: int, counts: jax.Array, path: jax.Array, tokens: jax.Array,
+                    chain_tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """What every candidate would have committed in a round that verified candidate `pick` (static) and committed
+    counts [b] along the accepted path [b, P] (node indices, root first) with the target's tokens [b, P] (the
+    token after each path node; the last one the bonus), chain_tokens [b, P - 1] the draft's per-depth argmaxes.
+    Returns (counts [b, N] int32, revealed [N] bool): the candidate itself; a smaller tree, the path's nodes
+    numbered <= its budget (nested trees); the chain, 1 + the depths its argmaxes match the target's tokens
+    (a lower bound where it matches the last known one); a wider tree, not revealed (0).
+
+    Example (P = 4): a B = 4 round accepts path [0 1 3 5] (count 3: nodes 1 and 3, the bonus after 3): B = 2
+    commits 2 (node 1 only); target tokens [7 8 9 -] against chain argmaxes [7 6 9]: the chain commits 2."""
+    depth = jnp.arange(path.shape[1])
+    known = depth[None, :] < counts[:, None]  # [b, P]: the path's accepted nodes and the bonus's position
+    matches = (chain_tokens == tokens[:, :-1]) & known[:, :-1]
+    chain = 1 + jnp.sum(jnp.cumprod(matches.astype(jnp.int32), axis=1), axis=1)
+    out, revealed = [], []
+    for i, b in enumerate(budgets):
+        if i == pick:
+            out.append(counts)
+        elif b == CHAIN:
+            out.append(chain)
+        elif b < budgets[pick]:
+            out.append(1 + jnp.sum(known[:, 1:] & (path[:, 1:] <= b), axis=1))
+        else:
+            out.append(jnp.zeros_like(counts))
+        revealed.append(i == pick or b == CHAIN or b < budgets[pick])
+    return jnp.stack(out, axis=1).astype(jnp.int32), jnp.asarray(revealed)
+
+
+def observe(budget_state: BudgetState, pick: int, counts: jax.Array, revealed: jax.Array, running: jax.Array,
+            budget: int, num_rounds: jax.Array) -> BudgetState:
+    """After a round that verified candidate `pick` (static; its budget `budget`): fold the running rows'
+    counts [b, N] of every revealed [N] candidate (`revealed_counts`) into its tokens and rows, record `budget`
+    at each running row's round index `num_rounds` [b], `pick` as the last candidate and the widest's absence.
+    A round in which no row runs changes nothing."""
+    any_running = running.any()
+    n = running.sum().astype(jnp.float32)
+    total = jnp.sum(jnp.where(running[:, None], counts, 0), axis=0).astype(jnp.float32)  # [N]
+    learn = revealed & any_running
+    tokens = jnp.where(learn, DECAY * budget_state.tokens + total, budget_state.tokens)
+    rows = jnp.where(learn, DECAY * budget_state.rows + n, budget_state.rows)
+    widest = budget_state.costs.shape[0] - 1
+    since = jnp.where(any_running, 0 if pick == widest else budget_state.since_widest + 1, budget_state.since_widest)
     b, max_new = budget_state.chosen.shape
     idx = jnp.where(running, num_rounds, max_new)
-    return dataclasses.replace(budget_state, seen=blend(budget_state.seen, mean(got)),
-                               expected=blend(budget_state.expected, mean(reach)), gain=gain, room=room,
+    return dataclasses.replace(budget_state, tokens=tokens, rows=rows, since_widest=since.astype(jnp.int32),
                                chosen=budget_state.chosen.at[jnp.arange(b), idx].set(budget, mode="drop"),
-                               last=jnp.where(running.any(), pick.astype(jnp.int32), budget_state.last))
+                               last=jnp.where(any_running, jnp.int32(pick), budget_state.last))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -303,5 +281,5 @@ def save_costs(key: dict, seconds, change_seconds: float) -> Path | None:
 
 
 __all__ = ["CHAIN", "DEFAULT_CANDIDATES", "candidates_text", "BudgetState", "parse_candidates", "check_candidates",
-           "tree_reach", "chain_reach", "predicted_reach", "choose", "observe", "cost_key", "cost_cache_dir",
+           "choose", "revealed_counts", "observe", "DECAY", "PROBE", "CHANGE_ROUNDS", "cost_key", "cost_cache_dir",
            "cost_cache_path", "load_costs", "save_costs"]

@@ -51,6 +51,9 @@ class GenerationResult:
     round_costs: list[float] | None = None
     change_cost: float | None = None
     calibration_seconds: float = 0.0
+    # --budget auto: what the call learned of each candidate's committed tokens (`budget.BudgetState.learned`),
+    # for the next call's `generate(auto_learned=...)`
+    auto_learned: dict | None = None
 
     def acceptance_histogram(self, block_size: int) -> list[int]:
         """Rounds by committed length: entry k counts rounds that committed k + 1 tokens (k + 1 = depth
@@ -170,7 +173,7 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
              drafter: ModelParams | None = None, seed: int = 0, steps_per_call: int | None = None,
              on_tokens: Callable[[list[list[int]]], None] | None = None,
              round_costs: Sequence[float] | None = None, change_cost: float = 0.0,
-             recalibrate: bool = False) -> GenerationResult:
+             recalibrate: bool = False, auto_learned: dict | None = None) -> GenerationResult:
     """Generate for a batch of token-id prompts (unequal lengths allowed).
 
     drafter: the DFlash drafter (dflash and ddtree modes), or the target's MTP head (mtp mode:
@@ -179,7 +182,8 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
     `--budget auto` (options.budgets): round_costs, seconds per round of each candidate, and change_cost, seconds
     a round costs on top when it verifies another candidate than the round before; round_costs None takes both
     from the cost cache, or measures them on these prompts first (`calibrate`) and caches them (`recalibrate`:
-    measure even when cached).
+    measure even when cached); auto_learned, a previous call's `GenerationResult.auto_learned` (same candidates):
+    the committed tokens per round it learned, to start from instead of nothing.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
@@ -192,6 +196,9 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
         raise ValueError(f"round_costs: one per candidate budget {options.budgets}, got {len(round_costs)}")
     if change_cost < 0:
         raise ValueError(f"change_cost: seconds >= 0, got {change_cost}")
+    if auto_learned is not None and (not options.auto_budget or len(auto_learned.get("tokens", ())) != len(
+            options.budgets)):
+        raise ValueError(f"auto_learned: a previous --budget auto call's, over the candidates {options.budgets}")
     vocab = target.config.vocab_size
     for r, prompt in enumerate(prompts):
         bad = [t for t in prompt if not 0 <= int(t) < vocab]
@@ -241,6 +248,8 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
                       "for this run only", file=sys.stderr)
     if options.auto_budget:
         state = with_round_costs(state, round_costs, change_cost)
+        if auto_learned is not None:
+            state = dataclasses.replace(state, budget=state.budget.with_learned(auto_learned))
 
     trees: list[dict] | None = [] if options.record_trees else None
     decode_s = 0.0
@@ -269,6 +278,7 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
         round_costs=[float(c) for c in round_costs] if options.auto_budget else None,
         change_cost=float(change_cost) if options.auto_budget else None,
         calibration_seconds=calibration_s,
+        auto_learned=state.budget.learned() if options.auto_budget else None,
     )
 
 
@@ -284,7 +294,7 @@ def with_round_costs(state: DecodeState, seconds: Sequence[float], change_second
 CALIBRATION_ROUNDS = 8  # timed rounds per call of the calibration
 CALIBRATION_REPEATS = 5  # timed pairs of calls per candidate (median)
 CALIBRATION_WARMUP_S = 0.25  # untimed calls of every candidate first, at least this long
-FORCED_OUT = 1e30  # the cost that keeps a candidate from being chosen while another one is measured
+FORCED_OUT = float("inf")  # the cost that keeps a candidate from being chosen while another one is measured
 
 
 def calibrate(run_prefill: Callable[[], DecodeState], run_loop: Callable[[DecodeState, int], DecodeState],

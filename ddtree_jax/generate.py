@@ -410,15 +410,17 @@ def run_prompts(args: argparse.Namespace) -> int:
 
     records = {line.index: {"index": line.index, "line": line.line, "id": line.id, "error": line.error}
                for line in lines if line.error is not None}
-    tokens, rounds, decode_s, compile_s = 0, [], 0.0, 0.0
+    tokens, rounds, decode_s, compile_s, learned = 0, [], 0.0, 0.0, None
     with tqdm(total=len(runnable), desc="prompts", unit="prompt", disable=None) as bar:
         for b, start in enumerate(range(0, len(runnable), args.batch_size)):
             batch = runnable[start:start + args.batch_size]
-            try:
+            try:  # --budget auto carries what it learned from batch to batch
                 result = generate(params, [line.ids for line in batch], options, drafter=drafter,
-                                  seed=args.seed + b, recalibrate=args.recalibrate and b == 0)
+                                  seed=args.seed + b, recalibrate=args.recalibrate and b == 0,
+                                  auto_learned=learned)
             except ValueError as e:
                 raise BadInput(str(e)) from None
+            learned = result.auto_learned
             for row, line in enumerate(batch):
                 records[line.index] = {"index": line.index, "line": line.line, "id": line.id,
                                        **row_report(args.mode, options, result, row, request.tokenizer)}

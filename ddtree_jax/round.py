@@ -40,8 +40,7 @@ import jax.numpy as jnp
 
 from ddtree_jax import cache as kv
 from ddtree_jax.accept import Accepted, accept_tree, chain_tree
-from ddtree_jax.budget import (CHAIN, BudgetState, chain_reach, check_candidates, choose, observe, predicted_reach,
-                               tree_reach)
+from ddtree_jax.budget import CHAIN, BudgetState, check_candidates, choose, observe, revealed_counts
 from ddtree_jax.models import dflash, mtp, target_family
 from ddtree_jax.models.contract import (FP8_MATMUL_CHOICES, KERNEL_CHOICES, ForwardMeta,
                                         ForwardOut, Kernels, Runtime, resolve_fp8_matmul, resolve_kernels)
@@ -244,7 +243,7 @@ class DecodeState:
                    num_rounds=jnp.zeros((b,), jnp.int32), rng=rng, step=jnp.zeros((), jnp.int32),
                    trace=RoundTrace.empty(b, options.verify_width, options.block_size)
                    if options.record_trees else None,
-                   budget=BudgetState.start(b, options.max_new_tokens, len(options.budgets), options.block_size - 1)
+                   budget=BudgetState.start(b, options.max_new_tokens, len(options.budgets))
                    if options.auto_budget else None)
 
 
@@ -465,18 +464,19 @@ def ar_round(target: ModelParams, drafter: None, state: DecodeState, options: De
 
 @at_matmul_precision
 def auto_candidate_round(target: ModelParams, drafter: ModelParams, state: DecodeState, logits: jax.Array,
-                         chain: jax.Array, pick: int, options: DecodeOptions) -> DecodeState:
+                         pick: int, options: DecodeOptions) -> DecodeState:
     """One `--budget auto` round that verifies candidate `pick` (static; `options.budgets[pick]`), from this
-    round's draft `logits` [b, L, v] and the chain's reach `chain` [b, L]: the fixed round of
-    `options.candidate(budget)` (the chain takes the argmaxes as DFlash does, no top-k and no tree build; a tree
-    builds its own budget's tree), then the correction and the share learn from what ran (`budget.observe`)."""
+    round's draft `logits` [b, L, v]: the fixed round of `options.candidate(budget)` (the chain takes the argmaxes
+    as DFlash does, no top-k and no tree build; a tree builds its own budget's tree), then what it revealed of
+    every candidate's count is learned (`budget.revealed_counts`, `budget.observe`)."""
     budget = options.budgets[pick]
     sub = options.candidate(budget)
     running = ~state.done
     rng, key = jax.random.split(state.rng)
     with jax.named_scope("tree"):
         tree = propose(logits, state.last_token, sub)
-        reach = chain if budget == CHAIN else tree_reach(tree, options.block_size - 1)  # the drafter's, of what runs
+    # The chain's per-depth argmaxes [b, L], against which a tree round reveals the chain's count.
+    chain_tokens = tree.tokens[:, 1:] if budget == CHAIN else jnp.argmax(logits, axis=-1).astype(jnp.int32)
     out, acc = verify_accept(target, drafter, state, tree, key, sub)
     if options.record_trees:  # the trace holds the widest candidate's nodes
         tree = pad_nodes(tree, options.verify_width)
@@ -485,17 +485,17 @@ def auto_candidate_round(target: ModelParams, drafter: ModelParams, state: Decod
     # path's gather does not.
     after = finish_round(target, drafter, state, tree, out, acc, rng, options)
     counts = jnp.where(running, acc.count, 0)
-    budget_state = observe(state.budget, jnp.int32(pick), reach, chain, counts, running, jnp.int32(budget),
-                           state.num_rounds)
+    with jax.named_scope("choose"):
+        revealed, which = revealed_counts(options.budgets, pick, counts, acc.path, acc.tokens, chain_tokens)
+        budget_state = observe(state.budget, pick, revealed, which, running, budget, state.num_rounds)
     return dataclasses.replace(after, budget=budget_state)
 
 
 @at_matmul_precision
 def auto_loop(target: ModelParams, drafter: ModelParams, state: DecodeState, stop_at: jax.Array,
               options: DecodeOptions) -> DecodeState:
-    """`--budget auto`'s decode loop: every round drafts once, predicts every candidate's reach from the chain's
-    (`budget.predicted_reach`: no tree is built to choose) and verifies the candidate with the most expected
-    tokens per second of its round cost (`budget.choose`), in rounds of `auto_candidate_round`.
+    """`--budget auto`'s decode loop: every round verifies the candidate with the most tokens per second
+    (`budget.choose`: learned tokens per round over measured cost), in rounds of `auto_candidate_round`.
 
     The switch between candidates sits outside the rounds: a `lax.switch` on the chosen candidate runs that
     candidate's rounds in a `lax.while_loop` of their own for as long as it stays the choice, each round drafting
@@ -509,24 +509,23 @@ def auto_loop(target: ModelParams, drafter: ModelParams, state: DecodeState, sto
     more = lambda s: (~s.done).any() & (s.step < stop_at)  # noqa: E731
 
     def drafted(s: DecodeState):
-        """This round's draft logits, the chain's reach, and the candidate chosen for it."""
+        """This round's draft logits and the candidate chosen for it."""
         with jax.named_scope("draft"):
             logits = draft(drafter, target, s.last_token, s.draft_cache, options)
         with jax.named_scope("choose"):
-            chain = chain_reach(logits)  # [b, L]
-            pick = choose(predicted_reach(chain, options.budgets, s.budget), ~s.done, s.budget)
-        return logits, chain, pick
+            pick = choose(s.budget)
+        return logits, pick
 
     def rounds_of(pick: int):
         def body(carry):
-            s, logits, chain, _ = carry
-            s = auto_candidate_round(target, drafter, s, logits, chain, pick, options)
+            s, logits, _ = carry
+            s = auto_candidate_round(target, drafter, s, logits, pick, options)
             return (s, *drafted(s))
 
-        return lambda carry: jax.lax.while_loop(lambda c: more(c[0]) & (c[3] == pick), body, carry)
+        return lambda carry: jax.lax.while_loop(lambda c: more(c[0]) & (c[2] == pick), body, carry)
 
     branches = [rounds_of(i) for i in range(len(options.budgets))]
-    carry = jax.lax.while_loop(lambda c: more(c[0]), lambda c: jax.lax.switch(c[3], branches, c),
+    carry = jax.lax.while_loop(lambda c: more(c[0]), lambda c: jax.lax.switch(c[2], branches, c),
                                (state, *drafted(state)))
     return carry[0]
 

@@ -1,4 +1,4 @@
-"""`--budget auto`'s arithmetic on literal trees (`budget.py`'s worked example), its acceptance correction, the
+"""`--budget auto`'s choice (`budget.py`'s worked example), what a round reveals and how it is learned, the
 candidate parser and the on-disk cost cache. The decoding itself (lossless, branches taken, calibration) is
 tested in test_ddtree_decoding.py and test_hybrid_decoding.py."""
 
@@ -14,109 +14,101 @@ import pytest
 from ddtree_jax import budget as auto
 from ddtree_jax.engine import DecodeOptions, Mode
 from ddtree_jax.random_checkpoint import tiny_qwen3_config
-from ddtree_jax.tree import DraftTree
 
 LN = np.log
 
 
-def literal_tree() -> DraftTree:
-    """budget.py's example: root, then (depth, p) = (1, .5) (1, .3) (2, .25) (2, .15), best first."""
-    depths = jnp.asarray([[0, 1, 1, 2, 2]])
-    scores = jnp.asarray([[0.0, LN(.5), LN(.3), LN(.25), LN(.15)]], jnp.float32)
-    parents = jnp.asarray([[0, 0, 0, 1, 1]])
-    return DraftTree(tokens=jnp.zeros((1, 5), jnp.int32), parents=parents, depths=depths, valid=jnp.ones((1, 5), bool),
-                     ancestor=jnp.ones((1, 5, 5), bool), scores=scores)
+def state_with(tokens_per_round, costs, rows=10.0, **kw) -> auto.BudgetState:
+    """A one-row state that has learned `tokens_per_round` [N] over `rows` row-rounds each, at `costs` [N]."""
+    n = len(costs)
+    state = auto.BudgetState.start(1, 8, n)
+    return dataclasses.replace(state, tokens=jnp.asarray(tokens_per_round, jnp.float32) * rows,
+                               rows=jnp.full((n,), rows, jnp.float32), costs=jnp.asarray(costs, jnp.float32), **kw)
 
 
-def learned(state: auto.BudgetState, candidate: int, share) -> auto.BudgetState:
-    """The state with `candidate`'s share set to `share` [L] (room 1 at every depth)."""
-    share = jnp.asarray(share, jnp.float32)
-    return dataclasses.replace(state, gain=state.gain.at[candidate].set(share), room=state.room.at[candidate].set(1.0))
+def test_choice_of_the_worked_example():
+    """budget.py's example: the chain 1.875 tokens per round, B = 4 2.3: at [1.0, 1.3] ms the chain (1.875 against
+    1.77 per ms), at [1.0, 1.2] the tree (1.92)."""
+    assert int(auto.choose(state_with([1.875, 2.3], [1.0, 1.3]))) == 0
+    assert int(auto.choose(state_with([1.875, 2.3], [1.0, 1.2]))) == 1
 
 
-def test_reach_prediction_and_choice_of_the_worked_example():
-    np.testing.assert_allclose(np.asarray(auto.tree_reach(literal_tree(), depths=3)), [[.8, .4, 0]], rtol=1e-6)
-    probs = jnp.asarray([[[.5, .3, .2], [.5, .5, 0], [.25, .5, .25]]], jnp.float32)
-    chain = auto.chain_reach(jnp.log(probs) + 3.0)  # logits: any shift per depth, the same probabilities
-    np.testing.assert_allclose(np.asarray(chain), [[.5, .25, .125]], rtol=1e-6)
-    state = learned(auto.BudgetState.start(1, 8, 2, 3), 1, [.6, .2, 0])
-    reach = auto.predicted_reach(chain, (auto.CHAIN, 4), state)  # (chain, 4): 1.875 and 2.325 tokens
-    np.testing.assert_allclose(np.asarray(reach[0]), [[.5, .25, .125], [.8, .4, .125]], rtol=1e-6)
-    running = jnp.asarray([True])
-    pick = lambda costs: int(auto.choose(reach, running, dataclasses.replace(state, costs=costs)))  # noqa: E731
-    assert pick(jnp.asarray([1.0, 1.3])) == 0 and pick(jnp.asarray([1.0, 1.2])) == 1
-    # Rows that are done do not vote: a done row that expects a lot from the tree changes nothing.
-    two = jnp.concatenate([reach, jnp.asarray([[[0, 0, 0], [1, 1, 1]]], jnp.float32)])
-    state2 = dataclasses.replace(auto.BudgetState.start(2, 8, 2, 3), costs=jnp.asarray([1.0, 1.3]))
-    assert int(auto.choose(two, jnp.asarray([True, False]), state2)) == 0
-    assert int(auto.choose(two, jnp.asarray([True, True]), state2)) == 1
-    # An untried tree's share is 1: it expects all of the chain's shortfall and is tried first; a negative
-    # share (a tree without the chain's deep nodes) predicts less than the chain, never below 0.
-    fresh = auto.predicted_reach(chain, (auto.CHAIN, 4), auto.BudgetState.start(1, 8, 2, 3))
-    np.testing.assert_allclose(np.asarray(fresh[0, 1]), [1, 1, 1])
-    low = auto.predicted_reach(chain, (auto.CHAIN, 4), learned(auto.BudgetState.start(1, 8, 2, 3), 1, [0, -.1, -1]))
-    np.testing.assert_allclose(np.asarray(low[0, 1]), [.5, .25 - .075, 0], rtol=1e-6)
-
-
-def test_a_change_of_candidate_is_charged_its_cost():
-    """The worked example at costs [1.0, 1.2] ms: the tree (2.325 tokens, 1.94 per ms) beats the chain (1.875 per
-    ms) by 3.3%. After a chain round, with a change costing 0.1 ms, the tree's round counts 1.3 ms (1.79 per ms):
-    the chain stays; after a tree round the chain would need 1.1 ms (1.70 per ms): the tree stays. With no last
-    round (-1) or a free change, the better rate wins as before; observe records the candidate that ran."""
-    probs = jnp.asarray([[[.5, .5], [.5, .5], [.5, .5]]], jnp.float32)
-    chain = auto.chain_reach(jnp.log(probs))
-    state = dataclasses.replace(learned(auto.BudgetState.start(1, 8, 2, 3), 1, [.6, .2, 0]),
-                                costs=jnp.asarray([1.0, 1.2]), change_cost=jnp.asarray(0.1, jnp.float32))
-    reach = auto.predicted_reach(chain, (auto.CHAIN, 4), state)
-    running = jnp.asarray([True])
-    pick = lambda **kw: int(auto.choose(reach, running, dataclasses.replace(state, **kw)))  # noqa: E731
+def test_a_change_of_candidate_is_charged_its_share():
+    """At [1.0, 1.2] ms the tree leads by 2.2% (1.917 against 1.875 per ms). A change costing 3.2 ms adds 0.1 ms
+    (3.2 / CHANGE_ROUNDS) to the tree's round after a chain round: 1.77 per ms, the chain stays; after a tree
+    round the chain would count 1.1 ms (1.70): the tree stays. No last round or a free change: the better rate."""
+    assert auto.CHANGE_ROUNDS == 32
+    state = state_with([1.875, 2.3], [1.0, 1.2], change_cost=jnp.asarray(3.2, jnp.float32))
+    pick = lambda **kw: int(auto.choose(dataclasses.replace(state, **kw)))  # noqa: E731
     assert int(state.last) == -1 and pick() == 1
     assert pick(last=jnp.asarray(0)) == 0 and pick(last=jnp.asarray(1)) == 1
     assert pick(last=jnp.asarray(0), change_cost=jnp.asarray(0.0)) == 1
-    ran = auto.observe(state, jnp.asarray(0), chain, chain, jnp.asarray([2]), running, jnp.asarray(0),
-                       jnp.asarray([0]))
-    assert int(ran.last) == 0
-    idle = auto.observe(ran, jnp.asarray(1), chain, chain, jnp.asarray([0]), jnp.asarray([False]), jnp.asarray(4),
-                        jnp.asarray([0]))
-    assert int(idle.last) == 0  # a round in which no row ran changes nothing
 
 
-def test_observe_learns_the_correction_and_the_share_per_candidate_and_depth():
-    """Candidate 1 (budget 4) ran a tree of drafter reach [.8 .4 0] where the chain's was [.5 .25 .1]; the target
-    grants depth 1 half as often as predicted (counts 2, 1: one row reaches depth 1, one does not): its correction
-    at depth 1 falls below 1, depth 3 stays 1, and its share is (tree - chain) / (1 - chain), here
-    [.6 .2 -.1 / .9]; candidate 0, which never ran, keeps correction 1; the round's budget is written at each
-    running row's round index. The third row is done: it counts nowhere."""
-    state = auto.BudgetState.start(3, 4, 2, 3)
-    reach = jnp.asarray([[.8, .4, 0], [.8, .4, 0], [.9, .9, .9]], jnp.float32)
-    chain = jnp.asarray([[.5, .25, .1], [.5, .25, .1], [.9, .9, .9]], jnp.float32)
+def test_the_widest_runs_first_and_every_probe_rounds_and_never_when_forced_out():
+    """Nothing learned: the widest candidate (it reveals every count). Learned, the chain is better; after PROBE
+    rounds without the widest, the widest once. A candidate of infinite cost (the calibration's forcing) is never
+    chosen, the widest included."""
+    fresh = dataclasses.replace(auto.BudgetState.start(1, 8, 3), costs=jnp.asarray([1.0, 1.0, 1.0]))
+    assert int(auto.choose(fresh)) == 2
+    state = state_with([3.0, 3.1, 3.2], [1.0, 1.5, 2.0])
+    assert int(auto.choose(state)) == 0
+    assert int(auto.choose(dataclasses.replace(state, since_widest=jnp.asarray(auto.PROBE - 1)))) == 0
+    assert int(auto.choose(dataclasses.replace(state, since_widest=jnp.asarray(auto.PROBE)))) == 2
+    inf = float("inf")
+    for forced in range(3):
+        costs = jnp.asarray([1.0 if i == forced else inf for i in range(3)])
+        assert int(auto.choose(dataclasses.replace(fresh, costs=costs))) == forced
+        assert int(auto.choose(dataclasses.replace(state, costs=costs, since_widest=jnp.asarray(999)))) == forced
+
+
+def test_revealed_counts_of_smaller_trees_and_the_chain():
+    """budget.py's example (P = 4, candidates chain, 2, 4, 8; B = 4 ran): path [0 1 3 5] with count 3 (nodes 1
+    and 3 accepted, the bonus after node 3): B = 2 commits 2 (node 1 only), the chain 2 (its argmaxes [7 6 9]
+    against the target's [7 8 9]), B = 8 is not revealed. Row 2 accepted node 3 (count 2), outside B = 2's tree
+    (1), and the chain matches every known target token ([4 5]): a lower bound, 3. Row 3 accepted nothing (count 1): 1 for everyone revealed."""
+    path = jnp.asarray([[0, 1, 3, 5], [0, 3, 3, 3], [0, 0, 0, 0]])
+    counts = jnp.asarray([3, 2, 1])
+    target_tokens = jnp.asarray([[7, 8, 9, 1], [4, 5, 0, 0], [3, 0, 0, 0]])
+    chain_tokens = jnp.asarray([[7, 6, 9], [4, 5, 6], [2, 0, 0]])
+    got, revealed = auto.revealed_counts((0, 2, 4, 8), 2, counts, path, target_tokens, chain_tokens)
+    assert np.asarray(revealed).tolist() == [True, True, True, False]
+    assert np.asarray(got).tolist() == [[2, 2, 3, 0], [3, 1, 2, 0], [1, 1, 1, 0]]
+    # The chain ran: only it is revealed.
+    got, revealed = auto.revealed_counts((0, 2), 0, counts, path, target_tokens, chain_tokens)
+    assert np.asarray(revealed).tolist() == [True, False] and np.asarray(got)[:, 0].tolist() == [3, 2, 1]
+
+
+def test_observe_averages_the_revealed_counts_and_records_the_round():
+    """Two running rows commit [3, 1] tokens on candidate 1 and reveal [2, 1] for candidate 0; candidate 2 is not
+    revealed. After 20 such rounds tokens / rows are 2 and 1.5, rows = 2 (1 - DECAY^20) / (1 - DECAY); the
+    budget is written at each running row's round index; a done row counts nowhere; a round in which no row runs
+    changes nothing; since_widest counts the rounds without candidate 2 and restarts when it runs."""
+    state = auto.BudgetState.start(3, 4, 3)
+    counts = jnp.asarray([[2, 3, 0], [1, 1, 0], [9, 9, 0]])
+    revealed = jnp.asarray([True, True, False])
+    running = jnp.asarray([True, True, False])
     for _ in range(20):
-        state = auto.observe(state, jnp.asarray(1), reach, chain, jnp.asarray([2, 1, 0]),
-                             jnp.asarray([True, True, False]), jnp.asarray(4), jnp.asarray([1, 1, 0]))
-    weight = 1 - auto.DECAY ** 20
-    seen = np.asarray(state.seen)
-    assert seen[1, 0] == pytest.approx(0.5 * weight, rel=1e-5) and seen[1, 1] == seen[1, 2] == 0
-    np.testing.assert_allclose(np.asarray(state.expected)[1], np.array([.8, .4, 0]) * weight, rtol=1e-5)
-    correction = np.asarray(state.correction)
-    assert 0.6 < correction[1, 0] < 0.7 and correction[1, 1] < 0.2 and correction[1, 2] == 1
-    np.testing.assert_array_equal(correction[0], 1.0)
-    np.testing.assert_allclose(np.asarray(state.share)[1], [.3 / .5, .15 / .75, -.1 / .9], rtol=1e-5)
+        state = auto.observe(state, 1, counts, revealed, running, 4, jnp.asarray([1, 1, 0]))
+    rows = 2 * (1 - auto.DECAY ** 20) / (1 - auto.DECAY)
+    np.testing.assert_allclose(np.asarray(state.rows), [rows, rows, 0], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(state.tokens) / max(rows, 1), [1.5, 2.0, 0], rtol=1e-5)
+    assert int(state.since_widest) == 20 and int(state.last) == 1
     assert np.asarray(state.chosen).tolist() == [[0, 4, 0, 0], [0, 4, 0, 0], [0, 0, 0, 0]]
-    # A round in which no row runs changes nothing.
-    idle = auto.observe(state, jnp.asarray(0), reach, chain, jnp.zeros(3, jnp.int32), jnp.zeros(3, bool),
-                        jnp.asarray(0), jnp.zeros(3, jnp.int32))
-    for field in ("seen", "expected", "gain", "room"):
+    idle = auto.observe(state, 2, counts, jnp.asarray([True, True, True]), jnp.zeros(3, bool), 8,
+                        jnp.zeros(3, jnp.int32))
+    for field in ("tokens", "rows", "since_widest", "last", "chosen"):
         np.testing.assert_array_equal(np.asarray(getattr(idle, field)), np.asarray(getattr(state, field)))
-    # Rounds that verify the chain: candidate 1's share moves back towards 1 by 1 - FORGET of the distance per
-    # round (exploration), its correction stays; the chain's own averages learn.
-    share = np.asarray(state.share)[1]
-    after = state
-    for _ in range(50):
-        after = auto.observe(after, jnp.asarray(0), chain, chain, jnp.asarray([1, 1, 0]),
-                             jnp.asarray([True, True, False]), jnp.asarray(0), jnp.asarray([1, 1, 0]))
-    np.testing.assert_allclose(np.asarray(after.share)[1], 1 - (1 - share) * auto.FORGET ** 50, rtol=1e-4)
-    np.testing.assert_allclose(np.asarray(after.correction)[1], correction[1], rtol=1e-6)
-    assert np.asarray(after.correction)[0, 0] < 0.2  # the chain predicted .5 at depth 1 and got 0
+    widest = auto.observe(state, 2, counts, jnp.asarray([True, True, True]), running, 8, jnp.asarray([2, 2, 0]))
+    assert int(widest.since_widest) == 0 and float(widest.rows[2]) == 2.0
+
+
+def test_learned_state_carries_to_a_fresh_state():
+    state = state_with([2.0, 3.0], [1.0, 1.2], rows=4.0, since_widest=jnp.asarray(7))
+    fresh = auto.BudgetState.start(2, 8, 2).with_learned(state.learned())
+    np.testing.assert_array_equal(np.asarray(fresh.tokens), [8.0, 12.0])
+    np.testing.assert_array_equal(np.asarray(fresh.rows), [4.0, 4.0])
+    assert int(fresh.since_widest) == 7 and int(fresh.last) == -1 and fresh.chosen.shape == (2, 8)
 
 
 @pytest.mark.parametrize("text,want", [("chain,16,64", (0, 16, 64)), ("64, 0 ,16", (0, 16, 64)), ("4,8", (4, 8))])

@@ -248,9 +248,10 @@ def test_auto_counterfactual_rules_and_trajectory(tmp_path, capsys):
     got_counts, got_picks, predicted, exact = auto_counterfactual.trajectory(target, drafter, prompts, (0, 4),
                                                                              seconds, 8)
     options = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=8, budgets=(0, 4))
-    want_counts, want_picks = [], []
-    for prompt in prompts:
-        result = generate(target, [prompt], options, drafter=drafter, round_costs=seconds)
+    want_counts, want_picks, learned = [], [], None
+    for prompt in prompts:  # what one prompt taught carries to the next, as in the tool
+        result = generate(target, [prompt], options, drafter=drafter, round_costs=seconds, auto_learned=learned)
+        learned = result.auto_learned
         want_counts += result.acceptance_lengths[0]
         want_picks += [(0, 4).index(b) for b in result.budgets_chosen[0]]
     assert got_picks.tolist() == want_picks and set(want_picks) == {0, 1}

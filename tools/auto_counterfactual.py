@@ -22,6 +22,7 @@ gain the target granted. Greedy, so every candidate emits the same tokens; a cha
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -56,8 +57,8 @@ def dinkelbach(expected: np.ndarray, counts: np.ndarray, costs: np.ndarray, iter
 
 def summarize(counts: np.ndarray, picks: np.ndarray, predicted: np.ndarray, exact: np.ndarray,
               costs: np.ndarray, names: list[str]) -> dict:
-    """counts [R, N], auto's picks [R], auto's corrected predicted tokens [R, N], the drafter's exact expected
-    tokens [R, N] (1 + its reach summed over depths), costs [N] -> the report's figures."""
+    """counts [R, N], auto's picks [R], auto's estimate of every candidate's tokens per round [R, N], the
+    drafter's expected tokens [R, N] (`expected_tokens`), costs [N] -> the report's figures."""
     gain = counts[:, 1:] - counts[:, :1]
 
     def corr(a, b):
@@ -77,43 +78,55 @@ def summarize(counts: np.ndarray, picks: np.ndarray, predicted: np.ndarray, exac
         "oracle": {"tokens_per_s": oracle,
                    "rounds_by_candidate": dict(zip(names, np.bincount(oracle_picks, minlength=len(names)).tolist()))},
         "gain_over_chain": {n: {"mean": float(gain[:, i].mean()),
-                                "auto_predicted_mean": float((predicted[:, i + 1] - predicted[:, 0]).mean()),
-                                "auto_correlation": corr(predicted[:, i + 1] - predicted[:, 0], gain[:, i]),
+                                "auto_estimate_mean": float((predicted[:, i + 1] - predicted[:, 0]).mean()),
+                                "auto_estimate_correlation": corr(predicted[:, i + 1] - predicted[:, 0], gain[:, i]),
                                 "exact_reach_mean": float((exact[:, i + 1] - exact[:, 0]).mean()),
                                 "exact_reach_correlation": corr(exact[:, i + 1] - exact[:, 0], gain[:, i])}
                             for i, n in enumerate(names[1:])},
     }
 
 
+def expected_tokens(tree, logits, chain: bool):
+    """The drafter's expected committed tokens of a tree [b]: 1 + the sum over its nodes below the root of
+    exp(score), the probability of the node's root path under the drafter's marginals (siblings exclude each
+    other, so this sums the probabilities of reaching each depth); the chain's, from the per-depth top-1
+    probabilities of logits [b, L, v]."""
+    import jax
+    import jax.numpy as jnp
+
+    if chain:
+        top1 = jnp.max(logits, axis=-1) - jax.nn.logsumexp(logits, axis=-1)
+        return 1.0 + jnp.exp(jnp.cumsum(top1, axis=-1)).sum(-1)
+    below_root = tree.valid & (tree.depths > 0)
+    return 1.0 + jnp.where(below_root, jnp.exp(tree.scores), 0.0).sum(-1)
+
+
 def trajectory(target, drafter, prompts, budgets: tuple[int, ...], costs: list[float], max_new_tokens: int):
-    """Auto's decode of each prompt (one per call), every round's every candidate run from the same state.
-    Returns per round (all prompts in order): counts [R, N], auto's picks [R], auto's corrected predicted tokens
-    [R, N], the drafter's exact expected tokens [R, N]."""
+    """Auto's decode of each prompt (one per call, what it learned carried to the next as the bench does), every
+    round's every candidate run from the same state. Returns per round (all prompts in order): counts [R, N],
+    auto's picks [R], auto's learned tokens per round of each candidate before the round [R, N], the drafter's
+    expected tokens of each candidate's tree [R, N]."""
     import jax
     import jax.numpy as jnp
 
     from ddtree_jax import round as rounds
-    from ddtree_jax.budget import CHAIN, chain_reach, choose, predicted_reach, tree_reach
+    from ddtree_jax.budget import CHAIN, choose
     from ddtree_jax.engine import DecodeOptions, Mode, cache_shape, resolve_options, with_round_costs
 
     options = resolve_options(DecodeOptions(mode=Mode.DDTREE, max_new_tokens=max_new_tokens, budgets=budgets),
                               drafter, jnp.float32)
-    depths = options.block_size - 1
 
     @jax.jit
     def features(s):
         logits = rounds.draft(drafter, target, s.last_token, s.draft_cache, options)
-        chain = chain_reach(logits)
-        predicted = predicted_reach(chain, options.budgets, s.budget)
-        corrected = jnp.minimum(predicted * s.budget.correction[None], 1.0)  # as `budget.choose` corrects it
-        exact = [chain if b == CHAIN else tree_reach(rounds.propose(logits, s.last_token, options.candidate(b)),
-                                                     depths) for b in budgets]
-        return (logits, chain, choose(predicted, ~s.done, s.budget), 1.0 + corrected.sum(-1),
-                1.0 + jnp.stack(exact, 1).sum(-1))
+        learned = s.budget.tokens / jnp.maximum(s.budget.rows, 1e-30)
+        exact = [expected_tokens(rounds.propose(logits, s.last_token, options.candidate(b)), logits, b == CHAIN)
+                 for b in budgets]
+        return logits, choose(s.budget), learned, jnp.stack(exact, 1)
 
-    run = [jax.jit(lambda s, logits, chain, i=i: rounds.auto_candidate_round(target, drafter, s, logits, chain, i,
-                                                                              options)) for i in range(len(budgets))]
-    counts, picks, predicted, exact = [], [], [], []
+    run = [jax.jit(lambda s, logits, i=i: rounds.auto_candidate_round(target, drafter, s, logits, i, options))
+           for i in range(len(budgets))]
+    counts, picks, predicted, exact, learned = [], [], [], [], None
     for prompt in prompts:
         width, capacity = cache_shape(len(prompt), options)
         tokens = np.zeros((1, width), np.int32)
@@ -121,14 +134,17 @@ def trajectory(target, drafter, prompts, budgets: tuple[int, ...], costs: list[f
         state = rounds.prefill(target, drafter, jnp.asarray(tokens), jnp.asarray([len(prompt)], jnp.int32),
                                jax.random.key(0), capacity=capacity, options=options)
         state = with_round_costs(state, costs)
+        if learned is not None:
+            state = dataclasses.replace(state, budget=state.budget.with_learned(learned))
         while not bool(state.done[0]):
-            logits, chain, pick, pred, ex = features(state)
-            after = [r(state, logits, chain) for r in run]
+            logits, pick, pred, ex = features(state)
+            after = [r(state, logits) for r in run]
             counts.append([int(a.round_lengths[0, int(a.num_rounds[0]) - 1]) for a in after])
             picks.append(int(pick))
-            predicted.append(np.asarray(pred[0]))
+            predicted.append(np.asarray(pred))
             exact.append(np.asarray(ex[0]))
             state = after[int(pick)]
+        learned = state.budget.learned()
     return np.array(counts, float), np.array(picks), np.array(predicted), np.array(exact)
 
 
@@ -169,8 +185,8 @@ def main(argv=None) -> int:
         print(f"  {key:>16}: {report[key]['tokens_per_s']:9.0f} tokens/s, rounds {report[key]['rounds_by_candidate']}")
     r2 = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
     for name, g in report["gain_over_chain"].items():
-        print(f"  {name}'s gain over the chain: {g['mean']:.2f} tokens (auto predicts {g['auto_predicted_mean']:.2f}, "
-              f"correlation {r2(g['auto_correlation'])}; exact reach {g['exact_reach_mean']:.2f}, correlation "
+        print(f"  {name}'s gain over the chain: {g['mean']:.2f} tokens (auto estimates {g['auto_estimate_mean']:.2f}, "
+              f"correlation {r2(g['auto_estimate_correlation'])}; exact reach {g['exact_reach_mean']:.2f}, correlation "
               f"{r2(g['exact_reach_correlation'])})")
     return 0
 
