@@ -12,12 +12,16 @@ smaller candidate would have committed from the same state (greedy; with samplin
 nested (a budget-b tree is the first b + 1 nodes of the budget-B tree, `tree.build_tree`'s best-first order, which
 also numbers every node after its parent), so a smaller tree's walk is the accepted path's nodes numbered <= b;
 and the chain follows the target's tokens along the accepted path for as long as its per-depth argmaxes match
-them (where the chain would go past the last known token, the count is a lower bound). So each candidate's
-committed tokens per round are averaged over every round that revealed them (exponentially, DECAY per round),
-and a round that runs the widest candidate reveals all of them: the first round of a decode that has learned
-nothing runs it, and so does a round after PROBE rounds without it (the estimates of the trees stay current
-while a narrower candidate wins). What was learned carries from one `generate` call to the next
-(`GenerationResult.auto_learned`, `generate(auto_learned=...)`): the bench and `generate --prompts` pass it on.
+them (where the chain would go past the last known token, the count is a lower bound). So every round reveals
+the first candidate's count, and each candidate's tokens per round are estimated as the first candidate's
+average plus the candidate's average gain over it, paired in the rounds that revealed both (exponentially
+weighted, DECAY per round): a gain varies about a third as much as a count does (demo pair, 2026-12-03: standard
+deviations 1.2-1.3 against 3.9-4.5 tokens), so a few rounds of the widest candidate judge the trees. A round that
+runs the widest candidate reveals every count: the first round of a decode that has learned nothing runs it,
+and so does a round after as many rounds without it as it has run (row-rounds, at least PROBE_MIN and at most
+PROBE_MAX), so the estimates of the trees firm up while a narrower candidate wins. What was learned carries from
+one `generate` call to the next (`GenerationResult.auto_learned`, `generate(auto_learned=...)`): the bench and
+`generate --prompts` pass it on.
 
 Why averages, not a per-round prediction. The rule before 2026-12-03 predicted each round's tokens from the
 drafter's confidence (the chain's reach, a learned share of it per tree, a correction per depth). Along auto's
@@ -26,7 +30,7 @@ the H200's costs), the predicted gain of a tree over the chain correlated 0.06-0
 granted; even the drafter's exact reach of every built tree (0.28-0.31) gave a per-round rule 0.6% above the
 best candidate's average, and a least-squares fit of the counts on every such feature 0.15% (in-sample). Acting
 on the weak signal cost more than it won: that rule reached 0.964x the best fixed candidate (and 0.90x on the
-H200, 2026-12-03), this one ~0.99x in replays.
+H200, 2026-12-03); this one 0.97-1.0x in replays of the same rounds under five cost tables.
 
 Costs. Seconds per round of each candidate come from a short calibration (`engine.calibrate`: a few rounds of the
 compiled decode loop with the choice forced to one candidate, after every candidate has run untimed for a
@@ -97,10 +101,12 @@ class BudgetState:
                   (`engine.generate`) before the loop: an argument, not part of the compiled program.
     change_cost:  [] float32 seconds a round costs beyond its candidate's `costs` when the round before it verified
                   another candidate; set by the host with `costs`.
-    tokens:       [N] float32 committed tokens (root included) of the rows of every round that revealed the
-                  candidate's count, exponentially weighted (DECAY per round).
-    rows:         [N] float32 those rows, weighted alike: tokens / rows is the candidate's tokens per row-round.
-    since_widest: [] int32 rounds since the widest candidate ran (PROBE of them run it again).
+    tokens:       [N] float32 exponentially weighted (DECAY per round) sums over the running rows of the rounds
+                  that revealed each candidate's count: the first candidate's count, every other one's gain over it
+                  (its count less the first candidate's in the same round).
+    rows:         [N] float32 those rows, weighted alike: the first candidate's tokens per row-round are
+                  tokens[0] / rows[0], another's that plus tokens[c] / rows[c] (`per_round`).
+    since_widest: [] int32 rounds since the widest candidate ran.
     last:         [] int32 the candidate the last round verified (-1 before any round: no change is charged).
     chosen:       [b, max_new] int32 the budget each round of a row verified (0 the chain), as
                   `DecodeState.round_lengths`.
@@ -121,6 +127,12 @@ class BudgetState:
                    tokens=zeros, rows=zeros, since_widest=jnp.zeros((), jnp.int32),
                    last=jnp.full((), -1, jnp.int32), chosen=jnp.zeros((batch, max_new), jnp.int32))
 
+    @property
+    def per_round(self) -> jax.Array:
+        """[N] each candidate's estimated committed tokens per row-round (0 where nothing was revealed)."""
+        mean = self.tokens / jnp.maximum(self.rows, 1e-30)
+        return mean[0] + jnp.where(jnp.arange(mean.shape[0]) > 0, mean, 0.0)
+
     def learned(self) -> dict:
         """What carries to the next call (host numpy): tokens, rows, since_widest."""
         return {"tokens": np.asarray(self.tokens), "rows": np.asarray(self.rows),
@@ -135,24 +147,29 @@ class BudgetState:
 
 
 DECAY = 0.999  # per round, of every candidate's tokens and rows (about 1000 rounds of memory)
-PROBE = 256  # rounds without the widest candidate before it runs once more (it reveals every candidate's count)
+# Rounds without the widest candidate before it runs once more (it reveals every candidate's count): as many as
+# the row-rounds it has run, within these bounds. Replays of the demo pair's rounds (tools/auto_counterfactual.py's
+# data, five cost tables): a fixed 256 reached 0.95-1.0x the best fixed budget, 1-32 rounds 0.97-0.99x.
+PROBE_MIN, PROBE_MAX = 32, 256
 CHANGE_ROUNDS = 32  # rounds a change of candidate is spread over in `choose`
 
 
 def choose(budget_state: BudgetState) -> jax.Array:
-    """The candidate index [] int32 with the most tokens per second, tokens / rows / (cost + the change's share),
+    """The candidate index [] int32 with the most tokens per second, `per_round` / (cost + the change's share),
     a change's share being change_cost / CHANGE_ROUNDS for every candidate but the last round's; the widest
-    candidate when it has never run or PROBE rounds have passed without it. A candidate of infinite cost is
-    never chosen (the calibration forces one candidate so)."""
+    candidate when it has never run or as many rounds have passed without it as it has run (within PROBE_MIN,
+    PROBE_MAX). A candidate of infinite cost is never chosen (the calibration forces one candidate so)."""
     costs = budget_state.costs
     widest = costs.shape[0] - 1
     allowed = jnp.isfinite(costs)
-    per_round = budget_state.tokens / jnp.maximum(budget_state.rows, 1e-30)
+    per_round = budget_state.per_round
     candidates = jnp.arange(costs.shape[0])
     change = (candidates != budget_state.last) & (budget_state.last >= 0)
     seconds = costs + jnp.where(change, budget_state.change_cost / CHANGE_ROUNDS, 0.0)
     best = jnp.argmax(jnp.where(allowed, per_round / jnp.where(allowed, seconds, 1.0), -1.0)).astype(jnp.int32)
-    explore = allowed[widest] & ((budget_state.rows[widest] == 0) | (budget_state.since_widest >= PROBE))
+    ran = budget_state.rows[widest]
+    due = budget_state.since_widest.astype(jnp.float32) >= jnp.clip(ran, PROBE_MIN, PROBE_MAX)
+    explore = allowed[widest] & ((ran == 0) | due)
     return jnp.where(explore, jnp.int32(widest), best)
 
 
@@ -188,12 +205,14 @@ def revealed_counts(budgets: tuple[int, ...], pick: int, counts: jax.Array, path
 def observe(budget_state: BudgetState, pick: int, counts: jax.Array, revealed: jax.Array, running: jax.Array,
             budget: int, num_rounds: jax.Array) -> BudgetState:
     """After a round that verified candidate `pick` (static; its budget `budget`): fold the running rows'
-    counts [b, N] of every revealed [N] candidate (`revealed_counts`) into its tokens and rows, record `budget`
+    counts [b, N] of every revealed [N] candidate (`revealed_counts`; the first is always revealed) into its tokens
+    (the first's count, another's gain over it) and rows, record `budget`
     at each running row's round index `num_rounds` [b], `pick` as the last candidate and the widest's absence.
     A round in which no row runs changes nothing."""
     any_running = running.any()
     n = running.sum().astype(jnp.float32)
-    total = jnp.sum(jnp.where(running[:, None], counts, 0), axis=0).astype(jnp.float32)  # [N]
+    gains = counts - jnp.where(jnp.arange(counts.shape[1]) > 0, counts[:, :1], 0)  # [b, N]: count, then gains
+    total = jnp.sum(jnp.where(running[:, None], gains, 0), axis=0).astype(jnp.float32)  # [N]
     learn = revealed & any_running
     tokens = jnp.where(learn, DECAY * budget_state.tokens + total, budget_state.tokens)
     rows = jnp.where(learn, DECAY * budget_state.rows + n, budget_state.rows)
@@ -281,5 +300,5 @@ def save_costs(key: dict, seconds, change_seconds: float) -> Path | None:
 
 
 __all__ = ["CHAIN", "DEFAULT_CANDIDATES", "candidates_text", "BudgetState", "parse_candidates", "check_candidates",
-           "choose", "revealed_counts", "observe", "DECAY", "PROBE", "CHANGE_ROUNDS", "cost_key", "cost_cache_dir",
+           "choose", "revealed_counts", "observe", "DECAY", "PROBE_MIN", "PROBE_MAX", "CHANGE_ROUNDS", "cost_key", "cost_cache_dir",
            "cost_cache_path", "load_costs", "save_costs"]

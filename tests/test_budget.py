@@ -19,10 +19,12 @@ LN = np.log
 
 
 def state_with(tokens_per_round, costs, rows=10.0, **kw) -> auto.BudgetState:
-    """A one-row state that has learned `tokens_per_round` [N] over `rows` row-rounds each, at `costs` [N]."""
+    """A one-row state that has learned `tokens_per_round` [N] over `rows` row-rounds each (the first candidate's
+    count, the others' gains over it), at `costs` [N]."""
     n = len(costs)
     state = auto.BudgetState.start(1, 8, n)
-    return dataclasses.replace(state, tokens=jnp.asarray(tokens_per_round, jnp.float32) * rows,
+    gains = np.asarray(tokens_per_round, np.float32) - np.r_[0, [tokens_per_round[0]] * (n - 1)]
+    return dataclasses.replace(state, tokens=jnp.asarray(gains) * rows,
                                rows=jnp.full((n,), rows, jnp.float32), costs=jnp.asarray(costs, jnp.float32), **kw)
 
 
@@ -46,15 +48,22 @@ def test_a_change_of_candidate_is_charged_its_share():
 
 
 def test_the_widest_runs_first_and_every_probe_rounds_and_never_when_forced_out():
-    """Nothing learned: the widest candidate (it reveals every count). Learned, the chain is better; after PROBE
-    rounds without the widest, the widest once. A candidate of infinite cost (the calibration's forcing) is never
-    chosen, the widest included."""
+    """Nothing learned: the widest candidate (it reveals every count). Learned, the chain is better; after as many
+    rounds without the widest as it has run (10 row-rounds, so PROBE_MIN = 32; 300, so PROBE_MAX = 256), the
+    widest once. A candidate of infinite cost (the calibration's forcing) is never chosen, the widest included."""
     fresh = dataclasses.replace(auto.BudgetState.start(1, 8, 3), costs=jnp.asarray([1.0, 1.0, 1.0]))
     assert int(auto.choose(fresh)) == 2
     state = state_with([3.0, 3.1, 3.2], [1.0, 1.5, 2.0])
+    np.testing.assert_allclose(np.asarray(state.per_round), [3.0, 3.1, 3.2], rtol=1e-6)
     assert int(auto.choose(state)) == 0
-    assert int(auto.choose(dataclasses.replace(state, since_widest=jnp.asarray(auto.PROBE - 1)))) == 0
-    assert int(auto.choose(dataclasses.replace(state, since_widest=jnp.asarray(auto.PROBE)))) == 2
+    assert (auto.PROBE_MIN, auto.PROBE_MAX) == (32, 256)
+    assert int(auto.choose(dataclasses.replace(state, since_widest=jnp.asarray(31)))) == 0
+    assert int(auto.choose(dataclasses.replace(state, since_widest=jnp.asarray(32)))) == 2
+    long = state_with([3.0, 3.1, 3.2], [1.0, 1.5, 2.0], rows=300.0)
+    assert int(auto.choose(dataclasses.replace(long, since_widest=jnp.asarray(255)))) == 0
+    assert int(auto.choose(dataclasses.replace(long, since_widest=jnp.asarray(256)))) == 2
+    mid = state_with([3.0, 3.1, 3.2], [1.0, 1.5, 2.0], rows=100.0)
+    assert [int(auto.choose(dataclasses.replace(mid, since_widest=jnp.asarray(n)))) for n in (99, 100)] == [0, 2]
     inf = float("inf")
     for forced in range(3):
         costs = jnp.asarray([1.0 if i == forced else inf for i in range(3)])
@@ -81,7 +90,8 @@ def test_revealed_counts_of_smaller_trees_and_the_chain():
 
 def test_observe_averages_the_revealed_counts_and_records_the_round():
     """Two running rows commit [3, 1] tokens on candidate 1 and reveal [2, 1] for candidate 0; candidate 2 is not
-    revealed. After 20 such rounds tokens / rows are 2 and 1.5, rows = 2 (1 - DECAY^20) / (1 - DECAY); the
+    revealed. After 20 such rounds candidate 0's count averages 1.5 and candidate 1's gain over it 0.5 (per_round
+    2.0), rows = 2 (1 - DECAY^20) / (1 - DECAY); the
     budget is written at each running row's round index; a done row counts nowhere; a round in which no row runs
     changes nothing; since_widest counts the rounds without candidate 2 and restarts when it runs."""
     state = auto.BudgetState.start(3, 4, 3)
@@ -92,7 +102,8 @@ def test_observe_averages_the_revealed_counts_and_records_the_round():
         state = auto.observe(state, 1, counts, revealed, running, 4, jnp.asarray([1, 1, 0]))
     rows = 2 * (1 - auto.DECAY ** 20) / (1 - auto.DECAY)
     np.testing.assert_allclose(np.asarray(state.rows), [rows, rows, 0], rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(state.tokens) / max(rows, 1), [1.5, 2.0, 0], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(state.tokens) / rows, [1.5, 0.5, 0], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(state.per_round)[:2], [1.5, 2.0], rtol=1e-5)
     assert int(state.since_widest) == 20 and int(state.last) == 1
     assert np.asarray(state.chosen).tolist() == [[0, 4, 0, 0], [0, 4, 0, 0], [0, 0, 0, 0]]
     idle = auto.observe(state, 2, counts, jnp.asarray([True, True, True]), jnp.zeros(3, bool), 8,
@@ -106,7 +117,8 @@ def test_observe_averages_the_revealed_counts_and_records_the_round():
 def test_learned_state_carries_to_a_fresh_state():
     state = state_with([2.0, 3.0], [1.0, 1.2], rows=4.0, since_widest=jnp.asarray(7))
     fresh = auto.BudgetState.start(2, 8, 2).with_learned(state.learned())
-    np.testing.assert_array_equal(np.asarray(fresh.tokens), [8.0, 12.0])
+    np.testing.assert_array_equal(np.asarray(fresh.tokens), [8.0, 4.0])
+    np.testing.assert_array_equal(np.asarray(fresh.per_round), [2.0, 3.0])
     np.testing.assert_array_equal(np.asarray(fresh.rows), [4.0, 4.0])
     assert int(fresh.since_widest) == 7 and int(fresh.last) == -1 and fresh.chosen.shape == (2, 8)
 

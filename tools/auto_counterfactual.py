@@ -119,7 +119,7 @@ def trajectory(target, drafter, prompts, budgets: tuple[int, ...], costs: list[f
     @jax.jit
     def features(s):
         logits = rounds.draft(drafter, target, s.last_token, s.draft_cache, options)
-        learned = s.budget.tokens / jnp.maximum(s.budget.rows, 1e-30)
+        learned = s.budget.per_round
         exact = [expected_tokens(rounds.propose(logits, s.last_token, options.candidate(b)), logits, b == CHAIN)
                  for b in budgets]
         return logits, choose(s.budget), learned, jnp.stack(exact, 1)
