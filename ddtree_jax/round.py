@@ -463,15 +463,17 @@ def ar_round(target: ModelParams, drafter: None, state: DecodeState, options: De
 
 
 @at_matmul_precision
-def auto_candidate_round(target: ModelParams, drafter: ModelParams, state: DecodeState, logits: jax.Array,
-                         pick: int, options: DecodeOptions) -> DecodeState:
-    """One `--budget auto` round that verifies candidate `pick` (static; `options.budgets[pick]`), from this
-    round's draft `logits` [b, L, v]: the fixed round of `options.candidate(budget)` (the chain takes the argmaxes
-    as DFlash does, no top-k and no tree build; a tree builds its own budget's tree), then what it revealed of
-    every candidate's count is learned (`budget.revealed_counts`, `budget.observe`)."""
+def auto_candidate_round(target: ModelParams, drafter: ModelParams, state: DecodeState, pick: int,
+                         options: DecodeOptions) -> DecodeState:
+    """One `--budget auto` round that verifies candidate `pick` (static; `options.budgets[pick]`): the fixed round
+    of `options.candidate(budget)` (the chain takes the argmaxes as DFlash does, no top-k and no tree build; a tree
+    builds its own budget's tree), then what it revealed of every candidate's count is learned
+    (`budget.revealed_counts`, `budget.observe`)."""
     budget = options.budgets[pick]
     sub = options.candidate(budget)
     running = ~state.done
+    with jax.named_scope("draft"):
+        logits = draft(drafter, target, state.last_token, state.draft_cache, options)
     rng, key = jax.random.split(state.rng)
     with jax.named_scope("tree"):
         tree = propose(logits, state.last_token, sub)
@@ -498,35 +500,27 @@ def auto_loop(target: ModelParams, drafter: ModelParams, state: DecodeState, sto
     (`budget.choose`: learned tokens per round over measured cost), in rounds of `auto_candidate_round`.
 
     The switch between candidates sits outside the rounds: a `lax.switch` on the chosen candidate runs that
-    candidate's rounds in a `lax.while_loop` of their own for as long as it stays the choice, each round drafting
-    the next one and choosing for it at its end. On a GPU a conditional waits for the host (likely the main part
-    of why an auto round cost 0.40 ms against a fixed B = 16 round's 0.33 on the demo pair on the H200,
-    2026-12-03, with a switch in every round); here it runs once per change of candidate. The draft of the round
-    after the last one (one per call) is the only extra work. Every round is the fixed round of its candidate, so
-    the output is what any fixed budget's is (greedy: AR's), and the rounds' choices are those a switch in every
-    round makes.
-    The chosen index is carried, not recomputed, between the switch and the loop's condition."""
+    candidate's rounds in a `lax.while_loop` of their own for as long as it stays the choice, each round choosing
+    for the next one at its end. On a GPU a conditional waits for the host (likely the main part of why an auto
+    round cost 0.40 ms against a fixed B = 16 round's 0.33 on the demo pair on the H200, 2026-12-03, with a switch
+    in every round); here it runs once per change of candidate. The choice depends on the budget state only, not
+    on the round's draft, so the loops carry no draft (carrying the next round's draft logits cost copies every
+    round: an auto round ran ~13 more kernels than the DFlash round it ran, four of them copies, on the H200,
+    2026-12-03). Every round is the fixed round of its candidate, so the output is what any fixed budget's is
+    (greedy: AR's), and the rounds' choices are those a switch in every round makes."""
     more = lambda s: (~s.done).any() & (s.step < stop_at)  # noqa: E731
-
-    def drafted(s: DecodeState):
-        """This round's draft logits and the candidate chosen for it."""
-        with jax.named_scope("draft"):
-            logits = draft(drafter, target, s.last_token, s.draft_cache, options)
-        with jax.named_scope("choose"):
-            pick = choose(s.budget)
-        return logits, pick
 
     def rounds_of(pick: int):
         def body(carry):
-            s, logits, _ = carry
-            s = auto_candidate_round(target, drafter, s, logits, pick, options)
-            return (s, *drafted(s))
+            s = auto_candidate_round(target, drafter, carry[0], pick, options)
+            with jax.named_scope("choose"):
+                return s, choose(s.budget)
 
-        return lambda carry: jax.lax.while_loop(lambda c: more(c[0]) & (c[2] == pick), body, carry)
+        return lambda carry: jax.lax.while_loop(lambda c: more(c[0]) & (c[1] == pick), body, carry)
 
     branches = [rounds_of(i) for i in range(len(options.budgets))]
-    carry = jax.lax.while_loop(lambda c: more(c[0]), lambda c: jax.lax.switch(c[2], branches, c),
-                               (state, *drafted(state)))
+    carry = jax.lax.while_loop(lambda c: more(c[0]), lambda c: jax.lax.switch(c[1], branches, c),
+                               (state, choose(state.budget)))
     return carry[0]
 
 

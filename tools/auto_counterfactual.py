@@ -122,9 +122,9 @@ def trajectory(target, drafter, prompts, budgets: tuple[int, ...], costs: list[f
         learned = s.budget.per_round
         exact = [expected_tokens(rounds.propose(logits, s.last_token, options.candidate(b)), logits, b == CHAIN)
                  for b in budgets]
-        return logits, choose(s.budget), learned, jnp.stack(exact, 1)
+        return choose(s.budget), learned, jnp.stack(exact, 1)
 
-    run = [jax.jit(lambda s, logits, i=i: rounds.auto_candidate_round(target, drafter, s, logits, i, options))
+    run = [jax.jit(lambda s, i=i: rounds.auto_candidate_round(target, drafter, s, i, options))
            for i in range(len(budgets))]
     counts, picks, predicted, exact, learned = [], [], [], [], None
     for prompt in prompts:
@@ -137,8 +137,8 @@ def trajectory(target, drafter, prompts, budgets: tuple[int, ...], costs: list[f
         if learned is not None:
             state = dataclasses.replace(state, budget=state.budget.with_learned(learned))
         while not bool(state.done[0]):
-            logits, pick, pred, ex = features(state)
-            after = [r(state, logits) for r in run]
+            pick, pred, ex = features(state)
+            after = [r(state) for r in run]  # each drafts the same logits from the same state
             counts.append([int(a.round_lengths[0, int(a.num_rounds[0]) - 1]) for a in after])
             picks.append(int(pick))
             predicted.append(np.asarray(pred))
