@@ -16,7 +16,7 @@ them (where the chain would go past the last known token, the count is a lower b
 the first candidate's count, and each candidate's tokens per round are estimated as the first candidate's
 average plus the candidate's average gain over it, paired in the rounds that revealed both (exponentially
 weighted, DECAY per round): a gain varies about a third as much as a count does (demo pair, 2026-12-03: standard
-deviations 1.2-1.3 against 3.9-4.5 tokens), so a few rounds of the widest candidate judge the trees. A round that
+deviations 1.2-1.3 against 3.6-4.0 tokens), so a few rounds of the widest candidate judge the trees. A round that
 runs the widest candidate reveals every count: the first round of a decode that has learned nothing runs it,
 and so does a round after as many rounds without it as it has run (row-rounds, at least PROBE_MIN and at most
 PROBE_MAX), so the estimates of the trees firm up while a narrower candidate wins. What was learned carries from
@@ -27,10 +27,9 @@ Why averages, not a per-round prediction. The rule before 2026-12-03 predicted e
 drafter's confidence (the chain's reach, a learned share of it per tree, a correction per depth). Along auto's
 own rounds on the demo pair (`tools/auto_counterfactual.py`: every candidate run from the same states, 751 rounds,
 the H200's costs), the predicted gain of a tree over the chain correlated 0.06-0.12 with the gain the target
-granted; even the drafter's exact reach of every built tree (0.28-0.31) gave a per-round rule 0.6% above the
-best candidate's average, and a least-squares fit of the counts on every such feature 0.15% (in-sample). Acting
-on the weak signal cost more than it won: that rule reached 0.964x the best fixed candidate (and 0.90x on the
-H200, 2026-12-03); this one 0.97-1.0x in replays of the same rounds under five cost tables.
+granted; even the drafter's exact reach of every built tree (0.26-0.31) gave a per-round rule 0.6% above the
+best candidate's average. Acting on the weak signal cost more than it won: that rule reached 0.964x the best
+fixed candidate on its own rounds (and 0.90x on the H200, 2026-12-03); docs/performance.md has this rule's.
 
 Costs. Seconds per round of each candidate come from a short calibration (`engine.calibrate`: a few rounds of the
 compiled decode loop with the choice forced to one candidate, after every candidate has run untimed for a
@@ -148,8 +147,8 @@ class BudgetState:
 
 DECAY = 0.999  # per round, of every candidate's tokens and rows (about 1000 rounds of memory)
 # Rounds without the widest candidate before it runs once more (it reveals every candidate's count): as many as
-# the row-rounds it has run, within these bounds. Replays of the demo pair's rounds (tools/auto_counterfactual.py's
-# data, five cost tables): a fixed 256 reached 0.95-1.0x the best fixed budget, 1-32 rounds 0.97-0.99x.
+# the row-rounds it has run, within these bounds. A fixed 256 let one unlucky early estimate hold for 256 rounds
+# (the CPU's demo pair, 2026-12-03: the chain in 129 rounds where B = 16 was 12% faster).
 PROBE_MIN, PROBE_MAX = 32, 256
 CHANGE_ROUNDS = 32  # rounds a change of candidate is spread over in `choose`
 

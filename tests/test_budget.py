@@ -168,3 +168,53 @@ def test_cost_cache_round_trip_is_keyed_and_atomic(tmp_path, monkeypatch):
     assert auto.load_costs(key) is None  # no change cost: measured again
     path.write_text("{not json")
     assert auto.load_costs(key) is None
+
+
+def test_a_wider_round_reveals_what_the_chain_and_smaller_trees_commit():
+    """Greedy, on the demo pair (float32): from the same state, the counts that B = 16's accepted path reveals
+    (`revealed_counts`: the nested B = 4 tree, the chain's argmaxes against the target's tokens) are what the chain's
+    and B = 4's own rounds commit, in every round of a held-out prompt; and the rounds are not trivial (some commit
+    more than one token, and B = 16 commits more than the chain in some)."""
+    import jax
+
+    from ddtree_jax import round as rounds
+    from ddtree_jax.bench import read_prompts
+    from ddtree_jax.checkpoint import load_drafter, load_target
+    from ddtree_jax.demo_pair import demo_drafter, demo_prompts, demo_target
+    from ddtree_jax.engine import cache_shape, resolve_options
+
+    target = load_target(demo_target(), jnp.float32)
+    drafter = load_drafter(demo_drafter(), target.config, jnp.float32)
+    prompt = read_prompts(demo_prompts(), demo_target(), target.config.vocab_size)[0]
+    budgets = (0, 4, 16)
+    options = resolve_options(DecodeOptions(mode=Mode.DDTREE, max_new_tokens=48, budgets=budgets), drafter,
+                              jnp.float32)
+
+    @jax.jit
+    def counts_from(state):
+        logits = rounds.draft(drafter, target, state.last_token, state.draft_cache, options)
+        own = []
+        for b in budgets:
+            sub = options.candidate(b)
+            tree = rounds.propose(logits, state.last_token, sub)
+            _, acc = rounds.verify_accept(target, drafter, state, tree, state.rng, sub)
+            own.append(acc.count)
+            if b == budgets[-1]:
+                revealed, which = auto.revealed_counts(budgets, len(budgets) - 1, acc.count, acc.path, acc.tokens,
+                                                       jnp.argmax(logits, axis=-1).astype(jnp.int32))
+        return jnp.stack(own, axis=1), revealed, which
+
+    width, capacity = cache_shape(len(prompt), options)
+    tokens = np.zeros((1, width), np.int32)
+    tokens[0, :len(prompt)] = prompt
+    state = rounds.prefill(target, drafter, jnp.asarray(tokens), jnp.asarray([len(prompt)], jnp.int32),
+                           jax.random.key(0), capacity=capacity, options=options)
+    seen = []
+    while not bool(state.done[0]):
+        own, revealed, which = counts_from(state)
+        assert np.asarray(which).all()
+        np.testing.assert_array_equal(np.asarray(revealed), np.asarray(own))
+        seen.append(np.asarray(own)[0])
+        state = rounds.auto_candidate_round(target, drafter, state, len(budgets) - 1, options)
+    seen = np.array(seen)
+    assert (seen[:, 0] > 1).any() and (seen[:, 2] > seen[:, 0]).any(), seen

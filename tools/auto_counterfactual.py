@@ -68,7 +68,7 @@ def summarize(counts: np.ndarray, picks: np.ndarray, predicted: np.ndarray, exac
     reach_rule, reach_picks = dinkelbach(exact, counts, costs)
     return {
         "rounds": int(len(picks)),
-        "fixed": {n: {"tau": float(counts[:, i].mean()),
+        "fixed": {n: {"tau": float(counts[:, i].mean()), "std": float(counts[:, i].std()),
                       "tokens_per_s": tokens_per_second(counts, costs, np.full(len(picks), i))}
                   for i, n in enumerate(names)},
         "auto": {"tokens_per_s": tokens_per_second(counts, costs, picks),
@@ -77,7 +77,7 @@ def summarize(counts: np.ndarray, picks: np.ndarray, predicted: np.ndarray, exac
                              "rounds_by_candidate": dict(zip(names, np.bincount(reach_picks, minlength=len(names)).tolist()))},
         "oracle": {"tokens_per_s": oracle,
                    "rounds_by_candidate": dict(zip(names, np.bincount(oracle_picks, minlength=len(names)).tolist()))},
-        "gain_over_chain": {n: {"mean": float(gain[:, i].mean()),
+        "gain_over_chain": {n: {"mean": float(gain[:, i].mean()), "std": float(gain[:, i].std()),
                                 "auto_estimate_mean": float((predicted[:, i + 1] - predicted[:, 0]).mean()),
                                 "auto_estimate_correlation": corr(predicted[:, i + 1] - predicted[:, 0], gain[:, i]),
                                 "exact_reach_mean": float((exact[:, i + 1] - exact[:, 0]).mean()),
@@ -180,12 +180,13 @@ def main(argv=None) -> int:
             tmp.write_text(json.dumps(report, indent=1))
     print(f"{report['rounds']} rounds of {source}, costs {args.costs}")
     for name, row in report["fixed"].items():
-        print(f"  every round {name:>5}: tau {row['tau']:.2f}, {row['tokens_per_s']:9.0f} tokens/s")
+        print(f"  every round {name:>5}: tau {row['tau']:.2f} (std {row['std']:.2f}), {row['tokens_per_s']:9.0f} tokens/s")
     for key in ("auto", "exact_reach_rule", "oracle"):
         print(f"  {key:>16}: {report[key]['tokens_per_s']:9.0f} tokens/s, rounds {report[key]['rounds_by_candidate']}")
     r2 = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
     for name, g in report["gain_over_chain"].items():
-        print(f"  {name}'s gain over the chain: {g['mean']:.2f} tokens (auto estimates {g['auto_estimate_mean']:.2f}, "
+        print(f"  {name}'s gain over the chain: {g['mean']:.2f} tokens, std {g['std']:.2f} (auto estimates "
+              f"{g['auto_estimate_mean']:.2f}, "
               f"correlation {r2(g['auto_estimate_correlation'])}; exact reach {g['exact_reach_mean']:.2f}, correlation "
               f"{r2(g['exact_reach_correlation'])})")
     return 0
