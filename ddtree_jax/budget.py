@@ -299,5 +299,5 @@ def save_costs(key: dict, seconds, change_seconds: float) -> Path | None:
 
 
 __all__ = ["CHAIN", "DEFAULT_CANDIDATES", "candidates_text", "BudgetState", "parse_candidates", "check_candidates",
-           "choose", "revealed_counts", "observe", "DECAY", "PROBE_MIN", "PROBE_MAX", "CHANGE_ROUNDS", "cost_key", "cost_cache_dir",
-           "cost_cache_path", "load_costs", "save_costs"]
+           "choose", "revealed_counts", "observe", "DECAY", "PROBE_MIN", "PROBE_MAX", "CHANGE_ROUNDS", "cost_key",
+           "cost_cache_dir", "cost_cache_path", "load_costs", "save_costs"]

@@ -75,7 +75,8 @@ def test_revealed_counts_of_smaller_trees_and_the_chain():
     """budget.py's example (P = 4, candidates chain, 2, 4, 8; B = 4 ran): path [0 1 3 5] with count 3 (nodes 1
     and 3 accepted, the bonus after node 3): B = 2 commits 2 (node 1 only), the chain 2 (its argmaxes [7 6 9]
     against the target's [7 8 9]), B = 8 is not revealed. Row 2 accepted node 3 (count 2), outside B = 2's tree
-    (1), and the chain matches every known target token ([4 5]): a lower bound, 3. Row 3 accepted nothing (count 1): 1 for everyone revealed."""
+    (1), and the chain matches every known target token ([4 5]): a lower bound, 3. Row 3 accepted nothing
+    (count 1): 1 for everyone revealed."""
     path = jnp.asarray([[0, 1, 3, 5], [0, 3, 3, 3], [0, 0, 0, 0]])
     counts = jnp.asarray([3, 2, 1])
     target_tokens = jnp.asarray([[7, 8, 9, 1], [4, 5, 0, 0], [3, 0, 0, 0]])
@@ -187,8 +188,9 @@ def test_a_wider_round_reveals_what_the_chain_and_smaller_trees_commit():
     drafter = load_drafter(demo_drafter(), target.config, jnp.float32)
     prompt = read_prompts(demo_prompts(), demo_target(), target.config.vocab_size)[0]
     budgets = (0, 4, 16)
-    options = resolve_options(DecodeOptions(mode=Mode.DDTREE, max_new_tokens=48, budgets=budgets), drafter,
+    options = resolve_options(DecodeOptions(mode=Mode.DDTREE, max_new_tokens=32, budgets=budgets), drafter,
                               jnp.float32)
+    widest_round = jax.jit(lambda state: rounds.auto_candidate_round(target, drafter, state, len(budgets) - 1, options))
 
     @jax.jit
     def counts_from(state):
@@ -215,6 +217,6 @@ def test_a_wider_round_reveals_what_the_chain_and_smaller_trees_commit():
         assert np.asarray(which).all()
         np.testing.assert_array_equal(np.asarray(revealed), np.asarray(own))
         seen.append(np.asarray(own)[0])
-        state = rounds.auto_candidate_round(target, drafter, state, len(budgets) - 1, options)
+        state = widest_round(state)
     seen = np.array(seen)
     assert (seen[:, 0] > 1).any() and (seen[:, 2] > seen[:, 0]).any(), seen

@@ -74,7 +74,8 @@ def summarize(counts: np.ndarray, picks: np.ndarray, predicted: np.ndarray, exac
         "auto": {"tokens_per_s": tokens_per_second(counts, costs, picks),
                  "rounds_by_candidate": dict(zip(names, np.bincount(picks, minlength=len(names)).tolist()))},
         "exact_reach_rule": {"tokens_per_s": reach_rule,
-                             "rounds_by_candidate": dict(zip(names, np.bincount(reach_picks, minlength=len(names)).tolist()))},
+                             "rounds_by_candidate": dict(zip(names, np.bincount(reach_picks,
+                                                                                minlength=len(names)).tolist()))},
         "oracle": {"tokens_per_s": oracle,
                    "rounds_by_candidate": dict(zip(names, np.bincount(oracle_picks, minlength=len(names)).tolist()))},
         "gain_over_chain": {n: {"mean": float(gain[:, i].mean()), "std": float(gain[:, i].std()),
@@ -180,7 +181,8 @@ def main(argv=None) -> int:
             tmp.write_text(json.dumps(report, indent=1))
     print(f"{report['rounds']} rounds of {source}, costs {args.costs}")
     for name, row in report["fixed"].items():
-        print(f"  every round {name:>5}: tau {row['tau']:.2f} (std {row['std']:.2f}), {row['tokens_per_s']:9.0f} tokens/s")
+        print(f"  every round {name:>5}: tau {row['tau']:.2f} (std {row['std']:.2f}), "
+              f"{row['tokens_per_s']:9.0f} tokens/s")
     for key in ("auto", "exact_reach_rule", "oracle"):
         print(f"  {key:>16}: {report[key]['tokens_per_s']:9.0f} tokens/s, rounds {report[key]['rounds_by_candidate']}")
     r2 = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
