@@ -21,15 +21,13 @@ gain the target granted. Greedy, so every candidate emits the same tokens; a cha
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 
-from auto_projection import load_pair, parse_costs
+from auto_projection import costs_or_error, load_pair, pair_parser
 
 
 def tokens_per_second(counts: np.ndarray, costs: np.ndarray, picks: np.ndarray) -> float:
@@ -150,18 +148,9 @@ def trajectory(target, drafter, prompts, budgets: tuple[int, ...], costs: list[f
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--costs", required=True, help="seconds per round: chain=S,B=S[,B=S...]")
-    p.add_argument("--shape", default=None,
-                   help="random weights of this bench shape (e.g. tiny) instead of the demo pair")
-    p.add_argument("--num-prompts", type=int, default=8)
-    p.add_argument("--max-new-tokens", type=int, default=512)
-    p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args(argv)
-    try:
-        costs = parse_costs(args.costs)
-    except ValueError as exc:
-        print(f"error: --costs {args.costs!r}: {exc}", file=sys.stderr)
+    args = pair_parser(__doc__.split("\n")[0], num_prompts=8, max_new_tokens=512).parse_args(argv)
+    costs = costs_or_error(args.costs)
+    if costs is None:
         return 2
 
     from ddtree_jax.cli import atomic_path

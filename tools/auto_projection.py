@@ -56,21 +56,35 @@ def load_pair(shape: str | None, num_prompts: int):
     return target, drafter, prompts, "the demo pair"
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def pair_parser(description: str, num_prompts: int, max_new_tokens: int) -> argparse.ArgumentParser:
+    """The options this tool and tools/auto_counterfactual.py share: --costs, --shape, --num-prompts,
+    --max-new-tokens, --out."""
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--costs", required=True, help="seconds per round: chain=S,B=S[,B=S...]")
-    p.add_argument("--change-cost", type=float, default=0.0,
-                   help="seconds per change of candidate (a bench JSON's change_cost_s)")
     p.add_argument("--shape", default=None,
                    help="random weights of this bench shape (e.g. tiny) instead of the demo pair")
-    p.add_argument("--num-prompts", type=int, default=12)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--num-prompts", type=int, default=num_prompts)
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
     p.add_argument("--out", type=Path, default=None)
-    args = p.parse_args(argv)
+    return p
+
+
+def costs_or_error(text: str) -> dict[int, float] | None:
+    """`parse_costs(text)`, or None after printing the one error line."""
     try:
-        costs = parse_costs(args.costs)
+        return parse_costs(text)
     except ValueError as exc:
-        print(f"error: --costs {args.costs!r}: {exc}", file=sys.stderr)
+        print(f"error: --costs {text!r}: {exc}", file=sys.stderr)
+        return None
+
+
+def main(argv=None) -> int:
+    p = pair_parser(__doc__.split("\n")[0], num_prompts=12, max_new_tokens=128)
+    p.add_argument("--change-cost", type=float, default=0.0,
+                   help="seconds per change of candidate (a bench JSON's change_cost_s)")
+    args = p.parse_args(argv)
+    costs = costs_or_error(args.costs)
+    if costs is None:
         return 2
     if args.change_cost < 0:
         print(f"error: --change-cost {args.change_cost}: expected seconds >= 0", file=sys.stderr)
