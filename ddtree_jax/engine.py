@@ -26,8 +26,9 @@ from ddtree_jax.parallel import put, to_host
 from ddtree_jax.round import DecodeOptions, DecodeState, Mode, RoundTrace, decode_loop, prefill
 
 # The Python API: generate and its types here; the device-side names re-exported from round.py.
-__all__ = ["generate", "GenerationResult", "resolve_options", "cache_shape", "calibrate", "compile_program",
-           "DecodeOptions", "DecodeState", "Mode", "RoundTrace", "decode_loop", "prefill"]
+__all__ = ["generate", "GenerationResult", "compile_generation", "GenerationPrograms", "resolve_options",
+           "cache_shape", "calibrate", "compile_program", "DecodeOptions", "DecodeState", "Mode", "RoundTrace",
+           "decode_loop", "prefill"]
 
 CAPACITY_BUCKET = 128
 PROMPT_BUCKET = 32
@@ -169,6 +170,76 @@ def resolve_options(options: DecodeOptions, drafter: ModelParams | None, dtype=N
     return options
 
 
+@dataclasses.dataclass
+class GenerationPrograms:
+    """A generation's compiled prefill and decode loop with their inputs (`compile_generation`): `prefill()` a
+    fresh DecodeState, `loop(state, rounds)` up to `rounds` more rounds (default: `steps`) on it (donated)."""
+
+    target: ModelParams
+    drafter: ModelParams | None
+    options: DecodeOptions  # resolved
+    tokens: jax.Array  # [b, width] int32, the padded prompts (rows beyond the caller's: dp padding)
+    lengths: jax.Array  # [b] int32
+    rng: jax.Array
+    capacity: int
+    steps: int  # rounds per `loop` call by default
+    prefill_fn: Callable
+    loop_fn: Callable
+    compile_seconds: float
+
+    @property
+    def batch(self) -> int:
+        return self.tokens.shape[0]
+
+    def prefill(self) -> DecodeState:
+        return self.prefill_fn(self.target, self.drafter, self.tokens, self.lengths, self.rng)
+
+    def loop(self, state: DecodeState, rounds: int | None = None) -> DecodeState:
+        return self.loop_fn(self.target, self.drafter, state, jnp.asarray(self.steps if rounds is None else rounds,
+                                                                          jnp.int32))
+
+
+def compile_generation(target: ModelParams, prompts: Sequence[Sequence[int]], options: DecodeOptions, *,
+                       drafter: ModelParams | None = None, seed: int = 0,
+                       steps_per_call: int | None = None) -> GenerationPrograms:
+    """Resolve the options, check and pad the prompts (dp: rows added to fill the devices), size the cache and
+    compile (or take from the process's kept programs) prefill and the decode loop for them: what `generate`
+    runs, for tools that time its calls (`tools/loop_cost.py`)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    options = resolve_options(options, drafter, target.array("model.embed_tokens.weight").dtype)
+    if not options.mode.needs_drafter:
+        drafter = None
+    if options.record_trees and not options.mode.needs_drafter:
+        raise ValueError("record_trees needs a speculative mode (dflash, ddtree or mtp)")
+    vocab = target.config.vocab_size
+    for r, prompt in enumerate(prompts):
+        bad = [t for t in prompt if not 0 <= int(t) < vocab]
+        if bad:
+            raise ValueError(f"prompt {r}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
+    parallel = options.parallel
+    if parallel.mode == "dp" and len(prompts) % parallel.size:
+        # dp splits rows evenly over devices: pad with copies of the first prompt, dropped at the end.
+        prompts = list(prompts) + [prompts[0]] * (parallel.size - len(prompts) % parallel.size)
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    width, capacity = cache_shape(int(lengths.max()), options)
+    tokens = np.zeros((len(prompts), width), np.int32)
+    for r, prompt in enumerate(prompts):
+        tokens[r, :len(prompt)] = prompt
+    rng = jax.random.key(seed)
+    tokens = put(tokens, parallel.sharding(parallel.batch_spec(2)))
+    lengths_dev = put(lengths, parallel.sharding(parallel.batch_spec(1)))
+    prefill_fn, prefill_compile_s = _compiled("prefill", prefill, (target, drafter, tokens, lengths_dev, rng),
+                                              dict(capacity=capacity, options=options))
+    state = prefill_fn.out_info  # the decode state's shapes and shardings
+    steps = steps_per_call or options.max_new_tokens  # a round emits >= 1 token
+    loop_fn, loop_compile_s = _compiled("decode_loop", decode_loop, (target, drafter, state, jnp.int32(steps)),
+                                        dict(options=options), donate=(2,))
+    return GenerationPrograms(target=target, drafter=drafter, options=options, tokens=tokens, lengths=lengths_dev,
+                              rng=rng, capacity=capacity, steps=steps, prefill_fn=prefill_fn, loop_fn=loop_fn,
+                              compile_seconds=prefill_compile_s + loop_compile_s)
+
+
 def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: DecodeOptions, *,
              drafter: ModelParams | None = None, seed: int = 0, steps_per_call: int | None = None,
              on_tokens: Callable[[list[list[int]]], None] | None = None,
@@ -185,13 +256,6 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
     measure even when cached); auto_learned, a previous call's `GenerationResult.auto_learned` (same candidates):
     the committed tokens per round it learned, to start from instead of nothing.
     """
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
-    options = resolve_options(options, drafter, target.array("model.embed_tokens.weight").dtype)
-    if not options.mode.needs_drafter:
-        drafter = None
-    if options.record_trees and not options.mode.needs_drafter:
-        raise ValueError("record_trees needs a speculative mode (dflash, ddtree or mtp)")
     if round_costs is not None and len(round_costs) != len(options.budgets):
         raise ValueError(f"round_costs: one per candidate budget {options.budgets}, got {len(round_costs)}")
     if change_cost < 0:
@@ -199,49 +263,23 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
     if auto_learned is not None and (not options.auto_budget or len(auto_learned.get("tokens", ())) != len(
             options.budgets)):
         raise ValueError(f"auto_learned: a previous --budget auto call's, over the candidates {options.budgets}")
-    vocab = target.config.vocab_size
-    for r, prompt in enumerate(prompts):
-        bad = [t for t in prompt if not 0 <= int(t) < vocab]
-        if bad:
-            raise ValueError(f"prompt {r}: token id {bad[0]} is outside the vocabulary (0..{vocab - 1})")
     n_prompts = len(prompts)
-    parallel = options.parallel
-    if parallel.mode == "dp" and n_prompts % parallel.size:
-        # dp splits rows evenly over devices: pad with copies of the first prompt, dropped at the end.
-        prompts = list(prompts) + [prompts[0]] * (parallel.size - n_prompts % parallel.size)
-    b = len(prompts)
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    width, capacity = cache_shape(int(lengths.max()), options)
-    tokens = np.zeros((b, width), np.int32)
-    for r, prompt in enumerate(prompts):
-        tokens[r, :len(prompt)] = prompt
-    rng = jax.random.key(seed)
-    tokens = put(tokens, parallel.sharding(parallel.batch_spec(2)))
-    lengths_dev = put(lengths, parallel.sharding(parallel.batch_spec(1)))
-
-    static = dict(capacity=capacity, options=options)
-    prefill_fn, compile_s = _compiled("prefill", prefill, (target, drafter, tokens, lengths_dev, rng), static)
+    programs = compile_generation(target, prompts, options, drafter=drafter, seed=seed,
+                                  steps_per_call=1 if options.record_trees else steps_per_call)
+    options, drafter, b = programs.options, programs.drafter, programs.batch
     start = time.perf_counter()
-    state = jax.block_until_ready(prefill_fn(target, drafter, tokens, lengths_dev, rng))
+    state = jax.block_until_ready(programs.prefill())
     prefill_s = time.perf_counter() - start
-
-    if options.record_trees:
-        steps_per_call = 1  # the trace holds one round; read it after every round
-    steps = jnp.asarray(steps_per_call or options.max_new_tokens, jnp.int32)  # a round emits >= 1 token
-    loop_fn, loop_compile_s = _compiled("decode_loop", decode_loop, (target, drafter, state, steps),
-                                        dict(options=options), donate=(2,))
     calibration_s = 0.0
     if options.auto_budget and round_costs is None:
-        key = auto.cost_key(target.config, drafter.config, options, b, capacity,
+        key = auto.cost_key(target.config, drafter.config, options, b, programs.capacity,
                             target.array("model.embed_tokens.weight").dtype)
         cached = None if recalibrate else auto.load_costs(key)
         if cached is not None:
             round_costs, change_cost = cached
         else:
             start = time.perf_counter()
-            round_costs, change_cost, complete = calibrate(
-                lambda: prefill_fn(target, drafter, tokens, lengths_dev, rng),
-                lambda s, n: loop_fn(target, drafter, s, jnp.asarray(n, jnp.int32)), options)
+            round_costs, change_cost, complete = calibrate(programs.prefill, programs.loop, options)
             calibration_s = time.perf_counter() - start
             if complete and auto.save_costs(key, round_costs, change_cost) is None:
                 print(f"warning: cannot write the round-cost cache in {auto.cost_cache_dir()}; the costs hold "
@@ -261,7 +299,7 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
             break
         running = ~done
         start = time.perf_counter()
-        state = jax.block_until_ready(loop_fn(target, drafter, state, steps))
+        state = jax.block_until_ready(programs.loop(state))
         decode_s += time.perf_counter() - start
         if trees is not None:
             trees.extend(_trace_rows(state, running))
@@ -272,7 +310,7 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
         acceptance_lengths=[round_lengths[r, :num_rounds[r]].tolist() for r in range(n_prompts)],
         prefill_seconds=prefill_s,
         decode_seconds=decode_s,
-        compile_seconds=compile_s + loop_compile_s,
+        compile_seconds=programs.compile_seconds,
         trees=trees,
         budgets_chosen=None if chosen is None else [chosen[r, :num_rounds[r]].tolist() for r in range(n_prompts)],
         round_costs=[float(c) for c in round_costs] if options.auto_budget else None,

@@ -20,6 +20,7 @@ import gdn_probe  # noqa: E402
 import gpu_probe  # noqa: E402
 import greedy_equality  # noqa: E402
 import invariant_layers  # noqa: E402
+import loop_cost  # noqa: E402
 import topk_probe  # noqa: E402
 import tp_layout  # noqa: E402
 import trace_summary  # noqa: E402
@@ -83,6 +84,23 @@ def test_greedy_equality_on_random_weights(tmp_path):
     assert [(m["equal_to_ar"], m["tau"]) for m in by_one["modes"]] == [(m["equal_to_ar"], m["tau"])
                                                                       for m in report["modes"][:1]]
     assert greedy_equality.main(["--shape", "tiny", "--batch", "0"]) == 2
+    assert greedy_equality.main(["--shape", "tiny", "--first-prompt", "-1"]) == 2
+
+
+def test_loop_cost_runs_the_rounds_it_times(tmp_path, capsys):
+    # The auto program forced to each candidate, calls of 0, 1 and 1 + 2 rounds, fresh and again: each call ran
+    # exactly the rounds asked (EOS never ends a row here), and every figure is there.
+    out = tmp_path / "cost.json"
+    assert loop_cost.main(["--shape", "tiny", "--dtype", "float32", "--modes", "", "--auto", "chain,4",
+                           "--rounds", "2", "--repeats", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["program"] for r in report["rows"]] == ["auto[0,4]@chain", "auto[0,4]@4"]
+    for row in report["rows"]:
+        for kind in ("fresh", "again"):
+            assert row[kind]["rounds"] == {"0": 0, "1": 1, "3": 3}
+            assert all(s > 0 for s in row[kind]["seconds"].values())
+    assert "auto[0,4]@4" in capsys.readouterr().out
+    assert loop_cost.main(["--modes", "ar,0"]) == 2
 
 
 def test_top2_gap_is_the_gap_of_the_next_token_logits():

@@ -15,7 +15,8 @@ arithmetic; real checkpoints (or the demo pair, the default) also exercise accep
 B = 256 verifies 8224 rows, where XLA took minutes compiling one fusion with `--row-invariant`).
 Exit status 1 if any mode differs at a position that is not a near-tie (`--tie-tolerance`, in logits); with
 `--row-invariant` (issue 20: every token's arithmetic independent of the call's other tokens) if any mode differs
-at all.
+at all. `--first-prompt K` starts at the K-th prompt (a check of all of them split over runs); the first difference's
+prompt index counts from the first prompt.
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ def main(argv=None) -> int:
     p.add_argument("--budgets", default="16,64")
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--first-prompt", type=int, default=0,
+                   help="the prompts from this index on (a long check split over runs)")
     p.add_argument("--kernels", default="auto")
     p.add_argument("--batch", type=int, default=None, help="prompts per call (default: all of them in one)")
     p.add_argument("--row-invariant", action="store_true",
@@ -69,6 +72,9 @@ def main(argv=None) -> int:
                    help="largest top-2 logit gap at a first difference that still counts as a near-tie")
     p.add_argument("--out", type=Path, default=None, help="write the result as JSON here too")
     args = p.parse_args(argv)
+    if args.first_prompt < 0:
+        print(f"error: --first-prompt must be >= 0, got {args.first_prompt}", file=sys.stderr)
+        return 2
     if args.batch is not None and args.batch < 1:
         print(f"error: --batch must be >= 1, got {args.batch}", file=sys.stderr)
         return 2
@@ -79,7 +85,7 @@ def main(argv=None) -> int:
 
         target, drafter = random_pair(args.shape, Parallel())
         vocab = target.config.vocab_size - 1  # the last row is the drafter's mask token
-        prompts = [[(7 * i + 3 + 13 * r) % vocab for i in range(40 - 3 * r)] for r in range(min(args.num_prompts, 12))]
+        prompts = [[(7 * i + 3 + 13 * r) % vocab for i in range(40 - 3 * r)] for r in range(12)]
         source = f"random {args.shape} weights"
     else:
         from ddtree_jax.bench import shown_path, read_prompts
@@ -89,8 +95,9 @@ def main(argv=None) -> int:
         t_dir, d_dir = args.target or demo_target(), args.drafter or demo_drafter()
         target = load_target(t_dir, jnp.bfloat16)
         drafter = load_drafter(d_dir, target.config, jnp.bfloat16)
-        prompts = read_prompts(demo_prompts(), t_dir, target.config.vocab_size)[:args.num_prompts]
+        prompts = read_prompts(demo_prompts(), t_dir, target.config.vocab_size)
         source = shown_path(t_dir)  # relative to the working directory when under it: no machine paths
+    prompts = prompts[args.first_prompt:args.first_prompt + args.num_prompts]
 
     def run(mode: Mode, budget: int = 64) -> tuple[list[list[int]], float]:
         """Every prompt's output tokens, and tau over all of them."""
@@ -106,14 +113,15 @@ def main(argv=None) -> int:
 
     ar, _ = run(Mode.AR)
     report = {"source": source, "kernels": args.kernels, "row_invariant": args.row_invariant, "prompts": len(prompts),
-              "batch": args.batch or len(prompts), "max_new_tokens": args.max_new_tokens, "modes": []}
+              "first_prompt": args.first_prompt, "batch": args.batch or len(prompts),
+              "max_new_tokens": args.max_new_tokens, "modes": []}
     bad = False
     for mode, budget in [(Mode.DFLASH, None)] + [(Mode.DDTREE, int(b)) for b in args.budgets.split(",") if b]:
         output_ids, tau = run(mode, budget or 64)
         first = next(((r, i) for r, (x, y) in enumerate(zip(ar, output_ids))
                       for i, (u, v) in enumerate(zip(x, y)) if u != v), None)
         entry = {"mode": mode.value, "budget": budget, "equal_to_ar": output_ids == ar, "tau": tau,
-                 "first_difference": first}
+                 "first_difference": None if first is None else (first[0] + args.first_prompt, first[1])}
         if first is not None:
             r, i = first
             entry["top2_gap"] = top2_gap(target, list(prompts[r]) + ar[r][:i])

@@ -35,6 +35,8 @@
 #             and DDTree $SWEEP_BUDGETS, pallas                                           -> sweep_batch/, sweep_context/
 #   float32   the float32 GPU tests (float64 reference) and the float32 AR/DDTree cost at --matmul-precision
 #             highest and default                                                        -> f32_highest/, f32_default/
+#   loop_cost what a decode-loop call costs beyond its rounds (tools/loop_cost.py; $LOOP_ARGS), with XLA's default
+#             flags and each XLA_FLAGS variant of $LOOP_COST_XLA (';'-separated)             -> loop_cost/
 #   gdn       tools/gdn_probe.py: the hybrid's Gated DeltaNet tree rule and its triangular solve per layer, solve
 #             variants ($GDN_ARGS, e.g. --t 16,65 --solves trsm,blocked16)                       -> gdn/
 #   bitwise   tools/bitwise_probe.py: which parts of a Qwen3-8B forward give a row other bits in a T-row call than
@@ -155,6 +157,22 @@ for step in "$@"; do
       rm -f "$OUT"/demo_shape/bench.{md,png,partial.json} "$OUT"/demo_auto/bench.{md,partial.json}
       timeout 60 python3 tools/trace_summary.py /tmp/auto_traces --top 12 2>&1 | tail -60
       timeout 60 python3 tools/trace_summary.py /tmp/auto_traces --top 30 --json > "$OUT/auto_trace_summary.json"
+      ;;
+    loop_cost)
+      # What a decode-loop call costs beyond its rounds, right after a prefill and again on its own state (issue
+      # 22), with XLA's default flags, then with each of $LOOP_COST_XLA (XLA_FLAGS variants separated by ';')
+      log "decode-loop call costs ${LOOP_ARGS:-}"
+      mkdir -p "$OUT/loop_cost"
+      # shellcheck disable=SC2086
+      timeout "${LOOP_LIMIT:-200}" python3 tools/loop_cost.py ${LOOP_ARGS:-} --out "$OUT/loop_cost/default.json"
+      IFS=';' read -ra variants <<< "${LOOP_COST_XLA:-}"
+      i=0
+      for flags in "${variants[@]}"; do
+        i=$((i + 1)); echo "-- XLA_FLAGS=$flags"
+        # shellcheck disable=SC2086
+        XLA_FLAGS="$flags" timeout "${LOOP_LIMIT:-200}" python3 tools/loop_cost.py ${LOOP_ARGS:-} \
+          --out "$OUT/loop_cost/variant$i.json"
+      done
       ;;
     gdn)
       log "Gated DeltaNet tree rule and solves"

@@ -1,0 +1,136 @@
+"""What a call of the decode loop costs beyond its rounds: per program, calls of 0, 1 and 1 + N rounds, each
+timed right after a fresh prefill (new state buffers: `generate`'s one call per prompt) and again on the state
+that call returned (the same buffers, donated back: the calibration's and the bench's `--shape` calls).
+
+    python tools/loop_cost.py [--dtype bfloat16] [--modes ar,dflash,16] [--auto chain,32] [--rounds 16]
+
+Per program and kind of call (fresh, again): `call_s` the median call of 0 rounds (dispatch, the loop's exit
+test), `first_round_s` what a call's first round costs beyond a later one ((1-round call) - (0-round call) -
+per round), `per_round_s` ((1 + N)-round call - 1-round call) / N. `--auto chain,32`: the `--budget auto` program
+over those candidates, once forced to each of them (the others' cost infinite, as its calibration forces them),
+so its rounds are those of the fixed program it is compared with. Prompt: the demo pair's first held-out prompt
+(or `--shape`'s random weights); EOS never stops a row here (every call runs the rounds it is asked for).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def measure(programs, repeats: int, rounds: int, prepare=lambda s: s) -> dict:
+    """Median seconds of calls of 0, 1 and 1 + `rounds` rounds, fresh (right after a prefill) and again (on the
+    state that call returned); `prepare(state)` runs on every prefilled state before its first call."""
+    import jax
+
+    from ddtree_jax.parallel import to_host
+
+    sizes = (0, 1, 1 + rounds)
+    times = {kind: {n: [] for n in sizes} for kind in ("fresh", "again")}
+    ran = {kind: {n: [] for n in sizes} for kind in ("fresh", "again")}
+    for repeat in range(repeats + 1):  # the first pass warms up, untimed
+        for n in sizes:
+            state = jax.block_until_ready(prepare(programs.prefill()))
+            for kind in ("fresh", "again"):
+                first = int(to_host(state.step))
+                start = time.perf_counter()
+                state = jax.block_until_ready(programs.loop(state, n))
+                seconds = time.perf_counter() - start
+                if repeat:
+                    times[kind][n].append(seconds)
+                    ran[kind][n].append(int(to_host(state.step)) - first)
+    out = {}
+    for kind in times:
+        t = {n: statistics.median(v) for n, v in times[kind].items()}
+        r = {n: statistics.median(v) for n, v in ran[kind].items()}
+        per_round = (t[sizes[2]] - t[1]) / max(r[sizes[2]] - r[1], 1)
+        out[kind] = {"call_s": t[0], "first_round_s": t[1] - t[0] - per_round, "per_round_s": per_round,
+                     "seconds": {str(n): t[n] for n in sizes}, "rounds": {str(n): r[n] for n in sizes}}
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--modes", default="ar,dflash,16", help="ar, dflash, and DDTree budgets (comma list)")
+    p.add_argument("--auto", default="chain,32", help="--budget auto candidates ('' for none)")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--shape", default=None, help="random weights of this bench shape instead of the demo pair")
+    p.add_argument("--rounds", type=int, default=16, help="N: the long call runs 1 + N rounds")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    try:
+        from ddtree_jax.budget import parse_candidates
+
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        budgets = [int(m) for m in modes if m not in ("ar", "dflash")]
+        if any(b < 1 for b in budgets):
+            raise ValueError("a DDTree budget is an integer >= 1")
+        candidates = parse_candidates(args.auto) if args.auto else ()
+    except ValueError as e:
+        print(f"error: --modes {args.modes!r} / --auto {args.auto!r}: {e}", file=sys.stderr)
+        return 2
+    if args.rounds < 1 or args.repeats < 1:
+        print("error: --rounds and --repeats: expected integers >= 1", file=sys.stderr)
+        return 2
+
+    import jax
+    import jax.numpy as jnp
+
+    from ddtree_jax.cli import atomic_path
+    from ddtree_jax.engine import FORCED_OUT, DecodeOptions, Mode, compile_generation, with_round_costs
+
+    dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
+    if args.shape:
+        from ddtree_jax.measure.workload import random_pair
+        from ddtree_jax.parallel import Parallel
+
+        target, drafter = random_pair(args.shape, Parallel(), dtype=dtype)
+        prompt, source = [(7 * i + 3) % (target.config.vocab_size - 1) for i in range(40)], f"random {args.shape}"
+    else:
+        from ddtree_jax.bench import read_prompts
+        from ddtree_jax.checkpoint import load_drafter, load_target
+        from ddtree_jax.demo_pair import demo_drafter, demo_prompts, demo_target
+
+        target = load_target(demo_target(), dtype)
+        drafter = load_drafter(demo_drafter(), target.config, dtype)
+        prompt, source = read_prompts(demo_prompts(), demo_target(), target.config.vocab_size)[0], "the demo pair"
+    max_new = (args.rounds + 2) * 2 * 17 + 64  # room for two calls of 1 + N rounds of up to 17 tokens
+    plan = [(m, DecodeOptions(mode=Mode.AR if m == "ar" else Mode.DFLASH if m == "dflash" else Mode.DDTREE,
+                              max_new_tokens=max_new, budget=64 if m in ("ar", "dflash") else int(m)), None)
+            for m in modes]
+    for i, b in enumerate(candidates):
+        auto = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=max_new, budgets=candidates)
+        plan.append((f"auto[{','.join(map(str, candidates))}]@{'chain' if b == 0 else b}", auto, i))
+
+    rows = []
+    for label, options, forced in plan:
+        programs = compile_generation(target, [prompt], options, drafter=drafter)
+        prepare = lambda s: s  # noqa: E731
+        if forced is not None:
+            costs = [FORCED_OUT] * len(candidates)
+            costs[forced] = 1.0
+            prepare = lambda s, c=costs: with_round_costs(s, c)  # noqa: E731
+        result = measure(programs, args.repeats, args.rounds, prepare)
+        rows.append({"program": label, **result})
+        line = "  ".join(f"{kind}: call {r['call_s'] * 1e3:.3f} first +{r['first_round_s'] * 1e3:.3f} "
+                         f"round {r['per_round_s'] * 1e3:.4f} ms" for kind, r in result.items())
+        print(f"{label:24s} {line}", flush=True)
+    report = {"source": source, "device": jax.devices()[0].device_kind, "jax": jax.__version__, "dtype": args.dtype,
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "rounds": args.rounds, "repeats": args.repeats, "command": "python tools/loop_cost.py " + " ".join(
+                  sys.argv[1:] if argv is None else argv), "rows": rows}
+    if args.out:
+        with atomic_path(args.out) as tmp:
+            tmp.write_text(json.dumps(report, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
