@@ -25,34 +25,40 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def measure(programs, repeats: int, rounds: int, prepare=lambda s: s) -> dict:
-    """Median seconds of calls of 0, 1 and 1 + `rounds` rounds, fresh (right after a prefill) and again (on the
-    state that call returned); `prepare(state)` runs on every prefilled state before its first call."""
+def measure(programs: dict, repeats: int, rounds: int) -> dict:
+    """Per program (label -> (GenerationPrograms, prepare)), median seconds of calls of 0, 1 and 1 + `rounds`
+    rounds, fresh (right after a prefill) and again (on the state that call returned); `prepare(state)` runs on
+    every prefilled state before its first call. The programs take turns within each repeat, so that what drifts
+    (a GPU's clock) weighs on all of them alike."""
     import jax
 
     from ddtree_jax.parallel import to_host
 
     sizes = (0, 1, 1 + rounds)
-    times = {kind: {n: [] for n in sizes} for kind in ("fresh", "again")}
-    ran = {kind: {n: [] for n in sizes} for kind in ("fresh", "again")}
+    kinds = ("fresh", "again")
+    times = {label: {kind: {n: [] for n in sizes} for kind in kinds} for label in programs}
+    ran = {label: {kind: {n: [] for n in sizes} for kind in kinds} for label in programs}
     for repeat in range(repeats + 1):  # the first pass warms up, untimed
-        for n in sizes:
-            state = jax.block_until_ready(prepare(programs.prefill()))
-            for kind in ("fresh", "again"):
-                first = int(to_host(state.step))
-                start = time.perf_counter()
-                state = jax.block_until_ready(programs.loop(state, n))
-                seconds = time.perf_counter() - start
-                if repeat:
-                    times[kind][n].append(seconds)
-                    ran[kind][n].append(int(to_host(state.step)) - first)
+        for label, (program, prepare) in programs.items():
+            for n in sizes:
+                state = jax.block_until_ready(prepare(program.prefill()))
+                for kind in kinds:
+                    first = int(to_host(state.step))
+                    start = time.perf_counter()
+                    state = jax.block_until_ready(program.loop(state, n))
+                    seconds = time.perf_counter() - start
+                    if repeat:
+                        times[label][kind][n].append(seconds)
+                        ran[label][kind][n].append(int(to_host(state.step)) - first)
     out = {}
-    for kind in times:
-        t = {n: statistics.median(v) for n, v in times[kind].items()}
-        r = {n: statistics.median(v) for n, v in ran[kind].items()}
-        per_round = (t[sizes[2]] - t[1]) / max(r[sizes[2]] - r[1], 1)
-        out[kind] = {"call_s": t[0], "first_round_s": t[1] - t[0] - per_round, "per_round_s": per_round,
-                     "seconds": {str(n): t[n] for n in sizes}, "rounds": {str(n): r[n] for n in sizes}}
+    for label in programs:
+        out[label] = {}
+        for kind in kinds:
+            t = {n: statistics.median(v) for n, v in times[label][kind].items()}
+            r = {n: statistics.median(v) for n, v in ran[label][kind].items()}
+            per_round = (t[sizes[2]] - t[1]) / max(r[sizes[2]] - r[1], 1)
+            out[label][kind] = {"call_s": t[0], "first_round_s": t[1] - t[0] - per_round, "per_round_s": per_round,
+                                "seconds": {str(n): t[n] for n in sizes}, "rounds": {str(n): r[n] for n in sizes}}
     return out
 
 
@@ -102,7 +108,7 @@ def main(argv=None) -> int:
         target = load_target(demo_target(), dtype)
         drafter = load_drafter(demo_drafter(), target.config, dtype)
         prompt, source = read_prompts(demo_prompts(), demo_target(), target.config.vocab_size)[0], "the demo pair"
-    max_new = (args.rounds + 2) * 2 * 17 + 64  # room for two calls of 1 + N rounds of up to 17 tokens
+    max_new = (args.rounds + 1) * 2 * 17 + 64  # room for two calls of 1 + N rounds of up to 17 tokens
     plan = [(m, DecodeOptions(mode=Mode.AR if m == "ar" else Mode.DFLASH if m == "dflash" else Mode.DDTREE,
                               max_new_tokens=max_new, budget=64 if m in ("ar", "dflash") else int(m)), None)
             for m in modes]
@@ -110,15 +116,16 @@ def main(argv=None) -> int:
         auto = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=max_new, budgets=candidates)
         plan.append((f"auto[{','.join(map(str, candidates))}]@{'chain' if b == 0 else b}", auto, i))
 
-    rows = []
+    programs = {}
     for label, options, forced in plan:
-        programs = compile_generation(target, [prompt], options, drafter=drafter)
         prepare = lambda s: s  # noqa: E731
         if forced is not None:
             costs = [FORCED_OUT] * len(candidates)
             costs[forced] = 1.0
             prepare = lambda s, c=costs: with_round_costs(s, c)  # noqa: E731
-        result = measure(programs, args.repeats, args.rounds, prepare)
+        programs[label] = (compile_generation(target, [prompt], options, drafter=drafter), prepare)
+    rows = []
+    for label, result in measure(programs, args.repeats, args.rounds).items():
         rows.append({"program": label, **result})
         line = "  ".join(f"{kind}: call {r['call_s'] * 1e3:.3f} first +{r['first_round_s'] * 1e3:.3f} "
                          f"round {r['per_round_s'] * 1e3:.4f} ms" for kind, r in result.items())
