@@ -18,9 +18,9 @@ average plus the candidate's average gain over it, paired in the rounds that rev
 weighted, DECAY per round): a gain varies about a third as much as a count does (demo pair, 2026-12-03: standard
 deviations 1.2-1.3 against 3.6-4.0 tokens), so a few rounds of the widest candidate judge the trees. A round that
 runs the widest candidate reveals every count: the first round of a decode that has learned nothing runs it,
-and so does a round after as many rounds without it as it has run (row-rounds, at least PROBE_MIN and at most
-PROBE_MAX), so the estimates of the trees firm up while a narrower candidate wins. What was learned carries from
-one `generate` call to the next (`GenerationResult.auto_learned`, `generate(auto_learned=...)`): the bench and
+and so does a round after as many rounds without it as it has run (row-rounds; at least as many as keep the
+probes' extra time within PROBE_SHARE, at least PROBE_MIN and at most PROBE_MAX), so the estimates of the trees
+firm up while a narrower candidate wins. What was learned carries from one `generate` call to the next (`GenerationResult.auto_learned`, `generate(auto_learned=...)`): the bench and
 `generate --prompts` pass it on.
 
 Why averages, not a per-round prediction. The rule before 2026-12-03 predicted each round's tokens from the
@@ -147,17 +147,22 @@ class BudgetState:
 
 DECAY = 0.999  # per round, of every candidate's tokens and rows (about 1000 rounds of memory)
 # Rounds without the widest candidate before it runs once more (it reveals every candidate's count): as many as
-# the row-rounds it has run, within these bounds. A fixed 256 let one unlucky early estimate hold for 256 rounds
-# (the CPU's demo pair, 2026-12-03: the chain in 129 rounds where B = 16 was 12% faster).
+# the row-rounds it has run, and as many as keep a probe's extra time (its round over the best candidate's, and
+# the two changes of candidate) within PROBE_SHARE of the time, within PROBE_MIN and PROBE_MAX. A fixed 256 let
+# one unlucky early estimate hold for 256 rounds (the CPU's demo pair, 2026-12-03: the chain in 129 rounds where
+# B = 16 was 12% faster); without the price, probes every ~32 rounds took ~3% of the demo pair's time on the H200
+# (2026-12-03: 38 B = 16 rounds of 1087, each ~0.07 ms dearer than the chain's 0.27 and two 0.08 ms changes).
 PROBE_MIN, PROBE_MAX = 32, 256
+PROBE_SHARE = 0.02
 CHANGE_ROUNDS = 32  # rounds a change of candidate is spread over in `choose`
 
 
 def choose(budget_state: BudgetState) -> jax.Array:
     """The candidate index [] int32 with the most tokens per second, `per_round` / (cost + the change's share),
     a change's share being change_cost / CHANGE_ROUNDS for every candidate but the last round's; the widest
-    candidate when it has never run or as many rounds have passed without it as it has run (within PROBE_MIN,
-    PROBE_MAX). A candidate of infinite cost is never chosen (the calibration forces one candidate so)."""
+    candidate when it has never run or as many rounds have passed without it as it has run, and at least as many
+    as keep the probe's extra seconds within PROBE_SHARE of the rounds' (within PROBE_MIN, PROBE_MAX). A candidate
+    of infinite cost is never chosen (the calibration forces one candidate so)."""
     costs = budget_state.costs
     widest = costs.shape[0] - 1
     allowed = jnp.isfinite(costs)
@@ -167,7 +172,10 @@ def choose(budget_state: BudgetState) -> jax.Array:
     seconds = costs + jnp.where(change, budget_state.change_cost / CHANGE_ROUNDS, 0.0)
     best = jnp.argmax(jnp.where(allowed, per_round / jnp.where(allowed, seconds, 1.0), -1.0)).astype(jnp.int32)
     ran = budget_state.rows[widest]
-    due = budget_state.since_widest.astype(jnp.float32) >= jnp.clip(ran, PROBE_MIN, PROBE_MAX)
+    probe_extra = costs[widest] - costs[best] + 2 * budget_state.change_cost  # seconds a probe costs beyond `best`
+    priced = probe_extra / (PROBE_SHARE * costs[best])  # rounds between probes that keep them within PROBE_SHARE
+    interval = jnp.clip(jnp.maximum(ran, priced), PROBE_MIN, PROBE_MAX)
+    due = budget_state.since_widest.astype(jnp.float32) >= interval
     explore = allowed[widest] & ((ran == 0) | due)
     return jnp.where(explore, jnp.int32(widest), best)
 
@@ -299,5 +307,6 @@ def save_costs(key: dict, seconds, change_seconds: float) -> Path | None:
 
 
 __all__ = ["CHAIN", "DEFAULT_CANDIDATES", "candidates_text", "BudgetState", "parse_candidates", "check_candidates",
-           "choose", "revealed_counts", "observe", "DECAY", "PROBE_MIN", "PROBE_MAX", "CHANGE_ROUNDS", "cost_key",
+           "choose", "revealed_counts", "observe", "DECAY", "PROBE_MIN", "PROBE_MAX", "PROBE_SHARE", "CHANGE_ROUNDS",
+           "cost_key",
            "cost_cache_dir", "cost_cache_path", "load_costs", "save_costs"]

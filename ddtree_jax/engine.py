@@ -173,11 +173,16 @@ def resolve_options(options: DecodeOptions, drafter: ModelParams | None, dtype=N
 @dataclasses.dataclass
 class GenerationPrograms:
     """A generation's compiled prefill and decode loop with their inputs (`compile_generation`): `prefill()` a
-    fresh DecodeState, `loop(state, rounds)` up to `rounds` more rounds (default: `steps`) on it (donated)."""
+    fresh DecodeState, `loop(state, rounds)` up to `rounds` more rounds (default: `steps`) on it (donated).
 
-    target: ModelParams
-    drafter: ModelParams | None
+    The programs take the models as their leaves (`_prefill_on_leaves`, `_loop_on_leaves`) and the round counts
+    as device scalars made once: flattening the models' NNX state and making the scalar in every call cost 0.2
+    of the 0.35 ms that a call of the demo pair's loop took on this project's CPU (2026-12-03), a cost paid
+    once per prompt in the bench and per batch in `generate --prompts`."""
+
     options: DecodeOptions  # resolved
+    drafter: ModelParams | None
+    weights: tuple[list, list]  # the target's and the drafter's leaves
     tokens: jax.Array  # [b, width] int32, the padded prompts (rows beyond the caller's: dp padding)
     lengths: jax.Array  # [b] int32
     rng: jax.Array
@@ -186,17 +191,32 @@ class GenerationPrograms:
     prefill_fn: Callable
     loop_fn: Callable
     compile_seconds: float
+    _rounds: dict = dataclasses.field(default_factory=dict, repr=False)  # rounds -> device int32 scalar
 
     @property
     def batch(self) -> int:
         return self.tokens.shape[0]
 
     def prefill(self) -> DecodeState:
-        return self.prefill_fn(self.target, self.drafter, self.tokens, self.lengths, self.rng)
+        return self.prefill_fn(*self.weights, self.tokens, self.lengths, self.rng)
 
     def loop(self, state: DecodeState, rounds: int | None = None) -> DecodeState:
-        return self.loop_fn(self.target, self.drafter, state, jnp.asarray(self.steps if rounds is None else rounds,
-                                                                          jnp.int32))
+        n = self.steps if rounds is None else int(rounds)
+        if n not in self._rounds:
+            self._rounds[n] = jnp.asarray(n, jnp.int32)
+        return self.loop_fn(*self.weights, state, self._rounds[n])
+
+
+def _prefill_on_leaves(target_leaves, drafter_leaves, tokens, lengths, rng, *, treedefs, capacity, options):
+    """`round.prefill` with the models given as leaves (`treedefs`: the target's and the drafter's)."""
+    target, drafter = (jax.tree.unflatten(d, leaves) for d, leaves in zip(treedefs, (target_leaves, drafter_leaves)))
+    return prefill(target, drafter, tokens, lengths, rng, capacity=capacity, options=options)
+
+
+def _loop_on_leaves(target_leaves, drafter_leaves, state, steps, *, treedefs, options):
+    """`round.decode_loop` with the models given as leaves."""
+    target, drafter = (jax.tree.unflatten(d, leaves) for d, leaves in zip(treedefs, (target_leaves, drafter_leaves)))
+    return decode_loop(target, drafter, state, steps, options=options)
 
 
 def compile_generation(target: ModelParams, prompts: Sequence[Sequence[int]], options: DecodeOptions, *,
@@ -229,13 +249,15 @@ def compile_generation(target: ModelParams, prompts: Sequence[Sequence[int]], op
     rng = jax.random.key(seed)
     tokens = put(tokens, parallel.sharding(parallel.batch_spec(2)))
     lengths_dev = put(lengths, parallel.sharding(parallel.batch_spec(1)))
-    prefill_fn, prefill_compile_s = _compiled("prefill", prefill, (target, drafter, tokens, lengths_dev, rng),
-                                              dict(capacity=capacity, options=options))
+    (target_leaves, target_def), (drafter_leaves, drafter_def) = jax.tree.flatten(target), jax.tree.flatten(drafter)
+    weights, treedefs = (target_leaves, drafter_leaves), (target_def, drafter_def)
+    prefill_fn, prefill_compile_s = _compiled("prefill", _prefill_on_leaves, (*weights, tokens, lengths_dev, rng),
+                                              dict(treedefs=treedefs, capacity=capacity, options=options))
     state = prefill_fn.out_info  # the decode state's shapes and shardings
     steps = steps_per_call or options.max_new_tokens  # a round emits >= 1 token
-    loop_fn, loop_compile_s = _compiled("decode_loop", decode_loop, (target, drafter, state, jnp.int32(steps)),
-                                        dict(options=options), donate=(2,))
-    return GenerationPrograms(target=target, drafter=drafter, options=options, tokens=tokens, lengths=lengths_dev,
+    loop_fn, loop_compile_s = _compiled("decode_loop", _loop_on_leaves, (*weights, state, jnp.int32(steps)),
+                                        dict(treedefs=treedefs, options=options), donate=(2,))
+    return GenerationPrograms(options=options, drafter=drafter, weights=weights, tokens=tokens, lengths=lengths_dev,
                               rng=rng, capacity=capacity, steps=steps, prefill_fn=prefill_fn, loop_fn=loop_fn,
                               compile_seconds=prefill_compile_s + loop_compile_s)
 

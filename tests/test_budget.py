@@ -53,22 +53,33 @@ def test_the_widest_runs_first_and_every_probe_rounds_and_never_when_forced_out(
     widest once. A candidate of infinite cost (the calibration's forcing) is never chosen, the widest included."""
     fresh = dataclasses.replace(auto.BudgetState.start(1, 8, 3), costs=jnp.asarray([1.0, 1.0, 1.0]))
     assert int(auto.choose(fresh)) == 2
-    state = state_with([3.0, 3.1, 3.2], [1.0, 1.5, 2.0])
+    costs = [1.0, 1.2, 1.4]  # a probe 0.4 dearer than the chain's round: priced at 0.4 / (2% of 1.0) = 20 rounds
+    state = state_with([3.0, 3.1, 3.2], costs)
     np.testing.assert_allclose(np.asarray(state.per_round), [3.0, 3.1, 3.2], rtol=1e-6)
     assert int(auto.choose(state)) == 0
-    assert (auto.PROBE_MIN, auto.PROBE_MAX) == (32, 256)
+    assert (auto.PROBE_MIN, auto.PROBE_MAX, auto.PROBE_SHARE) == (32, 256, 0.02)
     assert int(auto.choose(dataclasses.replace(state, since_widest=jnp.asarray(31)))) == 0
     assert int(auto.choose(dataclasses.replace(state, since_widest=jnp.asarray(32)))) == 2
-    long = state_with([3.0, 3.1, 3.2], [1.0, 1.5, 2.0], rows=300.0)
+    long = state_with([3.0, 3.1, 3.2], costs, rows=300.0)
     assert int(auto.choose(dataclasses.replace(long, since_widest=jnp.asarray(255)))) == 0
     assert int(auto.choose(dataclasses.replace(long, since_widest=jnp.asarray(256)))) == 2
-    mid = state_with([3.0, 3.1, 3.2], [1.0, 1.5, 2.0], rows=100.0)
+    mid = state_with([3.0, 3.1, 3.2], costs, rows=100.0)
     assert [int(auto.choose(dataclasses.replace(mid, since_widest=jnp.asarray(n)))) for n in (99, 100)] == [0, 2]
     inf = float("inf")
     for forced in range(3):
-        costs = jnp.asarray([1.0 if i == forced else inf for i in range(3)])
-        assert int(auto.choose(dataclasses.replace(fresh, costs=costs))) == forced
-        assert int(auto.choose(dataclasses.replace(state, costs=costs, since_widest=jnp.asarray(999)))) == forced
+        forced_costs = jnp.asarray([1.0 if i == forced else inf for i in range(3)])
+        assert int(auto.choose(dataclasses.replace(fresh, costs=forced_costs))) == forced
+        assert int(auto.choose(dataclasses.replace(state, costs=forced_costs, since_widest=jnp.asarray(999)))) == forced
+
+
+def test_a_probe_waits_until_its_price_is_within_its_share():
+    """The widest 1.0 ms dearer than the chain's 1.0: probes 1.0 / (2% of 1.0) = 50 rounds apart (10 row-rounds
+    run would say 32); with two changes of 0.5 ms each on top, 2.0 / 0.02 = 100."""
+    state = state_with([3.0, 3.1, 3.2], [1.0, 1.5, 2.0])
+    probes = lambda s: [int(auto.choose(dataclasses.replace(s, since_widest=jnp.asarray(n)))) for n in  # noqa: E731
+                        (49, 50, 99, 100)]
+    assert probes(state) == [0, 2, 2, 2]
+    assert probes(dataclasses.replace(state, change_cost=jnp.asarray(0.5, jnp.float32))) == [0, 0, 0, 2]
 
 
 def test_revealed_counts_of_smaller_trees_and_the_chain():

@@ -327,7 +327,7 @@ for step in "$@"; do
       fi
       ;;
     invariant_demo)
-      log "row-invariant greedy equality on the demo pair, B = ${INV_DEMO_BUDGETS:-256} (32 held-out prompts x 128) ${INV_DEMO_ARGS:-}"
+      log "row-invariant greedy equality on the demo pair, B = ${INV_DEMO_BUDGETS:-256} (held-out prompts x 128: 32, or as ${INV_DEMO_ARGS:-} says)"
       mkdir -p "$OUT/invariant"
       timeout "${INV_DEMO_LIMIT:-420}" python3 tools/greedy_equality.py --budgets "${INV_DEMO_BUDGETS:-256}" \
         --num-prompts 32 --max-new-tokens 128 --row-invariant ${INV_DEMO_ARGS:-} --out "$OUT/invariant/equality_demo.json"
