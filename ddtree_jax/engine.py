@@ -27,8 +27,8 @@ from ddtree_jax.round import DecodeOptions, DecodeState, Mode, RoundTrace, decod
 
 # The Python API: generate and its types here; the device-side names re-exported from round.py.
 __all__ = ["generate", "GenerationResult", "compile_generation", "GenerationPrograms", "resolve_options",
-           "cache_shape", "calibrate", "compile_program", "DecodeOptions", "DecodeState", "Mode", "RoundTrace",
-           "decode_loop", "prefill"]
+           "cache_shape", "calibrate", "compile_program", "prefill_on_leaves", "decode_loop_on_leaves",
+           "DecodeOptions", "DecodeState", "Mode", "RoundTrace", "decode_loop", "prefill"]
 
 CAPACITY_BUCKET = 128
 PROMPT_BUCKET = 32
@@ -175,7 +175,7 @@ class GenerationPrograms:
     """A generation's compiled prefill and decode loop with their inputs (`compile_generation`): `prefill()` a
     fresh DecodeState, `loop(state, rounds)` up to `rounds` more rounds (default: `steps`) on it (donated).
 
-    The programs take the models as their leaves (`_prefill_on_leaves`, `_loop_on_leaves`) and the round counts
+    The programs take the models as their leaves (`prefill_on_leaves`, `decode_loop_on_leaves`) and the round counts
     as device scalars made once: flattening the models' NNX state and making the scalar in every call cost 0.2
     of the 0.35 ms that a call of the demo pair's loop took on this project's CPU (2026-12-03), a cost paid
     once per prompt in the bench and per batch in `generate --prompts`."""
@@ -207,14 +207,15 @@ class GenerationPrograms:
         return self.loop_fn(*self.weights, state, self._rounds[n])
 
 
-def _prefill_on_leaves(target_leaves, drafter_leaves, tokens, lengths, rng, *, treedefs, capacity, options):
+def prefill_on_leaves(target_leaves, drafter_leaves, tokens, lengths, rng, *, treedefs, capacity, options):
     """`round.prefill` with the models given as leaves (`treedefs`: the target's and the drafter's)."""
     target, drafter = (jax.tree.unflatten(d, leaves) for d, leaves in zip(treedefs, (target_leaves, drafter_leaves)))
     return prefill(target, drafter, tokens, lengths, rng, capacity=capacity, options=options)
 
 
-def _loop_on_leaves(target_leaves, drafter_leaves, state, steps, *, treedefs, options):
-    """`round.decode_loop` with the models given as leaves."""
+def decode_loop_on_leaves(target_leaves, drafter_leaves, state, steps, *, treedefs, options):
+    """`round.decode_loop` with the models given as leaves: the program `generate` runs (the bench's `--shape`
+    rows compile it too)."""
     target, drafter = (jax.tree.unflatten(d, leaves) for d, leaves in zip(treedefs, (target_leaves, drafter_leaves)))
     return decode_loop(target, drafter, state, steps, options=options)
 
@@ -251,11 +252,11 @@ def compile_generation(target: ModelParams, prompts: Sequence[Sequence[int]], op
     lengths_dev = put(lengths, parallel.sharding(parallel.batch_spec(1)))
     (target_leaves, target_def), (drafter_leaves, drafter_def) = jax.tree.flatten(target), jax.tree.flatten(drafter)
     weights, treedefs = (target_leaves, drafter_leaves), (target_def, drafter_def)
-    prefill_fn, prefill_compile_s = _compiled("prefill", _prefill_on_leaves, (*weights, tokens, lengths_dev, rng),
+    prefill_fn, prefill_compile_s = _compiled("prefill", prefill_on_leaves, (*weights, tokens, lengths_dev, rng),
                                               dict(treedefs=treedefs, capacity=capacity, options=options))
     state = prefill_fn.out_info  # the decode state's shapes and shardings
     steps = steps_per_call or options.max_new_tokens  # a round emits >= 1 token
-    loop_fn, loop_compile_s = _compiled("decode_loop", _loop_on_leaves, (*weights, state, jnp.int32(steps)),
+    loop_fn, loop_compile_s = _compiled("decode_loop", decode_loop_on_leaves, (*weights, state, jnp.int32(steps)),
                                         dict(treedefs=treedefs, options=options), donate=(2,))
     return GenerationPrograms(options=options, drafter=drafter, weights=weights, tokens=tokens, lengths=lengths_dev,
                               rng=rng, capacity=capacity, steps=steps, prefill_fn=prefill_fn, loop_fn=loop_fn,
