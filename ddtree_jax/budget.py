@@ -20,8 +20,8 @@ deviations 1.2-1.3 against 3.6-4.0 tokens), so a few rounds of the widest candid
 runs the widest candidate reveals every count: the first round of a decode that has learned nothing runs it,
 and so does a round after as many rounds without it as it has run (row-rounds; at least as many as keep the
 probes' extra time within PROBE_SHARE, at least PROBE_MIN and at most PROBE_MAX), so the estimates of the trees
-firm up while a narrower candidate wins. What was learned carries from one `generate` call to the next (`GenerationResult.auto_learned`, `generate(auto_learned=...)`): the bench and
-`generate --prompts` pass it on.
+firm up while a narrower candidate wins. What was learned carries from one `generate` call to the next
+(`GenerationResult.auto_learned`, `generate(auto_learned=...)`): the bench and `generate --prompts` pass it on.
 
 Why averages, not a per-round prediction. The rule before 2026-12-03 predicted each round's tokens from the
 drafter's confidence (the chain's reach, a learned share of it per tree, a correction per depth). Along auto's
@@ -308,5 +308,4 @@ def save_costs(key: dict, seconds, change_seconds: float) -> Path | None:
 
 __all__ = ["CHAIN", "DEFAULT_CANDIDATES", "candidates_text", "BudgetState", "parse_candidates", "check_candidates",
            "choose", "revealed_counts", "observe", "DECAY", "PROBE_MIN", "PROBE_MAX", "PROBE_SHARE", "CHANGE_ROUNDS",
-           "cost_key",
-           "cost_cache_dir", "cost_cache_path", "load_costs", "save_costs"]
+           "cost_key", "cost_cache_dir", "cost_cache_path", "load_costs", "save_costs"]

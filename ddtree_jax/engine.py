@@ -27,8 +27,8 @@ from ddtree_jax.round import DecodeOptions, DecodeState, Mode, RoundTrace, decod
 
 # The Python API: generate and its types here; the device-side names re-exported from round.py.
 __all__ = ["generate", "GenerationResult", "compile_generation", "GenerationPrograms", "resolve_options",
-           "cache_shape", "calibrate", "compile_program", "prefill_on_leaves", "decode_loop_on_leaves",
-           "DecodeOptions", "DecodeState", "Mode", "RoundTrace", "decode_loop", "prefill"]
+           "cache_shape", "calibrate", "compile_program", "models_as_leaves", "prefill_on_leaves",
+           "decode_loop_on_leaves", "DecodeOptions", "DecodeState", "Mode", "RoundTrace", "decode_loop", "prefill"]
 
 CAPACITY_BUCKET = 128
 PROMPT_BUCKET = 32
@@ -175,9 +175,9 @@ class GenerationPrograms:
     """A generation's compiled prefill and decode loop with their inputs (`compile_generation`): `prefill()` a
     fresh DecodeState, `loop(state, rounds)` up to `rounds` more rounds (default: `steps`) on it (donated).
 
-    The programs take the models as their leaves (`prefill_on_leaves`, `decode_loop_on_leaves`) and the round counts
-    as device scalars made once: flattening the models' NNX state and making the scalar in every call cost 0.2
-    of the 0.35 ms that a call of the demo pair's loop took on this project's CPU (2026-12-03), a cost paid
+    The programs take the models as their leaves (`models_as_leaves`) and the round counts as device scalars made
+    once: flattening the models' NNX state and making the scalar in every call took a call of 0 rounds of the demo
+    pair's loop from 0.16 to 0.44 ms on this project's CPU and cost ~0.7 ms a call on the H200 (2026-12-03), paid
     once per prompt in the bench and per batch in `generate --prompts`."""
 
     options: DecodeOptions  # resolved
@@ -205,6 +205,13 @@ class GenerationPrograms:
         if n not in self._rounds:
             self._rounds[n] = jnp.asarray(n, jnp.int32)
         return self.loop_fn(*self.weights, state, self._rounds[n])
+
+
+def models_as_leaves(target: ModelParams, drafter: ModelParams | None) -> tuple[tuple[list, list], tuple]:
+    """((target leaves, drafter leaves), their treedefs): the arguments and the static `treedefs` of
+    `prefill_on_leaves` and `decode_loop_on_leaves`."""
+    (target_leaves, target_def), (drafter_leaves, drafter_def) = jax.tree.flatten(target), jax.tree.flatten(drafter)
+    return (target_leaves, drafter_leaves), (target_def, drafter_def)
 
 
 def prefill_on_leaves(target_leaves, drafter_leaves, tokens, lengths, rng, *, treedefs, capacity, options):
@@ -250,8 +257,7 @@ def compile_generation(target: ModelParams, prompts: Sequence[Sequence[int]], op
     rng = jax.random.key(seed)
     tokens = put(tokens, parallel.sharding(parallel.batch_spec(2)))
     lengths_dev = put(lengths, parallel.sharding(parallel.batch_spec(1)))
-    (target_leaves, target_def), (drafter_leaves, drafter_def) = jax.tree.flatten(target), jax.tree.flatten(drafter)
-    weights, treedefs = (target_leaves, drafter_leaves), (target_def, drafter_def)
+    weights, treedefs = models_as_leaves(target, drafter)
     prefill_fn, prefill_compile_s = _compiled("prefill", prefill_on_leaves, (*weights, tokens, lengths_dev, rng),
                                               dict(treedefs=treedefs, capacity=capacity, options=options))
     state = prefill_fn.out_info  # the decode state's shapes and shardings

@@ -127,12 +127,15 @@ def main(argv=None) -> int:
     rows = []
     for label, result in measure(programs, args.repeats, args.rounds).items():
         rows.append({"program": label, **result})
-        line = "  ".join(f"{kind}: call {r['call_s'] * 1e3:.3f} first +{r['first_round_s'] * 1e3:.3f} "
+        line = "  ".join(f"{kind}: call {r['call_s'] * 1e3:.3f} first {r['first_round_s'] * 1e3:+.3f} "
                          f"round {r['per_round_s'] * 1e3:.4f} ms" for kind, r in result.items())
         print(f"{label:24s} {line}", flush=True)
+    given = list(sys.argv[1:] if argv is None else argv)
+    if "--out" in given:  # the record names no machine path
+        del given[given.index("--out"):given.index("--out") + 2]
     report = {"source": source, "device": jax.devices()[0].device_kind, "jax": jax.__version__, "dtype": args.dtype,
-              "xla_flags": os.environ.get("XLA_FLAGS", ""), "rounds": args.rounds, "repeats": args.repeats, "command": "python tools/loop_cost.py " + " ".join(
-                  sys.argv[1:] if argv is None else argv), "rows": rows}
+              "xla_flags": os.environ.get("XLA_FLAGS", ""), "rounds": args.rounds, "repeats": args.repeats,
+              "command": " ".join(["python tools/loop_cost.py", *given]), "rows": rows}
     if args.out:
         with atomic_path(args.out) as tmp:
             tmp.write_text(json.dumps(report, indent=1) + "\n")

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from ddtree_jax import round as rnd
 from ddtree_jax.cache import HybridCache, MTPCache, RecurrentState
-from ddtree_jax.engine import compile_program, decode_loop_on_leaves
+from ddtree_jax.engine import compile_program, decode_loop_on_leaves, models_as_leaves
 from ddtree_jax.measure.timing import LOOP_ROUNDS, in_loop_seconds, median_seconds, record_trace
 from ddtree_jax.models import dflash, mtp, target_family
 from ddtree_jax.shapes import shape_configs
@@ -185,10 +185,9 @@ def prepare_row(target, drafter, options, context: int, repeats: int, parallel, 
     state = filled_state(target, drafter, context, options, parallel, rounds * (LOOP_ROUNDS + 1) + LOOP_ROUNDS,
                          tokens_per_round=2 if options.mode.needs_drafter else 1, batch=batch)
     # The loop as `generate` compiles it: the models as leaves (`engine.decode_loop_on_leaves`).
-    (target_leaves, target_def), (drafter_leaves, drafter_def) = jax.tree.flatten(target), jax.tree.flatten(drafter)
-    weights = (target_leaves, drafter_leaves)
+    weights, treedefs = models_as_leaves(target, drafter)
     loop = compile_program(decode_loop_on_leaves, (*weights, state, jnp.int32(1)),
-                           {"treedefs": (target_def, drafter_def), "options": options}, donate=(2,))
+                           {"treedefs": treedefs, "options": options}, donate=(2,))
     row = RowPrograms(programs={"round": (loop, weights)}, state=state)
     if not options.mode.needs_drafter:
         return row
