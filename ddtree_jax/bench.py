@@ -476,7 +476,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     from ddtree_jax.checkpoint import CheckpointError
     from ddtree_jax.config import ConfigError
-    from ddtree_jax.cli import EXIT_BAD_INPUT, BadInput, parallel_from_args, setup_compilation_cache
+    from ddtree_jax.cli import EXIT_BAD_INPUT, BadInput, parallel_from_args, recorded_command, setup_compilation_cache
 
     args = parse_args(argv)
     try:
@@ -545,7 +545,7 @@ def main(argv=None) -> int:
     except (BadInput, CheckpointError, ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    report["command"] = "python -m ddtree_jax.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    report["command"] = recorded_command("python -m ddtree_jax.bench", sys.argv[1:] if argv is None else argv)
     report["xla_flags"] = os.environ.get("XLA_FLAGS") or None  # what the command line does not show
     report["date"] = time.strftime("%Y-%m-%d")
     write_lines_atomic(args.out / "bench.json", [json.dumps(report, indent=2)])

@@ -363,6 +363,19 @@ def write_lines_atomic(path: Path, lines) -> None:
 # Summary
 
 
+def recorded_command(program: str, argv) -> str:
+    """The command line a JSON record keeps (`program` and the arguments), without `--out`'s value: the output
+    folder is where this run wrote, often a machine path, and a record names none."""
+    args, kept = list(argv), []
+    while args:
+        arg = args.pop(0)
+        if arg == "--out":
+            args = args[1:]
+        elif not arg.startswith("--out="):
+            kept.append(arg)
+    return " ".join([program, *kept])
+
+
 def mode_label(mode: str, budget: int | None = None, block_size: int | None = None) -> str:
     """'ar', 'dflash block=16', 'ddtree B=64' or 'mtp steps=3': how a run is named in its summary line."""
     if mode == "ddtree":

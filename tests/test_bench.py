@@ -32,6 +32,8 @@ def test_shape_mode_writes_json_table_and_plot(tmp_path, capsys):
     out = tmp_path / "out"
     assert main(["--shape", "tiny", "--context", "32", "--budgets", "4,16", "--repeats", "3", "--out", str(out)]) == 0
     report = json.loads((out / "bench.json").read_text())
+    # The record's command reproduces the run and names no machine path (--out dropped).
+    assert report["command"] == "python -m ddtree_jax.bench --shape tiny --context 32 --budgets 4,16 --repeats 3"
     assert [(r["mode"], r["budget"]) for r in report["rows"]] == [("ar", None), ("dflash", None), ("ddtree", 4),
                                                                   ("ddtree", 16)]
     assert_round_times(report["rows"])

@@ -100,6 +100,8 @@ def test_loop_cost_runs_the_rounds_it_times(tmp_path, capsys):
             assert row[kind]["rounds"] == {"0": 0, "1": 1, "3": 3}
             assert all(s > 0 for s in row[kind]["seconds"].values())
     assert "auto[0,4]@4" in capsys.readouterr().out
+    assert report["command"] == ("python tools/loop_cost.py --shape tiny --dtype float32 --modes  --auto chain,4 "
+                                 "--rounds 2 --repeats 1")
     assert loop_cost.main(["--modes", "ar,0"]) == 2
 
 

@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from ddtree_jax.cli import atomic_path
+    from ddtree_jax.cli import atomic_path, recorded_command
     from ddtree_jax.engine import FORCED_OUT, DecodeOptions, Mode, compile_generation, with_round_costs
 
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
@@ -130,12 +130,10 @@ def main(argv=None) -> int:
         line = "  ".join(f"{kind}: call {r['call_s'] * 1e3:.3f} first {r['first_round_s'] * 1e3:+.3f} "
                          f"round {r['per_round_s'] * 1e3:.4f} ms" for kind, r in result.items())
         print(f"{label:24s} {line}", flush=True)
-    given = list(sys.argv[1:] if argv is None else argv)
-    if "--out" in given:  # the record names no machine path
-        del given[given.index("--out"):given.index("--out") + 2]
     report = {"source": source, "device": jax.devices()[0].device_kind, "jax": jax.__version__, "dtype": args.dtype,
               "xla_flags": os.environ.get("XLA_FLAGS", ""), "rounds": args.rounds, "repeats": args.repeats,
-              "command": " ".join(["python tools/loop_cost.py", *given]), "rows": rows}
+              "command": recorded_command("python tools/loop_cost.py", sys.argv[1:] if argv is None else argv),
+              "rows": rows}
     if args.out:
         with atomic_path(args.out) as tmp:
             tmp.write_text(json.dumps(report, indent=1) + "\n")
