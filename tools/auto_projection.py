@@ -33,16 +33,17 @@ def parse_costs(text: str) -> dict[int, float]:
     return dict(sorted(costs.items()))
 
 
-def load_pair(shape: str | None, num_prompts: int):
-    """(target, drafter, prompts, source) in float32: random weights of a bench shape (up to 4 synthetic prompts),
-    or the demo pair and its first `num_prompts` held-out prompts (shape None)."""
+def load_pair(shape: str | None, num_prompts: int, dtype=None):
+    """(target, drafter, prompts, source) in `dtype` (default float32): random weights of a bench shape (up to 4
+    synthetic prompts), or the demo pair and its first `num_prompts` held-out prompts (shape None)."""
     import jax.numpy as jnp
 
+    dtype = dtype or jnp.float32
     if shape:
         from ddtree_jax.measure.workload import random_pair
         from ddtree_jax.parallel import Parallel
 
-        target, drafter = random_pair(shape, Parallel(), dtype=jnp.float32)
+        target, drafter = random_pair(shape, Parallel(), dtype=dtype)
         vocab = target.config.vocab_size - 1
         prompts = [[(7 * i + 3 + 13 * r) % vocab for i in range(40 - 3 * r)] for r in range(min(num_prompts, 4))]
         return target, drafter, prompts, f"random {shape} weights"
@@ -50,8 +51,8 @@ def load_pair(shape: str | None, num_prompts: int):
     from ddtree_jax.checkpoint import load_drafter, load_target
     from ddtree_jax.demo_pair import demo_drafter, demo_prompts, demo_target
 
-    target = load_target(demo_target(), jnp.float32)
-    drafter = load_drafter(demo_drafter(), target.config, jnp.float32)
+    target = load_target(demo_target(), dtype)
+    drafter = load_drafter(demo_drafter(), target.config, dtype)
     prompts = read_prompts(demo_prompts(), demo_target(), target.config.vocab_size)[:num_prompts]
     return target, drafter, prompts, "the demo pair"
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from auto_projection import load_pair  # noqa: E402
+
 
 def measure(programs: dict, repeats: int, rounds: int) -> dict:
     """Per program (label -> (GenerationPrograms, prepare)), median seconds of calls of 0, 1 and 1 + `rounds`
@@ -94,26 +96,14 @@ def main(argv=None) -> int:
     from ddtree_jax.engine import FORCED_OUT, DecodeOptions, Mode, compile_generation, with_round_costs
 
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
-    if args.shape:
-        from ddtree_jax.measure.workload import random_pair
-        from ddtree_jax.parallel import Parallel
-
-        target, drafter = random_pair(args.shape, Parallel(), dtype=dtype)
-        prompt, source = [(7 * i + 3) % (target.config.vocab_size - 1) for i in range(40)], f"random {args.shape}"
-    else:
-        from ddtree_jax.bench import read_prompts
-        from ddtree_jax.checkpoint import load_drafter, load_target
-        from ddtree_jax.demo_pair import demo_drafter, demo_prompts, demo_target
-
-        target = load_target(demo_target(), dtype)
-        drafter = load_drafter(demo_drafter(), target.config, dtype)
-        prompt, source = read_prompts(demo_prompts(), demo_target(), target.config.vocab_size)[0], "the demo pair"
+    target, drafter, prompts, source = load_pair(args.shape, 1, dtype)
+    prompt = prompts[0]
     max_new = (args.rounds + 1) * 2 * 17 + 64  # room for two calls of 1 + N rounds of up to 17 tokens
     plan = [(m, DecodeOptions(mode=Mode.AR if m == "ar" else Mode.DFLASH if m == "dflash" else Mode.DDTREE,
                               max_new_tokens=max_new, budget=64 if m in ("ar", "dflash") else int(m)), None)
             for m in modes]
+    auto = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=max_new, budgets=candidates) if candidates else None
     for i, b in enumerate(candidates):
-        auto = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=max_new, budgets=candidates)
         plan.append((f"auto[{','.join(map(str, candidates))}]@{'chain' if b == 0 else b}", auto, i))
 
     programs = {}
