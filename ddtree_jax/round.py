@@ -40,7 +40,8 @@ import jax.numpy as jnp
 
 from ddtree_jax import cache as kv
 from ddtree_jax.accept import Accepted, accept_tree, chain_tree
-from ddtree_jax.budget import CHAIN, BudgetState, check_candidates, choose, observe, revealed_counts
+from ddtree_jax.budget import (CHAIN, BudgetState, chain_rounds, check_candidates, choose, learn_chain_rounds, observe,
+                               revealed_counts)
 from ddtree_jax.models import dflash, mtp, target_family
 from ddtree_jax.models.contract import (FP8_MATMUL_CHOICES, KERNEL_CHOICES, ForwardMeta,
                                         ForwardOut, Kernels, Runtime, resolve_fp8_matmul, resolve_kernels)
@@ -464,11 +465,12 @@ def ar_round(target: ModelParams, drafter: None, state: DecodeState, options: De
 
 @at_matmul_precision
 def auto_candidate_round(target: ModelParams, drafter: ModelParams, state: DecodeState, pick: int,
-                         options: DecodeOptions) -> DecodeState:
+                         options: DecodeOptions, learn: bool = True) -> DecodeState:
     """One `--budget auto` round that verifies candidate `pick` (static; `options.budgets[pick]`): the fixed round
     of `options.candidate(budget)` (the chain takes the argmaxes as DFlash does, no top-k and no tree build; a tree
-    builds its own budget's tree), then what it revealed of every candidate's count is learned
-    (`budget.revealed_counts`, `budget.observe`)."""
+    builds its own budget's tree), then, with `learn`, what it revealed of every candidate's count is learned
+    (`budget.revealed_counts`, `budget.observe`; the chain's rounds in `auto_loop` learn at the end of their run
+    instead, `budget.learn_chain_rounds`)."""
     budget = options.budgets[pick]
     sub = options.candidate(budget)
     running = ~state.done
@@ -486,6 +488,8 @@ def auto_candidate_round(target: ModelParams, drafter: ModelParams, state: Decod
     # written in place, made XLA copy every cache array in each round of this loop (CPU, 2026-12-03); the
     # path's gather does not.
     after = finish_round(target, drafter, state, tree, out, acc, rng, options)
+    if not learn:
+        return after
     counts = jnp.where(running, acc.count, 0)
     with jax.named_scope("choose"):
         revealed, which = revealed_counts(options.budgets, pick, counts, acc.path, acc.tokens, chain_tokens)
@@ -500,17 +504,32 @@ def auto_loop(target: ModelParams, drafter: ModelParams, state: DecodeState, sto
     (`budget.choose`: learned tokens per round over measured cost), in rounds of `auto_candidate_round`.
 
     The switch between candidates sits outside the rounds: a `lax.switch` on the chosen candidate runs that
-    candidate's rounds in a `lax.while_loop` of their own for as long as it stays the choice, each round choosing
-    for the next one at its end. On a GPU a conditional waits for the host (likely the main part of why an auto
+    candidate's rounds in a `lax.while_loop` of their own for as long as it stays the choice, each tree round
+    choosing for the next one at its end. On a GPU a conditional waits for the host (likely the main part of why an auto
     round cost 0.40 ms against a fixed B = 16 round's 0.33 on the demo pair on the H200, 2026-12-03, with a switch
     in every round); here it runs once per change of candidate. The choice depends on the budget state only, not
     on the round's draft, so the loops carry no draft (carrying the next round's draft logits cost copies every
     round: an auto round ran ~13 more kernels than the DFlash round it ran, four of them copies, on the H200,
-    2026-12-03). Every round is the fixed round of its candidate, so the output is what any fixed budget's is
-    (greedy: AR's), and the rounds' choices are those a switch in every round makes."""
+    2026-12-03). The chain's rounds neither learn nor choose one by one: they run until the widest candidate's
+    probe is due (`budget.chain_rounds`), then learn from them all (`budget.learn_chain_rounds`) and choose, so
+    its loop's body is a DFlash round. Every round is the fixed round of its candidate, so the output is what any
+    fixed budget's is (greedy: AR's)."""
     more = lambda s: (~s.done).any() & (s.step < stop_at)  # noqa: E731
 
     def rounds_of(pick: int):
+        if options.budgets[pick] == CHAIN:  # candidate 0
+            def chain_run(carry):
+                first, until = carry[0], carry[0].step + chain_rounds(carry[0].budget)
+                s = jax.lax.while_loop(lambda s: more(s) & (s.step < until),
+                                       lambda s: auto_candidate_round(target, drafter, s, pick, options, learn=False),
+                                       first)
+                with jax.named_scope("choose"):
+                    learned = learn_chain_rounds(s.budget, s.round_lengths, first.num_rounds, s.num_rounds,
+                                                 s.step - first.step)
+                    return dataclasses.replace(s, budget=learned), choose(learned)
+
+            return chain_run
+
         def body(carry):
             s = auto_candidate_round(target, drafter, carry[0], pick, options)
             with jax.named_scope("choose"):

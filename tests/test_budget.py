@@ -82,6 +82,55 @@ def test_a_probe_waits_until_its_price_is_within_its_share():
     assert probes(dataclasses.replace(state, change_cost=jnp.asarray(0.5, jnp.float32))) == [0, 0, 0, 2]
 
 
+def test_a_run_of_chain_rounds_ends_where_choose_would_probe():
+    """`chain_rounds` from a state where the chain is the choice: after that many chain rounds (since_widest grown
+    by as many) `choose` probes the widest, one round fewer it still takes the chain; at least one round; unbounded
+    when the widest is priced out."""
+    for rows, since, change in [(10.0, 0, 0.0), (10.0, 31, 0.0), (10.0, 45, 0.0), (100.0, 17, 0.0), (300.0, 3, 0.0),
+                                (10.0, 5, 0.5)]:
+        state = state_with([3.0, 3.1, 3.2], [1.0, 1.5, 2.0], rows=rows, since_widest=jnp.asarray(since),
+                           last=jnp.asarray(0), change_cost=jnp.asarray(change, jnp.float32))
+        assert int(auto.choose(state)) == 0 or since >= 45
+        k = int(auto.chain_rounds(state))
+        later = lambda n: int(auto.choose(dataclasses.replace(state, since_widest=jnp.asarray(n))))  # noqa: E731
+        assert k >= 1 and later(since + k) == 2, (rows, since, k)
+        assert k == 1 or later(since + k - 1) == 0, (rows, since, k)
+    priced_out = state_with([3.0, 3.1, 3.2], [1.0, 1.5, float("inf")])
+    assert int(auto.chain_rounds(priced_out)) == auto.UNBOUNDED_ROUNDS
+
+
+def test_chain_rounds_learned_at_their_end_as_round_by_round():
+    """Five chain rounds over three rows: row 0 runs all five (its rounds 2-6: two earlier rounds were a tree's),
+    row 1 three and is then done (rounds 0-2), row 2 none. Learned at once, the state equals `observe`'s after
+    each round, chosen untouched (zeros: the chain), since_widest + 5, the chain last."""
+    start = dataclasses.replace(auto.BudgetState.start(3, 8, 2), tokens=jnp.asarray([40.0, 3.0]),
+                                rows=jnp.asarray([10.0, 10.0]), since_widest=jnp.asarray(4), last=jnp.asarray(1))
+    lengths = np.zeros((3, 8), np.int32)
+    lengths[0, 2:7] = [3, 1, 4, 1, 5]
+    lengths[1, 0:3] = [2, 6, 5]
+    first, end = jnp.asarray([2, 0, 5]), jnp.asarray([7, 3, 5])
+    at_once = auto.learn_chain_rounds(start, jnp.asarray(lengths), first, end, jnp.asarray(5))
+    one_by_one = start
+    for i in range(5):
+        running = jnp.asarray([True, i < 3, False])
+        counts = jnp.asarray([[lengths[0, 2 + i], 0], [lengths[1, i] if i < 3 else 0, 0], [0, 0]])
+        one_by_one = auto.observe(one_by_one, 0, counts, jnp.asarray([True, False]), running, 0,
+                                  jnp.asarray([2 + i, i, 5]))
+    for field in ("tokens", "rows"):
+        np.testing.assert_allclose(np.asarray(getattr(at_once, field)), np.asarray(getattr(one_by_one, field)),
+                                   rtol=1e-6)
+    decay5 = auto.DECAY ** 5
+    assert float(at_once.rows[0]) == pytest.approx(10 * decay5 + 2 * sum(auto.DECAY ** j for j in (2, 3, 4)) +
+                                                   sum(auto.DECAY ** j for j in (0, 1)), rel=1e-6)
+    assert float(at_once.tokens[1]) == 3.0 and float(at_once.rows[1]) == 10.0
+    assert int(at_once.since_widest) == int(one_by_one.since_widest) == 9
+    assert int(at_once.last) == int(one_by_one.last) == 0
+    assert not np.asarray(at_once.chosen).any() and not np.asarray(one_by_one.chosen).any()
+    unchanged = auto.learn_chain_rounds(start, jnp.asarray(lengths), first, first, jnp.asarray(0))
+    for field in ("tokens", "rows", "since_widest", "last"):
+        np.testing.assert_array_equal(np.asarray(getattr(unchanged, field)), np.asarray(getattr(start, field)))
+
+
 def test_revealed_counts_of_smaller_trees_and_the_chain():
     """budget.py's example (P = 4, candidates chain, 2, 4, 8; B = 4 ran): path [0 1 3 5] with count 3 (nodes 1
     and 3 accepted, the bonus after node 3): B = 2 commits 2 (node 1 only), the chain 2 (its argmaxes [7 6 9]
