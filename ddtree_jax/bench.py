@@ -212,7 +212,7 @@ def run_checkpoints(args, parallel) -> dict:
     from tqdm import tqdm
 
     from ddtree_jax.checkpoint import load_drafter, load_target
-    from ddtree_jax.engine import DecodeOptions, Mode, generate, resolve_options
+    from ddtree_jax.engine import DecodeOptions, Mode, cache_shape, generate, resolve_options
     from ddtree_jax.measure.timing import record_trace
 
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
@@ -235,6 +235,15 @@ def run_checkpoints(args, parallel) -> dict:
         options_of[mode, budget] = options
         warm_of[mode, budget] = generate(target, prompts[:1], options, drafter=drafter,
                                          recalibrate=auto and args.recalibrate)
+        # And one untimed call of every further program the prompts need (another prompt width or cache size): a
+        # program's first run sets it up on the device (on a GPU, XLA's command buffers, more of them the more
+        # control flow the program has), which the timed calls would otherwise pay once per row and program.
+        resolved = resolve_options(options, drafter, dtype)
+        shapes = {cache_shape(len(prompts[0]), resolved)}
+        for p in prompts[1:]:
+            if cache_shape(len(p), resolved) not in shapes:
+                shapes.add(cache_shape(len(p), resolved))
+                generate(target, [p], options, drafter=drafter, **costs_of(warm_of[mode, budget]))
     # Timed: prompt by prompt, every row in turn, so that what drifts during the run (a GPU's clock, a shared
     # CPU's load) weighs on every row alike; the rows decoded one after the other had moved by up to 1.7x on
     # this project's CPU.
@@ -273,7 +282,8 @@ def run_checkpoints(args, parallel) -> dict:
         rows.append({"mode": mode, "budget": budget, "split_k": resolved.split_k, "fp8_matmul": resolved.fp8_matmul,
                      "row_invariant": resolved.row_invariant,
                      "tau": float(np.mean(rounds)), "tokens": tokens,
-                     "decode_s": decode_s, "tokens_per_s": tokens / decode_s, "first_divergence": divergence})
+                     "decode_s": decode_s, "tokens_per_s": tokens / decode_s, "first_divergence": divergence,
+                     "decode_s_by_prompt": [r.decode_seconds for r in results]})
         if auto:
             chosen = [b for r in results for b in r.budgets_chosen[0]]
             rows[-1].update(budget_candidates=list(options.budgets),

@@ -72,7 +72,8 @@ def test_checkpoint_mode_reports_speedup_and_divergence(tmp_path, monkeypatch):
     monkeypatch.setenv("DDTREE_JAX_ROUND_COSTS", str(tmp_path / "costs"))
     target, drafter = write_signal_pair(tmp_path)
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt_ids": [1, 2, 3]}\n{"prompt_ids": [4, 5]}\n')
+    long = [1 + i % 15 for i in range(120)]  # another prompt width and cache size: another program, warmed up untimed
+    prompts.write_text('{"prompt_ids": [1, 2, 3]}\n{"prompt_ids": [4, 5]}\n' + json.dumps({"prompt_ids": long}) + "\n")
     out = tmp_path / "out"
     monkeypatch.chdir(tmp_path)  # checkpoint folders under the working directory are recorded relative to it
     from ddtree_jax import engine
@@ -88,21 +89,25 @@ def test_checkpoint_mode_reports_speedup_and_divergence(tmp_path, monkeypatch):
     assert main(["--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts), "--budgets", "4,auto",
                  "--budget-candidates", "chain,4", "--max-new-tokens", "12", "--dtype", "float32", "--out", str(out)]) == 0
     plan = [("ar", 64), ("dflash", 64), ("ddtree", 4), ("ddtree", (0, 4))]
-    # Every row compiles and warms up first; then prompt by prompt every row in turn, none compiling again.
-    assert [c[:2] for c in calls] == plan + plan + plan and [c[2] for c in calls[4:]] == [3] * 4 + [2] * 4
-    assert all(c[3] == 0 for c in calls[4:])
+    # Every row compiles and warms up first, on the first prompt and on the long one (its own programs); then
+    # prompt by prompt every row in turn, none compiling again.
+    warm = [c for p in plan for c in (p, p)]
+    assert [c[:2] for c in calls] == warm + plan * 3 and [c[2] for c in calls] == [3, 120] * 4 + [3] * 4 + [2] * 4 + \
+        [120] * 4
+    assert all(c[3] > 0 for c in calls[:8]) and all(c[3] == 0 for c in calls[8:])
     record = json.loads((out / "bench.json").read_text())
     assert (record["target"], record["drafter"]) == (str(target.relative_to(tmp_path)), str(drafter.relative_to(tmp_path)))
     rows = record["rows"]
     assert [(r["mode"], r["budget"]) for r in rows] == [("ar", None), ("dflash", None), ("ddtree", 4),
                                                         ("ddtree", "auto")]
-    assert [r["tokens"] for r in rows] == [24, 24, 24, 24]  # 2 prompts x 12 tokens, no EOS in this vocabulary
+    assert [r["tokens"] for r in rows] == [36] * 4  # 3 prompts x 12 tokens, no EOS in this vocabulary
+    assert all(len(r["decode_s_by_prompt"]) == 3 and sum(r["decode_s_by_prompt"]) == r["decode_s"] for r in rows)
     assert rows[0]["tau"] == 1.0  # AR commits one token per round
     assert all(r["tau"] == 4.0 for r in rows[1:])  # the hand-built pair accepts every draft
     assert all(r["first_divergence"] is None for r in rows)
     auto = rows[3]
-    assert auto["budget_candidates"] == [0, 4] and sum(auto["rounds_by_budget"].values()) == 6  # 2 x 3 rounds
-    assert [len(r) for r in auto["budgets_by_round"]] == [3, 3] and {b for r in auto["budgets_by_round"] for b in r} \
+    assert auto["budget_candidates"] == [0, 4] and sum(auto["rounds_by_budget"].values()) == 9  # 3 x 3 rounds
+    assert [len(r) for r in auto["budgets_by_round"]] == [3] * 3 and {b for r in auto["budgets_by_round"] for b in r} \
         <= {0, 4} and (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert len(auto["round_costs_s"]) == 2 and "ddtree auto: rounds by budget" in (out / "bench.md").read_text()
     # One cost table per run: calibrated in the warm-up (an empty cost cache) and given to every prompt.

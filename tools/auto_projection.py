@@ -104,10 +104,12 @@ def main(argv=None) -> int:
                [costs[b] for b in budgets])]
     rows, outputs = [], {}
     for name, options, round_costs in modes:
-        seconds, tokens, rounds, changes, chosen = 0.0, 0, 0, 0, []
-        for prompt in prompts:  # one row per call: auto's choice is per batch
+        seconds, tokens, rounds, changes, chosen, learned = 0.0, 0, 0, 0, [], None
+        for prompt in prompts:  # one row per call: auto's choice is per batch; what it learned carries, as in
+            # `generate --prompts` and the bench
             result = generate(target, [prompt], options, drafter=drafter, round_costs=round_costs,
-                              change_cost=args.change_cost if round_costs else 0.0)
+                              change_cost=args.change_cost if round_costs else 0.0, auto_learned=learned)
+            learned = result.auto_learned
             picks = result.budgets_chosen[0] if round_costs else [0 if name == "chain" else int(name)] * len(
                 result.acceptance_lengths[0])
             changed = sum(a != b for a, b in zip(picks, picks[1:]))  # the first round enters with the call
