@@ -283,7 +283,9 @@ def observe(budget_state: BudgetState, pick: int, counts: jax.Array, revealed: j
 # The cost cache (host side)
 
 
-CALIBRATION_VERSION = 3  # 2: a warm-up, then the candidates interleaved; 3: and the cost of a change (2026-12-03)
+# 2: a warm-up, then the candidates interleaved; 3: and the cost of a change; 4: calls of 32 rounds, 7 repeats
+# (2026-12-03)
+CALIBRATION_VERSION = 4
 
 
 def cost_key(target_config, drafter_config, options, batch: int, capacity: int, dtype) -> dict:

@@ -358,8 +358,12 @@ def with_round_costs(state: DecodeState, seconds: Sequence[float], change_second
     return dataclasses.replace(state, budget=dataclasses.replace(budget, costs=costs, change_cost=change))
 
 
-CALIBRATION_ROUNDS = 8  # timed rounds per call of the calibration
-CALIBRATION_REPEATS = 5  # timed pairs of calls per candidate (median)
+# Timed rounds per call of the calibration (a decode's rest where it has fewer), and timed triples of calls per
+# candidate (median). With 8 and 5 the demo pair's costs on the H200 read 0.20 ms for the chain and 0.29 for
+# B = 16 in four runs (2026-12-03, evening) where tools/loop_cost.py timed auto's rounds at 0.226 and 0.278 ms in
+# calls of 48: the chain looked 15% cheaper against B = 16 than it ran, and auto kept it where B = 32 was ahead.
+CALIBRATION_ROUNDS = 32
+CALIBRATION_REPEATS = 7
 CALIBRATION_WARMUP_S = 0.25  # untimed calls of every candidate first, at least this long
 FORCED_OUT = float("inf")  # the cost that keeps a candidate from being chosen while another one is measured
 

@@ -234,7 +234,7 @@ class WarmingDevice:
     DISPATCH_S, a call that runs rounds enters its candidate's loop once (ENTRY_S), and for the first SLOW_FOR_S
     seconds of its clock every round takes SLOW_BY times longer (a GPU waking from idle at a low clock)."""
 
-    ROUND_S, DISPATCH_S, ENTRY_S, SLOW_FOR_S, SLOW_BY = (0.244e-3, 0.327e-3), 0.05e-3, 0.17e-3, 0.03, 1.7
+    ROUND_S, DISPATCH_S, ENTRY_S, SLOW_FOR_S, SLOW_BY = (0.244e-3, 0.327e-3), 0.05e-3, 0.17e-3, 0.06, 1.7
 
     def __init__(self):
         self.now, self.calls = 0.0, []
