@@ -59,9 +59,10 @@ import jax.numpy as jnp
 import numpy as np
 
 CHAIN = 0  # the candidate budget that means a DFlash round (the chain of per-depth argmaxes)
-# The chain and B = 16: on the H200 (docs/performance.md, 2026-12-02) B = 64 projected only 2% above B = 16 at
-# the Qwen3-8B shape and ran slower on the demo pair.
-DEFAULT_CANDIDATES = (CHAIN, 16)
+# The chain, B = 16 and B = 64: at the Qwen3-8B shape's H200 round costs B = 64 projected 10% above B = 16
+# (docs/performance.md, 2026-12-03 night: the demo pair's acceptance; 15% at the paper's), where the demo pair's
+# small rounds favour the chain; a probe of the widest is priced at PROBE_SHARE of the time either way.
+DEFAULT_CANDIDATES = (CHAIN, 16, 64)
 COST_CACHE_ENV = "DDTREE_JAX_ROUND_COSTS"  # a folder that overrides the cost cache's default place
 
 

@@ -363,15 +363,24 @@ def write_lines_atomic(path: Path, lines) -> None:
 # Summary
 
 
+RECORDED_AS_DIR = ("--trace", "--compilation-cache")  # folders a record names as DIR
+
+
 def recorded_command(program: str, argv) -> str:
-    """The command line a JSON record keeps (`program` and the arguments), without `--out`'s value: the output
-    folder is where this run wrote, often a machine path, and a record names none."""
+    """The command line a JSON record keeps (`program` and the arguments), without `--out` and its value, and with
+    DIR for the folders of RECORDED_AS_DIR: those are where this run wrote, often machine paths, and a record
+    names none. Example: ['--budgets', '16', '--trace', '/tmp/t', '--out=/tmp/o'] -> 'PROGRAM --budgets 16
+    --trace DIR'."""
     args, kept = list(argv), []
     while args:
         arg = args.pop(0)
-        if arg == "--out":
-            args = args[1:]
-        elif not arg.startswith("--out="):
+        flag = arg.split("=", 1)[0]
+        if flag == "--out":
+            args = args[1:] if arg == flag else args
+        elif flag in RECORDED_AS_DIR:
+            args = args[1:] if arg == flag else args
+            kept += [flag, "DIR"]
+        else:
             kept.append(arg)
     return " ".join([program, *kept])
 

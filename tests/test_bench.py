@@ -72,7 +72,7 @@ def test_checkpoint_mode_reports_speedup_and_divergence(tmp_path, monkeypatch):
     monkeypatch.setenv("DDTREE_JAX_ROUND_COSTS", str(tmp_path / "costs"))
     target, drafter = write_signal_pair(tmp_path)
     prompts = tmp_path / "p.jsonl"
-    long = [1 + i % 15 for i in range(120)]  # another prompt width and cache size: another program, warmed up untimed
+    long = [1 + i % 15 for i in range(40)]  # another prompt width: another program, warmed up untimed
     prompts.write_text('{"prompt_ids": [1, 2, 3]}\n{"prompt_ids": [4, 5]}\n' + json.dumps({"prompt_ids": long}) + "\n")
     out = tmp_path / "out"
     monkeypatch.chdir(tmp_path)  # checkpoint folders under the working directory are recorded relative to it
@@ -92,8 +92,8 @@ def test_checkpoint_mode_reports_speedup_and_divergence(tmp_path, monkeypatch):
     # Every row compiles and warms up first, on the first prompt and on the long one (its own programs); then
     # prompt by prompt every row in turn, none compiling again.
     warm = [c for p in plan for c in (p, p)]
-    assert [c[:2] for c in calls] == warm + plan * 3 and [c[2] for c in calls] == [3, 120] * 4 + [3] * 4 + [2] * 4 + \
-        [120] * 4
+    assert [c[:2] for c in calls] == warm + plan * 3 and [c[2] for c in calls] == [3, 40] * 4 + [3] * 4 + [2] * 4 + \
+        [40] * 4
     assert all(c[3] > 0 for c in calls[:8]) and all(c[3] == 0 for c in calls[8:])
     record = json.loads((out / "bench.json").read_text())
     assert (record["target"], record["drafter"]) == (str(target.relative_to(tmp_path)), str(drafter.relative_to(tmp_path)))
@@ -134,6 +134,8 @@ def test_checkpoint_mode_traces_one_decode_per_row(tmp_path, monkeypatch):
     rows = json.loads((tmp_path / "out" / "bench.json").read_text())["rows"]
     assert [r["row_invariant"] for r in rows] == [True, True] and [r["tau"] for r in rows] == [1.0, 4.0]
     assert "Row-invariant arithmetic" in (tmp_path / "out" / "bench.md").read_text()
+    assert json.loads((tmp_path / "out" / "bench.json").read_text())["command"].endswith(
+        "--dtype float32 --trace DIR --row-invariant")
     assert sorted(p.name for p in traces.iterdir()) == ["ar", "ddtree4"]
     assert [json.loads((traces / row / "rounds.json").read_text())["rounds"] for row in ("ar", "ddtree4")] == [11, 3]
     assert all(list((traces / row).glob("**/perfetto_trace.json.gz")) for row in ("ar", "ddtree4"))
