@@ -512,24 +512,23 @@ def auto_loop(target: ModelParams, drafter: ModelParams, state: DecodeState, sto
     round: an auto round ran ~13 more kernels than the DFlash round it ran, four of them copies, on the H200,
     2026-12-03). The chain's rounds neither learn nor choose one by one: they run until the widest candidate's
     probe is due (`budget.chain_rounds`), then learn from them all (`budget.learn_chain_rounds`) and choose, so
-    its loop's body is a DFlash round. Every round is the fixed round of its candidate, so the output is what any
-    fixed budget's is (greedy: AR's)."""
+    its loop's body is a DFlash round. That loop runs before the switch, not in a branch of it (the switch's
+    branch 0 passes the state on): in a branch, XLA's CPU program copied 16 cache arrays at every entry of a
+    candidate's loop (2026-12-03 night: 350 copies in the program against 265). Every round is the fixed round
+    of its candidate, so the output is what any fixed budget's is (greedy: AR's)."""
     more = lambda s: (~s.done).any() & (s.step < stop_at)  # noqa: E731
 
+    def chain_run(carry):  # candidate 0 (the chain) while it is the choice: rounds until the probe falls due
+        first, pick = carry
+        until = first.step + chain_rounds(first.budget)
+        s = jax.lax.while_loop(lambda s: (pick == 0) & more(s) & (s.step < until),
+                               lambda s: auto_candidate_round(target, drafter, s, 0, options, learn=False), first)
+        with jax.named_scope("choose"):  # no rounds (a tree was the choice): the same state, the same choice
+            learned = learn_chain_rounds(s.budget, s.round_lengths, first.num_rounds, s.num_rounds,
+                                         s.step - first.step)
+            return dataclasses.replace(s, budget=learned), choose(learned)
+
     def rounds_of(pick: int):
-        if options.budgets[pick] == CHAIN:  # candidate 0
-            def chain_run(carry):
-                first, until = carry[0], carry[0].step + chain_rounds(carry[0].budget)
-                s = jax.lax.while_loop(lambda s: more(s) & (s.step < until),
-                                       lambda s: auto_candidate_round(target, drafter, s, pick, options, learn=False),
-                                       first)
-                with jax.named_scope("choose"):
-                    learned = learn_chain_rounds(s.budget, s.round_lengths, first.num_rounds, s.num_rounds,
-                                                 s.step - first.step)
-                    return dataclasses.replace(s, budget=learned), choose(learned)
-
-            return chain_run
-
         def body(carry):
             s = auto_candidate_round(target, drafter, carry[0], pick, options)
             with jax.named_scope("choose"):
@@ -537,9 +536,16 @@ def auto_loop(target: ModelParams, drafter: ModelParams, state: DecodeState, sto
 
         return lambda carry: jax.lax.while_loop(lambda c: more(c[0]) & (c[1] == pick), body, carry)
 
-    branches = [rounds_of(i) for i in range(len(options.budgets))]
-    carry = jax.lax.while_loop(lambda c: more(c[0]), lambda c: jax.lax.switch(c[1], branches, c),
-                               (state, choose(state.budget)))
+    if options.budgets[0] == CHAIN:  # the chain's loop before the switch, whose branch 0 passes the state on
+        branches = [lambda carry: carry] + [rounds_of(i) for i in range(1, len(options.budgets))]
+
+        def step(carry):
+            carry = chain_run(carry)
+            return jax.lax.switch(carry[1], branches, carry)
+    else:
+        branches = [rounds_of(i) for i in range(len(options.budgets))]
+        step = lambda carry: jax.lax.switch(carry[1], branches, carry)  # noqa: E731
+    carry = jax.lax.while_loop(lambda c: more(c[0]), step, (state, choose(state.budget)))
     return carry[0]
 
 

@@ -226,12 +226,12 @@ def _primitives(jaxpr, skip=None) -> set[str]:
 
 
 def test_auto_budget_builds_a_tree_only_in_the_branches_that_verify_one(pair16):
-    """The loop's program: one switch on the chosen candidate, each branch a loop of that candidate's rounds
-    (the switch runs once per change of candidate, not every round; the chain's loop learns at its end); the
-    vocabulary top-k that every tree build starts with (`top_k`) is inside the tree branches and nowhere else, so
-    a round that verifies the chain runs
-    no top-k and no build (a DFlash round's work). Positive control: the check finds the top-k of a fixed DDTree
-    round, and none in a DFlash round's."""
+    """The loop's program: the chain's loop of rounds, then one switch on the chosen candidate whose tree branches
+    are loops of that candidate's rounds (the switch runs once per change of candidate, not every round) and
+    whose chain branch passes the state on; the vocabulary top-k that every tree build starts with (`top_k`) is
+    inside the tree branches and nowhere else, so a round that verifies the chain runs no top-k and no build (a
+    DFlash round's work). Positive control: the check finds the top-k of a fixed DDTree round, and none in a
+    DFlash round's."""
     target, drafter = pair16
     options = resolve_options(AUTO, drafter)
     state = jax.jit(prefill, static_argnames=("capacity", "options"))(
@@ -241,11 +241,12 @@ def test_auto_budget_builds_a_tree_only_in_the_branches_that_verify_one(pair16):
     jaxpr = jax.make_jaxpr(lambda s: decode_loop(target, drafter, s, steps, options))(state).jaxpr
     [switch] = [e for e, _ in equations(jaxpr) if e.primitive.name == "cond"
                 and len(e.params["branches"]) == len(AUTO.budgets)]
-    assert all(any(e.primitive.name == "while" for e in b.jaxpr.eqns) for b in switch.params["branches"])
-    chain, *trees = [_primitives(b) for b in switch.params["branches"]]
-    assert AUTO.budgets[0] == 0 and "top_k" not in chain and "argmax" in chain
-    assert all("top_k" in t for t in trees)
-    assert "top_k" not in _primitives(jaxpr, skip=switch)
+    chain, *trees = switch.params["branches"]
+    assert AUTO.budgets[0] == 0 and not chain.jaxpr.eqns  # the chain's rounds run before the switch
+    assert all(any(e.primitive.name == "while" for e in b.jaxpr.eqns) for b in trees)
+    assert all("top_k" in _primitives(b) for b in trees)
+    outside = _primitives(jaxpr, skip=switch)  # the chain's loop: the draft's argmaxes, no top-k
+    assert "top_k" not in outside and "argmax" in outside and "while" in outside
 
     def round_primitives(mode, budget):
         sub = dataclasses.replace(options, mode=mode, budget=budget, budgets=())
