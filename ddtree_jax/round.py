@@ -505,12 +505,12 @@ def auto_loop(target: ModelParams, drafter: ModelParams, state: DecodeState, sto
 
     The switch between candidates sits outside the rounds: a `lax.switch` on the chosen candidate runs that
     candidate's rounds in a `lax.while_loop` of their own for as long as it stays the choice, each tree round
-    choosing for the next one at its end. On a GPU a conditional waits for the host (likely the main part of why an auto
-    round cost 0.40 ms against a fixed B = 16 round's 0.33 on the demo pair on the H200, 2026-12-03, with a switch
-    in every round); here it runs once per change of candidate. The choice depends on the budget state only, not
-    on the round's draft, so the loops carry no draft (carrying the next round's draft logits cost copies every
-    round: an auto round ran ~13 more kernels than the DFlash round it ran, four of them copies, on the H200,
-    2026-12-03). The chain's rounds neither learn nor choose one by one: they run until the widest candidate's
+    choosing for the next one at its end. On a GPU a conditional waits for the host (likely the main part of why
+    an auto round cost 0.40 ms against a fixed B = 16 round's 0.33 on the demo pair on the H200, 2026-12-03, with
+    a switch in every round); here it runs once per change of candidate. The choice depends on the budget state
+    only, not on the round's draft, so the loops carry no draft (carrying the next round's draft logits cost
+    copies every round: an auto round ran ~13 more kernels than the DFlash round it ran, four of them copies, on
+    the H200, 2026-12-03). The chain's rounds neither learn nor choose one by one: they run until the widest candidate's
     probe is due (`budget.chain_rounds`), then learn from them all (`budget.learn_chain_rounds`) and choose, so
     its loop's body is a DFlash round. That loop runs before the switch, not in a branch of it (the switch's
     branch 0 passes the state on): in a branch, XLA's CPU program copied 16 cache arrays at every entry of a
