@@ -241,8 +241,8 @@ def run_checkpoints(args, parallel) -> dict:
         resolved = resolve_options(options, drafter, dtype)
         shapes = {cache_shape(len(prompts[0]), resolved)}
         for p in prompts[1:]:
-            if cache_shape(len(p), resolved) not in shapes:
-                shapes.add(cache_shape(len(p), resolved))
+            if (shape := cache_shape(len(p), resolved)) not in shapes:
+                shapes.add(shape)
                 generate(target, [p], options, drafter=drafter, **costs_of(warm_of[mode, budget]))
     # Timed: prompt by prompt, every row in turn, so that what drifts during the run (a GPU's clock, a shared
     # CPU's load) weighs on every row alike; the rows decoded one after the other had moved by up to 1.7x on

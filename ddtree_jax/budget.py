@@ -220,8 +220,9 @@ def learn_chain_rounds(budget_state: BudgetState, round_lengths: jax.Array, firs
     index = jnp.arange(round_lengths.shape[1])[None, :]
     ran = (index >= first_round[:, None]) & (index < end_round[:, None])
     weight = jnp.where(ran, DECAY ** (rounds - 1 - (index - first_round[:, None])).astype(jnp.float32), 0.0)
-    tokens = DECAY ** rounds.astype(jnp.float32) * budget_state.tokens[0] + jnp.sum(weight * round_lengths)
-    rows = DECAY ** rounds.astype(jnp.float32) * budget_state.rows[0] + jnp.sum(weight)
+    decay = DECAY ** rounds.astype(jnp.float32)
+    tokens = decay * budget_state.tokens[0] + jnp.sum(weight * round_lengths)
+    rows = decay * budget_state.rows[0] + jnp.sum(weight)
     return dataclasses.replace(budget_state, tokens=budget_state.tokens.at[0].set(tokens),
                                rows=budget_state.rows.at[0].set(rows),
                                since_widest=budget_state.since_widest + rounds,

@@ -375,13 +375,13 @@ def recorded_command(program: str, argv) -> str:
     while args:
         arg = args.pop(0)
         flag = arg.split("=", 1)[0]
-        if flag == "--out":
-            args = args[1:] if arg == flag else args
-        elif flag in RECORDED_AS_DIR:
-            args = args[1:] if arg == flag else args
-            kept += [flag, "DIR"]
-        else:
+        if flag not in ("--out", *RECORDED_AS_DIR):
             kept.append(arg)
+            continue
+        if arg == flag:  # the value is the next argument
+            args = args[1:]
+        if flag != "--out":
+            kept += [flag, "DIR"]
     return " ".join([program, *kept])
 
 

@@ -510,9 +510,9 @@ def auto_loop(target: ModelParams, drafter: ModelParams, state: DecodeState, sto
     a switch in every round); here it runs once per change of candidate. The choice depends on the budget state
     only, not on the round's draft, so the loops carry no draft (carrying the next round's draft logits cost
     copies every round: an auto round ran ~13 more kernels than the DFlash round it ran, four of them copies, on
-    the H200, 2026-12-03). The chain's rounds neither learn nor choose one by one: they run until the widest candidate's
-    probe is due (`budget.chain_rounds`), then learn from them all (`budget.learn_chain_rounds`) and choose, so
-    its loop's body is a DFlash round. That loop runs before the switch, not in a branch of it (the switch's
+    the H200, 2026-12-03). The chain's rounds neither learn nor choose one by one: they run until the widest
+    candidate's probe is due (`budget.chain_rounds`), then learn from them all (`budget.learn_chain_rounds`) and
+    choose, so its loop's body is a DFlash round. That loop runs before the switch, not in a branch of it (the switch's
     branch 0 passes the state on): in a branch, XLA's CPU program copied 16 cache arrays at every entry of a
     candidate's loop (2026-12-03 night: 350 copies in the program against 265). Every round is the fixed round
     of its candidate, so the output is what any fixed budget's is (greedy: AR's)."""
