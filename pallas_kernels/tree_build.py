@@ -45,11 +45,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._counting import INT32_MIN, count_ahead, from_total_order_key, total_order_key
+from pallas_kernels._counting import INT32_MIN, count_ahead, total_order_key
 from pallas_kernels._dispatch import cdiv, check_knobs, next_pow2, resolve_interpret
 
 MAX_BUDGET = 128  # C = 620 candidates per depth at B = 128; larger budgets stay on the XLA builder
-REGISTER_CANDIDATES = 128  # the register form's one tile of candidates: B <= 32 (C = 119 at B = 32)
 
 _NEG_INF = float("-inf")
 
@@ -81,22 +80,15 @@ class TreeBuildConfig:
                 257 against 323 us with 4 (2026-12-02), and the same at B = 16.
     num_stages: Triton's software pipelining; 1, because the depth loop stores and reloads scratch
                 across barriers and must not have loads hoisted into an earlier iteration.
-    registers:  1: the register form (`_tree_build_registers_kernel`) where the candidates fit one tile
-                (REGISTER_CANDIDATES, i.e. B <= 32), the scratch form above it; 0: the scratch form always.
-                The knobs above are the scratch form's.
-    register_warps: Triton's warps per program of the register form. 4: at B = 32 its [128, 128] counts fit
-                the registers without spilling (sm_90, tools/triton_offline.py).
     """
 
     block: int = 32
     block_rows: int = 128
     num_warps: int = 8
     num_stages: int = 1
-    registers: int = 1
-    register_warps: int = 4
 
     def __post_init__(self):
-        check_knobs(self, pow2={"block": 16, "block_rows": 16, "register_warps": 1})
+        check_knobs(self, pow2={"block": 16, "block_rows": 16})
 
 
 def candidate_table(budget: int, k: int) -> np.ndarray:
@@ -313,154 +305,6 @@ def _tree_build_kernel(
     lax.fori_loop(0, l_, up, beam)
 
 
-def num_candidates(budget: int, k: int) -> int:
-    """C: the candidate pairs (i + 1)(j + 1) <= B, j < K."""
-    return sum(min(k, budget // (i + 1)) for i in range(budget))
-
-
-def register_form(budget: int, k: int, config: TreeBuildConfig) -> bool:
-    """Whether the build runs the register form (its candidates fit one tile and `config.registers`)."""
-    return bool(config.registers) and next_pow2(num_candidates(budget, k)) <= REGISTER_CANDIDATES
-
-
-def _tree_build_registers_kernel(
-    lp_ref,        # [l, k] float32 top-K log-probs per depth, rank order
-    tok_ref,       # [l, k] int32 their tokens
-    root_ref,      # [1] int32 the root (bonus) token
-    pair_ref,      # [2, cp] int32 candidate pairs (i, j), `candidate_table`
-    tokens_ref, parents_ref, depths_ref, valid_ref, ancestor_ref, scores_ref,  # outputs, [t] and [t, t]
-    *,
-    budget: int,
-    k: int,
-    depth_limit: int,
-    num_pairs: int,
-    bp: int,
-    cp: int,
-    tp: int,
-    flat_bits: int,
-    pos_bits: int,
-):
-    """The build for candidate sets of one register tile (cp <= REGISTER_CANDIDATES): every per-depth array
-    lives in registers, gathers are one-hot reductions, and nothing goes through memory between depths (the
-    scratch form's global-memory round trips and CTA barriers, several per depth, are its latency at small B).
-
-    Carried from depth to depth: the beam (score, lexicographic label; best first) and the running global
-    top B (total-order key, and packed: flat index d * B + i | token rank << flat_bits | parent beam position
-    << flat_bits + pos_bits; the new beam's labels travel in the first field of the same packing, so
-    flat_bits covers both L B and C). The nodes, their parents and the ancestor mask come from the final
-    running list alone: node n + 1 is its entry n, and a node's parent is the entry at (depth - 1, parent
-    position), which is chosen too (prefix-closed: log-probs are <= 0)."""
-    b_, k_, l_, c_ = budget, k, depth_limit, num_pairs
-    t_ = budget + 1
-    neg_inf = jnp.float32(_NEG_INF)
-    pos = jnp.arange(bp, dtype=jnp.int32)
-    in_beam = pos < b_
-    flat_mask = (1 << flat_bits) - 1
-    pos_mask = (1 << pos_bits) - 1
-
-    def count(pred):  # [r, c] bool -> [r] int32
-        return jnp.sum(pred.astype(jnp.int32), axis=1)
-
-    def gather(index, values, fill):
-        """values[index] for index [r] into values [bp] (a one-hot reduction; fill where no entry matches)."""
-        hit = index[:, None] == pos[None, :]
-        if jnp.issubdtype(values.dtype, jnp.floating):  # max keeps the value's bits (-0.0 included)
-            return jnp.max(jnp.where(hit, values[None, :], neg_inf), axis=1)
-        return jnp.sum(jnp.where(hit, values[None, :], 0), axis=1) + jnp.where(count(hit) > 0, 0, fill)
-
-    def pack(first, rank, parent):
-        return first | (rank << flat_bits) | (parent << (flat_bits + pos_bits))
-
-    def merge(run_key, run_pay, key, pay):
-        """Merge a depth's beam (key [bp], INT32_MIN past B; payload pay [bp]) into the running list (None:
-        the first depth): places in (key desc, then running entries first, then beam position asc)."""
-        key_r, key_c = key[:, None], key[None, :]
-        place_new = count(((key_c > key_r) | ((key_c == key_r) & (pos[None, :] < pos[:, None]))) & in_beam[None, :])
-        if run_key is not None:
-            place_new += count((run_key[None, :] >= key_r) & in_beam[None, :])
-            place_run = pos + count((key_c > run_key[:, None]) & in_beam[None, :])
-        at_new = (place_new[None, :] == pos[:, None]) & in_beam[None, :]  # [place, entry]
-        out_key = jnp.sum(jnp.where(at_new, key_c, 0), axis=1)
-        out_pay = jnp.sum(jnp.where(at_new, pay[None, :], 0), axis=1)
-        if run_key is not None:
-            at_run = (place_run[None, :] == pos[:, None]) & in_beam[None, :]
-            out_key += jnp.sum(jnp.where(at_run, run_key[None, :], 0), axis=1)
-            out_pay += jnp.sum(jnp.where(at_run, run_pay[None, :], 0), axis=1)
-        return jnp.where(in_beam, out_key, INT32_MIN), out_pay
-
-    cand = jnp.arange(cp, dtype=jnp.int32)
-    cand_ok = cand < c_
-    pair_i, pair_j = pair_ref[0, :], pair_ref[1, :]
-
-    # Depth 1 (index 0): the top-K in rank order; positions K..B-1 empty (-inf).
-    score0 = jnp.where(in_beam & (pos < k_), lp_ref[0, jnp.minimum(pos, k_ - 1)], neg_inf)
-    run_key, run_pay = merge(None, None, jnp.where(in_beam, total_order_key(score0), INT32_MIN),
-                             pack(pos, pos, jnp.zeros_like(pos)))
-
-    def next_depth(d, carry):
-        beam_score, beam_lex, run_key, run_pay = carry
-        score = gather(pair_i, beam_score, 0) + lp_ref[d, jnp.minimum(pair_j, k_ - 1)]  # left to right, as _build_one
-        score = jnp.where(cand_ok, score, jnp.nan)  # a padding candidate is never ahead
-        lex = gather(pair_i, beam_lex, 0) * k_ + pair_j  # (parent's label, token rank): distinct
-        # Each candidate's place in (score desc, lex asc) order and (high 16 bits) its rank in lex order: the
-        # children's next label.
-        lex_less = (lex[None, :] < lex[:, None]) & cand_ok[None, :]
-        ahead = (score[None, :] > score[:, None]) | ((score[None, :] == score[:, None]) & lex_less)
-        packed = jnp.sum(ahead.astype(jnp.int32) + (lex_less.astype(jnp.int32) << 16), axis=1)
-        place = jnp.where(cand_ok, packed & 0xFFFF, c_)
-        hit = (place[None, :] == pos[:, None]) & in_beam[:, None]  # [beam position, candidate]
-        new_pay = jnp.sum(jnp.where(hit, pack(packed >> 16, pair_j, pair_i)[None, :], 0), axis=1)
-        new_score = jnp.where(in_beam, jnp.max(jnp.where(hit, score[None, :], neg_inf), axis=1), neg_inf)
-        rank, parent = (new_pay >> flat_bits) & pos_mask, new_pay >> (flat_bits + pos_bits)
-        run_key, run_pay = merge(run_key, run_pay, jnp.where(in_beam, total_order_key(new_score), INT32_MIN),
-                                 pack(d * b_ + pos, rank, parent))
-        return new_score, new_pay & flat_mask, run_key, run_pay
-
-    if l_ > 1:
-        _, _, run_key, run_pay = lax.fori_loop(1, l_, next_depth, (score0, pos, run_key, run_pay))
-
-    # Nodes: node n + 1 is the running list's entry n.
-    flat = run_pay & flat_mask
-    rank, parent = (run_pay >> flat_bits) & pos_mask, run_pay >> (flat_bits + pos_bits)
-    depth = lax.div(flat, jnp.int32(b_))  # 0-based depth index
-    score = from_total_order_key(run_key)  # the chosen prefix's score, bit for bit
-    valid = in_beam & (jnp.abs(score) < jnp.inf)  # finite
-    token = tok_ref[jnp.where(in_beam, depth, 0), jnp.minimum(rank, k_ - 1)]  # _build_one's gather clamps too
-    # The parent's entry: the one at (depth - 1, parent position); -1 where there is none (depth 0).
-    target = jnp.where(depth > 0, (depth - 1) * b_ + parent, -1)
-    is_parent = jnp.where(in_beam, flat, -2)[None, :] == target[:, None]  # [entry, its parent's entry]
-    parent_entry = jnp.sum(jnp.where(is_parent, pos[None, :], 0), axis=1) + jnp.where(count(is_parent) > 0, 0, -1)
-    # Scatters to index vectors (masked lanes out of range, dropped): a slice [1, 1 + bp) may pass T.
-    out = jnp.where(in_beam, pos + 1, t_)
-    plt.store(tokens_ref.at[out], token, mask=in_beam)
-    plt.store(parents_ref.at[out], jnp.where(valid & (depth > 0), parent_entry + 1, 0), mask=in_beam)
-    plt.store(depths_ref.at[out], jnp.where(valid, depth + 1, 0), mask=in_beam)
-    plt.store(valid_ref.at[out], valid, mask=in_beam)
-    plt.store(scores_ref.at[out], score, mask=in_beam)
-    tokens_ref[0] = root_ref[0]
-    parents_ref[0] = jnp.int32(0)
-    depths_ref[0] = jnp.int32(0)
-    valid_ref[0] = jnp.bool_(True)
-    scores_ref[0] = jnp.float32(0.0)
-
-    # Ancestor rows of nodes 1..B: itself, and for a valid node the root and every node up its parents.
-    nodes = jnp.arange(tp, dtype=jnp.int32)
-    mark = (nodes[None, :] == (pos + 1)[:, None]) | (valid[:, None] & (nodes[None, :] == 0))
-
-    def up(_, carry):
-        mark, cur = carry
-        mark = mark | ((cur >= 0)[:, None] & (nodes[None, :] == (cur + 1)[:, None]))
-        return mark, gather(cur, parent_entry, -1)
-
-    mark, _ = lax.fori_loop(0, l_, up, (mark, jnp.where(valid, pos, -1)))
-    col_ok = nodes < t_
-    ok = in_beam[:, None] & col_ok[None, :]
-    rows = jnp.where(ok, jnp.broadcast_to((pos + 1)[:, None], (bp, tp)), t_)
-    cols = jnp.where(ok, jnp.broadcast_to(nodes[None, :], (bp, tp)), t_)
-    plt.store(ancestor_ref.at[rows, cols], mark, mask=ok)
-    plt.store(ancestor_ref.at[0, jnp.where(col_ok, nodes, t_)], nodes == 0, mask=col_ok)
-
-
 # ----------------------------------------------------------------------------------------------------
 # pallas_call wrapper and public function
 
@@ -481,45 +325,18 @@ def tree_build_pallas(top_lp, top_tok, root_tokens, *, budget: int, config: Tree
         raise ValueError(f"K={k} top entries per depth: must be min(B, V) <= B={budget}")
     if root_tokens.shape != (b,):
         raise ValueError(f"root_tokens must be [b] = ({b},), got {root_tokens.shape}")
-    num_pairs = num_candidates(budget, k)
-    bp, t = next_pow2(budget), budget + 1
-    tp = next_pow2(t)
-
-    def row(*shape):
-        return pl.BlockSpec((None, *shape), lambda i: (i,) + (0,) * len(shape))
-
     table = candidate_table(budget, k)
-    cp = table.shape[1]
-    if register_form(budget, k, config):
-        flat_bits = max(depth_limit * budget - 1, num_pairs - 1, 1).bit_length()
-        pos_bits = max(bp - 1, 1).bit_length()
-        if flat_bits + 2 * pos_bits > 31:
-            raise ValueError(f"L={depth_limit} depths at B={budget}: the packed running list needs "
-                             f"{flat_bits + 2 * pos_bits} > 31 bits")
-        kernel = functools.partial(
-            _tree_build_registers_kernel, budget=budget, k=k, depth_limit=depth_limit, num_pairs=num_pairs, bp=bp,
-            cp=cp, tp=tp, flat_bits=flat_bits, pos_bits=pos_bits)
-        out_dims = [((t,), jnp.int32), ((t,), jnp.int32), ((t,), jnp.int32), ((t,), jnp.bool_), ((t, t), jnp.bool_),
-                    ((t,), jnp.float32)]
-        outs = pl.pallas_call(
-            kernel,
-            grid=(b,),
-            in_specs=[row(depth_limit, k), row(depth_limit, k), row(1), pl.BlockSpec((2, cp), lambda i: (0, 0))],
-            out_specs=[row(*shape) for shape, _ in out_dims],
-            out_shape=[jax.ShapeDtypeStruct((b, *shape), dtype) for shape, dtype in out_dims],
-            compiler_params=plt.CompilerParams(num_warps=config.register_warps, num_stages=1),
-            interpret=interpret,
-            debug=debug,
-            name="tree_build",
-        )(top_lp.astype(jnp.float32), top_tok.astype(jnp.int32), root_tokens.astype(jnp.int32).reshape(b, 1),
-          jnp.asarray(table))
-        return BuiltTree(*outs)
-
+    num_pairs = sum(min(k, budget // (i + 1)) for i in range(budget))
+    bp, cp, t = next_pow2(budget), table.shape[1], budget + 1
+    tp = next_pow2(t)
     kernel = functools.partial(
         _tree_build_kernel, budget=budget, k=k, depth_limit=depth_limit, num_pairs=num_pairs, bp=bp, cp=cp,
         tp=tp, block_c=min(config.block, cp), block_r=min(config.block_rows, cp), block_b=min(config.block, bp),
         block_t=min(config.block, tp),
         interpret=interpret)
+
+    def row(*shape):
+        return pl.BlockSpec((None, *shape), lambda i: (i,) + (0,) * len(shape))
 
     out_dims = [((t,), jnp.int32), ((t,), jnp.int32), ((t,), jnp.int32), ((t,), jnp.bool_), ((t, t), jnp.bool_),
                 ((t,), jnp.float32),

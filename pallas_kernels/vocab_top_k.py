@@ -57,7 +57,6 @@ class VocabTopKConfig:
     block_rows: rows of a counting tile.
     num_warps:  Triton's warps per program.
     num_stages: Triton's software pipelining of the streaming loads.
-    search_bits: bits of the threshold decided per step of its search (32 / search_bits dependent steps).
     """
 
     segment: int = 8192
@@ -66,12 +65,9 @@ class VocabTopKConfig:
     block_rows: int = 128
     num_warps: int = 8
     num_stages: int = 2
-    search_bits: int = 1
 
     def __post_init__(self):
         check_knobs(self, pow2={"segment": 16, "step": 16, "block": 16, "block_rows": 16})
-        if self.search_bits not in (1, 2, 4):
-            raise ValueError(f"VocabTopKConfig.search_bits={self.search_bits!r}: must be 1, 2 or 4")
         if self.step > 1 << 14:  # a step's two exclusive counts share one int32 scan (16 bits each)
             raise ValueError(f"VocabTopKConfig.step={self.step!r}: must be at most 16384")
 
@@ -112,32 +108,26 @@ def _chunk_max_kernel(x_ref, cmax_ref, *, n: int, chunk: int, segment: int, step
     lax.fori_loop(0, segment // step, body, 0)
 
 
-def _kth_largest(values, k: int, bits: int = 1):
-    """The k-th largest of an int32 vector (with multiplicity; k <= its length), by deciding its digits of
-    `bits` bits from the top: the largest u (as an unsigned pattern of the sign-flipped key) with at least k
-    values >= it. A step tries every digit at once (2^bits - 1 counts in one reduction), so 32 / bits steps,
-    each a dependent reduction over the program's threads."""
+def _kth_largest(values, k: int):
+    """The k-th largest of an int32 vector (with multiplicity; k <= its length), by deciding its bits from the
+    top: the largest u (as an unsigned pattern of the sign-flipped key) with at least k values >= it."""
     answer = jnp.int32(0)
-    digits = jnp.arange(1 << bits, dtype=jnp.int32)
-    for shift in range(32 - bits, -1, -bits):
-        # Digit 0 always qualifies; the qualifying digits are a prefix (counts fall as the digit grows).
-        candidate = answer | (digits << shift)  # int32 shifts wrap: the top digit's high bit is the sign bit
-        enough = jnp.sum((values[None, :] >= (candidate ^ INT32_MIN)[:, None]).astype(jnp.int32), axis=1) >= k
-        digit = jnp.sum(enough.astype(jnp.int32)) - 1
-        answer = answer | (digit << shift)
+    for bit in range(31, -1, -1):
+        candidate = answer | jnp.int32(np.int32(np.uint32(1 << bit).view(np.int32)))
+        enough = jnp.sum((values >= (candidate ^ INT32_MIN)).astype(jnp.int32)) >= k
+        answer = jnp.where(enough, candidate, answer)
     return answer ^ INT32_MIN
 
 
 def _compact_kernel(x_ref, cmax_ref, above_key_ref, above_idx_ref, tie_idx_ref, above_count_ref, tie_count_ref,
-                    t_ref, *, n: int, k: int, num_chunks: int, chunks_p: int, slots: int, segment: int, step: int,
-                    search_bits: int):
+                    t_ref, *, n: int, k: int, num_chunks: int, chunks_p: int, slots: int, segment: int, step: int):
     """x_ref [segment]; cmax_ref [chunks_p] the row's chunk maxima (past num_chunks not read). Out: this
     segment's entries > t in index order, keys and indices (above_key_ref, above_idx_ref [slots]; the first
     `slots` of them) and their count (above_count_ref [1], may exceed slots: the row overflows); the indices of
     its first k entries == t (tie_idx_ref [k]) and its count of them (tie_count_ref [1]); t (t_ref [1])."""
     seg = pl.program_id(1)
     maxima = plt.load(cmax_ref.at[pl.ds(0, chunks_p)], mask=jnp.arange(chunks_p) < num_chunks, other=INT32_MIN)
-    t = _kth_largest(maxima, k, search_bits)
+    t = _kth_largest(maxima, k)
     t_ref[0] = t
 
     def body(s, carry):  # both exclusive counts in one scan (a step holds at most 2^14 entries)
@@ -262,7 +252,7 @@ def vocab_top_k_pallas(x: jax.Array, k: int, *, config: VocabTopKConfig | None =
     per_segment = jax.ShapeDtypeStruct((r, segments, 1), jnp.int32)
     above_key, above_idx, tie_idx, above_count, tie_count, t = pl.pallas_call(
         functools.partial(_compact_kernel, n=n, k=k, num_chunks=num_chunks, chunks_p=next_pow2(num_chunks),
-                          slots=slots, segment=segment, step=step, search_bits=config.search_bits),
+                          slots=slots, segment=segment, step=step),
         grid=(r, segments), in_specs=[x_spec, pl.BlockSpec((None, next_pow2(num_chunks)), lambda i, j: (i, 0))],
         out_specs=[cand_spec, cand_spec, pl.BlockSpec((None, None, k), lambda i, j: (i, j, 0)), one_spec, one_spec,
                    one_spec],

@@ -129,20 +129,18 @@ def main(argv: list[str] | None = None) -> int:
             for config in configs:
                 fn = functools.partial(tac.greedy_tokens_pallas, config=config)
                 jobs.append((f"tree_accept {jnp.dtype(dtype).name} T={t}", config, fn, acc_args))
-    for budget in (16, 32, 64, 128):  # the tree build after the top-k, L = 15 (block 16), batch 1 and 4
+    for budget in (16, 64, 128):  # the tree build after the top-k, L = 15 (block 16), batch 1 and 4
         for rows in (1, 4):
             build_args = [sds((rows, 15, budget), jnp.float32), sds((rows, 15, budget), jnp.int32),
                           sds((rows,), jnp.int32)]
             configs = [tbk.TreeBuildConfig()] + ([] if args.quick or rows > 1 else [
-                tbk.TreeBuildConfig(num_warps=4), tbk.TreeBuildConfig(register_warps=8),
-                tbk.TreeBuildConfig(registers=0)])
+                tbk.TreeBuildConfig(block_rows=256), tbk.TreeBuildConfig(num_warps=4),
+                tbk.TreeBuildConfig(block_rows=256, num_warps=4)])
             for config in configs:
                 fn = functools.partial(tbk.tree_build_pallas, budget=budget, config=config)
-                launch = (dataclasses.replace(config, num_warps=config.register_warps, num_stages=1)
-                          if tbk.register_form(budget, budget, config) else config)  # the form's launch settings
-                jobs.append((f"tree_build B={budget} b={rows}", launch, fn, build_args))
-    for k, config in [(k, vtk.VocabTopKConfig()) for k in (16, 64, 128)] + [(64, vtk.VocabTopKConfig(search_bits=4))]:
-        # the vocabulary top-k's three launches, 15 rows of the Qwen vocabulary
+                jobs.append((f"tree_build B={budget} b={rows}", config, fn, build_args))
+    for k in (16, 64, 128):  # the vocabulary top-k's three launches, 15 rows of the Qwen vocabulary
+        config = vtk.VocabTopKConfig()
         fn = functools.partial(vtk.vocab_top_k_pallas, k=k, config=config)
         for which, launch in enumerate(("chunk maxima", "compact", "select")):
             stages = config.num_stages if which < 2 else 1

@@ -67,8 +67,7 @@ def test_reference_is_lax_top_k_on_the_cpu():
 
 # The defaults (one segment per row up to 8192 entries) and small segments (a row over many programs, each
 # streaming several steps; the row's first k ties spread over segments).
-CONFIGS = [pytest.param(None, id="default"),
-           pytest.param(vtk.VocabTopKConfig(segment=1024, step=256, search_bits=4), id="small")]
+CONFIGS = [pytest.param(None, id="default"), pytest.param(vtk.VocabTopKConfig(segment=1024, step=256), id="small")]
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
@@ -110,5 +109,3 @@ def test_sizes_and_bad_arguments():
         vtk.VocabTopKConfig(step=1000)
     with pytest.raises(ValueError, match="VocabTopKConfig.step=32768: must be at most 16384"):
         vtk.VocabTopKConfig(step=32768)
-    with pytest.raises(ValueError, match="VocabTopKConfig.search_bits=3: must be 1, 2 or 4"):
-        vtk.VocabTopKConfig(search_bits=3)
