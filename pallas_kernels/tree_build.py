@@ -12,24 +12,28 @@ A trailing p means the power of two at or above (Triton blocks): bp, cp, tp.
 
 One program per batch row (grid (b,)); the whole build runs inside it, depth after depth, with
 per-row scratch in global memory (extra outputs) and CTA barriers between a store and the loads of
-other threads. Per depth d >= 1:
-1. Lexicographic slots. The beam's labels are in lexicographic order; entry i's candidates (i, j),
-   j < width(i) = min(K, B // (i + 1)), take the slots offset(i) + j, where offset(i) sums the widths
-   of the entries with smaller labels (a B x B count). Slot order is then the lexicographic order
-   of `_build_one`'s `lex` keys, so its tie-break "lex' < lex" becomes "slot' < slot".
-2. Places. Each candidate's place in (score desc, slot asc) order counts the candidates ahead of it
-   (score' > score, or score' == score and slot' < slot: float compares, as `_build_one`), in
-   [block_rows, block] tiles: few wide steps, since one program's dependent steps are its latency.
-   The candidate at place n < B is scattered to `select[n]`.
-3. The new beam, best first: parent, token rank, score = beam_score[parent] + lp_d[rank] (the same
-   float32 sum) and, as its label, its slot (lexicographic order again; only the order matters).
-The global top B (score desc in XLA's total order, then flat index d * B + i asc) is merged depth by
-depth into a running best-first list of B entries (its own index is its count among itself; 3 B x B
-counts per depth instead of one (L B)^2). Last, node numbering (node = 1 + place), parents through
-`node_of[d, i]`, and the ancestor mask: the identity, then a scatter of True at every (node,
-ancestor) found by walking the beam's parent pointers up the depths (what `_build_one` carries).
+other threads. A program's dependent steps are its latency, so a depth has three barriers. Per depth
+d >= 1:
+1. Candidates. Every candidate (i, j), in (i, j) order: its score beam_score[i] + lp_d[j] (the same
+   float32 sum as `_build_one`) and its lexicographic key (label[i], j) = label[i] * K + j, stored.
+2. Places and labels. Each candidate's place in (score desc, key asc) order counts the candidates
+   ahead of it (score' > score, or score' == score and key' < key: float compares, as `_build_one`),
+   and the same sum's high 16 bits its rank in key order (the children's label), in
+   [block_rows, block] tiles: few wide steps. The candidate at place n < B is written straight into
+   the new beam's row n: score, parent i, token rank j, label, total-order key.
+3. The merge. The global top B (score desc in XLA's total order, then flat index d * B + i asc) is
+   merged depth by depth into a running best-first list of B entries (its own index is its count
+   among itself; 3 B x B counts per depth instead of one (L B)^2).
+The loop stops after depth d when no deeper prefix can enter the running list: a deeper prefix
+scores at most the depth-d beam's best (log-probs are <= 0) and loses ties to shallower entries, so
+once that best is no longer above the list's last entry the rest of the depths cannot change it (a
+shallow tree, i.e. an unconfident drafter, costs a few depths instead of L). Last, node numbering
+(node = 1 + place), parents through `node_of[d, i]`, and the ancestor mask: the identity, then a
+scatter of True at every (node, ancestor) found by walking the beam's parent pointers up the depths
+(what `_build_one` carries).
 
-Scores are taken to be NaN-free (log-softmax outputs): NaN compares differ between the two counts.
+Log-probs are taken to be log-softmax outputs: NaN-free (NaN compares differ between the two counts)
+and <= 0 (the early stop; a positive one could let a deeper prefix in after the stop).
 """
 
 from __future__ import annotations
@@ -123,11 +127,9 @@ def _tree_build_kernel(
     parent_ref,    # [l, bp] int32 beam parent (position in the previous depth's beam)
     rank_ref,      # [l, bp] int32 token rank
     node_ref,      # [l, bp] int32 node of each beam entry (1 + global place), -1 if not chosen
-    label_ref,     # [bp] int32 the current beam's labels (lexicographic order)
-    offset_ref,    # [bp] int32 first slot of each beam entry's candidates
-    slot_score_ref,  # [cp] float32 candidate scores by slot
-    slot_cand_ref,   # [cp] int32 candidate index (into pair_ref) by slot
-    select_ref,    # [bp] int32 slot at each of the B first places
+    label_ref,     # [bp] int32 the current beam's labels (ranks in lexicographic order)
+    cand_score_ref,  # [cp] float32 the depth's candidate scores (NaN past C)
+    cand_lex_ref,    # [cp] int32 and their lexicographic keys (parent's label, token rank)
     new_key_ref,   # [bp] int32 total-order keys of the depth being merged
     run_key_ref,   # [bp] int32 running global top B: keys, best first
     run_flat_ref,  # [bp] int32 and flat indices d * B + i
@@ -157,11 +159,10 @@ def _tree_build_kernel(
         if not interpret:
             plt.debug_barrier()
 
-    def merge(d, score, first: bool):
-        """Merge depth d's beam (score [bp], position i = flat d * B + i) into the running global list."""
-        key = jnp.where(in_beam, total_order_key(score), INT32_MIN)
-        new_key_ref[...] = key
-        barrier()
+    def merge(d, first: bool):
+        """Merge depth d's beam (its keys in new_key_ref, stored before a barrier; position i = flat d * B + i)
+        into the running global list."""
+        key = jnp.where(in_beam, new_key_ref[...], INT32_MIN)
         kw = dict(block=block_b, num_cols=b_, other=INT32_MIN, masked=True)
         nb = cdiv(b_, block_b)
         place_new = count_ahead(key, pos, new_key_ref, 0, nb, tie="index", **kw)
@@ -194,66 +195,72 @@ def _tree_build_kernel(
     parent_ref[0, :] = jnp.zeros((bp,), jnp.int32)
     rank_ref[0, :] = pos
     label_ref[...] = pos
+    new_key_ref[...] = total_order_key(score0)
     barrier()
-    merge(0, score0, first=True)
+    merge(0, first=True)
 
     num_col_blocks = cdiv(c_, block_c)
 
-    def next_depth(d, _):
-        # 1. offset(i) = sum of width(i') over the beam entries with smaller labels.
-        label = label_ref[...]
+    def deeper_can_enter(d):
+        """Whether a prefix deeper than depth d can still enter the running top B: its score is at most the
+        depth-d beam's best (log-probs are <= 0), and it loses a tie to the shallower entries, so only if that
+        best is above the running list's last entry (after a barrier)."""
+        return (d + 1 < l_) & (total_order_key(score_ref[d, 0]) > run_key_ref[b_ - 1])
 
-        def offset_body(q, acc):  # width(i') = min(K, B // (i' + 1)): entry i' has that many candidates
-            col = q * block_b + jnp.arange(block_b, dtype=jnp.int32)
-            col_ok = col < b_
-            col_label = plt.load(label_ref.at[pl.ds(q * block_b, block_b)], mask=col_ok, other=0)
-            col_width = jnp.where(col_ok, jnp.minimum(k_, lax.div(jnp.int32(b_), col + 1)), 0)
-            return acc + jnp.where(col_label[None, :] < label[:, None], col_width[None, :], 0)
+    def load_candidates(q, block):
+        col = q * block + jnp.arange(block, dtype=jnp.int32)
+        ok = col < c_
+        return (plt.load(cand_score_ref.at[pl.ds(q * block, block)], mask=ok, other=float("nan")),
+                plt.load(cand_lex_ref.at[pl.ds(q * block, block)], mask=ok, other=0))
 
-        offset = jnp.sum(lax.fori_loop(0, cdiv(b_, block_b), offset_body, jnp.zeros((bp, block_b), jnp.int32)),
-                         axis=1)
-        offset_ref[...] = offset
-        barrier()
-        # 2. Every candidate's score into its lexicographic slot (the [cp] vectors are made here, not kept
-        # live across the depth loop: registers).
+    def next_depth(carry):
+        d, _ = carry
+        # 1. Every candidate's score and lexicographic key (parent's label, token rank), in (i, j) order.
         cand = jnp.arange(cp, dtype=jnp.int32)
         cand_ok = cand < c_
         pair_i, pair_j = pair_ref[0, :], pair_ref[1, :]
-        slot = jnp.where(cand_ok, offset_ref[pair_i] + pair_j, cp_out)
         score = score_ref[d - 1, pair_i] + lp_ref[d, jnp.minimum(pair_j, k_ - 1)]  # left to right, as _build_one
-        plt.store(slot_score_ref.at[slot], score, mask=cand_ok)
-        plt.store(slot_cand_ref.at[slot], cand, mask=cand_ok)
+        cand_score_ref[...] = jnp.where(cand_ok, score, jnp.nan)  # a padding candidate is never ahead
+        cand_lex_ref[...] = label_ref[pair_i] * k_ + pair_j
         barrier()
 
-        # 3. Places in (score desc, slot asc) order; the first B scattered to `select`. Columns past C read
-        # as NaN, which is never ahead.
-        def place_block(r, _):
+        # 2. Places in (score desc, lex asc) order and (high 16 bits of the same sum) ranks in lex order, the
+        # children's labels; the first B candidates go straight to the new beam's rows.
+        def place_block(r):
             row_idx = r * block_r + jnp.arange(block_r, dtype=jnp.int32)
             row_ok = row_idx < c_
-            rows = plt.load(slot_score_ref.at[pl.ds(r * block_r, block_r)], mask=row_ok, other=0.0)
-            place = count_ahead(rows, row_idx, slot_score_ref, 0, num_col_blocks, tie="index", block=block_c,
-                                 num_cols=c_, other=float("nan"), masked=False)
+            rows, row_lex = load_candidates(r, block_r)
+
+            def body(q, carry):
+                acc, cols, col_lex = carry
+                upcoming = load_candidates(q + 1, block_c)  # issued before the compares: its latency overlaps them
+                col_idx = q * block_c + jnp.arange(block_c, dtype=jnp.int32)
+                lex_less = (col_lex[None, :] < row_lex[:, None]) & (col_idx < c_)[None, :]
+                ahead = (cols[None, :] > rows[:, None]) | ((cols[None, :] == rows[:, None]) & lex_less)
+                return (acc + ahead.astype(jnp.int32) + (lex_less.astype(jnp.int32) << 16), *upcoming)
+
+            acc, _, _ = lax.fori_loop(0, num_col_blocks, body,
+                                      (jnp.zeros((block_r, block_c), jnp.int32), *load_candidates(0, block_c)))
+            packed = jnp.sum(acc, axis=1)
+            place = packed & 0xFFFF
             keep = row_ok & (place < b_)
-            plt.store(select_ref.at[jnp.where(keep, place, bp_out)], row_idx, mask=keep)
-            return 0
+            at = jnp.where(keep, place, bp_out)
+            depth_at = jnp.full((block_r,), d, jnp.int32)
+            pair_i, pair_j = pair_ref[0, pl.ds(r * block_r, block_r)], pair_ref[1, pl.ds(r * block_r, block_r)]
+            plt.store(score_ref.at[depth_at, at], rows, mask=keep)
+            plt.store(parent_ref.at[depth_at, at], pair_i, mask=keep)
+            plt.store(rank_ref.at[depth_at, at], pair_j, mask=keep)
+            plt.store(label_ref.at[at], packed >> 16, mask=keep)
+            plt.store(new_key_ref.at[at], total_order_key(rows), mask=keep)
 
-        lax.fori_loop(0, cdiv(c_, block_r), place_block, 0)
+        # No carry: inside the depth loop Triton's lowering cannot yield a literal.
+        lax.fori_loop(0, cdiv(c_, block_r), lambda r, _: place_block(r), None)
         barrier()
-        # 4. The new beam, best first; labels = slots.
-        at = select_ref[jnp.minimum(pos, b_ - 1)]
-        c = slot_cand_ref[at]
-        parent, rank = pair_ref[0, c], pair_ref[1, c]
-        new_score = score_ref[d - 1, parent] + lp_ref[d, rank]  # the same sum as the candidate's, bit for bit
-        new_score = jnp.where(in_beam, new_score, _NEG_INF)
-        score_ref[d, :] = new_score
-        parent_ref[d, :] = parent
-        rank_ref[d, :] = rank
-        label_ref[...] = at
-        barrier()
-        merge(d, new_score, first=False)
-        return 0
+        merge(d, first=False)
+        return d + 1, deeper_can_enter(d)
 
-    lax.fori_loop(1, l_, next_depth, 0)
+    # Depth after depth while a deeper prefix can still enter (a shallow tree stops early).
+    lax.while_loop(lambda carry: carry[1], next_depth, (jnp.int32(1), deeper_can_enter(0)))
 
     # Nodes: node n + 1 is the running list's entry n.
     node_ok = in_beam
@@ -341,8 +348,8 @@ def tree_build_pallas(top_lp, top_tok, root_tokens, *, budget: int, config: Tree
     out_dims = [((t,), jnp.int32), ((t,), jnp.int32), ((t,), jnp.int32), ((t,), jnp.bool_), ((t, t), jnp.bool_),
                 ((t,), jnp.float32),
                 ((depth_limit, bp), jnp.float32), ((depth_limit, bp), jnp.int32), ((depth_limit, bp), jnp.int32),
-                ((depth_limit, bp), jnp.int32), ((bp,), jnp.int32), ((bp,), jnp.int32), ((cp,), jnp.float32),
-                ((cp,), jnp.int32), ((bp,), jnp.int32), ((bp,), jnp.int32), ((bp,), jnp.int32), ((bp,), jnp.int32)]
+                ((depth_limit, bp), jnp.int32), ((bp,), jnp.int32), ((cp,), jnp.float32), ((cp,), jnp.int32),
+                ((bp,), jnp.int32), ((bp,), jnp.int32), ((bp,), jnp.int32)]
     outs = pl.pallas_call(
         kernel,
         grid=(b,),

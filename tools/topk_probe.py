@@ -143,6 +143,9 @@ def main(argv=None) -> int:
                         "pallas:block_rows=256:num_warps=8 (the kernel with those knobs)")
     p.add_argument("--baseline", type=Path, default=None, help="another version's tree.py, timed and compared")
     p.add_argument("--depths", type=int, default=15, help="L: the drafter's block size - 1")
+    p.add_argument("--peak", type=float, default=0.0,
+                   help="added to one token's logit per depth: a confident drafter's deep tree (0: i.i.d. logits, "
+                        "shallow trees)")
     p.add_argument("--rounds", type=int, default=7, help="timed calls per size (medians)")
     p.add_argument("--passes", type=int, default=64,
                    help="passes in the long call (against 1): at 8 the host's jitter over a call moved a ~50 us "
@@ -165,6 +168,7 @@ def main(argv=None) -> int:
     inputs = {}
     for v in _ints(args.vocab):
         logits = 2.0 * jax.random.normal(jax.random.key(v), (1, args.depths, v), jnp.float32)
+        logits = logits.at[0, jnp.arange(args.depths), (7 * jnp.arange(args.depths)) % v].add(args.peak)
         inputs[v] = (logits, jnp.array([3], jnp.int32))
 
     start = time.perf_counter()
@@ -222,7 +226,7 @@ def main(argv=None) -> int:
                 lines.append(f"| {v} | {b} | {c or 'none'} | " + " | ".join(cells) + f" | {fits[(v, b)]} |")
     table = "\n".join(lines)
     print(table)
-    report = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, depths=args.depths,
+    report = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, depths=args.depths, peak=args.peak,
                   date=time.strftime("%Y-%m-%d"), argv=sys.argv[1:] if argv is None else argv, records=records)
     (args.out / "topk_probe.json").write_text(json.dumps(report, indent=1))
     (args.out / "topk_probe.md").write_text(f"Tree build, device us per round (L = {args.depths}, batch 1)\n\n"

@@ -31,9 +31,11 @@ class Case:
     vocab: int
     budget: int
     levels: int | None = None  # log-probs rounded to multiples of 1 / levels: many exact ties
+    peak: float = 0.0  # one token per depth this much likelier (in logits): a confident drafter's deep tree
 
     def __str__(self):
-        return f"b{self.b}-L{self.depth}-V{self.vocab}-B{self.budget}" + (f"-q{self.levels}" if self.levels else "")
+        return (f"b{self.b}-L{self.depth}-V{self.vocab}-B{self.budget}" + (f"-q{self.levels}" if self.levels else "")
+                + (f"-peak{self.peak:g}" if self.peak else ""))
 
 
 # Cases of equal (b, L, K, B) share the kernel's compilation (its input is the top-k), those of equal shapes the
@@ -43,6 +45,8 @@ CASES = [
     Case(2, 3, 300, 24),  # B not a power of two
     Case(2, 15, 1000, 64),
     Case(2, 15, 1000, 64, levels=1),  # ties everywhere
+    Case(2, 15, 1000, 64, peak=12.0),  # every depth used: the depth loop runs to the end
+    Case(2, 15, 1000, 16, peak=8.0),  # deep, and stopping early on some rows
     Case(2, 2, 5, 64),  # V < B: K = V, beam slots past K at -inf, and 5 + 25 finite prefixes < B: padding nodes
     Case(1, 2, 300, 128),
 ]
@@ -50,7 +54,9 @@ CASES = [
 
 def log_probs(case: Case) -> jax.Array:
     rng = np.random.default_rng(zlib.crc32(str(case).encode()))
-    lp = jax.nn.log_softmax(jnp.asarray(2.0 * rng.normal(size=(case.b, case.depth, case.vocab)), jnp.float32), -1)
+    logits = 2.0 * rng.normal(size=(case.b, case.depth, case.vocab))
+    logits[:, np.arange(case.depth), (7 * np.arange(case.depth)) % case.vocab] += case.peak
+    lp = jax.nn.log_softmax(jnp.asarray(logits, jnp.float32), -1)
     if case.levels:
         lp = jnp.round(lp * case.levels) / case.levels
     return lp
