@@ -51,7 +51,7 @@ class VocabTopKConfig:
     """Tuning knobs of the kernel (static, hashable).
 
     segment:    entries of a row per program of the two streaming launches (a power of two; rows shorter than
-                it take one program).
+                it take one program). `default_config` chooses it by the row's length.
     step:       entries loaded per step inside a segment (a power of two).
     block:      columns of a counting tile (the selection).
     block_rows: rows of a counting tile.
@@ -70,6 +70,13 @@ class VocabTopKConfig:
         check_knobs(self, pow2={"segment": 16, "step": 16, "block": 16, "block_rows": 16})
         if self.step > 1 << 14:  # a step's two exclusive counts share one int32 scan (16 bits each)
             raise ValueError(f"VocabTopKConfig.step={self.step!r}: must be at most 16384")
+
+
+def default_config(n: int) -> VocabTopKConfig:
+    """The knobs for rows of n entries: segments of 2048 up to 16384 entries (a row over more programs: on the
+    H200 15 rows of 8192 took 36.5-45.3 against 43.8-49.2 us with 8192, k = 16-64, tools/topk_probe.py
+    2026-12-04), the defaults above (the Qwen vocabulary: no better or worse)."""
+    return VocabTopKConfig(segment=2048) if n <= 16384 else VocabTopKConfig()
 
 
 def kernel_sizes(n: int, k: int) -> tuple[int, int] | None:
@@ -223,7 +230,7 @@ def vocab_top_k_pallas(x: jax.Array, k: int, *, config: VocabTopKConfig | None =
     """x [..., n] float32 (n with `kernel_sizes(n, k)` not None). Returns (values [..., k] float32, indices
     [..., k] int32, count [...] int32): equal to `lax.top_k(x, k)` on every row whose count of entries above
     its threshold is at most M (`kernel_sizes`); a row with more holds garbage, and the caller falls back."""
-    config = VocabTopKConfig() if config is None else config
+    config = default_config(x.shape[-1]) if config is None else config
     n = x.shape[-1]
     sizes = kernel_sizes(n, k)
     if sizes is None:

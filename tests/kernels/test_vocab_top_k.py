@@ -65,8 +65,8 @@ def test_reference_is_lax_top_k_on_the_cpu():
         np.testing.assert_array_equal(indices, np.asarray(want_indices))
 
 
-# The defaults (one segment per row up to 8192 entries) and small segments (a row over many programs, each
-# streaming several steps; the row's first k ties spread over segments).
+# The defaults (`default_config`: segments of 2048 up to 16384 entries, one of 8192 above) and small segments (a row
+# over many programs, each streaming several steps; the row's first k ties spread over segments).
 CONFIGS = [pytest.param(None, id="default"), pytest.param(vtk.VocabTopKConfig(segment=1024, step=256), id="small")]
 
 
