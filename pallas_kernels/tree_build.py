@@ -12,18 +12,19 @@ A trailing p means the power of two at or above (Triton blocks): bp, cp, tp.
 
 One program per batch row (grid (b,)); the whole build runs inside it, depth after depth, with
 per-row scratch in global memory (extra outputs) and CTA barriers between a store and the loads of
-other threads. A program's dependent steps are its latency, so a depth has three barriers. Per depth
+other threads. A program's dependent steps are its latency, so a depth has two barriers. Per depth
 d >= 1:
 1. Candidates. Every candidate (i, j), in (i, j) order: its score beam_score[i] + lp_d[j] (the same
    float32 sum as `_build_one`) and its lexicographic key (label[i], j) = label[i] * K + j, stored.
-2. Places and labels. Each candidate's place in (score desc, key asc) order counts the candidates
-   ahead of it (score' > score, or score' == score and key' < key: float compares, as `_build_one`),
-   and the same sum's high 16 bits its rank in key order (the children's label), in
+2. Places, labels and the merge. Each candidate's place in (score desc, key asc) order counts the
+   candidates ahead of it (score' > score, or score' == score and key' < key: float compares, as
+   `_build_one`), and the same sum's high 16 bits its rank in key order (the children's label), in
    [block_rows, block] tiles: few wide steps. The candidate at place n < B is written straight into
-   the new beam's row n: score, parent i, token rank j, label, total-order key.
-3. The merge. The global top B (score desc in XLA's total order, then flat index d * B + i asc) is
-   merged depth by depth into a running best-first list of B entries (its own index is its count
-   among itself; 3 B x B counts per depth instead of one (L B)^2).
+   the new beam's row n: score, parent i, token rank j, label. In the same step the beam is merged
+   into the running global top B (score desc in XLA's total order, then flat index d * B + i asc;
+   two lists alternate by depth parity, so one is read while the other is written): a beam entry's
+   place there is its beam place plus the running entries at or above it, a running entry's is its
+   own plus min(B, candidates above it).
 The loop stops after depth d when no deeper prefix can enter the running list: a deeper prefix
 scores at most the depth-d beam's best (log-probs are <= 0) and loses ties to shallower entries, so
 once that best is no longer above the list's last entry the rest of the depths cannot change it (a
@@ -32,8 +33,9 @@ shallow tree, i.e. an unconfident drafter, costs a few depths instead of L). Las
 scatter of True at every (node, ancestor) found by walking the beam's parent pointers up the depths
 (what `_build_one` carries).
 
-Log-probs are taken to be log-softmax outputs: NaN-free (NaN compares differ between the two counts)
-and <= 0 (the early stop; a positive one could let a deeper prefix in after the stop).
+Log-probs are taken to be log-softmax outputs, as `build_tree` passes them: NaN-free (NaN compares
+differ between the two counts), <= 0 (the early stop) and never -0.0 (the merge takes float order for
+XLA's total order); the depth-1 row in rank order (the top-k's output order).
 """
 
 from __future__ import annotations
@@ -130,9 +132,8 @@ def _tree_build_kernel(
     label_ref,     # [bp] int32 the current beam's labels (ranks in lexicographic order)
     cand_score_ref,  # [cp] float32 the depth's candidate scores (NaN past C)
     cand_lex_ref,    # [cp] int32 and their lexicographic keys (parent's label, token rank)
-    new_key_ref,   # [bp] int32 total-order keys of the depth being merged
-    run_key_ref,   # [bp] int32 running global top B: keys, best first
-    run_flat_ref,  # [bp] int32 and flat indices d * B + i
+    run_key_ref,   # [2 bp] int32 running global top B: keys, best first (two lists: depth parity)
+    run_flat_ref,  # [2 bp] int32 and flat indices d * B + i
     *,
     budget: int,
     k: int,
@@ -159,29 +160,6 @@ def _tree_build_kernel(
         if not interpret:
             plt.debug_barrier()
 
-    def merge(d, first: bool):
-        """Merge depth d's beam (its keys in new_key_ref, stored before a barrier; position i = flat d * B + i)
-        into the running global list."""
-        key = jnp.where(in_beam, new_key_ref[...], INT32_MIN)
-        kw = dict(block=block_b, num_cols=b_, other=INT32_MIN, masked=True)
-        nb = cdiv(b_, block_b)
-        place_new = count_ahead(key, pos, new_key_ref, 0, nb, tie="index", **kw)
-        if not first:
-            run_key, run_flat = run_key_ref[...], run_flat_ref[...]
-            place_new += count_ahead(key, pos, run_key_ref, 0, nb, tie="always", **kw)  # shallower: first on ties
-            place_run = pos + count_ahead(run_key, pos, new_key_ref, 0, nb, tie="never", **kw)
-        barrier()  # every read of the running list is done
-        if not first:
-            keep = in_beam & (place_run < b_)
-            at = jnp.where(keep, place_run, bp_out)
-            plt.store(run_key_ref.at[at], run_key, mask=keep)
-            plt.store(run_flat_ref.at[at], run_flat, mask=keep)
-        keep = in_beam & (place_new < b_)
-        at = jnp.where(keep, place_new, bp_out)
-        plt.store(run_key_ref.at[at], key, mask=keep)
-        plt.store(run_flat_ref.at[at], d * b_ + pos, mask=keep)
-        barrier()
-
     # Nothing chosen yet.
     def clear(e, _):
         node_ref[e, :] = jnp.full((bp,), -1, jnp.int32)
@@ -189,23 +167,25 @@ def _tree_build_kernel(
 
     lax.fori_loop(0, l_, clear, 0)
 
-    # Depth 1 (index 0): the top-K in rank order, best first; positions K..B-1 empty (-inf).
+    # Depth 1 (index 0): the top-K in rank order, best first; positions K..B-1 empty (-inf). In rank order the
+    # keys are sorted (lax.top_k's order), so it is the running list as it stands (list 0).
     score0 = jnp.where(pos < k_, lp_ref[0, jnp.minimum(pos, k_ - 1)], _NEG_INF)
     score_ref[0, :] = score0
     parent_ref[0, :] = jnp.zeros((bp,), jnp.int32)
     rank_ref[0, :] = pos
     label_ref[...] = pos
-    new_key_ref[...] = total_order_key(score0)
+    run_key_ref[pl.ds(0, bp)] = total_order_key(score0)
+    run_flat_ref[pl.ds(0, bp)] = pos
     barrier()
-    merge(0, first=True)
 
     num_col_blocks = cdiv(c_, block_c)
+    run_blocks = bp // block_b
 
     def deeper_can_enter(d):
-        """Whether a prefix deeper than depth d can still enter the running top B: its score is at most the
-        depth-d beam's best (log-probs are <= 0), and it loses a tie to the shallower entries, so only if that
-        best is above the running list's last entry (after a barrier)."""
-        return (d + 1 < l_) & (total_order_key(score_ref[d, 0]) > run_key_ref[b_ - 1])
+        """Whether a prefix deeper than depth d can still enter the running top B (after a barrier): its score is
+        at most the depth-d beam's best (log-probs are <= 0) and it loses a tie to the shallower entries, so
+        only if that best is above the running list's last entry."""
+        return (d + 1 < l_) & (total_order_key(score_ref[d, 0]) > run_key_ref[lax.rem(d, 2) * bp + b_ - 1])
 
     def load_candidates(q, block):
         col = q * block + jnp.arange(block, dtype=jnp.int32)
@@ -215,6 +195,7 @@ def _tree_build_kernel(
 
     def next_depth(carry):
         d, _ = carry
+        prev, cur = lax.rem(d - 1, 2) * bp, lax.rem(d, 2) * bp  # the running lists read and written
         # 1. Every candidate's score and lexicographic key (parent's label, token rank), in (i, j) order.
         cand = jnp.arange(cp, dtype=jnp.int32)
         cand_ok = cand < c_
@@ -224,8 +205,12 @@ def _tree_build_kernel(
         cand_lex_ref[...] = label_ref[pair_i] * k_ + pair_j
         barrier()
 
-        # 2. Places in (score desc, lex asc) order and (high 16 bits of the same sum) ranks in lex order, the
-        # children's labels; the first B candidates go straight to the new beam's rows.
+        # 2. Places in (score desc, key asc) order and (high 16 bits of the same sum) ranks in key order, the
+        # children's labels; the first B candidates go straight to the new beam's rows, and the running list
+        # is merged in the same step: a new entry's place in it is its beam place plus the running entries at
+        # or above its key (shallower first on ties; within the beam, key order is place order: scores are
+        # log-softmax outputs, so float order is total order), a running entry's its own plus the beam entries
+        # above it, min(B, candidates above it) (the beam holds the B best).
         def place_block(r):
             row_idx = r * block_r + jnp.arange(block_r, dtype=jnp.int32)
             row_ok = row_idx < c_
@@ -251,20 +236,41 @@ def _tree_build_kernel(
             plt.store(parent_ref.at[depth_at, at], pair_i, mask=keep)
             plt.store(rank_ref.at[depth_at, at], pair_j, mask=keep)
             plt.store(label_ref.at[at], packed >> 16, mask=keep)
-            plt.store(new_key_ref.at[at], total_order_key(rows), mask=keep)
+            key = total_order_key(rows)
+            merged = place + count_ahead(key, row_idx, run_key_ref, lax.div(prev, block_b),
+                                         lax.div(prev, block_b) + run_blocks, block=block_b, num_cols=prev + b_,
+                                         tie="always", other=INT32_MIN, masked=True)
+            keep = keep & (merged < b_)
+            at = jnp.where(keep, cur + merged, 2 * bp)
+            plt.store(run_key_ref.at[at], key, mask=keep)
+            plt.store(run_flat_ref.at[at], d * b_ + place, mask=keep)
 
         # No carry: inside the depth loop Triton's lowering cannot yield a literal.
         lax.fori_loop(0, cdiv(c_, block_r), lambda r, _: place_block(r), None)
+
+        run_key, run_flat = run_key_ref[pl.ds(prev, bp)], run_flat_ref[pl.ds(prev, bp)]
+
+        def above(q, acc):  # candidates above each running entry, in total order
+            cols, _ = load_candidates(q, block_c)
+            col_ok = (q * block_c + jnp.arange(block_c, dtype=jnp.int32)) < c_
+            return acc + ((total_order_key(cols)[None, :] > run_key[:, None]) & col_ok[None, :]).astype(jnp.int32)
+
+        beam_above = jnp.sum(lax.fori_loop(0, num_col_blocks, above, jnp.zeros((bp, block_c), jnp.int32)), axis=1)
+        merged = pos + jnp.minimum(beam_above, b_)
+        keep = in_beam & (merged < b_)
+        at = jnp.where(keep, cur + merged, 2 * bp)
+        plt.store(run_key_ref.at[at], run_key, mask=keep)
+        plt.store(run_flat_ref.at[at], run_flat, mask=keep)
         barrier()
-        merge(d, first=False)
         return d + 1, deeper_can_enter(d)
 
     # Depth after depth while a deeper prefix can still enter (a shallow tree stops early).
-    lax.while_loop(lambda carry: carry[1], next_depth, (jnp.int32(1), deeper_can_enter(0)))
+    last, _ = lax.while_loop(lambda carry: carry[1], next_depth, (jnp.int32(1), deeper_can_enter(0)))
+    final = lax.rem(last - 1, 2) * bp  # the running list the last depth wrote
 
     # Nodes: node n + 1 is the running list's entry n.
     node_ok = in_beam
-    flat = run_flat_ref[jnp.minimum(pos, b_ - 1)]
+    flat = run_flat_ref[final + jnp.minimum(pos, b_ - 1)]
     depth = lax.div(flat, jnp.int32(b_))  # 0-based depth index
     beam = lax.rem(flat, jnp.int32(b_))
     score = score_ref[depth, beam]
@@ -349,7 +355,7 @@ def tree_build_pallas(top_lp, top_tok, root_tokens, *, budget: int, config: Tree
                 ((t,), jnp.float32),
                 ((depth_limit, bp), jnp.float32), ((depth_limit, bp), jnp.int32), ((depth_limit, bp), jnp.int32),
                 ((depth_limit, bp), jnp.int32), ((bp,), jnp.int32), ((cp,), jnp.float32), ((cp,), jnp.int32),
-                ((bp,), jnp.int32), ((bp,), jnp.int32), ((bp,), jnp.int32)]
+                ((2 * bp,), jnp.int32), ((2 * bp,), jnp.int32)]
     outs = pl.pallas_call(
         kernel,
         grid=(b,),
