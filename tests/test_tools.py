@@ -21,6 +21,7 @@ import gpu_probe  # noqa: E402
 import greedy_equality  # noqa: E402
 import invariant_layers  # noqa: E402
 import loop_cost  # noqa: E402
+import round_attribution  # noqa: E402
 import topk_probe  # noqa: E402
 import tp_layout  # noqa: E402
 import trace_summary  # noqa: E402
@@ -185,8 +186,10 @@ def test_topk_probe_times_and_checks_every_chunk(tmp_path):
     baseline = Path(topk_probe.current.__file__)
     assert topk_probe.main(["--out", str(tmp_path), "--vocab", "300", "--budgets", "8", "--chunks", "auto",
                             "--top-k", "chunked", "--tree-build", "reference,pallas:block=16:block_rows=16",
-                            "--depths", "3", "--rounds", "1", "--workers", "1", "--baseline", str(baseline)]) == 0
+                            "--depths", "3", "--rounds", "1", "--workers", "1", "--baseline", str(baseline),
+                            "--peak", "20"]) == 0
     report = json.loads((tmp_path / "topk_probe.json").read_text())
+    assert report["peak"] == 20 and str(tmp_path) not in report["command"]  # no machine path in the record
     assert [r["impl"] for r in report["records"]] == [
         "current chunked", "current chunked pallas:block=16:block_rows=16", "baseline", "top-k chunked"]
     assert all(r.get("same_tree", True) for r in report["records"])
@@ -333,3 +336,22 @@ def test_invariant_layers_finds_the_first_differing_position_and_layer(random_ta
     for capacity in (32, 64):
         row = invariant_layers.compare(target, [5, 1, 7, 2], [3, 9, 4, 4, 8, 1, 2], runtime, 3, capacity)
         assert row == {"chain": 3, "capacity": capacity, "positions": 6, "first_difference": None}
+
+
+def test_round_attribution_stand_in_tree_and_bad_swap(capsys):
+    """The build's stand-in is the argmax chain (root first) padded with invalid nodes that see only themselves, at
+    the budget's T = B + 1; an unknown --swap is one error line and exit 2, before anything is compiled."""
+    rng = np.random.default_rng(0)
+    lp = jnp.asarray(np.log(rng.dirichlet(np.ones(50), size=(2, 3))), jnp.float32)
+    tree = round_attribution.chain_padded_tree(lp, jnp.array([5, 6], jnp.int32), 8)
+    want_tokens = np.zeros((2, 9), np.int32)
+    want_tokens[:, 0] = [5, 6]
+    want_tokens[:, 1:4] = np.argmax(np.asarray(lp), axis=-1)
+    np.testing.assert_array_equal(np.asarray(tree.tokens), want_tokens)
+    np.testing.assert_array_equal(np.asarray(tree.valid), np.broadcast_to(np.arange(9) < 4, (2, 9)))
+    chain = np.tril(np.ones((4, 4), bool))
+    want_ancestor = np.eye(9, dtype=bool)
+    want_ancestor[:4, :4] = chain
+    np.testing.assert_array_equal(np.asarray(tree.ancestor), np.broadcast_to(want_ancestor, (2, 9, 9)))
+    assert round_attribution.main(["--swap", "tree", "--modes", "16"]) == 2
+    assert capsys.readouterr().err.startswith("error: --swap 'tree': expected one of none, fallback, build")

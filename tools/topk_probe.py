@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ddtree_jax import tree as current  # noqa: E402
 from ddtree_jax.measure.timing import in_loop_seconds  # noqa: E402
+from ddtree_jax.cli import recorded_command  # noqa: E402
 from ddtree_jax.engine import compile_program  # noqa: E402
 from pallas_kernels.tree_build import TreeBuildConfig  # noqa: E402
 from pallas_kernels.vocab_top_k import VocabTopKConfig  # noqa: E402
@@ -227,7 +228,9 @@ def main(argv=None) -> int:
     table = "\n".join(lines)
     print(table)
     report = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, depths=args.depths, peak=args.peak,
-                  date=time.strftime("%Y-%m-%d"), argv=sys.argv[1:] if argv is None else argv, records=records)
+                  date=time.strftime("%Y-%m-%d"),
+                  command=recorded_command("python tools/topk_probe.py", sys.argv[1:] if argv is None else argv),
+                  records=records)
     (args.out / "topk_probe.json").write_text(json.dumps(report, indent=1))
     (args.out / "topk_probe.md").write_text(f"Tree build, device us per round (L = {args.depths}, batch 1)\n\n"
                                            + table + "\n")
