@@ -74,8 +74,8 @@ class VocabTopKConfig:
 
 def default_config(n: int) -> VocabTopKConfig:
     """The knobs for rows of n entries: segments of 2048 up to 16384 entries (a row over more programs: on the
-    H200 15 rows of 8192 took 36.5-45.3 against 43.8-49.2 us with 8192, k = 16-64, tools/topk_probe.py
-    2026-12-04), the defaults above (the Qwen vocabulary: no better or worse)."""
+    H200 15 rows of 8192 took 36.5-45.3 against 44.6-49.2 us with 8192, k = 16-64, side by side in one call of
+    tools/topk_probe.py, 2026-12-04), the defaults above (the Qwen vocabulary: no better or worse)."""
     return VocabTopKConfig(segment=2048) if n <= 16384 else VocabTopKConfig()
 
 
