@@ -154,7 +154,7 @@ def _tree_build_kernel(
     in_beam = pos < b_
     # Masked lanes of a scatter get an out-of-range index: the interpreter drops those writes (a masked
     # lane writing back the old value at a shared index could overwrite a real one); Triton masks them.
-    bp_out, cp_out, t_out = bp, cp, t_
+    bp_out, t_out = bp, t_
 
     def barrier():  # the interpreter runs a program as one sequential program and has no barrier
         if not interpret:
