@@ -86,12 +86,17 @@ class TreeBuildConfig:
                 257 against 323 us with 4 (2026-12-02), and the same at B = 16.
     num_stages: Triton's software pipelining; 1, because the depth loop stores and reloads scratch
                 across barriers and must not have loads hoisted into an earlier iteration.
+    prune:      1: each depth counts only the candidates at or above the worst of the B children (i, 0)
+                (those B score at least that, so no candidate below it is among the B best), compacted
+                first: a confident drafter's deep tree at B = 64 keeps few of its 280. Off by default until
+                measured on a GPU (the compaction costs a prefix sum and a scatter per depth).
     """
 
     block: int = 32
     block_rows: int = 128
     num_warps: int = 8
     num_stages: int = 1
+    prune: int = 0
 
     def __post_init__(self):
         check_knobs(self, pow2={"block": 16, "block_rows": 16})
@@ -132,6 +137,7 @@ def _tree_build_kernel(
     label_ref,     # [bp] int32 the current beam's labels (ranks in lexicographic order)
     cand_score_ref,  # [cp] float32 the depth's candidate scores (NaN past C)
     cand_lex_ref,    # [cp] int32 and their lexicographic keys (parent's label, token rank)
+    cand_idx_ref,    # [cp] int32 and their candidate index (prune: the kept candidates, compacted)
     run_key_ref,   # [2 bp] int32 running global top B: keys, best first (two lists: depth parity)
     run_flat_ref,  # [2 bp] int32 and flat indices d * B + i
     *,
@@ -146,6 +152,7 @@ def _tree_build_kernel(
     block_r: int,
     block_b: int,
     block_t: int,
+    prune: bool,
     interpret: bool,
 ):
     b_, k_, l_, c_ = budget, k, depth_limit, num_pairs
@@ -178,7 +185,6 @@ def _tree_build_kernel(
     run_flat_ref[pl.ds(0, bp)] = pos
     barrier()
 
-    num_col_blocks = cdiv(c_, block_c)
     run_blocks = bp // block_b
 
     def deeper_can_enter(d):
@@ -187,11 +193,14 @@ def _tree_build_kernel(
         only if that best is above the running list's last entry."""
         return (d + 1 < l_) & (total_order_key(score_ref[d, 0]) > run_key_ref[lax.rem(d, 2) * bp + b_ - 1])
 
-    def load_candidates(q, block):
+    def load_candidates(q, block, num):
         col = q * block + jnp.arange(block, dtype=jnp.int32)
-        ok = col < c_
+        ok = col < num
         return (plt.load(cand_score_ref.at[pl.ds(q * block, block)], mask=ok, other=float("nan")),
                 plt.load(cand_lex_ref.at[pl.ds(q * block, block)], mask=ok, other=0))
+
+    def blocks(num, block):  # cdiv for a static or traced count
+        return cdiv(num, block) if isinstance(num, int) else lax.div(num + block - 1, block)
 
     def next_depth(carry):
         d, _ = carry
@@ -201,8 +210,22 @@ def _tree_build_kernel(
         cand_ok = cand < c_
         pair_i, pair_j = pair_ref[0, :], pair_ref[1, :]
         score = score_ref[d - 1, pair_i] + lp_ref[d, jnp.minimum(pair_j, k_ - 1)]  # left to right, as _build_one
-        cand_score_ref[...] = jnp.where(cand_ok, score, jnp.nan)  # a padding candidate is never ahead
-        cand_lex_ref[...] = label_ref[pair_i] * k_ + pair_j
+        lex = label_ref[pair_i] * k_ + pair_j
+        if prune:
+            # The B children (i, 0) all score at least the last one's (the beam is best first), so the B-th best
+            # candidate does too: the candidates below it are left out, the rest kept in (i, j) order. Places
+            # and ranks among the kept are those among all (labels only need the order).
+            kept = cand_ok & (score >= score_ref[d - 1, b_ - 1] + lp_ref[d, 0])
+            flags = kept.astype(jnp.int32)
+            slot = jnp.where(kept, jnp.cumsum(flags, axis=0) - flags, cp)
+            num = jnp.sum(flags)
+            plt.store(cand_score_ref.at[slot], score, mask=kept)
+            plt.store(cand_lex_ref.at[slot], lex, mask=kept)
+            plt.store(cand_idx_ref.at[slot], cand, mask=kept)
+        else:
+            num = c_
+            cand_score_ref[...] = jnp.where(cand_ok, score, jnp.nan)  # a padding candidate is never ahead
+            cand_lex_ref[...] = lex
         barrier()
 
         # 2. Places in (score desc, key asc) order and (high 16 bits of the same sum) ranks in key order, the
@@ -213,25 +236,29 @@ def _tree_build_kernel(
         # above it, min(B, candidates above it) (the beam holds the B best).
         def place_block(r):
             row_idx = r * block_r + jnp.arange(block_r, dtype=jnp.int32)
-            row_ok = row_idx < c_
-            rows, row_lex = load_candidates(r, block_r)
+            row_ok = row_idx < num
+            rows, row_lex = load_candidates(r, block_r, num)
 
             def body(q, carry):
                 acc, cols, col_lex = carry
-                upcoming = load_candidates(q + 1, block_c)  # issued before the compares: its latency overlaps them
+                upcoming = load_candidates(q + 1, block_c, num)  # issued before the compares: its latency overlaps them
                 col_idx = q * block_c + jnp.arange(block_c, dtype=jnp.int32)
-                lex_less = (col_lex[None, :] < row_lex[:, None]) & (col_idx < c_)[None, :]
+                lex_less = (col_lex[None, :] < row_lex[:, None]) & (col_idx < num)[None, :]
                 ahead = (cols[None, :] > rows[:, None]) | ((cols[None, :] == rows[:, None]) & lex_less)
                 return (acc + ahead.astype(jnp.int32) + (lex_less.astype(jnp.int32) << 16), *upcoming)
 
-            acc, _, _ = lax.fori_loop(0, num_col_blocks, body,
-                                      (jnp.zeros((block_r, block_c), jnp.int32), *load_candidates(0, block_c)))
+            acc, _, _ = lax.fori_loop(0, blocks(num, block_c), body,
+                                      (jnp.zeros((block_r, block_c), jnp.int32), *load_candidates(0, block_c, num)))
             packed = jnp.sum(acc, axis=1)
             place = packed & 0xFFFF
             keep = row_ok & (place < b_)
             at = jnp.where(keep, place, bp_out)
             depth_at = jnp.full((block_r,), d, jnp.int32)
-            pair_i, pair_j = pair_ref[0, pl.ds(r * block_r, block_r)], pair_ref[1, pl.ds(r * block_r, block_r)]
+            if prune:
+                idx = plt.load(cand_idx_ref.at[pl.ds(r * block_r, block_r)], mask=row_ok, other=0)
+                pair_i, pair_j = pair_ref[0, idx], pair_ref[1, idx]
+            else:
+                pair_i, pair_j = pair_ref[0, pl.ds(r * block_r, block_r)], pair_ref[1, pl.ds(r * block_r, block_r)]
             plt.store(score_ref.at[depth_at, at], rows, mask=keep)
             plt.store(parent_ref.at[depth_at, at], pair_i, mask=keep)
             plt.store(rank_ref.at[depth_at, at], pair_j, mask=keep)
@@ -246,16 +273,18 @@ def _tree_build_kernel(
             plt.store(run_flat_ref.at[at], d * b_ + place, mask=keep)
 
         # No carry: inside the depth loop Triton's lowering cannot yield a literal.
-        lax.fori_loop(0, cdiv(c_, block_r), lambda r, _: place_block(r), None)
+        lax.fori_loop(0, blocks(num, block_r), lambda r, _: place_block(r), None)
 
         run_key, run_flat = run_key_ref[pl.ds(prev, bp)], run_flat_ref[pl.ds(prev, bp)]
 
-        def above(q, acc):  # candidates above each running entry, in total order
-            cols, _ = load_candidates(q, block_c)
-            col_ok = (q * block_c + jnp.arange(block_c, dtype=jnp.int32)) < c_
+        def above(q, acc):  # candidates above each running entry, in total order (with prune: the kept ones,
+            # which are all the candidates above any entry that the B best are not all above)
+            cols, _ = load_candidates(q, block_c, num)
+            col_ok = (q * block_c + jnp.arange(block_c, dtype=jnp.int32)) < num
             return acc + ((total_order_key(cols)[None, :] > run_key[:, None]) & col_ok[None, :]).astype(jnp.int32)
 
-        beam_above = jnp.sum(lax.fori_loop(0, num_col_blocks, above, jnp.zeros((bp, block_c), jnp.int32)), axis=1)
+        beam_above = jnp.sum(lax.fori_loop(0, blocks(num, block_c), above, jnp.zeros((bp, block_c), jnp.int32)),
+                             axis=1)
         merged = pos + jnp.minimum(beam_above, b_)
         keep = in_beam & (merged < b_)
         at = jnp.where(keep, cur + merged, 2 * bp)
@@ -345,7 +374,7 @@ def tree_build_pallas(top_lp, top_tok, root_tokens, *, budget: int, config: Tree
     kernel = functools.partial(
         _tree_build_kernel, budget=budget, k=k, depth_limit=depth_limit, num_pairs=num_pairs, bp=bp, cp=cp,
         tp=tp, block_c=min(config.block, cp), block_r=min(config.block_rows, cp), block_b=min(config.block, bp),
-        block_t=min(config.block, tp),
+        block_t=min(config.block, tp), prune=bool(config.prune),
         interpret=interpret)
 
     def row(*shape):
@@ -355,7 +384,7 @@ def tree_build_pallas(top_lp, top_tok, root_tokens, *, budget: int, config: Tree
                 ((t,), jnp.float32),
                 ((depth_limit, bp), jnp.float32), ((depth_limit, bp), jnp.int32), ((depth_limit, bp), jnp.int32),
                 ((depth_limit, bp), jnp.int32), ((bp,), jnp.int32), ((cp,), jnp.float32), ((cp,), jnp.int32),
-                ((2 * bp,), jnp.int32), ((2 * bp,), jnp.int32)]
+                ((cp,), jnp.int32), ((2 * bp,), jnp.int32), ((2 * bp,), jnp.int32)]
     outs = pl.pallas_call(
         kernel,
         grid=(b,),

@@ -110,6 +110,23 @@ def test_narrow_tiles_give_the_same_tree():
     assert_same_tree(got, build(lp, roots, case.budget, "reference"))
 
 
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("case", [c for c in CASES if c.budget >= 16 and c.depth > 2] + [CASES[-2]], ids=str)
+def test_pruned_candidates_give_the_same_tree(case: Case, interpret: bool):
+    """`prune=1` counts only the candidates at or above the worst of the B children (i, 0), compacted first: the
+    same tree on shallow, tied, deep and padded inputs (the deep ones keep few candidates, the tied ones many)."""
+    lp = log_probs(case)
+    roots = jnp.arange(case.b, dtype=jnp.int32) + 5
+    if case.peak:  # not vacuous: at depth 2 at least two in five candidates lie below the bound and are left out
+        top = np.sort(np.asarray(lp[0, :2]), axis=-1)[:, ::-1][:, :case.budget]  # depths 1 and 2, best first
+        i, j = np.array([(i, j) for i in range(case.budget) for j in range(case.budget // (i + 1))]).T
+        assert np.mean(top[0, i] + top[1, j] < top[0, case.budget - 1] + top[1, 0]) > 0.4
+    config = tb.TreeBuildConfig(prune=1)
+    got = jax.jit(functools.partial(build_tree, budget=case.budget, implementation="pallas", interpret=interpret,
+                                    kernel_config=config))(lp, roots)
+    assert_same_tree(got, build(lp, roots, case.budget, "reference"))
+
+
 def test_budget_above_the_kernel_maximum():
     """The kernel refuses B > MAX_BUDGET naming it; build_tree keeps those on the XLA builder."""
     budget = tb.MAX_BUDGET + 1
