@@ -52,11 +52,11 @@ from ddtree_jax.tree import DraftTree, build_tree
 from pallas_kernels.tree_accept import tree_accept
 
 
-# Budgets up to which the Pallas kernels build the tree (`pallas_kernels.tree_build`, one program per row): with
-# 8 warps, the whole build (the kernel top-k included) took 178 / 307 us at B = 64 against 210 / 346 for XLA's
-# builder in two H200 calls, and the same as 4 warps at B = 16 (tools/topk_probe.py, V = 151936, L = 15,
-# 2026-12-02; docs/performance.md); at B = 128 XLA's builder was faster (282 against 438 us, 2026-12-02 noon).
-TREE_BUILD_KERNEL_UP_TO = 64
+# Budgets up to which the Pallas kernels build the tree (`pallas_kernels.tree_build`, one program per row, its
+# candidates pruned): the whole build (the kernel top-k included, V = 151936, L = 15) took 89 / 123 us at B = 64
+# and 123-128 / 166 at B = 128 for shallow / deep trees, against 207-215 and 238-244 for XLA's builder, in one
+# H200 call (tools/topk_probe.py, 2026-12-04; docs/performance.md). Above 128 the kernel does not apply.
+TREE_BUILD_KERNEL_UP_TO = 128
 
 # Matmul precision of a decode: "auto" (`engine.resolve_options`: "highest" for a float32 target, "default"
 # otherwise), or one of JAX's names, applied to every dot of target and drafter (`at_matmul_precision`).

@@ -84,6 +84,11 @@ class TestTreeBuildKernel:
         assert_same_tree(got, want)
         if case.vocab < case.budget:  # the padding case has padding nodes
             assert not np.asarray(want.valid).all()
+        if case.peak and case.budget == 64:  # the default prunes, and here not vacuously: at depth 2 at least two in
+            # five candidates lie below the bound (the worst of the B children (i, 0)) and are left out
+            top = np.sort(np.asarray(lp[0, :2]), axis=-1)[:, ::-1][:, :case.budget]  # depths 1 and 2, best first
+            i, j = np.array([(i, j) for i in range(case.budget) for j in range(case.budget // (i + 1))]).T
+            assert np.mean(top[0, i] + top[1, j] < top[0, case.budget - 1] + top[1, 0]) > 0.4
 
     def test_a_perturbed_input_gives_another_tree(self, interpret: bool):
         """Negative control: the comparison sees a change of one log-prob (depth 1's best token made the worst),
@@ -112,19 +117,13 @@ def test_narrow_tiles_give_the_same_tree():
 
 @pytest.mark.parametrize("interpret", INTERPRET)
 @pytest.mark.parametrize("case", [c for c in CASES if c.budget == 64], ids=str)
-def test_pruned_candidates_give_the_same_tree(case: Case, interpret: bool):
-    """`prune=1` counts only the candidates at or above the worst of the B children (i, 0), compacted first: the
-    same tree on shallow, tied, deep and padded inputs at B = 64 (the deep ones keep few candidates, the tied ones
-    many)."""
+def test_unpruned_candidates_give_the_same_tree(case: Case, interpret: bool):
+    """`prune=0` (the default prunes) counts every candidate: the same tree on shallow, tied, deep and padded
+    inputs at B = 64."""
     lp = log_probs(case)
     roots = jnp.arange(case.b, dtype=jnp.int32) + 5
-    if case.peak:  # not vacuous: at depth 2 at least two in five candidates lie below the bound and are left out
-        top = np.sort(np.asarray(lp[0, :2]), axis=-1)[:, ::-1][:, :case.budget]  # depths 1 and 2, best first
-        i, j = np.array([(i, j) for i in range(case.budget) for j in range(case.budget // (i + 1))]).T
-        assert np.mean(top[0, i] + top[1, j] < top[0, case.budget - 1] + top[1, 0]) > 0.4
-    config = tb.TreeBuildConfig(prune=1)
     got = jax.jit(functools.partial(build_tree, budget=case.budget, implementation="pallas", interpret=interpret,
-                                    kernel_config=config))(lp, roots)
+                                    kernel_config=tb.TreeBuildConfig(prune=0)))(lp, roots)
     assert_same_tree(got, build(lp, roots, case.budget, "reference"))
 
 
