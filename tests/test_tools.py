@@ -7,6 +7,7 @@ import json
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -194,6 +195,20 @@ def test_topk_probe_times_and_checks_every_chunk(tmp_path):
         "current chunked", "current chunked pallas:block=16:block_rows=16", "baseline", "top-k chunked"]
     assert all(r.get("same_tree", True) for r in report["records"])
     assert not report["records"][0]["threshold_fits"]  # 300 entries, 512 slots: no fast path
+
+
+def test_topk_probe_top_k_check_sees_a_wrong_order(monkeypatch):
+    """Negative control of the top-k check: a top-k whose ties go to the higher index (the lower index first is
+    the contract) is caught on tied log-probs, and the right one passes."""
+    logits = jnp.round(jax.random.normal(jax.random.key(0), (1, 2, 600)) * 2) / 2  # many exact ties
+    assert topk_probe.same_top_k(8, 0, "chunked", logits)
+
+    def ties_reversed(x, k, chunk):
+        values, indices = jax.lax.top_k(x[..., ::-1], k)
+        return values, x.shape[-1] - 1 - indices
+
+    monkeypatch.setattr(topk_probe.current, "chunked_top_k", ties_reversed)
+    assert not topk_probe.same_top_k(8, 0, "chunked", logits)
 
 
 def test_tp_layout_counts_each_devices_share_from_shapes():
