@@ -56,7 +56,8 @@ class TreeAttentionConfig:
                 apart from block_k because Triton gives each of the two loops its own pipelined
                 shared-memory buffers (stages x 2 x block x d each), which bounds programs per SM.
     num_chunks: cache chunks per (row, KV head, row block); None picks enough to give about one
-                program per streaming multiprocessor (never more chunks than key blocks).
+                program per streaming multiprocessor and at most MAX_CHUNK_KEYS keys per chunk (never
+                more chunks than key blocks).
     num_warps, num_stages: Triton's warps per program and software-pipelining depth. Three stages:
                 the fastest of the swept configs on the H200 at S = 4096 and T = 16, 65 and 257
                 (2026-12-01, `python tools/kernel_check.py --sweep`: 10-24% less than two).
@@ -103,6 +104,14 @@ class TreeAttentionConfig:
             raise ValueError(f"TreeAttentionConfig.chunk={self.chunk or ROW_INVARIANT_CHUNK} (positions) must be a "
                              f"multiple of block_k={self.block_k}")
 
+
+# The most cache keys one program of the fast kernel walks when `num_chunks` is left to the layout: a long
+# cache's few long chunks left the H200 idle. At the Qwen3-8B attention shape (36 layers, tools/kernel_check.py,
+# 2026-12-04), us per layer with one wave of programs against chunks of 2048 keys: S = 32768, T = 17 87.9 against
+# 57.2 and T = 65 227.8 against 179.4; at S = 8192, T = 65 (one wave: 3 chunks) 16 chunks of 512 keys took 62.2
+# against 65.1; at S = 2048 one wave's chunks are this short already (16 chunks there were slower: 13.7 against
+# 12.2 us at T = 17, 28.5 against 22.5 at T = 65).
+MAX_CHUNK_KEYS = 2048
 
 # The row-invariant kernel's cache chunk in positions: at 2048 positions and 8 KV heads, 64 programs for the AR
 # step (the fast kernel takes ~one wave); the merge's unrolled loop stays at 128 partials up to 32768 positions.
@@ -417,8 +426,9 @@ def _layout(b: int, t: int, hq: int, n: int, s: int, d: int, config: TreeAttenti
         num_chunks = cdiv(s, chunk)
     else:
         num_chunks = config.num_chunks
-        if num_chunks is None:  # about one wave of programs; the new-token chunk adds one per (row, head, row block)
-            num_chunks = cdiv(core_count(), b * n * row_blocks)
+        if num_chunks is None:  # about one wave of programs, and chunks of at most MAX_CHUNK_KEYS keys; the
+            # new-token chunk adds one per (row, head, row block)
+            num_chunks = max(cdiv(core_count(), b * n * row_blocks), cdiv(s, MAX_CHUNK_KEYS))
         num_chunks = max(1, min(num_chunks, cdiv(s, block_k)))
         chunk = round_up(cdiv(s, num_chunks), block_k)
         num_chunks = cdiv(s, chunk)  # no empty trailing chunks

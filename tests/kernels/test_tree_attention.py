@@ -316,3 +316,22 @@ class TestDispatchAndConfig:
             ta.tree_attention_pallas(**dict(x, q=x["q"][:, :, :7]), scale=0.5, interpret=True)
         with pytest.raises(ValueError, match="share one dtype"):
             ta.tree_attention_pallas(**dict(x, q=x["q"].astype(jnp.bfloat16)), scale=0.5, interpret=True)
+
+
+def test_default_chunks_fill_one_wave_and_cap_long_chunks(monkeypatch):
+    """num_chunks None: enough chunks for about one program per multiprocessor (132 here), and chunks of at most
+    MAX_CHUNK_KEYS keys: at the Qwen3-8B shape (32 query heads over 8 KV heads, T = 65: 260 rows, 5 blocks of 64)
+    ceil(132 / 40) = 4 chunks at S = 2048 (512 keys each), 32768 / 2048 = 16 at S = 32768; T = 1 (one row block)
+    takes ceil(132 / 8) = 17 chunks at S = 2048 (the key blocks' 32 allow them), 24 at S = 49152."""
+    monkeypatch.setattr(ta, "core_count", lambda: 132)
+    config = ta.TreeAttentionConfig()
+
+    def chunks(t, s):
+        lay = ta._layout(1, t, 32, 8, s, 128, config)
+        return lay["num_chunks"], lay["chunk"]
+
+    assert ta.MAX_CHUNK_KEYS == 2048
+    assert chunks(65, 2048) == (4, 512)
+    assert chunks(65, 32768) == (16, 2048)
+    assert chunks(1, 2048) == (16, 128)  # 17 asked: chunks of ceil(2048 / 17) rounded up to 128 keys, so 16
+    assert chunks(1, 49152) == (24, 2048)
