@@ -107,8 +107,13 @@ def same_top_k(budget: int, chunk, top_k: str, logits: jax.Array) -> bool:
     reference): a GPU's own lax.top_k of a log-softmax compiled apart differed from the threshold top-k at B = 256
     (V = 151936, H200, 2026-12-04), where 14 of 15 i.i.d. rows hold equal values within their top 256."""
     top_k_of = top_k_function(budget, chunk, top_k, logits.shape[-1])
-    lp, (values, indices) = jax.jit(lambda lg: (lp := jax.nn.log_softmax(lg, axis=-1), top_k_of(lp)))(logits)
-    lp, values, indices = np.asarray(lp), np.asarray(values), np.asarray(indices)
+
+    @jax.jit
+    def log_probs_and_top_k(lg):
+        lp = jax.nn.log_softmax(lg, axis=-1)
+        return lp, *top_k_of(lp)
+
+    lp, values, indices = (np.asarray(x) for x in log_probs_and_top_k(logits))
     order = np.argsort(-lp, axis=-1, kind="stable")[..., :values.shape[-1]]  # ties: lower index first
     return bool(np.array_equal(indices, order) and np.array_equal(values, np.take_along_axis(lp, order, -1)))
 

@@ -322,7 +322,8 @@ def test_default_chunks_fill_one_wave_and_cap_long_chunks(monkeypatch):
     """num_chunks None: enough chunks for about one program per multiprocessor (132 here), and chunks of at most
     MAX_CHUNK_KEYS keys: at the Qwen3-8B shape (32 query heads over 8 KV heads, T = 65: 260 rows, 5 blocks of 64)
     ceil(132 / 40) = 4 chunks at S = 2048 (512 keys each), 32768 / 2048 = 16 at S = 32768; T = 1 (one row block)
-    takes ceil(132 / 8) = 17 chunks at S = 2048 (the key blocks' 32 allow them), 24 at S = 49152."""
+    asks ceil(132 / 8) = 17 at S = 2048, which chunks of whole 64-key blocks (128 keys) make 16, and 24 at
+    S = 49152 (49152 / 2048 above the 17)."""
     monkeypatch.setattr(ta, "core_count", lambda: 132)
     config = ta.TreeAttentionConfig()
 
