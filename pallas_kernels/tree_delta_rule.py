@@ -94,6 +94,14 @@ class TreeDeltaRuleConfig:
                   each solved block its own tile, so a block multiplies only the tiles of A and Q K^T it needs
                   (the device loop multiplies whole [16, width] row blocks) and inserts nothing. `default_config`
                   takes it up to UNROLLED_MAX_NODES.
+    direct:       the direct form (`_direct_kernel`): one launch, no chain of blocks. Node 0 is solved alone (a
+                  one-row block needs no inverse), then every other node at once with the whole inverse of its
+                  [P, P] system (P = T - 1 rounded up to a power of two >= 16), formed by block merges: a tree of
+                  65 nodes (DDTree B = 64) is one row and one block of 64, where the block forms need five
+                  blocks in a chain, the fifth for the 65th node alone.
+    inverse_passes: the direct form's block merges at the "default" precision on a GPU: 0 float32 products
+                  (exact; FMA, slow at P = 64), 1 TF32, 3 TF32 in three passes (~float32). At "highest" and in
+                  the interpreter always float32.
     """
 
     num_warps: int = 8
@@ -103,12 +111,19 @@ class TreeDeltaRuleConfig:
     tile_warps: int = 4
     s0_in_xla: bool = False
     unrolled_chain: bool = False
+    direct: bool = False
+    inverse_passes: int = 0
 
     def __post_init__(self):
         check_knobs(self, pow2={"value_block": 16, "tile_warps": 1})
         for knob in ("s0_in_xla", "unrolled_chain"):
             if getattr(self, knob) and not self.two_launch:
                 raise ValueError(f"TreeDeltaRuleConfig.{knob} is a knob of the two-launch form (two_launch=True)")
+        if self.direct and self.two_launch:
+            raise ValueError("TreeDeltaRuleConfig.direct and two_launch are two forms: take one")
+        if self.inverse_passes not in (0, 1, 3):
+            raise ValueError(f"TreeDeltaRuleConfig.inverse_passes={self.inverse_passes}: expected 0 (float32 "
+                             "products), 1 (TF32) or 3 (TF32 in three passes)")
 
 
 def default_config(t: int, precision: str = "default") -> TreeDeltaRuleConfig:
@@ -165,26 +180,31 @@ def _exact_dot(a, b):  # float32 products whatever the kernel's precision (the i
     return _dot(a, b, lax.Precision.HIGHEST)
 
 
-def _unit_lower_inverse(d):
-    """(I + d)^-1 for a strictly lower [16, 16] d: forward substitution inside its four 4 x 4 diagonal blocks at
-    once (4 steps: row s of each block is final once the rows above it are subtracted; every later row of the block
-    then subtracts d[:, s] times it), then two block merges, X <- X - X E X with E the lower off-diagonal blocks of
-    the 8s and then of the 16 ((I + X E)^-1 = I - X E as (X E)^2 = 0). As exact as substitution; the product form
-    (I - d)(I + d^2)(I + d^4)(I + d^8) loses ~4 digits to cancellation on near-parallel keys."""
-    block = jnp.arange(BLOCK)
-    within_row, within_col = block[:, None], block[None, :]
+def _unit_lower_inverse(d, merge=None):
+    """(I + d)^-1 for a strictly lower [n, n] d (n a power of two >= 4): forward substitution inside its 4 x 4
+    diagonal blocks at once (4 steps: row s of each block is final once the rows above it are subtracted; every
+    later row of the block then subtracts d[:, s] times it), then block merges, X <- X - X E X with E the lower
+    off-diagonal blocks of the 8s, the 16s, ... ((I + X E)^-1 = I - X E as (X E)^2 = 0), each product by `merge`
+    (float32-exact by default). As exact as substitution; the product form (I - d)(I + d^2)(I + d^4)(I + d^8)
+    loses ~4 digits to cancellation on near-parallel keys."""
+    merge = _exact_dot if merge is None else merge
+    n = d.shape[0]
+    index = jnp.arange(n)
+    within_row, within_col = index[:, None], index[None, :]
     same_4 = (within_row // 4) == (within_col // 4)
 
     def substitute(s, inv):
         pivots = within_row % 4 == s  # row s of each 4-block
-        row_s = jnp.where(same_4, jnp.sum(jnp.where(pivots, inv, 0.0), axis=0)[None, :], 0.0)  # [16, 16]
-        col_s = jnp.sum(jnp.where(within_col == (within_row // 4) * 4 + s, d, 0.0), axis=1)  # [16]
+        row_s = jnp.where(same_4, jnp.sum(jnp.where(pivots, inv, 0.0), axis=0)[None, :], 0.0)  # [n, n]
+        col_s = jnp.sum(jnp.where(within_col == (within_row // 4) * 4 + s, d, 0.0), axis=1)  # [n]
         return inv - jnp.where(within_row % 4 > s, col_s[:, None], 0.0) * row_s
 
     inv = lax.fori_loop(0, 4, substitute, (within_row == within_col).astype(jnp.float32))
-    for half in (4, 8):
+    half = 4
+    while half < n:
         off = jnp.where(((within_row // half) == (within_col // half) + 1) & (within_row // half % 2 == 1), d, 0.0)
-        inv = inv - _exact_dot(_exact_dot(inv, off), inv)
+        inv = inv - merge(merge(inv, off), inv)
+        half *= 2
     return inv
 
 
@@ -339,6 +359,65 @@ def _chain_kernel(*refs, t: int, precision, s0_given: bool, unrolled: bool):
     lax.fori_loop(0, cdiv(t, BLOCK), one_block, jnp.zeros((width, vnew_ref.shape[-1]), f32))
 
 
+def _direct_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, vis_ref, s0_ref,  # inputs
+                   out_ref, vnew_ref, cum_ref,  # outputs
+                   *, t: int, precision, merge_precision):
+    """The direct form, one program per (row, value head, block of value columns): node 0 alone, in a 16-row tile
+    whose other rows are masked (zeros), then nodes 1 .. T-1 in one block of P rows,
+
+        v_new_0 = beta_0 (v_0 - e^G_0 S0^T k_0),
+        (I + A_rr) v_new_r = diag(beta) (V_r - e^G K_r S0) - A_r0 v_new_0,   v_new_r = (I + A_rr)^-1 (...),
+
+    the whole inverse formed from the block's A (substitution and block merges, `_unit_lower_inverse`), then
+    out = e^G Q S0 + (Q K^T * L) v_new over both blocks. Nothing waits on a solved block but the block after
+    node 0 (whose term is one [P, 16] x [16, V block] product). Node 0 needs no particular place in the tree:
+    a row not below it has A_r0 = 0."""
+    f32 = jnp.float32
+    p = next_pow2(max(t - 1, BLOCK))
+    first, rows = jnp.arange(BLOCK), 1 + jnp.arange(p)
+    ok0, ok = first == 0, rows < t
+    rows_of, per_node = functools.partial(_rows_of, t=t), functools.partial(_per_node, t=t)
+    mask_of = functools.partial(_mask_of, vis_ref, t=t)
+    dot = lambda a, b, dims=_DN: _dot(a, b, precision, dims)  # noqa: E731
+    merge = lambda a, b: _dot(a, b, merge_precision)  # noqa: E731
+
+    # G: node 0's own, and every other node's over node 0 and the block.
+    g0, g_r = per_node(g_ref, first, ok0), per_node(g_ref, rows, ok)
+    vis_00, vis_r0, vis_rr = mask_of(first, first, ok0, ok0), mask_of(rows, first, ok, ok0), mask_of(rows, rows, ok, ok)
+    cum0 = jnp.sum(jnp.where(vis_00, g0[None, :], 0.0), axis=1)  # [16], node 0's at index 0
+    cum_r = (jnp.sum(jnp.where(vis_r0, g0[None, :], 0.0), axis=1)
+             + jnp.sum(jnp.where(vis_rr, g_r[None, :], 0.0), axis=1))  # [P]
+    s0 = s0_ref[...]  # [K, V block]
+
+    # Node 0 (rows 1..15 of its tile are zeros: beta 0 there, so v_new 0).
+    k0 = rows_of(k_ref, first, ok0).astype(f32)
+    decay0 = jnp.exp(cum0)[:, None]
+    vnew0 = per_node(beta_ref, first, ok0)[:, None] * (rows_of(v_ref, first, ok0).astype(f32) - decay0 * dot(k0, s0))
+    q0 = rows_of(q_ref, first, ok0).astype(f32)
+    out0 = dot(q0 * decay0, s0) + dot(dot(q0, k0, _DN_T) * _decay(vis_00, cum0, cum0), vnew0)
+    _store_rows(vnew_ref, first, ok0, vnew0, t)
+    _store_rows(out_ref, first, ok0, out0, t)
+    plt.store(cum_ref.at[jnp.where(ok0, first, t)], cum0, mask=ok0)
+
+    # The block: the key rows' products first (their [P, K] tile then dies), then the query rows'.
+    decay_r = jnp.exp(cum_r)[:, None]
+    l_r0, l_rr = _decay(vis_r0, cum_r, cum0), _decay(vis_rr, cum_r, cum_r)
+    beta_r = per_node(beta_ref, rows, ok)
+    k_r = rows_of(k_ref, rows, ok).astype(f32)
+    kb_r = k_r * beta_r[:, None]
+    index = jnp.arange(p)
+    a = jnp.where(index[None, :] < index[:, None], dot(kb_r, k_r, _DN_T) * l_rr, 0.0)  # [P, P]
+    rhs = (beta_r[:, None] * (rows_of(v_ref, rows, ok).astype(f32) - decay_r * dot(k_r, s0))
+           - dot(dot(kb_r, k0, _DN_T) * l_r0, vnew0))  # [P, V block]
+    q_r = rows_of(q_ref, rows, ok).astype(f32)
+    out_r = dot(q_r * decay_r, s0) + dot(dot(q_r, k0, _DN_T) * l_r0, vnew0)
+    qk_rr = dot(q_r, k_r, _DN_T) * l_rr
+    vnew_r = dot(_unit_lower_inverse(a, merge), rhs)
+    _store_rows(vnew_ref, rows, ok, vnew_r, t)
+    _store_rows(out_ref, rows, ok, out_r + dot(qk_rr, vnew_r), t)
+    plt.store(cum_ref.at[jnp.where(ok, rows, t)], cum_r, mask=ok)
+
+
 def _initial_state_terms(q, k, v, cum, beta, state, precision):
     """The two-launch form's S0 terms for every node in XLA: (diag(beta) (V - e^G K S0), e^G Q S0), [b, T, H, V]
     float32 each; value head h reads key head h // (H / Hk)."""
@@ -391,6 +470,18 @@ def tree_delta_rule_pallas(q, k, v, g, beta, initial_state, visible, *, precisio
     outputs = [jax.ShapeDtypeStruct((b, t, h, dv), f32), jax.ShapeDtypeStruct((b, t, h, dv), f32)]
     params = plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     beta32, mask8, state32 = beta.astype(f32), visible.astype(jnp.int8), initial_state.astype(f32)
+    if config.direct:
+        merge_precision = (lax.Precision.HIGHEST if precision == "highest" or interpret or not config.inverse_passes
+                           else lax.Precision.DEFAULT if config.inverse_passes == 1
+                           else lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
+        return tuple(pl.pallas_call(
+            functools.partial(_direct_kernel, t=t, precision=matmul_precision, merge_precision=merge_precision),
+            grid=(b, h, dv // vb),
+            in_specs=[key_spec, key_spec, value_rows, per_node, per_node, mask_spec, state_columns],
+            out_specs=[value_rows, value_rows, per_node],
+            out_shape=outputs + [jax.ShapeDtypeStruct((b, t, h), f32)],
+            compiler_params=params, interpret=interpret, debug=debug, name="tree_delta_rule_direct",
+        )(q, k, v, g.astype(f32), beta32, mask8, state32))
     if not config.two_launch:
         out, v_new, cum = pl.pallas_call(
             functools.partial(_kernel, t=t, precision=matmul_precision, interpret=interpret),

@@ -155,10 +155,11 @@ def test_gdn_probe_smoke_checks_every_variant(tmp_path, capsys):
     """tools/gdn_probe.py at tiny shapes: each solve against NumPy's float64 solve, the tree-rule kernel
     (interpreted) against the jnp rule, every variant timed; an unknown solve is one error line, exit 2."""
     assert gdn_probe.main(["--out", str(tmp_path), "--smoke", "--solves", "trsm,blocked8", "--kernels", "default",
-                           "--repeats", "2"]) == 0
+                           "--kernel-forms", "one,two,direct", "--repeats", "2"]) == 0
     rows = json.loads((tmp_path / "gdn_probe.json").read_text())["rows"]
     assert {(r["t"], r["variant"]) for r in rows} == {(t, v) for t in (5, 16) for v in (
-        "trsm", "blocked8", "rule_without_solve", "kernel_default_w8_vb64_s1_one", "kernel_default_w8_vb64_s1_two4")}
+        "trsm", "blocked8", "rule_without_solve", "kernel_default_w8_vb64_s1_one", "kernel_default_w8_vb64_s1_two4",
+        "kernel_default_w8_vb64_s1_direct_inv1")}
     for r in rows:
         assert "error" not in r and r["rule_us"] >= 0
         assert r.get("rel_err", 0) < 1e-5 and r.get("rel_err_out", 0) < 1e-4

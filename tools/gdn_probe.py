@@ -116,14 +116,17 @@ def kernel_configs(args) -> dict[str, tuple[str, tree_delta_rule.TreeDeltaRuleCo
     chosen = args.kernel_forms.split(",")
     forms = [(name, False, 4) for name in chosen if name == "one"] + [  # (name, two_launch, tile_warps)
         (f"{name}{w}", True, int(w)) for name in chosen if name.startswith("two")
-        for w in args.kernel_tile_warps.split(",")]
+        for w in args.kernel_tile_warps.split(",")] + [
+        (f"direct_inv{n}", False, 4) for name in chosen if name == "direct"
+        for n in args.kernel_inverse_passes.split(",")]
     return {f"kernel_{p}_w{w}_vb{vb}_s{st}_{form}": (p, tree_delta_rule.TreeDeltaRuleConfig(
                 num_warps=int(w), value_block=int(vb), num_stages=int(st), two_launch=two, tile_warps=tile_warps,
-                s0_in_xla="s0xla" in form, unrolled_chain="unrolled" in form))
+                s0_in_xla="s0xla" in form, unrolled_chain="unrolled" in form, direct=form.startswith("direct"),
+                inverse_passes=int(form[len("direct_inv"):]) if form.startswith("direct") else 0))
             for p, w, vb, st, (form, two, tile_warps) in itertools.product(
                 [p for p in args.kernels.split(",") if p], args.kernel_warps.split(","),
                 args.kernel_value_blocks.split(","), args.kernel_stages.split(","), forms)
-            if two or st == "1"}  # the one-launch form reloads rows across barriers: it pipelines nothing
+            if two or st == "1"}  # the one-launch and direct forms run no block loop: they pipeline nothing
 
 
 def main(argv=None) -> int:
@@ -139,7 +142,10 @@ def main(argv=None) -> int:
     p.add_argument("--kernel-value-blocks", default="64", help="the kernel's value_block values to time")
     p.add_argument("--kernel-forms", default="one,two",
                    help="the kernel's forms to time: one (one launch), two (TreeDeltaRuleConfig.two_launch), and two "
-                        "with its knobs: two_s0xla (s0_in_xla), two_unrolled (unrolled_chain), two_s0xla_unrolled")
+                        "with its knobs: two_s0xla (s0_in_xla), two_unrolled (unrolled_chain), two_s0xla_unrolled; "
+                        "direct (TreeDeltaRuleConfig.direct)")
+    p.add_argument("--kernel-inverse-passes", default="1",
+                   help="the direct form's inverse_passes values to time (0 float32, 1 TF32, 3 TF32 x3)")
     p.add_argument("--kernel-tile-warps", default="4", help="the two-launch form's tile_warps values to time")
     p.add_argument("--kernel-stages", default="1", help="the kernel's num_stages values to time")
     p.add_argument("--repeats", type=int, default=10)

@@ -164,6 +164,12 @@ def main(argv: list[str] | None = None) -> int:
             jobs.append((f"tree_delta_rule {precision} T={t} tiles",
                          dataclasses.replace(two, num_warps=two.tile_warps, num_stages=1), fn, rule_args, 0))
             jobs.append((f"tree_delta_rule {precision} T={t} chain", two, fn, rule_args, 1))
+            for warps, vb, passes in ((4, 64, 1), (8, 64, 1), (8, 128, 1), (8, 64, 3), (8, 64, 0)):  # direct form
+                direct = dataclasses.replace(default, direct=True, num_warps=warps, value_block=vb,
+                                             inverse_passes=passes)
+                jobs.append((f"tree_delta_rule {precision} T={t} direct", direct,
+                             functools.partial(tdr.tree_delta_rule_pallas, precision=precision, config=direct),
+                             rule_args))
             for knobs in ({"s0_in_xla": True}, {"unrolled_chain": True}):  # the chain's variants
                 variant = dataclasses.replace(two, **knobs)
                 jobs.append((f"tree_delta_rule {precision} T={t} chain {','.join(knobs)}", variant,

@@ -104,12 +104,14 @@ def run_model_rule(args, visible):
 CASES = [(1, False), (16, True), (17, False), (40, False), (65, False)]
 
 
-# The forms: one launch (each program walks its head's blocks, reading earlier ones back) and two launches (all
+# The forms: one launch (each program walks its head's blocks, reading earlier ones back), two launches (all
 # tiles and diagonal inverses first, then the chain with the solved rows in registers), the chain in a device loop
-# over the blocks or unrolled (`default_config` up to UNROLLED_MAX_NODES).
+# over the blocks or unrolled (`default_config` up to UNROLLED_MAX_NODES), and the direct form (node 0 alone, then
+# the other nodes at once through their system's whole inverse).
 FORMS = [pytest.param({"two_launch": False, "unrolled_chain": False}, id="one-launch"),
          pytest.param({"two_launch": True, "unrolled_chain": False}, id="two-launch"),
-         pytest.param({"two_launch": True, "unrolled_chain": True}, id="two-launch-unrolled")]
+         pytest.param({"two_launch": True, "unrolled_chain": True}, id="two-launch-unrolled"),
+         pytest.param({"two_launch": False, "unrolled_chain": False, "direct": True}, id="direct")]
 # The two-launch chain's other knob, the initial state's terms by XLA, rolled and unrolled.
 CHAIN_VARIANTS = [pytest.param({"two_launch": True, "s0_in_xla": True, "unrolled_chain": False}, id="s0-xla"),
                   pytest.param({"two_launch": True, "s0_in_xla": True, "unrolled_chain": True}, id="s0-xla-unrolled")]
