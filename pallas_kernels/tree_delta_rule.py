@@ -99,6 +99,9 @@ class TreeDeltaRuleConfig:
                   [P, P] system (P = T - 1 rounded up to a power of two >= 16), formed by block merges: a tree of
                   65 nodes (DDTree B = 64) is one row and one block of 64, where the block forms need five
                   blocks in a chain, the fifth for the 65th node alone.
+    block_rows:   the two-launch form's node rows per block (a power of two >= 16): fewer, wider blocks make a
+                  shorter chain (T = 65: three blocks of 32 rows against five of 16), each with a wider diagonal
+                  inverse and tiles.
     inverse_passes: the direct form's block merges at the "default" precision on a GPU: 0 float32 products
                   (exact; FMA, slow at P = 64), 1 TF32, 3 TF32 in three passes (~float32). At "highest" and in
                   the interpreter always float32.
@@ -113,9 +116,13 @@ class TreeDeltaRuleConfig:
     unrolled_chain: bool = False
     direct: bool = False
     inverse_passes: int = 0
+    block_rows: int = BLOCK
 
     def __post_init__(self):
-        check_knobs(self, pow2={"value_block": 16, "tile_warps": 1})
+        check_knobs(self, pow2={"value_block": 16, "tile_warps": 1, "block_rows": BLOCK})
+        if self.block_rows != BLOCK and not self.two_launch:
+            raise ValueError(f"TreeDeltaRuleConfig.block_rows={self.block_rows} is a knob of the two-launch form "
+                             "(two_launch=True)")
         for knob in ("s0_in_xla", "unrolled_chain"):
             if getattr(self, knob) and not self.two_launch:
                 raise ValueError(f"TreeDeltaRuleConfig.{knob} is a knob of the two-launch form (two_launch=True)")
@@ -263,12 +270,13 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, vis_ref, s0_ref,  # inputs
 
 
 def _tiles_kernel(q_ref, k_ref, cum_ref, beta_ref, vis_ref,  # inputs
-                  a_ref, qk_ref, inv_ref,  # outputs: [16, 16] tiles
+                  a_ref, qk_ref, inv_ref,  # outputs: [n, n] tiles (n = TreeDeltaRuleConfig.block_rows)
                   *, t: int, precision):
     """The two-launch form's first launch, one program per (row, value head, row block r, column block c): A's and
-    (Q K^T * L)'s 16 x 16 tiles (r, c), zeros where c > r (no ancestors there) or past the nodes, and for c = r
+    (Q K^T * L)'s n x n tiles (r, c), zeros where c > r (no ancestors there) or past the nodes, and for c = r
     the diagonal block's inverse. Light programs (no S0): many stay resident per multiprocessor."""
     r, c = pl.program_id(2), pl.program_id(3)
+    n = a_ref.shape[-1]
 
     @pl.when(c > r)
     def _():
@@ -278,8 +286,8 @@ def _tiles_kernel(q_ref, k_ref, cum_ref, beta_ref, vis_ref,  # inputs
     @pl.when(c <= r)
     def _():
         f32 = jnp.float32
-        block = jnp.arange(BLOCK)
-        rows, cols = r * BLOCK + block, c * BLOCK + block
+        block = jnp.arange(n)
+        rows, cols = r * n + block, c * n + block
         ok, ok_c = rows < t, cols < t
         k_c = _rows_of(k_ref, cols, ok_c, t).astype(f32)
         beta_r = _per_node(beta_ref, rows, ok, t)
@@ -304,20 +312,22 @@ def _chain_kernel(*refs, t: int, precision, s0_given: bool, unrolled: bool):
 
     refs: q, k, v, G, beta, S0 (the S0 terms computed here) or, with `s0_given` (`TreeDeltaRuleConfig.s0_in_xla`),
     rhs0 = diag(beta) (V - e^G K S0) and qs0 = e^G Q S0 [T, V block]; then the tiles A, Q K^T * L [rows, width] and
-    the diagonal inverses [rows, 16]; then the outputs out, v_new. The blocks run in a device loop holding every
+    the diagonal inverses [rows, n] (n rows per block, `TreeDeltaRuleConfig.block_rows`); then the outputs out,
+    v_new. The blocks run in a device loop holding every
     solved row in one [width, V block] register tile (rows of unsolved blocks zero, so whole row blocks of A and
     Q K^T multiply it; each block's rows go in by an exact one-hot product), or with `unrolled`
     (`TreeDeltaRuleConfig.unrolled_chain`) in Python, each solved block its own [16, V block] tile, so block r
-    multiplies only its r tiles of A and r + 1 of Q K^T and nothing is inserted."""
+    multiplies only its r tiles of A and r + 1 of Q K^T and nothing is inserted (its tiles need not span a power of
+    two)."""
     if s0_given:
         rhs_ref, qs0_ref, a_ref, qk_ref, inv_ref, out_ref, vnew_ref = refs
     else:
         q_ref, k_ref, v_ref, cum_ref, beta_ref, s0_ref, a_ref, qk_ref, inv_ref, out_ref, vnew_ref = refs
     f32 = jnp.float32
-    width = a_ref.shape[-1]  # a power of two >= the padded node count
-    block = jnp.arange(BLOCK)
+    width, n = a_ref.shape[-1], inv_ref.shape[-1]  # the rolled chain's width: a power of two >= the padded nodes
+    block = jnp.arange(n)
 
-    def s0_terms(rows, ok):  # (rhs0, qs0) of a block's rows, [16, V block]
+    def s0_terms(rows, ok):  # (rhs0, qs0) of a block's rows, [n, V block]
         if s0_given:
             return _rows_of(rhs_ref, rows, ok, t), _rows_of(qs0_ref, rows, ok, t)
         beta_r = _per_node(beta_ref, rows, ok, t)
@@ -329,34 +339,34 @@ def _chain_kernel(*refs, t: int, precision, s0_given: bool, unrolled: bool):
 
     if unrolled:
         solved = []
-        for r in range(cdiv(t, BLOCK)):
-            rows = r * BLOCK + block
+        for r in range(cdiv(t, n)):
+            rows = r * n + block
             ok = rows < t
-            at = pl.ds(r * BLOCK, BLOCK)
+            at = pl.ds(r * n, n)
             rhs, qs0 = s0_terms(rows, ok)
             for c, vnew_c in enumerate(solved):
-                rhs = rhs - _dot(a_ref[at, pl.ds(c * BLOCK, BLOCK)], vnew_c, precision)
+                rhs = rhs - _dot(a_ref[at, pl.ds(c * n, n)], vnew_c, precision)
             solved.append(_dot(inv_ref[at, :], rhs, precision))
             out_r = qs0
             for c, vnew_c in enumerate(solved):
-                out_r = out_r + _dot(qk_ref[at, pl.ds(c * BLOCK, BLOCK)], vnew_c, precision)
+                out_r = out_r + _dot(qk_ref[at, pl.ds(c * n, n)], vnew_c, precision)
             _store_rows(vnew_ref, rows, ok, solved[-1], t)
             _store_rows(out_ref, rows, ok, out_r, t)
         return
 
     def one_block(r, solved):  # solved: [width, V block], v_new of blocks < r, zeros after
-        rows = r * BLOCK + block
+        rows = r * n + block
         ok = rows < t
-        at = pl.ds(r * BLOCK, BLOCK)
+        at = pl.ds(r * n, n)
         rhs, qs0 = s0_terms(rows, ok)
         vnew_r = _dot(inv_ref[at, :], rhs - _dot(a_ref[at, :], solved, precision), precision)
-        place = (jnp.arange(width)[:, None] == rows[None, :]).astype(f32)  # [width, 16] one-hot
+        place = (jnp.arange(width)[:, None] == rows[None, :]).astype(f32)  # [width, n] one-hot
         solved = solved + _exact_dot(place, vnew_r)
         _store_rows(vnew_ref, rows, ok, vnew_r, t)
         _store_rows(out_ref, rows, ok, qs0 + _dot(qk_ref[at, :], solved, precision), t)
         return solved
 
-    lax.fori_loop(0, cdiv(t, BLOCK), one_block, jnp.zeros((width, vnew_ref.shape[-1]), f32))
+    lax.fori_loop(0, cdiv(t, n), one_block, jnp.zeros((width, vnew_ref.shape[-1]), f32))
 
 
 def _direct_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, vis_ref, s0_ref,  # inputs
@@ -495,16 +505,19 @@ def tree_delta_rule_pallas(q, k, v, g, beta, initial_state, visible, *, precisio
         return out, v_new, cum
     # The two-launch form. G first, every node at once (elementwise sums: exact float32 whatever the backend).
     cum = jnp.sum(jnp.where(visible[:, :, :, None], g.astype(f32)[:, None], 0.0), axis=2)  # [b, T, H]
-    blocks = cdiv(t, BLOCK)
-    rows, width = blocks * BLOCK, next_pow2(blocks * BLOCK)  # tile rows; columns a power of two (zeros past T)
-    tile = pl.BlockSpec((None, None, BLOCK, BLOCK), lambda i, j, r, c: (i, j, r, c))
+    n = config.block_rows
+    blocks = cdiv(t, n)
+    # Tile rows; columns a power of two for the rolled chain (zeros past T), the blocks' own for the unrolled one.
+    rows = blocks * n
+    width = rows if config.unrolled_chain else next_pow2(rows)
+    tile = pl.BlockSpec((None, None, n, n), lambda i, j, r, c: (i, j, r, c))
     a, qk, inv = pl.pallas_call(
         functools.partial(_tiles_kernel, t=t, precision=matmul_precision),
-        grid=(b, h, blocks, width // BLOCK),
+        grid=(b, h, blocks, width // n),
         in_specs=[key_spec, key_spec, per_node, per_node, mask_spec],
-        out_specs=[tile, tile, pl.BlockSpec((None, None, BLOCK, BLOCK), lambda i, j, r, c: (i, j, r, 0))],
+        out_specs=[tile, tile, pl.BlockSpec((None, None, n, n), lambda i, j, r, c: (i, j, r, 0))],
         out_shape=[jax.ShapeDtypeStruct((b, h, rows, width), f32), jax.ShapeDtypeStruct((b, h, rows, width), f32),
-                   jax.ShapeDtypeStruct((b, h, rows, BLOCK), f32)],
+                   jax.ShapeDtypeStruct((b, h, rows, n), f32)],
         compiler_params=plt.CompilerParams(num_warps=config.tile_warps, num_stages=1),
         interpret=interpret, debug=debug, name="tree_delta_rule_tiles",
     )(q, k, cum, beta32, mask8)
@@ -519,7 +532,7 @@ def tree_delta_rule_pallas(q, k, v, g, beta, initial_state, visible, *, precisio
         functools.partial(_chain_kernel, t=t, precision=matmul_precision, s0_given=config.s0_in_xla,
                           unrolled=config.unrolled_chain),
         grid=(b, h, dv // vb),
-        in_specs=term_specs + [per_head(width), per_head(width), per_head(BLOCK)],
+        in_specs=term_specs + [per_head(width), per_head(width), per_head(n)],
         out_specs=[value_rows, value_rows],
         out_shape=outputs,
         compiler_params=params, interpret=interpret, debug=debug, name="tree_delta_rule_chain",

@@ -115,13 +115,14 @@ def kernel_configs(args) -> dict[str, tuple[str, tree_delta_rule.TreeDeltaRuleCo
     """The kernel variants the --kernel* flags name: {name: (precision, config)}, every combination."""
     chosen = args.kernel_forms.split(",")
     forms = [(name, False, 4) for name in chosen if name == "one"] + [  # (name, two_launch, tile_warps)
-        (f"{name}{w}", True, int(w)) for name in chosen if name.startswith("two")
-        for w in args.kernel_tile_warps.split(",")] + [
+        (f"{name}{w}" + (f"_r{n}" if n != "16" else ""), True, int(w)) for name in chosen if name.startswith("two")
+        for w in args.kernel_tile_warps.split(",") for n in args.kernel_block_rows.split(",")] + [
         (f"direct_inv{n}", False, 4) for name in chosen if name == "direct"
         for n in args.kernel_inverse_passes.split(",")]
     return {f"kernel_{p}_w{w}_vb{vb}_s{st}_{form}": (p, tree_delta_rule.TreeDeltaRuleConfig(
                 num_warps=int(w), value_block=int(vb), num_stages=int(st), two_launch=two, tile_warps=tile_warps,
                 s0_in_xla="s0xla" in form, unrolled_chain="unrolled" in form, direct=form.startswith("direct"),
+                block_rows=int(form.partition("_r")[2] or 16) if two else 16,
                 inverse_passes=int(form[len("direct_inv"):]) if form.startswith("direct") else 0))
             for p, w, vb, st, (form, two, tile_warps) in itertools.product(
                 [p for p in args.kernels.split(",") if p], args.kernel_warps.split(","),
@@ -144,6 +145,8 @@ def main(argv=None) -> int:
                    help="the kernel's forms to time: one (one launch), two (TreeDeltaRuleConfig.two_launch), and two "
                         "with its knobs: two_s0xla (s0_in_xla), two_unrolled (unrolled_chain), two_s0xla_unrolled; "
                         "direct (TreeDeltaRuleConfig.direct)")
+    p.add_argument("--kernel-block-rows", default="16",
+                   help="the two-launch form's block_rows values to time (node rows per block)")
     p.add_argument("--kernel-inverse-passes", default="1",
                    help="the direct form's inverse_passes values to time (0 float32, 1 TF32, 3 TF32 x3)")
     p.add_argument("--kernel-tile-warps", default="4", help="the two-launch form's tile_warps values to time")

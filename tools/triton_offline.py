@@ -163,6 +163,11 @@ def main(argv: list[str] | None = None) -> int:
             fn = functools.partial(tdr.tree_delta_rule_pallas, precision=precision, config=two)
             jobs.append((f"tree_delta_rule {precision} T={t} tiles",
                          dataclasses.replace(two, num_warps=two.tile_warps, num_stages=1), fn, rule_args, 0))
+            two32 = dataclasses.replace(two, block_rows=32, unrolled_chain=True)
+            jobs.append((f"tree_delta_rule {precision} T={t} tiles32",
+                         dataclasses.replace(two32, num_warps=two32.tile_warps, num_stages=1),
+                         functools.partial(tdr.tree_delta_rule_pallas, precision=precision, config=two32),
+                         rule_args, 0))
             jobs.append((f"tree_delta_rule {precision} T={t} chain", two, fn, rule_args, 1))
             for warps, vb, passes in ((4, 64, 1), (8, 64, 1), (8, 128, 1), (8, 64, 3), (8, 64, 0)):  # direct form
                 direct = dataclasses.replace(default, direct=True, num_warps=warps, value_block=vb,
@@ -170,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
                 jobs.append((f"tree_delta_rule {precision} T={t} direct", direct,
                              functools.partial(tdr.tree_delta_rule_pallas, precision=precision, config=direct),
                              rule_args))
-            for knobs in ({"s0_in_xla": True}, {"unrolled_chain": True}):  # the chain's variants
+            for knobs in ({"s0_in_xla": True}, {"unrolled_chain": True}, {"unrolled_chain": True, "block_rows": 32},
+                          {"unrolled_chain": True, "block_rows": 32, "num_warps": 8}):  # the chain's variants
                 variant = dataclasses.replace(two, **knobs)
                 jobs.append((f"tree_delta_rule {precision} T={t} chain {','.join(knobs)}", variant,
                              functools.partial(tdr.tree_delta_rule_pallas, precision=precision, config=variant),

@@ -112,9 +112,11 @@ FORMS = [pytest.param({"two_launch": False, "unrolled_chain": False}, id="one-la
          pytest.param({"two_launch": True, "unrolled_chain": False}, id="two-launch"),
          pytest.param({"two_launch": True, "unrolled_chain": True}, id="two-launch-unrolled"),
          pytest.param({"two_launch": False, "unrolled_chain": False, "direct": True}, id="direct")]
-# The two-launch chain's other knob, the initial state's terms by XLA, rolled and unrolled.
+# The two-launch chain's other knobs: the initial state's terms by XLA, blocks of 32 rows; rolled and unrolled.
 CHAIN_VARIANTS = [pytest.param({"two_launch": True, "s0_in_xla": True, "unrolled_chain": False}, id="s0-xla"),
-                  pytest.param({"two_launch": True, "s0_in_xla": True, "unrolled_chain": True}, id="s0-xla-unrolled")]
+                  pytest.param({"two_launch": True, "s0_in_xla": True, "unrolled_chain": True}, id="s0-xla-unrolled"),
+                  pytest.param({"two_launch": True, "unrolled_chain": False, "block_rows": 32}, id="rows32"),
+                  pytest.param({"two_launch": True, "unrolled_chain": True, "block_rows": 32}, id="rows32-unrolled")]
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
@@ -174,6 +176,27 @@ def test_chain_variants_match_the_float64_recurrence(t, form, interpret):
             np.testing.assert_allclose(np.asarray(x, np.float64), y, rtol=2e-4, atol=2e-5, err_msg=name)
 
 
+@pytest.mark.parametrize("interpret", INTERPRET)
+def test_direct_form_where_node_0_is_not_every_node_s_ancestor(interpret):
+    """The direct form solves node 0 first and takes its term off every row below it: in a forest whose second
+    root (node 1) heads half the nodes, those rows must not see node 0. Against the model's jnp rule, and a
+    negative control: the single tree with node 1 under node 0 gives other outputs."""
+    args, parents, _ = inputs(20, seed=7, batch=1)
+    forest = parents.copy()
+    forest[0, 1] = 1  # node 1 its own root: its subtree stops at it
+    visible = np.eye(20, dtype=bool)
+    for i in range(1, 20):
+        if forest[0, i] != i:
+            visible[i] |= visible[forest[0, i]]
+    assert not visible[1:, 0].all() and visible[1:, 0].any()
+    config = tdr.TreeDeltaRuleConfig(direct=True)
+    got = run_kernel(args, visible[None], interpret, config=config)
+    for name, x, y in zip(("out", "v_new", "G"), got, run_model_rule(args, visible[None])):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-5, err_msg=name)
+    tree = run_kernel(args, ancestor_mask(parents[0])[None], interpret, config=config)[0]
+    assert not np.allclose(np.asarray(tree), np.asarray(got[0]), rtol=1e-3, atol=1e-4)
+
+
 def test_default_precision_is_close():
     """"default" (TF32 on a GPU's tensor cores; exact float32 in the interpreter) stays within TF32 rounding."""
     args, parents, visible = inputs(17, seed=5, batch=1)
@@ -197,3 +220,11 @@ def test_refuses_what_it_does_not_take():
         tdr.TreeDeltaRuleConfig(value_block=8)
     with pytest.raises(ValueError, match="tile_warps=3"):
         tdr.TreeDeltaRuleConfig(tile_warps=3)
+    with pytest.raises(ValueError, match="direct and two_launch"):
+        tdr.TreeDeltaRuleConfig(direct=True, two_launch=True)
+    with pytest.raises(ValueError, match="inverse_passes=2"):
+        tdr.TreeDeltaRuleConfig(direct=True, inverse_passes=2)
+    with pytest.raises(ValueError, match="block_rows=32 is a knob of the two-launch form"):
+        tdr.TreeDeltaRuleConfig(block_rows=32)
+    with pytest.raises(ValueError, match="block_rows=24"):
+        tdr.TreeDeltaRuleConfig(two_launch=True, block_rows=24)
