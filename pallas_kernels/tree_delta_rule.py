@@ -35,10 +35,15 @@ themselves), in a device loop; for block r:
 v_new and G of solved blocks are read back from the outputs (L2-resident) after a CTA barrier. The programs of one
 head repeat steps 1, 3's A tiles and 4's inverse (16-wide, cheap) to run the value columns in parallel.
 
-The two-launch form (`TreeDeltaRuleConfig.two_launch`; the default past one block) takes everything that does
-not depend on solved rows out of that chain: G by XLA (elementwise sums), then `_tiles_kernel` (every 16 x 16 tile
-of A and Q K^T * L and every diagonal inverse, one program each), then `_chain_kernel` (the blocks in order with
-the solved rows of v_new in registers).
+The two-launch form (`TreeDeltaRuleConfig.two_launch`; the default past DIRECT_MAX_NODES) takes everything that
+does not depend on solved rows out of that chain: G by XLA (elementwise sums), then `_tiles_kernel` (every 16 x 16
+tile of A and Q K^T * L and every diagonal inverse, one program each), then `_chain_kernel` (the blocks in order
+with the solved rows of v_new in registers).
+
+The direct form (`TreeDeltaRuleConfig.direct`; the default from 17 to DIRECT_MAX_NODES = 33 nodes) has no chain:
+node 0 alone (a one-row block needs no inverse), then nodes 1 .. T-1 as one block through the whole inverse of
+their system, formed by substitution and block merges (`_direct_kernel`). A DDTree verify of B + 1 nodes at B = 16
+or 32 is one row and one block where the block forms walk two or three blocks, the last holding one node.
 
 Letters: b batch, T nodes (at most MAX_NODES), H value heads, Hk key heads (value head h reads key head
 h // (H / Hk)), K key dim, V value dim.
@@ -62,6 +67,9 @@ BLOCK = 16  # node rows per block: Triton's smallest matmul side
 # The most nodes `default_config` unrolls the chain for: timed at 65 (DDTree B = 64); at 128 nodes the unrolled
 # chain spills (16 bytes per thread, sm_90 offline compile) and is untimed, so wider trees keep the device loop.
 UNROLLED_MAX_NODES = 5 * BLOCK
+# The most nodes `default_config` gives the direct form: node 0 and a block of 32 (timed at 17 and 33; at 65 its
+# 64 x 64 inverse made it slower than the two-launch form).
+DIRECT_MAX_NODES = 2 * BLOCK + 1
 
 _DN = (((1,), (0,)), ((), ()))  # a [m, k] @ [k, n]
 _DN_T = (((1,), (1,)), ((), ()))  # a [m, k] @ b[n, k]^T
@@ -134,22 +142,34 @@ class TreeDeltaRuleConfig:
 
 
 def default_config(t: int, precision: str = "default") -> TreeDeltaRuleConfig:
-    """The knobs for T nodes at a matmul `precision` ("default" or "highest", as the kernel takes it): 64 value
-    columns per program, 8 warps for one block; past one block the two-launch form with 4 warps, its chain unrolled
-    up to UNROLLED_MAX_NODES at the default precision. On the H200 at
-    the Qwen3.6-27B shape (tools/gdn_probe.py, 2026-12-02; two calls, the second with this inverse), us per layer
-    at T = 16 / 65 / 128 with 64 columns: 4 warps 22.3, 11.1 / 64.1, 67.9 / 108, 118; 8 warps 5.1, 12.2 / 83.9,
-    77.2 / 133, 137. 32 columns: 13-21 / 71-147 / 124-263; 128 columns with 4 warps: 14 / 578 / 867."""
+    """The knobs for T nodes at a matmul `precision` ("default" or "highest", as the kernel takes it), 64 value
+    columns per program: the one-launch form with 8 warps for one block; the direct form with 8 warps up to
+    DIRECT_MAX_NODES at the default precision; past it (and at "highest") the two-launch form with 8 warps, its
+    chain unrolled up to UNROLLED_MAX_NODES at the default precision. On the H200 at the Qwen3.6-27B shape
+    (tools/gdn_probe.py), us per layer at T = 16 / 65 / 128 with 64 columns (2026-12-02, two calls, the second
+    with this inverse): 4 warps 22.3, 11.1 / 64.1, 67.9 / 108, 118; 8 warps 5.1, 12.2 / 83.9, 77.2 / 133, 137.
+    32 columns: 13-21 / 71-147 / 124-263; 128 columns with 4 warps: 14 / 578 / 867. At T = 16 on 2026-12-04
+    (two calls) 4 warps 8.0, 9.6 against 8 warps 10.9, 11.5, but the DFlash round's trace gives 8 warps 7.3 us
+    per layer: unchanged."""
     if t <= BLOCK:
         return TreeDeltaRuleConfig(num_warps=8)
-    # Past one block the two-launch form: its chain loads nothing that depends on solved rows. H200, 27B shape
+    # Up to 33 nodes the direct form: node 0 alone, then one block of at most 32 through its whole inverse. H200,
+    # 27B shape (tools/gdn_probe.py, 2026-12-04, two calls), us per layer: T = 17 8 warps 13.3, 15.7 (4 warps
+    # 17.5, 14.4) against the unrolled two-launch form's 17.0-21.2; T = 33 24.0 (4 warps 30.5) against 29.8-31.6.
+    # At T = 65 (a block of 64) it took 70.7-73.3 against 37.3-50.3: the 64 x 64 inverse's merges, dependent dots
+    # of ~2 us each (TF32; in three passes 93.9-106.2), and 0.6 KB of spills. At the "highest" precision it
+    # spills 6-8 KB (sm_90 offline compile, tools/triton_offline.py): the two-launch form there.
+    if t <= DIRECT_MAX_NODES and precision == "default":
+        return TreeDeltaRuleConfig(num_warps=8, direct=True, inverse_passes=1)
+    # Past it the two-launch form: its chain loads nothing that depends on solved rows. H200, 27B shape
     # (tools/gdn_probe.py, 2026-12-02), us per layer at T = 65 / 128: one launch 71.1 / 117.7, two launches
     # 56.9 / 94.0 with one stage, 60.6 / 100.4 with two. The chain unrolled (evening, T = 65, 4 warps, one stage):
-    # 37.2 us with 64 value columns, 38.9 with 32, against 49.7-64.3 rolled; 8 warps 41.0-43.9. In the 27B's
-    # B = 64 round the chain took 1.14 ms against 1.82 (48 layers).
+    # 37.2 us with 64 value columns, 38.9 with 32, against 49.7-64.3 rolled; 8 warps 41.0-43.9. On 2026-12-04 at
+    # T = 65 8 warps took 37.3 and 43.5 against 4 warps' 50.3 and 45.1, and in the 27B's B = 64 round its chain
+    # 0.976 ms (two calls) against 4 warps' 1.147 (48 layers): 8 warps. Blocks of 32 rows (block_rows): 43.5-48.9.
     # At the "highest" precision (float32 products: three TF32 passes each) the unrolled chain spills ~8 KB.
     unrolled = t <= UNROLLED_MAX_NODES and precision == "default"
-    return TreeDeltaRuleConfig(num_warps=4, two_launch=True, unrolled_chain=unrolled)
+    return TreeDeltaRuleConfig(num_warps=8, two_launch=True, unrolled_chain=unrolled)
 
 
 # Helpers of both forms. Rows and columns are node indices; `t` the node count (rows >= t are padding).

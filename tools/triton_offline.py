@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     for t in (16, 17, 65, 128):  # the Gated DeltaNet tree rule at the Qwen3.6-27B shape (48 value heads, 16 key)
         for precision in ("default", "highest"):
             # the one-launch form
-            default = dataclasses.replace(tdr.default_config(t), two_launch=False, unrolled_chain=False, num_stages=1)
+            default = dataclasses.replace(tdr.default_config(t), two_launch=False, unrolled_chain=False, direct=False,
+                                          inverse_passes=0, num_stages=1)
             configs = [default] + ([] if args.quick else [
                 dataclasses.replace(default, num_warps=4 if default.num_warps == 8 else 8),
                 dataclasses.replace(default, value_block=32)])

@@ -44,7 +44,8 @@ def parse_knobs(text: str) -> dict:
 def override(knobs: dict) -> None:
     """Lay `knobs` over `default_config(t)` past one block, in this process (validated by the config itself)."""
     base = tree_delta_rule.default_config
-    dataclasses.replace(base(tree_delta_rule.BLOCK + 1), **knobs)  # fail now, not at the first trace
+    for t in range(tree_delta_rule.BLOCK + 1, tree_delta_rule.MAX_NODES + 1):  # fail now, not at the first trace
+        dataclasses.replace(base(t), **knobs)  # (the form changes with t: knobs of one form may not fit another)
 
     def default_config(t: int, precision: str = "default") -> tree_delta_rule.TreeDeltaRuleConfig:
         config = base(t, precision)

@@ -443,8 +443,9 @@ class GatedDeltaNet(nnx.Module):
         nodes = None
         if tree:
             # The Pallas kernel wherever it takes the tree: on the H200 at the Qwen3.6-27B shape 7 us per layer at
-            # T = 16, 57 at T = 65 and 94 at T = 128 against XLA's 35, 90-95 and 120-137 (tools/gdn_probe.py and
-            # the bench's traces, 2026-12-02); wider trees take the jnp WY form.
+            # T = 16, 13-16 at T = 17, 37-44 at T = 65 and 94 at T = 128 against XLA's 35, 38-40, 90-97 and
+            # 120-137 (tools/gdn_probe.py and the bench's traces, 2026-12-02 and 04); wider trees take the jnp WY
+            # form.
             if runtime.pallas and tree_rule_kernel.supports(t, self.key_head_dim, self.value_head_dim):
                 precision = "highest" if x.dtype == jnp.float32 else "default"
                 core, values, log_decay = _tree_rule_kernel(q_keyed, k_keyed, v, g, beta, state.state, visible,

@@ -108,15 +108,15 @@ CASES = [(1, False), (16, True), (17, False), (40, False), (65, False)]
 # tiles and diagonal inverses first, then the chain with the solved rows in registers), the chain in a device loop
 # over the blocks or unrolled (`default_config` up to UNROLLED_MAX_NODES), and the direct form (node 0 alone, then
 # the other nodes at once through their system's whole inverse).
-FORMS = [pytest.param({"two_launch": False, "unrolled_chain": False}, id="one-launch"),
-         pytest.param({"two_launch": True, "unrolled_chain": False}, id="two-launch"),
-         pytest.param({"two_launch": True, "unrolled_chain": True}, id="two-launch-unrolled"),
+FORMS = [pytest.param({"two_launch": False, "unrolled_chain": False, "direct": False}, id="one-launch"),
+         pytest.param({"two_launch": True, "unrolled_chain": False, "direct": False}, id="two-launch"),
+         pytest.param({"two_launch": True, "unrolled_chain": True, "direct": False}, id="two-launch-unrolled"),
          pytest.param({"two_launch": False, "unrolled_chain": False, "direct": True}, id="direct")]
 # The two-launch chain's other knobs: the initial state's terms by XLA, blocks of 32 rows; rolled and unrolled.
-CHAIN_VARIANTS = [pytest.param({"two_launch": True, "s0_in_xla": True, "unrolled_chain": False}, id="s0-xla"),
-                  pytest.param({"two_launch": True, "s0_in_xla": True, "unrolled_chain": True}, id="s0-xla-unrolled"),
-                  pytest.param({"two_launch": True, "unrolled_chain": False, "block_rows": 32}, id="rows32"),
-                  pytest.param({"two_launch": True, "unrolled_chain": True, "block_rows": 32}, id="rows32-unrolled")]
+CHAIN_VARIANTS = [pytest.param({"s0_in_xla": True, "unrolled_chain": False}, id="s0-xla"),
+                  pytest.param({"s0_in_xla": True, "unrolled_chain": True}, id="s0-xla-unrolled"),
+                  pytest.param({"unrolled_chain": False, "block_rows": 32}, id="rows32"),
+                  pytest.param({"unrolled_chain": True, "block_rows": 32}, id="rows32-unrolled")]
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
@@ -169,7 +169,7 @@ class TestTreeDeltaRuleKernel:
 @pytest.mark.parametrize("t", [17, 65])
 def test_chain_variants_match_the_float64_recurrence(t, form, interpret):
     """The chain's knobs on random trees past one block (a partial last block) and on near-parallel keys."""
-    config = dataclasses.replace(tdr.default_config(t), **form)
+    config = tdr.TreeDeltaRuleConfig(two_launch=True, **form)
     for args, parents, visible in (inputs(t, seed=t), near_parallel_inputs(t, seed=1)):
         got = run_kernel(args, visible, interpret, config=config)
         for name, x, y in zip(("out", "v_new", "G"), got, recurrence_float64(*args, parents)):
