@@ -110,8 +110,6 @@ class TreeDeltaRuleConfig:
     block_rows:   the two-launch form's node rows per block (a power of two >= 16): fewer, wider blocks make a
                   shorter chain (T = 65: three blocks of 32 rows against five of 16), each with a wider diagonal
                   inverse and tiles.
-    row_tiles:    the two-launch form's first launch with one program per row block (its tiles one after another,
-                  its q, k rows loaded once) instead of one per tile: ~5x fewer programs at T = 65.
     inverse_passes: the direct form's block merges at the "default" precision on a GPU: 0 float32 products
                   (exact; FMA, slow at P = 64), 1 TF32, 3 TF32 in three passes (~float32). At "highest" and in
                   the interpreter always float32.
@@ -127,14 +125,13 @@ class TreeDeltaRuleConfig:
     direct: bool = False
     inverse_passes: int = 0
     block_rows: int = BLOCK
-    row_tiles: bool = False
 
     def __post_init__(self):
         check_knobs(self, pow2={"value_block": 16, "tile_warps": 1, "block_rows": BLOCK})
         if self.block_rows != BLOCK and not self.two_launch:
             raise ValueError(f"TreeDeltaRuleConfig.block_rows={self.block_rows} is a knob of the two-launch form "
                              "(two_launch=True)")
-        for knob in ("s0_in_xla", "unrolled_chain", "row_tiles"):
+        for knob in ("s0_in_xla", "unrolled_chain"):
             if getattr(self, knob) and not self.two_launch:
                 raise ValueError(f"TreeDeltaRuleConfig.{knob} is a knob of the two-launch form (two_launch=True)")
         if self.direct and self.two_launch:
@@ -292,21 +289,6 @@ def _kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, vis_ref, s0_ref,  # inputs
     lax.fori_loop(0, cdiv(t, BLOCK), one_block, 0)
 
 
-def _tile(q_ref, k_ref, cum_ref, beta_ref, vis_ref, rows, ok, cols, ok_c, *, t: int, precision, q_r=None, kb_r=None):
-    """A's and (Q K^T * L)'s [n, n] tiles of node rows `rows` and columns `cols` (A strictly lower by node index;
-    zero past the nodes). q_r and kb_r = diag(beta) K of the rows when the caller holds them."""
-    f32 = jnp.float32
-    if kb_r is None:
-        kb_r = _rows_of(k_ref, rows, ok, t).astype(f32) * _per_node(beta_ref, rows, ok, t)[:, None]
-    if q_r is None:
-        q_r = _rows_of(q_ref, rows, ok, t).astype(f32)
-    k_c = _rows_of(k_ref, cols, ok_c, t).astype(f32)
-    l_rc = _decay(_mask_of(vis_ref, rows, cols, ok, ok_c, t), _per_node(cum_ref, rows, ok, t),
-                  _per_node(cum_ref, cols, ok_c, t))
-    a = jnp.where(cols[None, :] < rows[:, None], _dot(kb_r, k_c, precision, _DN_T) * l_rc, 0.0)
-    return a, _dot(q_r, k_c, precision, _DN_T) * l_rc
-
-
 def _tiles_kernel(q_ref, k_ref, cum_ref, beta_ref, vis_ref,  # inputs
                   a_ref, qk_ref, inv_ref,  # outputs: [n, n] tiles (n = TreeDeltaRuleConfig.block_rows)
                   *, t: int, precision):
@@ -323,50 +305,23 @@ def _tiles_kernel(q_ref, k_ref, cum_ref, beta_ref, vis_ref,  # inputs
 
     @pl.when(c <= r)
     def _():
+        f32 = jnp.float32
         block = jnp.arange(n)
         rows, cols = r * n + block, c * n + block
-        a, qk = _tile(q_ref, k_ref, cum_ref, beta_ref, vis_ref, rows, rows < t, cols, cols < t, t=t,
-                      precision=precision)
+        ok, ok_c = rows < t, cols < t
+        k_c = _rows_of(k_ref, cols, ok_c, t).astype(f32)
+        beta_r = _per_node(beta_ref, rows, ok, t)
+        l_rc = _decay(_mask_of(vis_ref, rows, cols, ok, ok_c, t), _per_node(cum_ref, rows, ok, t),
+                      _per_node(cum_ref, cols, ok_c, t))
+        a = jnp.where(cols[None, :] < rows[:, None],
+                      _dot(_rows_of(k_ref, rows, ok, t).astype(f32) * beta_r[:, None], k_c, precision, _DN_T) * l_rc,
+                      0.0)
         a_ref[...] = a
-        qk_ref[...] = qk
+        qk_ref[...] = _dot(_rows_of(q_ref, rows, ok, t).astype(f32), k_c, precision, _DN_T) * l_rc
 
         @pl.when(c == r)
         def _():
             inv_ref[...] = _unit_lower_inverse(a)
-
-
-def _row_tiles_kernel(q_ref, k_ref, cum_ref, beta_ref, vis_ref,  # inputs
-                      a_ref, qk_ref, inv_ref,  # outputs: [n, width] row blocks of tiles, [n, n] inverses
-                      *, t: int, precision):
-    """`_tiles_kernel` with one program per (row, value head, row block r) (`TreeDeltaRuleConfig.row_tiles`): the
-    block's q, k and beta rows loaded once, its tiles c = 0 .. r in turn, zeros after, the diagonal's inverse."""
-    f32 = jnp.float32
-    r = pl.program_id(2)
-    n = inv_ref.shape[-1]
-    block = jnp.arange(n)
-    rows = r * n + block
-    ok = rows < t
-    kb_r = _rows_of(k_ref, rows, ok, t).astype(f32) * _per_node(beta_ref, rows, ok, t)[:, None]
-    q_r = _rows_of(q_ref, rows, ok, t).astype(f32)
-    for c in range(a_ref.shape[-1] // n):
-        at = pl.ds(c * n, n)
-
-        @pl.when(c <= r)
-        def _():
-            cols = c * n + block
-            a, qk = _tile(q_ref, k_ref, cum_ref, beta_ref, vis_ref, rows, ok, cols, cols < t, t=t,
-                          precision=precision, q_r=q_r, kb_r=kb_r)
-            a_ref[:, at] = a
-            qk_ref[:, at] = qk
-
-            @pl.when(c == r)
-            def _():
-                inv_ref[...] = _unit_lower_inverse(a)
-
-        @pl.when(c > r)
-        def _():
-            a_ref[:, at] = jnp.zeros((n, n), a_ref.dtype)
-            qk_ref[:, at] = jnp.zeros((n, n), qk_ref.dtype)
 
 
 def _chain_kernel(*refs, t: int, precision, s0_given: bool, unrolled: bool):
@@ -575,17 +530,12 @@ def tree_delta_rule_pallas(q, k, v, g, beta, initial_state, visible, *, precisio
     # Tile rows; columns a power of two for the rolled chain (zeros past T), the blocks' own for the unrolled one.
     rows = blocks * n
     width = rows if config.unrolled_chain else next_pow2(rows)
-    if config.row_tiles:  # one program per row block
-        kernel, grid = _row_tiles_kernel, (b, h, blocks)
-        tile = pl.BlockSpec((None, None, n, width), lambda i, j, r: (i, j, r, 0))
-    else:  # one per tile
-        kernel, grid = _tiles_kernel, (b, h, blocks, width // n)
-        tile = pl.BlockSpec((None, None, n, n), lambda i, j, r, c: (i, j, r, c))
+    tile = pl.BlockSpec((None, None, n, n), lambda i, j, r, c: (i, j, r, c))
     a, qk, inv = pl.pallas_call(
-        functools.partial(kernel, t=t, precision=matmul_precision),
-        grid=grid,
+        functools.partial(_tiles_kernel, t=t, precision=matmul_precision),
+        grid=(b, h, blocks, width // n),
         in_specs=[key_spec, key_spec, per_node, per_node, mask_spec],
-        out_specs=[tile, tile, pl.BlockSpec((None, None, n, n), lambda i, j, r, *_: (i, j, r, 0))],
+        out_specs=[tile, tile, pl.BlockSpec((None, None, n, n), lambda i, j, r, c: (i, j, r, 0))],
         out_shape=[jax.ShapeDtypeStruct((b, h, rows, width), f32), jax.ShapeDtypeStruct((b, h, rows, width), f32),
                    jax.ShapeDtypeStruct((b, h, rows, n), f32)],
         compiler_params=plt.CompilerParams(num_warps=config.tile_warps, num_stages=1),

@@ -21,7 +21,6 @@ import itertools
 import json
 import math
 import platform
-import re
 import sys
 import time
 from pathlib import Path
@@ -116,15 +115,14 @@ def kernel_configs(args) -> dict[str, tuple[str, tree_delta_rule.TreeDeltaRuleCo
     """The kernel variants the --kernel* flags name: {name: (precision, config)}, every combination."""
     chosen = args.kernel_forms.split(",")
     forms = [(name, False, 4) for name in chosen if name == "one"] + [  # (name, two_launch, tile_warps)
-        (f"{name}{w}" + (f"_b{n}" if n != "16" else ""), True, int(w)) for name in chosen if name.startswith("two")
+        (f"{name}{w}" + (f"_r{n}" if n != "16" else ""), True, int(w)) for name in chosen if name.startswith("two")
         for w in args.kernel_tile_warps.split(",") for n in args.kernel_block_rows.split(",")] + [
         (f"direct_inv{n}", False, 4) for name in chosen if name == "direct"
         for n in args.kernel_inverse_passes.split(",")]
     return {f"kernel_{p}_w{w}_vb{vb}_s{st}_{form}": (p, tree_delta_rule.TreeDeltaRuleConfig(
                 num_warps=int(w), value_block=int(vb), num_stages=int(st), two_launch=two, tile_warps=tile_warps,
                 s0_in_xla="s0xla" in form, unrolled_chain="unrolled" in form, direct=form.startswith("direct"),
-                block_rows=int(re.search(r"_b(\d+)$", form)[1]) if re.search(r"_b(\d+)$", form) else 16,
-                row_tiles="rowtiles" in form,
+                block_rows=int(form.partition("_r")[2] or 16) if two else 16,
                 inverse_passes=int(form[len("direct_inv"):]) if form.startswith("direct") else 0))
             for p, w, vb, st, (form, two, tile_warps) in itertools.product(
                 [p for p in args.kernels.split(",") if p], args.kernel_warps.split(","),
@@ -146,7 +144,7 @@ def main(argv=None) -> int:
     p.add_argument("--kernel-forms", default="one,two",
                    help="the kernel's forms to time: one (one launch), two (TreeDeltaRuleConfig.two_launch), and two "
                         "with its knobs: two_s0xla (s0_in_xla), two_unrolled (unrolled_chain), two_s0xla_unrolled; "
-                        "two_rowtiles, two_rowtiles_unrolled (row_tiles); direct (TreeDeltaRuleConfig.direct)")
+                        "direct (TreeDeltaRuleConfig.direct)")
     p.add_argument("--kernel-block-rows", default="16",
                    help="the two-launch form's block_rows values to time (node rows per block)")
     p.add_argument("--kernel-inverse-passes", default="1",

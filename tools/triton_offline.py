@@ -164,11 +164,6 @@ def main(argv: list[str] | None = None) -> int:
             fn = functools.partial(tdr.tree_delta_rule_pallas, precision=precision, config=two)
             jobs.append((f"tree_delta_rule {precision} T={t} tiles",
                          dataclasses.replace(two, num_warps=two.tile_warps, num_stages=1), fn, rule_args, 0))
-            rows_tiles = dataclasses.replace(two, row_tiles=True, unrolled_chain=True)
-            jobs.append((f"tree_delta_rule {precision} T={t} row tiles",
-                         dataclasses.replace(rows_tiles, num_warps=rows_tiles.tile_warps, num_stages=1),
-                         functools.partial(tdr.tree_delta_rule_pallas, precision=precision, config=rows_tiles),
-                         rule_args, 0))
             two32 = dataclasses.replace(two, block_rows=32, unrolled_chain=True)
             jobs.append((f"tree_delta_rule {precision} T={t} tiles32",
                          dataclasses.replace(two32, num_warps=two32.tile_warps, num_stages=1),

@@ -112,14 +112,11 @@ FORMS = [pytest.param({"two_launch": False, "unrolled_chain": False, "direct": F
          pytest.param({"two_launch": True, "unrolled_chain": False, "direct": False}, id="two-launch"),
          pytest.param({"two_launch": True, "unrolled_chain": True, "direct": False}, id="two-launch-unrolled"),
          pytest.param({"two_launch": False, "unrolled_chain": False, "direct": True}, id="direct")]
-# The two-launch form's other knobs: the initial state's terms by XLA, blocks of 32 rows, one tile program per row
-# block; rolled and unrolled.
+# The two-launch chain's other knobs: the initial state's terms by XLA, blocks of 32 rows; rolled and unrolled.
 CHAIN_VARIANTS = [pytest.param({"s0_in_xla": True, "unrolled_chain": False}, id="s0-xla"),
                   pytest.param({"s0_in_xla": True, "unrolled_chain": True}, id="s0-xla-unrolled"),
                   pytest.param({"unrolled_chain": False, "block_rows": 32}, id="rows32"),
-                  pytest.param({"unrolled_chain": True, "block_rows": 32}, id="rows32-unrolled"),
-                  pytest.param({"unrolled_chain": False, "row_tiles": True}, id="row-tiles"),
-                  pytest.param({"unrolled_chain": True, "row_tiles": True}, id="row-tiles-unrolled")]
+                  pytest.param({"unrolled_chain": True, "block_rows": 32}, id="rows32-unrolled")]
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
