@@ -500,29 +500,24 @@ def tree_delta_rule_pallas(q, k, v, g, beta, initial_state, visible, *, precisio
     outputs = [jax.ShapeDtypeStruct((b, t, h, dv), f32), jax.ShapeDtypeStruct((b, t, h, dv), f32)]
     params = plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     beta32, mask8, state32 = beta.astype(f32), visible.astype(jnp.int8), initial_state.astype(f32)
-    if config.direct:
-        merge_precision = (lax.Precision.HIGHEST if precision == "highest" or interpret or not config.inverse_passes
-                           else lax.Precision.DEFAULT if config.inverse_passes == 1
-                           else lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
+    if config.direct or not config.two_launch:  # one launch: the direct form or the block loop
+        if config.direct:
+            merge_precision = (lax.Precision.HIGHEST if precision == "highest" or interpret or not config.inverse_passes
+                               else lax.Precision.DEFAULT if config.inverse_passes == 1
+                               else lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
+            kernel = functools.partial(_direct_kernel, t=t, precision=matmul_precision, merge_precision=merge_precision)
+        else:
+            kernel = functools.partial(_kernel, t=t, precision=matmul_precision, interpret=interpret)
         return tuple(pl.pallas_call(
-            functools.partial(_direct_kernel, t=t, precision=matmul_precision, merge_precision=merge_precision),
-            grid=(b, h, dv // vb),
-            in_specs=[key_spec, key_spec, value_rows, per_node, per_node, mask_spec, state_columns],
-            out_specs=[value_rows, value_rows, per_node],
-            out_shape=outputs + [jax.ShapeDtypeStruct((b, t, h), f32)],
-            compiler_params=params, interpret=interpret, debug=debug, name="tree_delta_rule_direct",
-        )(q, k, v, g.astype(f32), beta32, mask8, state32))
-    if not config.two_launch:
-        out, v_new, cum = pl.pallas_call(
-            functools.partial(_kernel, t=t, precision=matmul_precision, interpret=interpret),
+            kernel,
             grid=(b, h, dv // vb),
             in_specs=[key_spec, key_spec, value_rows, per_node, per_node, mask_spec, state_columns],
             # Every column block of a head writes the same G (the same float operations on the same inputs).
             out_specs=[value_rows, value_rows, per_node],
             out_shape=outputs + [jax.ShapeDtypeStruct((b, t, h), f32)],
-            compiler_params=params, interpret=interpret, debug=debug, name="tree_delta_rule",
-        )(q, k, v, g.astype(f32), beta32, mask8, state32)
-        return out, v_new, cum
+            compiler_params=params, interpret=interpret, debug=debug,
+            name="tree_delta_rule_direct" if config.direct else "tree_delta_rule",
+        )(q, k, v, g.astype(f32), beta32, mask8, state32))
     # The two-launch form. G first, every node at once (elementwise sums: exact float32 whatever the backend).
     cum = jnp.sum(jnp.where(visible[:, :, :, None], g.astype(f32)[:, None], 0.0), axis=2)  # [b, T, H]
     n = config.block_rows
