@@ -333,12 +333,11 @@ def _chain_kernel(*refs, t: int, precision, s0_given: bool, unrolled: bool):
     refs: q, k, v, G, beta, S0 (the S0 terms computed here) or, with `s0_given` (`TreeDeltaRuleConfig.s0_in_xla`),
     rhs0 = diag(beta) (V - e^G K S0) and qs0 = e^G Q S0 [T, V block]; then the tiles A, Q K^T * L [rows, width] and
     the diagonal inverses [rows, n] (n rows per block, `TreeDeltaRuleConfig.block_rows`); then the outputs out,
-    v_new. The blocks run in a device loop holding every
-    solved row in one [width, V block] register tile (rows of unsolved blocks zero, so whole row blocks of A and
-    Q K^T multiply it; each block's rows go in by an exact one-hot product), or with `unrolled`
-    (`TreeDeltaRuleConfig.unrolled_chain`) in Python, each solved block its own [16, V block] tile, so block r
-    multiplies only its r tiles of A and r + 1 of Q K^T and nothing is inserted (its tiles need not span a power of
-    two)."""
+    v_new. The blocks run in a device loop holding every solved row in one [width, V block] register tile (rows of
+    unsolved blocks zero, so whole row blocks of A and Q K^T multiply it; each block's rows go in by an exact
+    one-hot product), or with `unrolled` (`TreeDeltaRuleConfig.unrolled_chain`) in Python, each solved block its
+    own [n, V block] tile, so block r multiplies only its r tiles of A and r + 1 of Q K^T and nothing is inserted
+    (its tiles need not span a power of two)."""
     if s0_given:
         rhs_ref, qs0_ref, a_ref, qk_ref, inv_ref, out_ref, vnew_ref = refs
     else:
@@ -500,7 +499,7 @@ def tree_delta_rule_pallas(q, k, v, g, beta, initial_state, visible, *, precisio
     outputs = [jax.ShapeDtypeStruct((b, t, h, dv), f32), jax.ShapeDtypeStruct((b, t, h, dv), f32)]
     params = plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
     beta32, mask8, state32 = beta.astype(f32), visible.astype(jnp.int8), initial_state.astype(f32)
-    if config.direct or not config.two_launch:  # one launch: the direct form or the block loop
+    if not config.two_launch:  # one launch: the direct form or the block loop
         if config.direct:
             merge_precision = (lax.Precision.HIGHEST if precision == "highest" or interpret or not config.inverse_passes
                                else lax.Precision.DEFAULT if config.inverse_passes == 1

@@ -114,20 +114,20 @@ def looped(fn, feed):
 def kernel_configs(args) -> dict[str, tuple[str, tree_delta_rule.TreeDeltaRuleConfig]]:
     """The kernel variants the --kernel* flags name: {name: (precision, config)}, every combination."""
     chosen = args.kernel_forms.split(",")
-    forms = [(name, False, 4) for name in chosen if name == "one"] + [  # (name, two_launch, tile_warps)
-        (f"{name}{w}" + (f"_r{n}" if n != "16" else ""), True, int(w)) for name in chosen if name.startswith("two")
+    forms = [("one", {}) for name in chosen if name == "one"] + [  # (name, the form's TreeDeltaRuleConfig knobs)
+        (f"{name}{w}" + (f"_r{n}" if n != "16" else ""),
+         {"two_launch": True, "tile_warps": int(w), "block_rows": int(n), "s0_in_xla": "s0xla" in name,
+          "unrolled_chain": "unrolled" in name})
+        for name in chosen if name.startswith("two")
         for w in args.kernel_tile_warps.split(",") for n in args.kernel_block_rows.split(",")] + [
-        (f"direct_inv{n}", False, 4) for name in chosen if name == "direct"
+        (f"direct_inv{n}", {"direct": True, "inverse_passes": int(n)}) for name in chosen if name == "direct"
         for n in args.kernel_inverse_passes.split(",")]
     return {f"kernel_{p}_w{w}_vb{vb}_s{st}_{form}": (p, tree_delta_rule.TreeDeltaRuleConfig(
-                num_warps=int(w), value_block=int(vb), num_stages=int(st), two_launch=two, tile_warps=tile_warps,
-                s0_in_xla="s0xla" in form, unrolled_chain="unrolled" in form, direct=form.startswith("direct"),
-                block_rows=int(form.partition("_r")[2] or 16) if two else 16,
-                inverse_passes=int(form[len("direct_inv"):]) if form.startswith("direct") else 0))
-            for p, w, vb, st, (form, two, tile_warps) in itertools.product(
+                num_warps=int(w), value_block=int(vb), num_stages=int(st), **knobs))
+            for p, w, vb, st, (form, knobs) in itertools.product(
                 [p for p in args.kernels.split(",") if p], args.kernel_warps.split(","),
                 args.kernel_value_blocks.split(","), args.kernel_stages.split(","), forms)
-            if two or st == "1"}  # the one-launch and direct forms run no block loop: they pipeline nothing
+            if knobs.get("two_launch") or st == "1"}  # the one-launch and direct forms pipeline no block loop
 
 
 def main(argv=None) -> int:
