@@ -62,6 +62,12 @@ def test_trace_summary_counts_gpu_kernels_per_round(tmp_path, capsys):
     assert trace_summary.sequence(next(tmp_path.glob("ar-pallas/**/perfetto_trace.json.gz")), 2, 2) == [
         ("loop_add_fusion_7", 2.0), ("gemm_fusion_dot_12", 30.0)]  # launch order across the rounds
     assert trace_summary.main([str(tmp_path), "--rounds", "2", "--sequence", "1:3"]) == 0
+    # The longest idle stretch: the first round's last fusion (ends at 36 us) to the second round's matmul (100).
+    gaps = trace_summary.largest_gaps(next(tmp_path.glob("ar-pallas/**/perfetto_trace.json.gz")), 2)
+    assert gaps[0] == {"us": 64.0, "at_us": 100.0, "index": 3, "before": "loop_add_fusion_7",
+                       "after": "gemm_fusion_dot_12"}
+    assert gaps[1]["us"] == 1.0
+    assert trace_summary.main([str(tmp_path), "--rounds", "2", "--gaps", "3"]) == 0
     # A row's rounds.json (the bench's checkpoint mode) overrides --rounds: its 6 kernels over 3 rounds, not 2.
     (tmp_path / "ar-pallas" / "rounds.json").write_text('{"rounds": 3}')
     capsys.readouterr()
@@ -94,7 +100,7 @@ def test_loop_cost_runs_the_rounds_it_times(tmp_path, capsys):
     # exactly the rounds asked (EOS never ends a row here), and every figure is there.
     out = tmp_path / "cost.json"
     assert loop_cost.main(["--shape", "tiny", "--dtype", "float32", "--modes", "", "--auto", "chain,4",
-                           "--rounds", "2", "--repeats", "1", "--out", str(out)]) == 0
+                           "--rounds", "2", "--repeats", "1", "--out", str(out), "--trace", str(tmp_path / "tr")]) == 0
     report = json.loads(out.read_text())
     assert [r["program"] for r in report["rows"]] == ["auto[0,4]@chain", "auto[0,4]@4"]
     for row in report["rows"]:
@@ -102,8 +108,11 @@ def test_loop_cost_runs_the_rounds_it_times(tmp_path, capsys):
             assert row[kind]["rounds"] == {"0": 0, "1": 1, "3": 3}
             assert all(s > 0 for s in row[kind]["seconds"].values())
     assert "auto[0,4]@4" in capsys.readouterr().out
+    # One traced call of 1 + TRACE_ROUNDS rounds per program, in a folder named after it.
+    assert sorted(p.name for p in (tmp_path / "tr").iterdir()) == ["auto_0_4_4", "auto_0_4_chain"]
+    assert json.loads((tmp_path / "tr" / "auto_0_4_4" / "rounds.json").read_text()) == {"rounds": 3}
     assert report["command"] == ("python tools/loop_cost.py --shape tiny --dtype float32 --modes  --auto chain,4 "
-                                 "--rounds 2 --repeats 1")
+                                 "--rounds 2 --repeats 1 --trace DIR")
     assert loop_cost.main(["--modes", "ar,0"]) == 2
 
 

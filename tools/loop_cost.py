@@ -64,6 +64,26 @@ def measure(programs: dict, repeats: int, rounds: int) -> dict:
     return out
 
 
+TRACE_ROUNDS = 2
+
+
+def trace_calls(programs: dict, trace_dir: Path) -> None:
+    """Per program, one call of 1 + TRACE_ROUNDS rounds traced (after an untimed call of as many, on the state it
+    returned: the "again" kind) under trace_dir/PROGRAM (the label with [],@ spelt _), its rounds in rounds.json."""
+    import re
+
+    import jax
+
+    from ddtree_jax.measure.timing import record_trace
+
+    for label, (program, prepare) in programs.items():
+        row = trace_dir / re.sub(r"[^A-Za-z0-9.-]+", "_", label).strip("_")
+        row.mkdir(parents=True, exist_ok=True)
+        state = jax.block_until_ready(program.loop(prepare(program.prefill()), 1 + TRACE_ROUNDS))
+        record_trace(row, lambda s=state: program.loop(s, 1 + TRACE_ROUNDS))
+        (row / "rounds.json").write_text(json.dumps({"rounds": 1 + TRACE_ROUNDS}) + "\n")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--modes", default="ar,dflash,16", help="ar, dflash, and DDTree budgets (comma list)")
@@ -73,6 +93,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=16, help="N: the long call runs 1 + N rounds")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                   help="also trace one call of 1 + TRACE_ROUNDS rounds per program, on the state a call returned "
+                        "(DIR/PROGRAM, for tools/trace_summary.py --gaps)")
     args = p.parse_args(argv)
     try:
         from ddtree_jax.budget import parse_candidates
@@ -115,6 +138,8 @@ def main(argv=None) -> int:
             prepare = lambda s, c=costs: with_round_costs(s, c)  # noqa: E731
         programs[label] = (compile_generation(target, [prompt], options, drafter=drafter), prepare)
     rows = []
+    if args.trace:
+        trace_calls(programs, args.trace)
     for label, result in measure(programs, args.repeats, args.rounds).items():
         rows.append({"program": label, **result})
         line = "  ".join(f"{kind}: call {r['call_s'] * 1e3:.3f} first {r['first_round_s'] * 1e3:+.3f} "

@@ -1,6 +1,6 @@
 """Summarise the GPU side of the profiler traces that `python -m ddtree_jax.bench --trace DIR` writes.
 
-    python tools/trace_summary.py DIR [--top 12] [--sequence START:COUNT]
+    python tools/trace_summary.py DIR [--top 12] [--sequence START:COUNT] [--gaps N]
 
 For every row folder under DIR (its `perfetto_trace.json.gz`), over the traced rounds: wall time from the
 first kernel's start to the last kernel's end, the sum of kernel times (busy), the gaps between kernels
@@ -10,7 +10,8 @@ Per round = divided by the number of rounds traced (`--rounds`: the bench traces
 loop, `bench.LOOP_ROUNDS` = 8 rounds; its checkpoint mode traces one decode and writes its round count in
 ROW/rounds.json). Times come from the profiler, which slows dispatch but not kernels: busy time is the figure
 to compare with the bench's round time.
-`--sequence 300:30` prints kernels 300..329 of each trace in launch order with their times (e.g. one decoder
+`--gaps N` prints each trace's N longest idle gaps with the kernels around them (where a call waits for the
+host). `--sequence 300:30` prints kernels 300..329 of each trace in launch order with their times (e.g. one decoder
 layer, to see which small kernels sit between its matmuls; map their names to fusions with an HLO dump, the
 `hlo` step of tools/h200_run.sh).
 """
@@ -80,6 +81,16 @@ def summarise(path: Path, rounds: int, top: int = 12) -> dict:
                      "share_of_busy": t / busy} for n, (c, t) in ranked]}
 
 
+def largest_gaps(path: Path, count: int) -> list[dict]:
+    """The `count` longest idle stretches of a trace (a kernel's end to the next one's start, us), largest first,
+    with the index and name of the kernel before and after each and its start after the trace's first kernel:
+    where a call waits for the host (a loop's exit test, a conditional's branch)."""
+    kernels = gpu_kernels(path)
+    gaps = [{"us": b[0] - (a[0] + a[1]), "at_us": b[0] - kernels[0][0], "index": i + 1, "before": a[2], "after": b[2]}
+            for i, (a, b) in enumerate(zip(kernels, kernels[1:]))]
+    return sorted(gaps, key=lambda g: -g["us"])[:count]
+
+
 def sequence(path: Path, start: int, count: int) -> list[tuple[str, float]]:
     """(name, us) of kernels start .. start + count - 1 of a trace, in launch order."""
     return [(name, dur) for _, dur, name in gpu_kernels(path)[start:start + count]]
@@ -94,6 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true")
     p.add_argument("--sequence", default=None, metavar="START:COUNT",
                    help="also print these kernels of each trace in launch order")
+    p.add_argument("--gaps", type=int, default=0, metavar="N", help="also print each trace's N longest idle gaps")
     args = p.parse_args(argv)
     report, traces = {}, {}
     for trace in sorted(args.dir.glob("*/**/perfetto_trace.json.gz")):
@@ -105,6 +117,9 @@ def main(argv=None) -> int:
         start, count = (int(x) for x in args.sequence.split(":"))
         for row, trace in traces.items():
             report[row]["sequence"] = [{"name": n, "us": us} for n, us in sequence(trace, start, count)]
+    if args.gaps:
+        for row, trace in traces.items():
+            report[row]["gaps"] = largest_gaps(trace, args.gaps)
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
@@ -118,6 +133,9 @@ def main(argv=None) -> int:
                                         for k, v in s["by_kind"].items()))
         for k in s["top"]:
             print(f"  {k['ms_per_round']:7.3f} ms  {k['share_of_busy']:5.1%}  x{k['count_per_round']:<5.0f} {k['name'][:90]}")
+        for g in s.get("gaps", []):
+            print(f"  gap {g['us']:8.2f} us at {g['at_us']:9.1f} us, kernel {g['index']}: {g['before'][:40]} -> "
+                  f"{g['after'][:40]}")
         if "sequence" in s:
             print(f"  kernels {args.sequence} in launch order:")
             for k in s["sequence"]:
