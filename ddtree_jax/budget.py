@@ -16,13 +16,11 @@ them (where the chain would go past the last known token, the count is a lower b
 the first candidate's count, and each candidate's tokens per round are estimated as the first candidate's
 average plus the candidate's average gain over it, paired in the rounds that revealed both (exponentially
 weighted, DECAY per round): a gain varies about a third as much as a count does (demo pair, 2026-12-03: standard
-deviations 1.2-1.3 against 3.6-4.0 tokens), so a few rounds of the widest candidate judge the trees. A round
-learns only where it started at a stop of its own candidate or a wider one (`steady_round`: a tree's round from a
-narrower candidate's stop commits less than its own rounds do, 4.93 tokens against 5.15 for B = 31 on the demo
-pair). A round that runs the widest candidate reveals every count: a decode that has learned nothing starts with
-it, and after as many rounds without it as it has run (row-rounds; at least as many as keep the probes' extra
-time within PROBE_SHARE, at least PROBE_MIN and at most PROBE_MAX) a probe runs it for PROBE_ROUNDS rounds, the
-first of which teaches nothing, so the estimates of the trees firm up while a narrower candidate wins. What was learned carries from one `generate` call to the next
+deviations 1.2-1.3 against 3.6-4.0 tokens), so a few rounds of the widest candidate judge the trees. A round that
+runs the widest candidate reveals every count: the first round of a decode that has learned nothing runs it,
+and so does a round after as many rounds without it as it has run (row-rounds; at least as many as keep the
+probes' extra time within PROBE_SHARE, at least PROBE_MIN and at most PROBE_MAX), so the estimates of the trees
+firm up while a narrower candidate wins. What was learned carries from one `generate` call to the next
 (`GenerationResult.auto_learned`, `generate(auto_learned=...)`): the bench and `generate --prompts` pass it on.
 
 Why averages, not a per-round prediction. The rule before 2026-12-03 predicted each round's tokens from the
@@ -61,10 +59,10 @@ import jax.numpy as jnp
 import numpy as np
 
 CHAIN = 0  # the candidate budget that means a DFlash round (the chain of per-depth argmaxes)
-# The chain, B = 15 and B = 63: trees of 16 and 64 rows with their root, whole tiles of the verify (on the H200,
-# 2026-12-04 evening, at the Qwen3.6-27B shape B = 63's round took 1.13x DFlash's against B = 64's 1.20x; equal at
-# the Qwen3-8B shape and on the demo pair with its tau); a probe of the widest is priced at PROBE_SHARE of the time.
-DEFAULT_CANDIDATES = (CHAIN, 15, 63)
+# The chain, B = 16 and B = 64: at the Qwen3-8B shape's H200 round costs B = 64 projected 10% above B = 16
+# (docs/performance.md, 2026-12-03 night: the demo pair's acceptance; 15% at the paper's), where the demo pair's
+# small rounds favour the chain; a probe of the widest is priced at PROBE_SHARE of the time either way.
+DEFAULT_CANDIDATES = (CHAIN, 16, 64)
 COST_CACHE_ENV = "DDTREE_JAX_ROUND_COSTS"  # a folder that overrides the cost cache's default place
 
 
@@ -149,25 +147,23 @@ class BudgetState:
 
 
 DECAY = 0.999  # per round, of every candidate's tokens and rows (about 1000 rounds of memory)
-# Rounds without the widest candidate before it runs again (it reveals every candidate's count): as many as
-# the row-rounds it has run, and as many as keep a probe's extra time (its PROBE_ROUNDS rounds over the best
-# candidate's, and the two changes of candidate) within PROBE_SHARE of the time, within PROBE_MIN and PROBE_MAX. A fixed 256 let
+# Rounds without the widest candidate before it runs once more (it reveals every candidate's count): as many as
+# the row-rounds it has run, and as many as keep a probe's extra time (its round over the best candidate's, and
+# the two changes of candidate) within PROBE_SHARE of the time, within PROBE_MIN and PROBE_MAX. A fixed 256 let
 # one unlucky early estimate hold for 256 rounds (the CPU's demo pair, 2026-12-03: the chain in 129 rounds where
 # B = 16 was 12% faster); without the price, probes every ~32 rounds took ~3% of the demo pair's time on the H200
 # (2026-12-03: 38 B = 16 rounds of 1087, each ~0.07 ms dearer than the chain's 0.27 and two 0.08 ms changes).
 PROBE_MIN, PROBE_MAX = 32, 256
 PROBE_SHARE = 0.02
-PROBE_ROUNDS = 2  # rounds of the widest per probe: the first starts where the chain stopped and teaches nothing
 CHANGE_ROUNDS = 32  # rounds a change of candidate is spread over in `choose`
 
 
 def choose(budget_state: BudgetState) -> jax.Array:
     """The candidate index [] int32 with the most tokens per second, `per_round` / (cost + the change's share),
     a change's share being change_cost / CHANGE_ROUNDS for every candidate but the last round's; the widest
-    candidate when it has never taught its counts or as many rounds have passed without it as it has run, and at
-    least as many as keep the probe's extra seconds within PROBE_SHARE of the rounds' (within PROBE_MIN,
-    PROBE_MAX); a probe's first round leaves it due, so it runs again. A candidate of infinite cost is never chosen
-    (the calibration forces one candidate so)."""
+    candidate when it has never run or as many rounds have passed without it as it has run, and at least as many
+    as keep the probe's extra seconds within PROBE_SHARE of the rounds' (within PROBE_MIN, PROBE_MAX). A candidate
+    of infinite cost is never chosen (the calibration forces one candidate so)."""
     costs = budget_state.costs
     widest = costs.shape[0] - 1
     allowed = jnp.isfinite(costs)
@@ -182,13 +178,12 @@ def choose(budget_state: BudgetState) -> jax.Array:
 
 
 def _probe_interval(budget_state: BudgetState, best: jax.Array) -> jax.Array:
-    """[] float32 rounds without the widest candidate after which `choose` probes it, `best` [] int32 being the
+    """[] float32 rounds without the widest candidate after which `choose` runs it once, `best` [] int32 being the
     candidate it would choose otherwise: as many as the widest has run (row-rounds), and as many as keep the
     probe's extra seconds within PROBE_SHARE of the rounds', within PROBE_MIN and PROBE_MAX."""
     costs = budget_state.costs
     widest = costs.shape[0] - 1
-    # A probe: PROBE_ROUNDS rounds of the widest (the first teaches nothing, `steady_round`) and two changes.
-    probe_extra = PROBE_ROUNDS * (costs[widest] - costs[best]) + 2 * budget_state.change_cost
+    probe_extra = costs[widest] - costs[best] + 2 * budget_state.change_cost  # seconds a probe costs beyond `best`
     priced = probe_extra / (PROBE_SHARE * costs[best])  # rounds between probes that keep them within PROBE_SHARE
     return jnp.clip(jnp.maximum(budget_state.rows[widest], priced), PROBE_MIN, PROBE_MAX)
 
@@ -267,46 +262,23 @@ def observe(budget_state: BudgetState, pick: int, counts: jax.Array, revealed: j
             budget: int, num_rounds: jax.Array) -> BudgetState:
     """After a round that verified candidate `pick` (static; its budget `budget`): fold the running rows'
     counts [b, N] of every revealed [N] candidate (`revealed_counts`; the first is always revealed) into its tokens
-    (the first's count, another's gain over it) and rows, record `budget` at each running row's round index
-    `num_rounds` [b], `pick` as the last candidate and the widest's absence. Only a round that started where a round
-    of its own candidate or a wider one ended learns (`steady_round`); another (the first round of a tree after a
-    narrower candidate's, a probe's first round) is recorded but teaches nothing, and does not count as the widest's
-    run (a due probe runs again). A round in which no row runs changes nothing."""
+    (the first's count, another's gain over it) and rows, record `budget`
+    at each running row's round index `num_rounds` [b], `pick` as the last candidate and the widest's absence.
+    A round in which no row runs changes nothing."""
     any_running = running.any()
-    steady = steady_round(budget_state, pick)
     n = running.sum().astype(jnp.float32)
     gains = counts - jnp.where(jnp.arange(counts.shape[1]) > 0, counts[:, :1], 0)  # [b, N]: count, then gains
     total = jnp.sum(jnp.where(running[:, None], gains, 0), axis=0).astype(jnp.float32)  # [N]
-    learn = revealed & any_running & steady
+    learn = revealed & any_running
     tokens = jnp.where(learn, DECAY * budget_state.tokens + total, budget_state.tokens)
     rows = jnp.where(learn, DECAY * budget_state.rows + n, budget_state.rows)
     widest = budget_state.costs.shape[0] - 1
-    ran_widest = steady if pick == widest else jnp.bool_(False)
-    since = jnp.where(any_running, jnp.where(ran_widest, 0, budget_state.since_widest + 1), budget_state.since_widest)
+    since = jnp.where(any_running, 0 if pick == widest else budget_state.since_widest + 1, budget_state.since_widest)
     b, max_new = budget_state.chosen.shape
     idx = jnp.where(running, num_rounds, max_new)
     return dataclasses.replace(budget_state, tokens=tokens, rows=rows, since_widest=since.astype(jnp.int32),
                                chosen=budget_state.chosen.at[jnp.arange(b), idx].set(budget, mode="drop"),
                                last=jnp.where(any_running, jnp.int32(pick), budget_state.last))
-
-
-def steady_round(budget_state: BudgetState, pick: int) -> jax.Array:
-    """[] bool: whether a round of candidate `pick` (static) teaches its counts: it started where a round of the
-    same candidate or a wider one ended (`last` >= pick), or it is the first (narrowest) candidate's.
-
-    Why. Counts are per round, and a candidate's rate is its tokens per round over its own rounds: where its rounds
-    start depends on where its previous ones stopped. A wide tree's round that starts where a narrower candidate's
-    stopped commits fewer tokens than one that starts where its own stopped: its own run would have carried it past
-    several of the narrower one's stops, and from a point between them only the rest is left (the inspection
-    paradox). On the demo pair (CPU, float32, 16 held-out prompts x 128 tokens, 2026-12-04) B = 31 committed 4.93
-    tokens per round from the chain's states (`tools/auto_counterfactual.py`) against 5.15 over its own rounds
-    (`python -m ddtree_jax.bench --budgets 15,31 --dtype float32 --num-prompts 16`), the chain 3.89: a gain of 1.02
-    tokens read as 1.26, so the chain (0.23 ms) looked better than B = 31 (0.30 ms) where B = 31 was. Where a wider
-    candidate stopped, a narrower one's count is its own (a stop of the wider tree is a stop of the narrower one),
-    so the chain learns from every round."""
-    if pick == 0:
-        return jnp.bool_(True)
-    return budget_state.last >= pick
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -386,6 +358,6 @@ def save_costs(key: dict, seconds, change_seconds: float) -> Path | None:
 
 
 __all__ = ["CHAIN", "DEFAULT_CANDIDATES", "candidates_text", "BudgetState", "parse_candidates", "check_candidates",
-           "choose", "chain_rounds", "UNBOUNDED_ROUNDS", "learn_chain_rounds", "revealed_counts", "observe", "steady_round",
-           "DECAY", "PROBE_MIN", "PROBE_MAX", "PROBE_SHARE", "PROBE_ROUNDS", "CHANGE_ROUNDS",
+           "choose", "chain_rounds", "UNBOUNDED_ROUNDS", "learn_chain_rounds", "revealed_counts", "observe", "DECAY",
+           "PROBE_MIN", "PROBE_MAX", "PROBE_SHARE", "CHANGE_ROUNDS",
            "cost_key", "cost_cache_dir", "cost_cache_path", "load_costs", "save_costs"]
