@@ -59,10 +59,11 @@ import jax.numpy as jnp
 import numpy as np
 
 CHAIN = 0  # the candidate budget that means a DFlash round (the chain of per-depth argmaxes)
-# The chain, B = 16 and B = 64: at the Qwen3-8B shape's H200 round costs B = 64 projected 10% above B = 16
-# (docs/performance.md, 2026-12-03 night: the demo pair's acceptance; 15% at the paper's), where the demo pair's
-# small rounds favour the chain; a probe of the widest is priced at PROBE_SHARE of the time either way.
-DEFAULT_CANDIDATES = (CHAIN, 16, 64)
+# The chain, B = 15 and B = 63: trees of 16 and 64 rows with their root, whole tiles of the verify (H200,
+# 2026-12-04 evening: at the Qwen3.6-27B shape B = 15's round cost 1.00x DFlash's and B = 63's 1.09-1.13x against
+# B = 64's 1.20x; at the Qwen3-8B shape and on the demo pair, with its tau, no dearer than 16 and 64); a probe of
+# the widest is priced at PROBE_SHARE of the time.
+DEFAULT_CANDIDATES = (CHAIN, 15, 63)
 COST_CACHE_ENV = "DDTREE_JAX_ROUND_COSTS"  # a folder that overrides the cost cache's default place
 
 

@@ -125,7 +125,7 @@ class DecodeOptions:
     sampling: SamplingConfig = SamplingConfig()
     eos_ids: tuple[int, ...] = ()  # empty: never stop on a token
     block_size: int = 0
-    budget: int = 64
+    budget: int = 63  # B + 1 = 64 rows: whole tiles of the verify (README, "Picking a budget")
     budgets: tuple[int, ...] = ()
     mtp_steps: int = 3
     record_trees: bool = False  # keep each round's tree and accepted path in the state (--save-trees)
