@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from ddtree_jax.bench import DEFAULT_TAU, main, projected_tau
@@ -145,6 +146,11 @@ def test_projected_tau_and_bad_flags(capsys):
     assert projected_tau(DEFAULT_TAU, "dflash", None) == 7.79
     assert projected_tau(DEFAULT_TAU, "ddtree", 128) == DEFAULT_TAU[64]
     assert projected_tau({**DEFAULT_TAU, 128: 11.0}, "ddtree", 128) == 11.0
+    # Between listed budgets, linear in log2: 32 halfway between 16's 9.0 and 64's 10.73; 63 just below 64's;
+    # outside the listed ones, the nearest.
+    assert projected_tau(DEFAULT_TAU, "ddtree", 32) == pytest.approx((9.0 + 10.73) / 2)
+    assert projected_tau(DEFAULT_TAU, "ddtree", 63) == pytest.approx(9.0 + 1.73 * np.log2(63 / 16) / 2)
+    assert projected_tau(DEFAULT_TAU, "ddtree", 4) == 9.0 and projected_tau(DEFAULT_TAU, "ddtree", 1024) == 10.73
     assert main(["--shape", "tiny", "--budgets", "x"]) == 2
     assert main(["--shape", "tiny", "--target", "somewhere"]) == 2  # (no flags at all runs the demo pair)
     assert main(["--weights", "fp8", "--target", "somewhere"]) == 2
