@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -44,14 +42,15 @@ def test_right_pair_passes(tmp_path, capsys):
         "acceptance.png"]  # no temporary file left
 
 
-def test_shifted_tap_layers_are_flagged_with_the_fix(tmp_path):
-    """Taps one layer too shallow: fixed by the +1 shift (the demo pair's test below needs the -1 shift)."""
+def test_shifted_tap_layers_are_flagged_with_the_fix(tmp_path, capsys):
+    """Taps one layer too shallow: fixed by the +1 shift (the demo pair's test below needs the -1 shift). In this
+    process (`python -m ddtree_jax.doctor` itself, its exit status included, runs in tests/train/test_train_demo.py)."""
     target, drafter = write_signal_pair(tmp_path, dflash_config={"mask_token_id": MASK,
                                                                  "target_layer_ids": [t - 1 for t in TAP_IDS]})
-    proc = subprocess.run([sys.executable, "-m", "ddtree_jax.doctor", "--target", str(target), "--drafter",
-                           str(drafter), "--dtype", "float32", "--json"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1, proc.stderr
-    report = json.loads(proc.stdout)
+    code = main(["--target", str(target), "--drafter", str(drafter), "--dtype", "float32", "--json"])
+    captured = capsys.readouterr()
+    assert code == 1, captured.err
+    report = json.loads(captured.out)
     assert report["verdict"] == "miswired" and report["flagged"]
     assert (report["fix"]["field"], report["fix"]["value"]) == ("dflash_config.target_layer_ids", TAP_IDS)
     assert report["lossless"]  # a miswired drafter is slow, never wrong

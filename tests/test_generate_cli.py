@@ -1,7 +1,16 @@
-"""`python -m ddtree_jax.generate` end to end, as a user runs it."""
+"""`python -m ddtree_jax.generate` end to end, as a user runs it.
+
+Most runs call the command's own `main(argv)` in this process (`run_cli`): its flags, exit status, stdout and
+stderr, without paying a fresh interpreter's imports (about 5 s a run) for each. The tests about the process
+itself run `python -m ddtree_jax.generate` as a subprocess (`run_process`): the README's command, the requests
+refused before any allocation, one bad flag's exit status and single error line, and the advisory that
+transformers prints at import.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -22,9 +31,32 @@ SUMMARY = re.compile(r"^\[(ar|dflash block=\d+|ddtree B=\d+|mtp steps=\d+)\] \d+
                      r"(\d+\.\d\d tokens per round \(tau\), )?decode \d+\.\d\d s( = \d+ tokens/s)?; compile \d+\.\d s$")
 
 
-def run_cli(*args, env=None, timeout=600):
+def run_process(*args, env=None, timeout=600):
+    """`python -m ddtree_jax.generate ARGS` in a fresh interpreter."""
     return subprocess.run([sys.executable, "-m", "ddtree_jax.generate", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def run_cli(*args, env=None):
+    """`main(ARGS)` in this process, as `python -m ddtree_jax.generate` calls it: its exit status and what it wrote
+    to stdout and stderr (an uncaught exception propagates and fails the test, as a traceback would)."""
+    from ddtree_jax.generate import main
+
+    out, err, saved = io.StringIO(), io.StringIO(), {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([str(a) for a in args])
+            except SystemExit as e:  # argparse's own errors
+                code = e.code
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return subprocess.CompletedProcess(["generate", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
 def run_ar(*args, **kwargs):
@@ -89,14 +121,14 @@ def test_readme_command_prints_what_ar_prints():
     """The README's first command, as a new user runs it on a CPU (default dtype: float32 there), prints the
     same text as --mode ar, and ends with the summary line of the demo pair's DDTree."""
     readme = ("--prompt", "def fibonacci(n):")
-    proc = run_cli(*readme)
+    proc = run_process(*readme)
     assert proc.returncode == 0, proc.stderr
     assert "runs the demo pair" in proc.stderr
     summary = proc.stderr.strip().splitlines()[-1]
-    assert SUMMARY.match(summary) and summary.startswith("[ddtree B=64] 64 tokens, "), summary
+    assert SUMMARY.match(summary) and summary.startswith("[ddtree B=63] 64 tokens, "), summary
     # A trained drafter: a random one accepts almost nothing (tau ~1); this pair measured 3.15 at 64 tokens.
     assert float(summary.split("tokens, ")[1].split(" tokens per round")[0]) >= 2.0
-    ar = run_ar(*readme)
+    ar = run_process("--mode", "ar", *readme)
     assert ar.returncode == 0, ar.stderr
     assert ar.stderr.strip().splitlines()[-1].startswith("[ar] 64 tokens, decode")
     assert proc.stdout == ar.stdout
@@ -123,6 +155,15 @@ def test_bad_input_exits_2_with_one_line(random_target, args, message):
     assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
 
 
+def test_bad_input_from_the_command_line_exits_2_with_one_line(random_target):
+    """The same through `python -m ddtree_jax.generate` (the process's exit status, its whole stderr: no warning
+    or traceback beside the error line), for one case that reads the target's config."""
+    proc = run_process("--mode", "ar", "--target", random_target, "--prompt-ids", "1,99999")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: ") and "token id 99999 is outside the vocabulary" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize("args,message", [
     (["--budget", "0"], "--budget: expected >= 1, got 0"),
     (["--budget", "auto", "--budget-candidates", "chain"], "--budget-candidates: expected at least two distinct budgets"),
@@ -142,14 +183,14 @@ def test_long_requests_fail_in_seconds_before_allocating():
     """The issue's 10M new tokens on the demo pair: beyond its 4096 positions. With --allow-long-context, a
     billion (the cache alone would need terabytes): refused from the config shapes, before any weight or cache is
     allocated, in seconds (the bound is generous for a loaded CI machine)."""
-    proc = run_cli("--prompt", "def f():", "--max-new-tokens", 10_000_000, timeout=120)
+    proc = run_process("--prompt", "def f():", "--max-new-tokens", 10_000_000, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: 3 prompt tokens + --max-new-tokens 10000000 = 10000003 tokens: beyond the target's "
         f"max_position_embeddings 4096 ({demo_target() / 'config.json'}); ask for fewer tokens, or pass "
         "--allow-long-context to go past it")
     start = time.perf_counter()
-    proc = run_cli("--prompt", "def f():", "--max-new-tokens", 10**9, "--allow-long-context", timeout=120)
+    proc = run_process("--prompt", "def f():", "--max-new-tokens", 10**9, "--allow-long-context", timeout=120)
     assert time.perf_counter() - start < 60
     assert proc.returncode == 2, proc.stderr
     lines = [line for line in proc.stderr.strip().splitlines() if not line.startswith("note: ")]

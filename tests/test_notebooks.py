@@ -57,6 +57,10 @@ def _kernel_env() -> dict[str, str]:
     env = dict(os.environ)  # JAX_PLATFORMS=cpu and the matmul precision come from conftest
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     env["PYDEVD_DISABLE_FILE_VALIDATION"] = "1"  # debugpy's frozen-modules warning on kernel start
+    # The notebooks' smaller workload for tests (every cell still runs; unset, as for a user, the full one):
+    # quickstart.ipynb decodes 24 new tokens instead of 64; tree_anatomy.ipynb 24 instead of 48, and sweeps three
+    # budgets instead of five.
+    env["DDTREE_JAX_NOTEBOOK_QUICK"] = "1"
     return env
 
 
