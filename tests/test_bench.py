@@ -50,24 +50,10 @@ def test_shape_mode_writes_json_table_and_plot(tmp_path, capsys):
     assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.md", "bench.partial.json", "bench.png"]
 
 
-def test_mtp_rows_on_a_hybrid_shape(tmp_path):
-    """`--modes mtp`: rows of the hybrid's own (random) MTP head, m + 1 verified tokens, its weights counted once
-    per step in the floor, projected tokens/s only at a given tau; a dense shape is refused before any work."""
-    out = tmp_path / "out"
-    assert main(["--shape", "tiny-hybrid", "--context", "16", "--modes", "ar,mtp", "--mtp-steps", "2", "--tau",
-                 "mtp=2.5", "--repeats", "1", "--out", str(out)]) == 0
-    report = json.loads((out / "bench.json").read_text())
-    ar, mtp = report["rows"]
-    assert (ar["mode"], mtp["mode"], mtp["verify_tokens"], report["mtp_steps"]) == ("ar", "mtp", 3, 2)
-    assert_round_times(report["rows"])
-    assert_stage_times(mtp, ("draft", "verify", "accept", "commit"))
-    if mtp["round_s"] > 0:  # else clamped on a busy CPU (assert_round_times)
-        assert mtp["tokens_per_s_projected"] == pytest.approx(2.5 / mtp["round_s"])
-    assert mtp["floor_bytes"] - ar["floor_bytes"] >= 2 * report["mtp_bytes"]  # two sequential steps of the head
-    assert main(["--shape", "tiny", "--modes", "mtp", "--out", str(tmp_path / "x")]) == 2
-
-
 def test_checkpoint_mode_reports_speedup_and_divergence(tmp_path, monkeypatch):
+    """Checkpoint rows (AR, DFlash, DDTree at B = 4 and auto) on the hand-built pair, which accepts every draft; with
+    --trace: a profiler trace of one more decode of the first prompt per row, after the timed ones and compiling
+    nothing, and its round count (prefill emits the first of the 12 tokens: 3 rounds of 4 against 11 AR steps)."""
     from pairs import write_signal_pair
 
     monkeypatch.setenv("DDTREE_JAX_ROUND_COSTS", str(tmp_path / "costs"))
@@ -87,16 +73,23 @@ def test_checkpoint_mode_reports_speedup_and_divergence(tmp_path, monkeypatch):
         return result
 
     monkeypatch.setattr(engine, "generate", recording)
+    traces = tmp_path / "traces"
     assert main(["--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts), "--budgets", "4,auto",
-                 "--budget-candidates", "chain,4", "--max-new-tokens", "12", "--dtype", "float32", "--out", str(out)]) == 0
+                 "--budget-candidates", "chain,4", "--max-new-tokens", "12", "--dtype", "float32", "--trace",
+                 str(traces), "--out", str(out)]) == 0
     plan = [("ar", 64), ("dflash", 64), ("ddtree", 4), ("ddtree", (0, 4))]
     # Every row compiles and warms up first, on the first prompt and on the long one (its own programs); then
-    # prompt by prompt every row in turn, none compiling again.
+    # prompt by prompt every row in turn, none compiling again; then each row's traced decode of the first prompt.
     warm = [c for p in plan for c in (p, p)]
-    assert [c[:2] for c in calls] == warm + plan * 3 and [c[2] for c in calls] == [3, 40] * 4 + [3] * 4 + [2] * 4 + \
-        [40] * 4
+    assert [c[:2] for c in calls] == warm + plan * 4 and [c[2] for c in calls] == [3, 40] * 4 + [3] * 4 + [2] * 4 + \
+        [40] * 4 + [3] * 4
     assert all(c[3] > 0 for c in calls[:8]) and all(c[3] == 0 for c in calls[8:])
+    rows_traced = ("ar", "dflash", "ddtree4", "ddtreeauto")
+    assert sorted(p.name for p in traces.iterdir()) == sorted(rows_traced)
+    assert [json.loads((traces / row / "rounds.json").read_text())["rounds"] for row in rows_traced] == [11, 3, 3, 3]
+    assert all(list((traces / row).glob("**/perfetto_trace.json.gz")) for row in rows_traced)
     record = json.loads((out / "bench.json").read_text())
+    assert record["command"].endswith("--dtype float32 --trace DIR")
     assert (record["target"], record["drafter"]) == (str(target.relative_to(tmp_path)), str(drafter.relative_to(tmp_path)))
     rows = record["rows"]
     assert [(r["mode"], r["budget"]) for r in rows] == [("ar", None), ("dflash", None), ("ddtree", 4),
@@ -111,15 +104,15 @@ def test_checkpoint_mode_reports_speedup_and_divergence(tmp_path, monkeypatch):
     assert [len(r) for r in auto["budgets_by_round"]] == [3] * 3 and {b for r in auto["budgets_by_round"] for b in r} \
         <= {0, 4} and (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert len(auto["round_costs_s"]) == 2 and "ddtree auto: rounds by budget" in (out / "bench.md").read_text()
+    # Without --row-invariant: recorded off per row, no note (test_checkpoint_mode_with_row_invariant_arithmetic).
+    assert not any(r["row_invariant"] for r in rows) and "Row-invariant" not in (out / "bench.md").read_text()
     # One cost table per run: calibrated in the warm-up (an empty cost cache) and given to every prompt.
     assert auto["calibration_s"] > 0 and len(list((tmp_path / "costs").iterdir())) == 1
 
 
-def test_checkpoint_mode_traces_one_decode_per_row(tmp_path, monkeypatch):
-    """--trace with checkpoints: a profiler trace of one decode of the first prompt per row, and its round count
-    (prefill emits the first of the 12 tokens; the hand-built pair accepts every draft: 3 rounds of 4 at B = 4
-    against 11 AR steps); here with --row-invariant (the Pallas kernels, interpreted), recorded per row and noted
-    under the table."""
+def test_checkpoint_mode_with_row_invariant_arithmetic(tmp_path, monkeypatch):
+    """--row-invariant with checkpoints (the Pallas kernels, interpreted): the rows decode with it (here the AR row
+    alone; the DDTree tokens under it: test_kernels_in_engine), record it per row and note it under the table."""
     from pairs import write_signal_pair
     from pallas_kernels import ENV_VAR
 
@@ -128,18 +121,12 @@ def test_checkpoint_mode_traces_one_decode_per_row(tmp_path, monkeypatch):
     target, drafter = write_signal_pair(tmp_path)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt_ids": [1, 2, 3]}\n')
-    traces = tmp_path / "traces"
-    assert main(["--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts), "--budgets", "4",
-                 "--modes", "ddtree", "--max-new-tokens", "12", "--dtype", "float32", "--trace", str(traces),
-                 "--row-invariant", "--out", str(tmp_path / "out")]) == 0
-    rows = json.loads((tmp_path / "out" / "bench.json").read_text())["rows"]
-    assert [r["row_invariant"] for r in rows] == [True, True] and [r["tau"] for r in rows] == [1.0, 4.0]
+    assert main(["--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts), "--modes", "ar",
+                 "--max-new-tokens", "4", "--dtype", "float32", "--row-invariant", "--out", str(tmp_path / "out")]) == 0
+    record = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert [(r["mode"], r["row_invariant"], r["tau"], r["tokens"]) for r in record["rows"]] == [("ar", True, 1.0, 4)]
     assert "Row-invariant arithmetic" in (tmp_path / "out" / "bench.md").read_text()
-    assert json.loads((tmp_path / "out" / "bench.json").read_text())["command"].endswith(
-        "--dtype float32 --trace DIR --row-invariant")
-    assert sorted(p.name for p in traces.iterdir()) == ["ar", "ddtree4"]
-    assert [json.loads((traces / row / "rounds.json").read_text())["rounds"] for row in ("ar", "ddtree4")] == [11, 3]
-    assert all(list((traces / row).glob("**/perfetto_trace.json.gz")) for row in ("ar", "ddtree4"))
+    assert record["command"].endswith("--dtype float32 --row-invariant")
 
 
 def test_projected_tau_and_bad_flags(capsys):
@@ -165,11 +152,14 @@ def test_projected_tau_and_bad_flags(capsys):
 
 
 def test_shape_mode_under_tp(tmp_path):
+    """A dense shape's AR row under tp on 2 devices (a DDTree row's stages under tp: the hybrid test below)."""
     out = tmp_path / "out"
-    assert main(["--shape", "tiny", "--context", "16", "--budgets", "8", "--modes", "ar,ddtree", "--repeats", "1",
+    assert main(["--shape", "tiny", "--context", "16", "--modes", "ar", "--repeats", "1",
                  "--devices", "2", "--parallel", "tp", "--out", str(out)]) == 0
     report = json.loads((out / "bench.json").read_text())
-    assert report["devices"] == 2 and report["parallel"] == "tp" and len(report["rows"]) == 2
+    assert report["devices"] == 2 and report["parallel"] == "tp" and not report["hybrid"]
+    assert [r["mode"] for r in report["rows"]] == ["ar"]
+    assert_round_times(report["rows"])
 
 
 def test_hybrid_shape_mode_under_tp(tmp_path, recwarn):
@@ -189,8 +179,9 @@ def test_hybrid_shape_mode_under_tp(tmp_path, recwarn):
 
 def test_hybrid_shape_mode_reports_recurrent_state_bytes(tmp_path):
     """`--shape tiny-hybrid`: a random Qwen3.5-style target (3 Gated DeltaNet layers + 1 gated attention layer)
-    with a sliding-window + non-causal drafter; every row carries the per-node recurrent states its verify
-    keeps, equal to a hand count from the config and to what the verify forward really returns."""
+    with a sliding-window + non-causal drafter; every DFlash/DDTree row carries the per-node recurrent states its
+    verify keeps, equal to a hand count from the config and to what the verify forward really returns. In the same
+    run (one hybrid's programs), AR and MTP rows (below)."""
     import jax
     import jax.numpy as jnp
 
@@ -200,15 +191,26 @@ def test_hybrid_shape_mode_reports_recurrent_state_bytes(tmp_path):
     from ddtree_jax.models.contract import ForwardMeta
 
     out = tmp_path / "out"
-    assert main(["--shape", "tiny-hybrid", "--context", "24", "--modes", "dflash,ddtree", "--budgets", "4",
-                 "--repeats", "1", "--out", str(out)]) == 0
+    assert main(["--shape", "tiny-hybrid", "--context", "24", "--modes", "ar,dflash,mtp,ddtree", "--budgets", "4",
+                 "--mtp-steps", "2", "--tau", "mtp=2.5", "--repeats", "1", "--out", str(out)]) == 0
     report = json.loads((out / "bench.json").read_text())
-    rows = report["rows"]
+    ar, dflash, mtp, ddtree = report["rows"]
+    rows = [dflash, ddtree]
     assert report["hybrid"] and report["skipped"] == []
-    assert [(r["mode"], r["budget"], r["verify_tokens"]) for r in rows] == [("dflash", None, 16), ("ddtree", 4, 5)]
-    assert_round_times(rows)
+    assert [(r["mode"], r["budget"], r["verify_tokens"]) for r in report["rows"]] == [
+        ("ar", None, 1), ("dflash", None, 16), ("mtp", None, 3), ("ddtree", 4, 5)]
+    assert_round_times(report["rows"])
     for r in rows:
         assert_stage_times(r)
+
+    # `--modes mtp`: a row of the hybrid's own (random) MTP head, m + 1 verified tokens, its weights counted once
+    # per step in the floor, projected tokens/s only at a given tau; a dense shape is refused before any work.
+    assert report["mtp_steps"] == 2
+    assert_stage_times(mtp, ("draft", "verify", "accept", "commit"))
+    if mtp["round_s"] > 0:  # else clamped on a busy CPU (assert_round_times)
+        assert mtp["tokens_per_s_projected"] == pytest.approx(2.5 / mtp["round_s"])
+    assert mtp["floor_bytes"] - ar["floor_bytes"] >= 2 * report["mtp_bytes"]  # two sequential steps of the head
+    assert main(["--shape", "tiny", "--modes", "mtp", "--out", str(tmp_path / "x")]) == 2
 
     # By hand from the config: per node and GDN layer a float32 key, written value and log decay per value
     # head, Hv x (Dk + Dv + 1), and a bf16 conv input of C = 2 * key heads * Dk + Hv * Dv channels; the
@@ -243,11 +245,12 @@ def test_hybrid_shape_mode_reports_recurrent_state_bytes(tmp_path):
                             jnp.tril(jnp.ones((1, t, t), bool)))
     fwd = jax.eval_shape(lambda p, k: qwen3_5.forward(p, tokens, meta, k), params, cache)
     kept = sum(a.size * a.dtype.itemsize for n in fwd.nodes for a in jax.tree.leaves(n))
-    assert kept == costs.recurrent_node_bytes(cfg, t) == rows[1]["recurrent_state_bytes"]
+    assert kept == costs.recurrent_node_bytes(cfg, t) == ddtree["recurrent_state_bytes"]
 
     table = (out / "bench.md").read_text()
     assert "recurrent state MiB |" in table.splitlines()[0]
-    assert "| ddtree | 4 | jax | 1 | 24 | 5 |" in table and table.splitlines()[3].endswith(f"| {per_node * 5 / 2**20:.3f} |")
+    [line] = [x for x in table.splitlines() if x.startswith("| ddtree | 4 | jax | 1 | 24 | 5 |")]
+    assert line.endswith(f"| {per_node * 5 / 2**20:.3f} |")
 
 
 def test_shape_mode_in_float32_records_the_matmul_precision(tmp_path):

@@ -103,7 +103,7 @@ def free_runs(mtp_pair):
     return run
 
 
-@pytest.mark.parametrize("m", [1, 3, 5])
+@pytest.mark.parametrize("m", [1, 3])  # one draft, and a chain of drafts (the Qwen3.6 head's default 3)
 def test_greedy_equals_ar(mtp_pair, free_runs, m):
     spec = free_runs(m)
     assert spec.output_ids == mtp_pair[2]

@@ -112,11 +112,13 @@ FORMS = [pytest.param({"two_launch": False, "unrolled_chain": False, "direct": F
          pytest.param({"two_launch": True, "unrolled_chain": False, "direct": False}, id="two-launch"),
          pytest.param({"two_launch": True, "unrolled_chain": True, "direct": False}, id="two-launch-unrolled"),
          pytest.param({"two_launch": False, "unrolled_chain": False, "direct": True}, id="direct")]
-# The two-launch chain's other knobs: the initial state's terms by XLA, blocks of 32 rows; rolled and unrolled.
-CHAIN_VARIANTS = [pytest.param({"s0_in_xla": True, "unrolled_chain": False}, id="s0-xla"),
-                  pytest.param({"s0_in_xla": True, "unrolled_chain": True}, id="s0-xla-unrolled"),
-                  pytest.param({"unrolled_chain": False, "block_rows": 32}, id="rows32"),
-                  pytest.param({"unrolled_chain": True, "block_rows": 32}, id="rows32-unrolled")]
+# The two-launch chain's other knobs, each at a width whose chain walks several blocks: the initial state's terms
+# by XLA (T = 17: two blocks, rolled; T = 65: five, unrolled), blocks of 32 rows (T = 65: three, rolled and
+# unrolled).
+CHAIN_VARIANTS = [pytest.param(17, {"s0_in_xla": True, "unrolled_chain": False}, id="17-s0-xla"),
+                  pytest.param(65, {"s0_in_xla": True, "unrolled_chain": True}, id="65-s0-xla-unrolled"),
+                  pytest.param(65, {"unrolled_chain": False, "block_rows": 32}, id="65-rows32"),
+                  pytest.param(65, {"unrolled_chain": True, "block_rows": 32}, id="65-rows32-unrolled")]
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
@@ -165,8 +167,7 @@ class TestTreeDeltaRuleKernel:
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
-@pytest.mark.parametrize("form", CHAIN_VARIANTS)
-@pytest.mark.parametrize("t", [17, 65])
+@pytest.mark.parametrize("t,form", CHAIN_VARIANTS)
 def test_chain_variants_match_the_float64_recurrence(t, form, interpret):
     """The chain's knobs on random trees past one block (a partial last block) and on near-parallel keys."""
     config = tdr.TreeDeltaRuleConfig(two_launch=True, **form)
