@@ -61,7 +61,7 @@ import numpy as np
 CHAIN = 0  # the candidate budget that means a DFlash round (the chain of per-depth argmaxes)
 # The chain, B = 15 and B = 63: trees of 16 and 64 rows with their root, whole tiles of the verify (H200,
 # 2026-12-04 evening: at the Qwen3.6-27B shape B = 15's round cost 1.00x DFlash's and B = 63's 1.09-1.13x against
-# B = 64's 1.20x; at the Qwen3-8B shape and on the demo pair, with its tau, no dearer than 16 and 64); a probe of
+# B = 64's 1.19-1.20x; at the Qwen3-8B shape and on the demo pair, with its tau, no dearer than 16 and 64); a probe of
 # the widest is priced at PROBE_SHARE of the time.
 DEFAULT_CANDIDATES = (CHAIN, 15, 63)
 COST_CACHE_ENV = "DDTREE_JAX_ROUND_COSTS"  # a folder that overrides the cost cache's default place

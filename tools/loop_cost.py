@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -70,8 +71,6 @@ TRACE_ROUNDS = 2
 def trace_calls(programs: dict, trace_dir: Path) -> None:
     """Per program, one call of 1 + TRACE_ROUNDS rounds traced (after an untimed call of as many, on the state it
     returned: the "again" kind) under trace_dir/PROGRAM (the label with [],@ spelt _), its rounds in rounds.json."""
-    import re
-
     import jax
 
     from ddtree_jax.measure.timing import record_trace
