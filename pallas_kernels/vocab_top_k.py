@@ -57,6 +57,10 @@ class VocabTopKConfig:
     block_rows: rows of a counting tile.
     num_warps:  Triton's warps per program.
     num_stages: Triton's software pipelining of the streaming loads.
+    radix_bits: bits of the threshold decided per step of its search (1, 2 or 4): 32 / radix_bits steps, each
+                one reduction of 2^radix_bits counts over the row's chunk maxima.
+    threshold_once: 1: the threshold in a launch of its own, once per row (grid (r,)), read by the row's
+                segment programs; 0: every segment program computes it (no launch, P times the work).
     """
 
     segment: int = 8192
@@ -65,11 +69,17 @@ class VocabTopKConfig:
     block_rows: int = 128
     num_warps: int = 8
     num_stages: int = 2
+    radix_bits: int = 1
+    threshold_once: int = 0
 
     def __post_init__(self):
         check_knobs(self, pow2={"segment": 16, "step": 16, "block": 16, "block_rows": 16})
         if self.step > 1 << 14:  # a step's two exclusive counts share one int32 scan (16 bits each)
             raise ValueError(f"VocabTopKConfig.step={self.step!r}: must be at most 16384")
+        if self.radix_bits not in (1, 2, 4):
+            raise ValueError(f"VocabTopKConfig.radix_bits={self.radix_bits!r}: must be 1, 2 or 4")
+        if self.threshold_once not in (0, 1):
+            raise ValueError(f"VocabTopKConfig.threshold_once={self.threshold_once!r}: must be 0 or 1")
 
 
 def default_config(n: int) -> VocabTopKConfig:
@@ -115,27 +125,48 @@ def _chunk_max_kernel(x_ref, cmax_ref, *, n: int, chunk: int, segment: int, step
     lax.fori_loop(0, segment // step, body, 0)
 
 
-def _kth_largest(values, k: int):
+def _kth_largest(values, k: int, radix_bits: int = 1):
     """The k-th largest of an int32 vector (with multiplicity; k <= its length), by deciding its bits from the
-    top: the largest u (as an unsigned pattern of the sign-flipped key) with at least k values >= it."""
+    top, radix_bits at a time: the largest u (as an unsigned pattern of the sign-flipped key) with at least k
+    values >= it. Per step the counts of values >= each candidate digit (digit 0 always has k: it is the answer
+    so far) fall as the digit grows, so the digit is the number of candidates with k, less one."""
     answer = jnp.int32(0)
-    for bit in range(31, -1, -1):
-        candidate = answer | jnp.int32(np.int32(np.uint32(1 << bit).view(np.int32)))
-        enough = jnp.sum((values >= (candidate ^ INT32_MIN)).astype(jnp.int32)) >= k
-        answer = jnp.where(enough, candidate, answer)
+    if radix_bits == 1:
+        for bit in range(31, -1, -1):
+            candidate = answer | jnp.int32(np.int32(np.uint32(1 << bit).view(np.int32)))
+            enough = jnp.sum((values >= (candidate ^ INT32_MIN)).astype(jnp.int32)) >= k
+            answer = jnp.where(enough, candidate, answer)
+        return answer ^ INT32_MIN
+    digits = jnp.arange(1 << radix_bits, dtype=jnp.int32)
+    for shift in range(32 - radix_bits, -1, -radix_bits):
+        candidates = (answer | (digits << shift)) ^ INT32_MIN  # the top digits wrap into the sign bit
+        counts = jnp.sum((values[None, :] >= candidates[:, None]).astype(jnp.int32), axis=1)
+        answer = answer | ((jnp.sum((counts >= k).astype(jnp.int32)) - 1) << shift)
     return answer ^ INT32_MIN
 
 
-def _compact_kernel(x_ref, cmax_ref, above_key_ref, above_idx_ref, tie_idx_ref, above_count_ref, tie_count_ref,
-                    t_ref, *, n: int, k: int, num_chunks: int, chunks_p: int, slots: int, segment: int, step: int):
-    """x_ref [segment]; cmax_ref [chunks_p] the row's chunk maxima (past num_chunks not read). Out: this
-    segment's entries > t in index order, keys and indices (above_key_ref, above_idx_ref [slots]; the first
-    `slots` of them) and their count (above_count_ref [1], may exceed slots: the row overflows); the indices of
-    its first k entries == t (tie_idx_ref [k]) and its count of them (tie_count_ref [1]); t (t_ref [1])."""
-    seg = pl.program_id(1)
+def _threshold_kernel(cmax_ref, t_ref, *, k: int, num_chunks: int, chunks_p: int, radix_bits: int):
+    """cmax_ref [chunks_p] a row's chunk maxima (past num_chunks not read) -> t_ref [1] their k-th largest."""
     maxima = plt.load(cmax_ref.at[pl.ds(0, chunks_p)], mask=jnp.arange(chunks_p) < num_chunks, other=INT32_MIN)
-    t = _kth_largest(maxima, k)
-    t_ref[0] = t
+    t_ref[0] = _kth_largest(maxima, k, radix_bits)
+
+
+def _compact_kernel(x_ref, cmax_ref, above_key_ref, above_idx_ref, tie_idx_ref, above_count_ref, tie_count_ref,
+                    *t_refs, n: int, k: int, num_chunks: int, chunks_p: int, slots: int, segment: int, step: int,
+                    radix_bits: int):
+    """x_ref [segment]; cmax_ref [chunks_p] the row's chunk maxima (past num_chunks not read), or [1] the row's t
+    (`_threshold_kernel`; chunks_p 0). Out: this segment's entries > t in index order, keys and indices
+    (above_key_ref, above_idx_ref [slots]; the first `slots` of them) and their count (above_count_ref [1], may
+    exceed slots: the row overflows); the indices of its first k entries == t (tie_idx_ref [k]) and its count of
+    them (tie_count_ref [1]); where t is computed here, t (t_refs: t_ref [1])."""
+    seg = pl.program_id(1)
+    if chunks_p:
+        maxima = plt.load(cmax_ref.at[pl.ds(0, chunks_p)], mask=jnp.arange(chunks_p) < num_chunks,
+                          other=INT32_MIN)
+        t = _kth_largest(maxima, k, radix_bits)
+        t_refs[0][0] = t
+    else:
+        t = cmax_ref[0]
 
     def body(s, carry):  # both exclusive counts in one scan (a step holds at most 2^14 entries)
         above_run, tie_run = carry
@@ -170,7 +201,7 @@ def _select_kernel(above_key_ref, above_idx_ref, tie_idx_ref, above_count_ref, t
                    indices_ref, count_ref, dense_key_ref, dense_idx_ref, *, k: int, slots: int, segments: int,
                    block: int, block_rows: int, interpret: bool):
     """The segments' candidates (above_key_ref, above_idx_ref [P, slots], tie_idx_ref [P, k], the counts
-    [next_pow2(P)], past P not read, and t_ref [next_pow2(P)], every segment's t the same) -> values_ref [k]
+    [next_pow2(P)], past P not read, and t_ref [next_pow2(P)] every segment's t, the same, or [1] the row's) -> values_ref [k]
     float32, indices_ref [k] int32, count_ref [1] the row's count of entries > t; scratch (global memory):
     dense_key_ref, dense_idx_ref [slots]. The top k are the entries > t in (key desc, index asc) order, then
     as many of the entries == t as are missing, in index order."""
@@ -254,22 +285,38 @@ def vocab_top_k_pallas(x: jax.Array, k: int, *, config: VocabTopKConfig | None =
         out_shape=jax.ShapeDtypeStruct((r, num_chunks), jnp.int32), compiler_params=params, interpret=interpret,
         debug=debug, name="vocab_top_k_chunk_max")(rows)
 
+    def row(*shape):
+        return pl.BlockSpec((None, *shape), lambda i: (i,) + (0,) * len(shape))
+
+    chunks_p = next_pow2(num_chunks)
+    if config.threshold_once:
+        t = pl.pallas_call(
+            functools.partial(_threshold_kernel, k=k, num_chunks=num_chunks, chunks_p=chunks_p,
+                              radix_bits=config.radix_bits),
+            grid=(r,), in_specs=[row(chunks_p)], out_specs=row(1), out_shape=jax.ShapeDtypeStruct((r, 1), jnp.int32),
+            compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=1), interpret=interpret,
+            debug=debug, name="vocab_top_k_threshold")(cmax)
+        threshold_in, threshold_spec = t, pl.BlockSpec((None, 1), lambda i, j: (i, 0))
+    else:
+        threshold_in, threshold_spec = cmax, pl.BlockSpec((None, chunks_p), lambda i, j: (i, 0))
+
     cand_spec = pl.BlockSpec((None, None, slots), lambda i, j: (i, j, 0))
     one_spec = pl.BlockSpec((None, None, 1), lambda i, j: (i, j, 0))
     per_segment = jax.ShapeDtypeStruct((r, segments, 1), jnp.int32)
-    above_key, above_idx, tie_idx, above_count, tie_count, t = pl.pallas_call(
-        functools.partial(_compact_kernel, n=n, k=k, num_chunks=num_chunks, chunks_p=next_pow2(num_chunks),
-                          slots=slots, segment=segment, step=step),
-        grid=(r, segments), in_specs=[x_spec, pl.BlockSpec((None, next_pow2(num_chunks)), lambda i, j: (i, 0))],
+    t_out = 0 if config.threshold_once else 1  # the compact's outputs of t (one per segment)
+    above_key, above_idx, tie_idx, above_count, tie_count, *t_segments = pl.pallas_call(
+        functools.partial(_compact_kernel, n=n, k=k, num_chunks=num_chunks, chunks_p=chunks_p * t_out,
+                          slots=slots, segment=segment, step=step, radix_bits=config.radix_bits),
+        grid=(r, segments), in_specs=[x_spec, threshold_spec],
         out_specs=[cand_spec, cand_spec, pl.BlockSpec((None, None, k), lambda i, j: (i, j, 0)), one_spec, one_spec,
-                   one_spec],
+                   *[one_spec] * t_out],
         out_shape=[jax.ShapeDtypeStruct((r, segments, slots), jnp.int32),
                    jax.ShapeDtypeStruct((r, segments, slots), jnp.int32),
-                   jax.ShapeDtypeStruct((r, segments, k), jnp.int32), per_segment, per_segment, per_segment],
-        compiler_params=params, interpret=interpret, debug=debug, name="vocab_top_k_compact")(rows, cmax)
-
-    def row(*shape):
-        return pl.BlockSpec((None, *shape), lambda i: (i,) + (0,) * len(shape))
+                   jax.ShapeDtypeStruct((r, segments, k), jnp.int32), per_segment, per_segment,
+                   *[per_segment] * t_out],
+        compiler_params=params, interpret=interpret, debug=debug, name="vocab_top_k_compact")(rows, threshold_in)
+    if t_out:
+        t = t_segments[0].reshape(r, segments)
 
     segments_p = next_pow2(segments)
     values, indices, count, *_ = pl.pallas_call(
@@ -277,14 +324,14 @@ def vocab_top_k_pallas(x: jax.Array, k: int, *, config: VocabTopKConfig | None =
                           block_rows=min(config.block_rows, slots), interpret=interpret),
         grid=(r,),
         in_specs=[row(segments, slots), row(segments, slots), row(segments, k), row(segments_p), row(segments_p),
-                  row(segments_p)],
+                  row(1 if config.threshold_once else segments_p)],
         out_specs=[row(k), row(k), row(1), row(slots), row(slots)],
         out_shape=[jax.ShapeDtypeStruct((r, k), jnp.float32), jax.ShapeDtypeStruct((r, k), jnp.int32),
                    jax.ShapeDtypeStruct((r, 1), jnp.int32), jax.ShapeDtypeStruct((r, slots), jnp.int32),
                    jax.ShapeDtypeStruct((r, slots), jnp.int32)],
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=1), interpret=interpret,
         debug=debug, name="vocab_top_k_select")(above_key, above_idx, tie_idx, *(
-            a.reshape(r, segments) for a in (above_count, tie_count, t)))
+            a.reshape(r, segments) for a in (above_count, tie_count)), t)
     return values.reshape(*lead, k), indices.reshape(*lead, k), count.reshape(lead)
 
 

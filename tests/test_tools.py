@@ -198,8 +198,10 @@ def test_topk_probe_times_and_checks_every_chunk(tmp_path):
     assert topk_probe.main(["--out", str(tmp_path), "--vocab", "300", "--budgets", "8", "--chunks", "auto",
                             "--top-k", "chunked", "--tree-build", "reference,pallas:block=16:block_rows=16",
                             "--depths", "3", "--rounds", "1", "--workers", "1", "--baseline", str(baseline),
-                            "--peak", "20"]) == 0
+                            "--peak", "20", "--trace", str(tmp_path / "tr")]) == 0
     report = json.loads((tmp_path / "topk_probe.json").read_text())
+    traces = (tmp_path / "tr").glob("**/perfetto_trace.json.gz")
+    assert [p.relative_to(tmp_path / "tr").parts[0] for p in traces] == ["300_8_chunked"]
     assert report["peak"] == 20 and str(tmp_path) not in report["command"]  # no machine path in the record
     assert [r["impl"] for r in report["records"]] == [
         "current chunked", "current chunked pallas:block=16:block_rows=16", "baseline", "top-k chunked"]

@@ -13,11 +13,13 @@ parents, depths, valid, scores, ancestor mask); without, every tree is checked a
 the first top-k and the first `--tree-build` (`reference`, the XLA builder, or `pallas`, the tree-build kernel:
 `current <top-k> pallas` in the table). `threshold_fits` says whether threshold_top_k's fast path held the
 candidates for these logits (else it took its fallback). Writes topk_probe.json and topk_probe.md under --out.
+`--trace DIR`: each `top-k` point also runs one call of --passes passes under the profiler, in DIR/V_B_NAME
+(`python tools/trace_summary.py DIR --rounds PASSES`: its launches by name, per pass).
 
     python tools/topk_probe.py --out DIR [--vocab 151936,248320] [--budgets 16,64,256,512]
                                [--chunks auto] [--top-k threshold,chunked,pallas,pallas:step=8192]
                                [--tree-build reference,pallas,pallas:block_rows=256:num_warps=8]
-                               [--baseline old_tree.py]
+                               [--baseline old_tree.py] [--trace DIR]
                                (chunk 0: one lax.top_k)
 """
 
@@ -27,6 +29,7 @@ import argparse
 import concurrent.futures
 import importlib.util
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -38,7 +41,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ddtree_jax import tree as current  # noqa: E402
-from ddtree_jax.measure.timing import in_loop_seconds  # noqa: E402
+from ddtree_jax.measure.timing import in_loop_seconds, record_trace  # noqa: E402
 from ddtree_jax.cli import recorded_command  # noqa: E402
 from ddtree_jax.engine import compile_program  # noqa: E402
 from pallas_kernels.tree_build import TreeBuildConfig  # noqa: E402
@@ -176,6 +179,8 @@ def main(argv=None) -> int:
                    help="passes in the long call (against 1): at 8 the host's jitter over a call moved a ~50 us "
                         "build by 2x between runs (H200, 2026-12-02)")
     p.add_argument("--workers", type=int, default=8, help="compile threads")
+    p.add_argument("--trace", type=Path, default=None, metavar="DIR",
+                   help="a profiler trace of one call per top-k point, under DIR/V_B_NAME")
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     top_ks = [t.strip() for t in args.top_k.split(",") if t.strip()]
@@ -226,6 +231,9 @@ def main(argv=None) -> int:
                             threshold_fits=fits[(v, b)]))
         if impl.startswith("top-k "):  # one pass: the log-softmax of the logits themselves
             records[-1]["same_top_k"] = same_top_k(b, c, impl[len("top-k "):], inputs[v][0])
+            if args.trace:
+                name = re.sub(r"[^A-Za-z0-9=_.-]+", "_", impl[len("top-k "):])
+                record_trace(args.trace / f"{v}_{b}_{name}", lambda: compiled(*inputs[v], jnp.int32(args.passes)))
         else:
             trees[(v, b, c, impl)] = [np.asarray(x) for x in compiled(*inputs[v], jnp.int32(1))]
     for r in records:
