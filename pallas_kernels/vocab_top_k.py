@@ -1,5 +1,5 @@
 """The top k of every row of a long float32 matrix (a drafter's per-depth log-probs over the vocabulary) in three
-launches (Pallas, Triton), without sorting.
+launches (Pallas, Triton; four with `threshold_once`), without sorting.
 
 The contract is `lax.top_k` over the last axis as a CPU computes it: the same values, the same int32 indices,
 the same order (value desc in XLA's total order of floats, lower index first among equals; on a GPU lax.top_k
@@ -14,11 +14,14 @@ programs, because one program streaming a whole row was latency-bound (one progr
 ~140-200 us on the H200: a few loads in flight per multiprocessor). In integer keys (`total_order_key`):
 
 1. `_chunk_max_kernel`, grid (r, P): the maxima of the segment's chunks.
-2. `_compact_kernel`, grid (r, P): t = the k-th largest chunk maximum of the row (a 32-step bisection on the
-   key bits over the row's maxima, held in registers): k different chunks hold an entry >= t, so every top-k
-   entry is > t or == t. Then the segment's entries > t in index order into its M slots, and the indices of
-   its first k entries == t (an exclusive prefix count per step, both counts packed in one int32 scan).
-3. `_select_kernel`, grid (r,): the segments' entries > t gathered densely in segment order (index order
+2. `_threshold_kernel`, grid (r,) (knob `threshold_once`; else each segment program of step 3 computes it):
+   t = the k-th largest chunk maximum of the row (a search on the key bits over the row's maxima, held in
+   registers, `radix_bits` bits a step): k different chunks hold an entry >= t, so every top-k entry is > t
+   or == t.
+3. `_compact_kernel`, grid (r, P): the segment's entries > t in index order into its M slots, and the indices
+   of its first k entries == t (an exclusive prefix count per step, both counts packed in one int32 scan); with
+   `skip_cold` only the chunks whose maximum reaches t are read, a chunk a step.
+4. `_select_kernel`, grid (r,): the segments' entries > t gathered densely in segment order (index order
    again) and ranked by (key desc, slot asc), counting over the occupied slots only; the places they leave
    below k go to the row's first entries == t, in index order (they are among the segments' first k).
 
@@ -61,6 +64,8 @@ class VocabTopKConfig:
                 one reduction of 2^radix_bits counts over the row's chunk maxima.
     threshold_once: 1: the threshold in a launch of its own, once per row (grid (r,)), read by the row's
                 segment programs; 0: every segment program computes it (no launch, P times the work).
+    skip_cold:  1: the compaction reads a chunk at a time, only the chunks whose maximum reaches the threshold;
+                0: every entry, `step` at a time.
     """
 
     segment: int = 8192
@@ -71,6 +76,7 @@ class VocabTopKConfig:
     num_stages: int = 2
     radix_bits: int = 1
     threshold_once: int = 0
+    skip_cold: int = 0
 
     def __post_init__(self):
         check_knobs(self, pow2={"segment": 16, "step": 16, "block": 16, "block_rows": 16})
@@ -78,8 +84,9 @@ class VocabTopKConfig:
             raise ValueError(f"VocabTopKConfig.step={self.step!r}: must be at most 16384")
         if self.radix_bits not in (1, 2, 4):
             raise ValueError(f"VocabTopKConfig.radix_bits={self.radix_bits!r}: must be 1, 2 or 4")
-        if self.threshold_once not in (0, 1):
-            raise ValueError(f"VocabTopKConfig.threshold_once={self.threshold_once!r}: must be 0 or 1")
+        for name in ("threshold_once", "skip_cold"):
+            if getattr(self, name) not in (0, 1):
+                raise ValueError(f"VocabTopKConfig.{name}={getattr(self, name)!r}: must be 0 or 1")
 
 
 def default_config(n: int) -> VocabTopKConfig:
@@ -151,26 +158,29 @@ def _threshold_kernel(cmax_ref, t_ref, *, k: int, num_chunks: int, chunks_p: int
     t_ref[0] = _kth_largest(maxima, k, radix_bits)
 
 
-def _compact_kernel(x_ref, cmax_ref, above_key_ref, above_idx_ref, tie_idx_ref, above_count_ref, tie_count_ref,
-                    *t_refs, n: int, k: int, num_chunks: int, chunks_p: int, slots: int, segment: int, step: int,
-                    radix_bits: int):
-    """x_ref [segment]; cmax_ref [chunks_p] the row's chunk maxima (past num_chunks not read), or [1] the row's t
-    (`_threshold_kernel`; chunks_p 0). Out: this segment's entries > t in index order, keys and indices
-    (above_key_ref, above_idx_ref [slots]; the first `slots` of them) and their count (above_count_ref [1], may
-    exceed slots: the row overflows); the indices of its first k entries == t (tie_idx_ref [k]) and its count of
-    them (tie_count_ref [1]); where t is computed here, t (t_refs: t_ref [1])."""
+def _compact_kernel(x_ref, cmax_ref, *refs, n: int, k: int, num_chunks: int, chunks_p: int, chunk: int, slots: int,
+                    segment: int, step: int, radix_bits: int, threshold_given: bool, skip_cold: bool):
+    """x_ref [segment]; cmax_ref [chunks_p] the row's chunk maxima (past num_chunks not read); refs: t_in_ref [1]
+    the row's t where `threshold_given` (`_threshold_kernel`), then the outputs: this segment's entries > t in
+    index order, keys and indices (above_key_ref, above_idx_ref [slots]; the first `slots` of them) and their
+    count (above_count_ref [1], may exceed slots: the row overflows); the indices of its first k entries == t
+    (tie_idx_ref [k]) and its count of them (tie_count_ref [1]); where t is computed here, t (t_ref [1]).
+    skip_cold: walk the segment a chunk at a time and read only the chunks whose maximum reaches t (about a
+    quarter of them at k = 64: no candidate lies in the others); else `step` entries at a time, all of them."""
     seg = pl.program_id(1)
-    if chunks_p:
+    if threshold_given:
+        t_in_ref, above_key_ref, above_idx_ref, tie_idx_ref, above_count_ref, tie_count_ref = refs
+        t = t_in_ref[0]
+    else:
+        above_key_ref, above_idx_ref, tie_idx_ref, above_count_ref, tie_count_ref, t_ref = refs
         maxima = plt.load(cmax_ref.at[pl.ds(0, chunks_p)], mask=jnp.arange(chunks_p) < num_chunks,
                           other=INT32_MIN)
         t = _kth_largest(maxima, k, radix_bits)
-        t_refs[0][0] = t
-    else:
-        t = cmax_ref[0]
+        t_ref[0] = t
 
-    def body(s, carry):  # both exclusive counts in one scan (a step holds at most 2^14 entries)
-        above_run, tie_run = carry
-        idx, ok, key = _segment_keys(x_ref, seg, s, n=n, segment=segment, step=step)
+    def compact(s, size, carry):  # entries [s * size, (s + 1) * size) of the segment; both exclusive counts in
+        above_run, tie_run = carry  # one scan (a step holds at most 2^14 entries)
+        idx, ok, key = _segment_keys(x_ref, seg, s, n=n, segment=segment, step=size)
         above, tie = ok & (key > t), ok & (key == t)
         flags = above.astype(jnp.int32) | (tie.astype(jnp.int32) << 16)
         before = jnp.cumsum(flags, axis=0) - flags
@@ -183,7 +193,17 @@ def _compact_kernel(x_ref, cmax_ref, above_key_ref, above_idx_ref, tie_idx_ref, 
         plt.store(tie_idx_ref.at[jnp.where(keep, tie_at, k)], idx, mask=keep)
         return above_run + jnp.sum(above.astype(jnp.int32)), tie_run + jnp.sum(tie.astype(jnp.int32))
 
-    above, tie = lax.fori_loop(0, segment // step, body, (jnp.int32(0), jnp.int32(0)))
+    counts = (jnp.int32(0), jnp.int32(0))
+    if skip_cold:
+        first = seg * (segment // chunk)
+
+        def chunk_step(c, carry):
+            hot = cmax_ref[first + c] >= t  # a chunk below t holds no entry > t or == t
+            return lax.cond(hot, lambda cr: compact(c, chunk, cr), lambda cr: cr, carry)
+
+        above, tie = lax.fori_loop(0, segment // chunk, chunk_step, counts)
+    else:
+        above, tie = lax.fori_loop(0, segment // step, lambda s, carry: compact(s, step, carry), counts)
     above_count_ref[0] = above
     tie_count_ref[0] = tie
 
@@ -296,25 +316,26 @@ def vocab_top_k_pallas(x: jax.Array, k: int, *, config: VocabTopKConfig | None =
             grid=(r,), in_specs=[row(chunks_p)], out_specs=row(1), out_shape=jax.ShapeDtypeStruct((r, 1), jnp.int32),
             compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=1), interpret=interpret,
             debug=debug, name="vocab_top_k_threshold")(cmax)
-        threshold_in, threshold_spec = t, pl.BlockSpec((None, 1), lambda i, j: (i, 0))
-    else:
-        threshold_in, threshold_spec = cmax, pl.BlockSpec((None, chunks_p), lambda i, j: (i, 0))
 
     cand_spec = pl.BlockSpec((None, None, slots), lambda i, j: (i, j, 0))
     one_spec = pl.BlockSpec((None, None, 1), lambda i, j: (i, j, 0))
     per_segment = jax.ShapeDtypeStruct((r, segments, 1), jnp.int32)
     t_out = 0 if config.threshold_once else 1  # the compact's outputs of t (one per segment)
     above_key, above_idx, tie_idx, above_count, tie_count, *t_segments = pl.pallas_call(
-        functools.partial(_compact_kernel, n=n, k=k, num_chunks=num_chunks, chunks_p=chunks_p * t_out,
-                          slots=slots, segment=segment, step=step, radix_bits=config.radix_bits),
-        grid=(r, segments), in_specs=[x_spec, threshold_spec],
+        functools.partial(_compact_kernel, n=n, k=k, num_chunks=num_chunks, chunks_p=chunks_p, chunk=chunk,
+                          slots=slots, segment=segment, step=step, radix_bits=config.radix_bits,
+                          threshold_given=bool(config.threshold_once), skip_cold=bool(config.skip_cold)),
+        grid=(r, segments),
+        in_specs=[x_spec, pl.BlockSpec((None, chunks_p), lambda i, j: (i, 0)),
+                  *[pl.BlockSpec((None, 1), lambda i, j: (i, 0))] * (1 - t_out)],
         out_specs=[cand_spec, cand_spec, pl.BlockSpec((None, None, k), lambda i, j: (i, j, 0)), one_spec, one_spec,
                    *[one_spec] * t_out],
         out_shape=[jax.ShapeDtypeStruct((r, segments, slots), jnp.int32),
                    jax.ShapeDtypeStruct((r, segments, slots), jnp.int32),
                    jax.ShapeDtypeStruct((r, segments, k), jnp.int32), per_segment, per_segment,
                    *[per_segment] * t_out],
-        compiler_params=params, interpret=interpret, debug=debug, name="vocab_top_k_compact")(rows, threshold_in)
+        compiler_params=params, interpret=interpret, debug=debug, name="vocab_top_k_compact")(
+            rows, cmax, *([t] if config.threshold_once else []))
     if t_out:
         t = t_segments[0].reshape(r, segments)
 
