@@ -90,14 +90,15 @@ class VocabTopKConfig:
 
 
 def default_config(n: int) -> VocabTopKConfig:
-    """The knobs for rows of n entries: segments of 2048 up to 16384 entries (a row over more programs: on the
+    """The knobs for rows of n entries. Up to 16384 entries: segments of 2048 (a row over more programs: on the
     H200 15 rows of 8192 took 36.5-45.3 against 44.6-49.2 us with 8192, k = 16-64, side by side in one call of
-    tools/topk_probe.py, 2026-12-04), the defaults above (the Qwen vocabulary: no better or worse). The
-    compaction skips cold chunks (`skip_cold`): 15 rows of 151936, log-softmax included, 77.1 -> 55.9 us at k = 64
-    (50.4 at 16, 63.6 at 128; the compaction's launch 32 -> 15 us); the threshold in its own launch saved ~9 us
-    of the compaction's time but cost more than that in the launch (60.3 us with both), and searching it 2 or
-    4 bits a step saved nothing (H200, 2026-12-04 evening, docs/performance.md)."""
-    return VocabTopKConfig(segment=2048) if n <= 16384 else VocabTopKConfig()
+    tools/topk_probe.py, 2026-12-04) and every chunk read (their chunks hold 16-32 entries, too few to skip a
+    step's worth: the demo pair's tree rounds at V = 8192 ran 1-6% slower with `skip_cold`). Longer rows (the Qwen
+    vocabulary): segments of 8192 and cold chunks skipped, 15 rows of 151936 with the log-softmax 77.1 -> 55.9 us
+    at k = 64 (50.4 at 16, 63.6 at 128; the compaction's launch 32 -> 15 us); the threshold in its own launch
+    saved ~9 us of the compaction's time but cost more than that in the launch (60.3 us with both), and searching
+    it 2 or 4 bits a step saved nothing (H200, 2026-12-04 evening, docs/performance.md)."""
+    return VocabTopKConfig(segment=2048, skip_cold=0) if n <= 16384 else VocabTopKConfig()
 
 
 def kernel_sizes(n: int, k: int) -> tuple[int, int] | None:
