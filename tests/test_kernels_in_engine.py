@@ -17,30 +17,43 @@ from pallas_kernels import ENV_VAR
 
 
 def test_ddtree_with_pallas_kernels_matches_jax(tmp_path):
-    target = load_target(write_random_qwen3(tmp_path / "t", seed=2, with_tokenizer=False, vocab_size=16), jnp.float32)
-    drafter = load_drafter(write_random_dflash(tmp_path / "d", tiny_qwen3_config(vocab_size=16), seed=3),
-                           target.config, jnp.float32)
+    """The dense target's Pallas kernels (interpreted) give the pure-JAX path's tokens and acceptance, AR and DDTree;
+    and the attention kernel under tensor parallelism (`shard_map` on each device's heads, 2 devices) gives one
+    device's DDTree tokens and acceptance (one target for both: 8 query and 4 KV heads, split in two)."""
+    target_kw = dict(vocab_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=8, intermediate_size=128)
+    t_dir = write_random_qwen3(tmp_path / "t", seed=4, with_tokenizer=False, **target_kw)
+    d_dir = write_random_dflash(tmp_path / "d", tiny_qwen3_config(**target_kw), seed=5, block_size=4,
+                                num_key_value_heads=4)
+    target = load_target(t_dir, jnp.float32)
+    drafter = load_drafter(d_dir, target.config, jnp.float32)
     prompts = [[1, 2, 3, 4, 5], [3, 9]]
     for mode in (Mode.AR, Mode.DDTREE):
-        options = DecodeOptions(mode=mode, max_new_tokens=8, budget=6)
-        jax_out = generate(target, prompts, options, drafter=drafter)
+        jax_out = generate(target, prompts, DecodeOptions(mode=mode, max_new_tokens=8, budget=6), drafter=drafter)
         pallas_out = generate(target, prompts, DecodeOptions(mode=mode, max_new_tokens=8, budget=6, kernels="pallas"),
                               drafter=drafter)
         assert pallas_out.output_ids == jax_out.output_ids
         assert pallas_out.acceptance_lengths == jax_out.acceptance_lengths
+    parallel = make_parallel(2, "tp")
+    options = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=8, budget=6, kernels="pallas", parallel=parallel)
+    assert options.runtime == Runtime(Kernels.PALLAS, parallel.mesh)
+    target = load_target(t_dir, jnp.float32, parallel=parallel)
+    tp = generate(target, prompts, options, drafter=load_drafter(d_dir, target.config, jnp.float32, parallel=parallel))
+    assert tp.output_ids == jax_out.output_ids and tp.acceptance_lengths == jax_out.acceptance_lengths
 
 
 def test_hybrid_with_pallas_kernels_matches_jax(tmp_path):
     """Qwen3.5/3.6 hybrid: the zero-centred add + RMSNorm kernel (every layer), the tree attention (its
     full-attention layers) and the tree-rule kernel (its Gated DeltaNet layers' tree verify), interpreted, give the
-    pure-JAX path's tokens, AR and DDTree. One layer of
-    each kind and a one-layer drafter: each interpreted kernel is traced and compiled once per layer, so more
-    layers of the same kinds cost compile time and show nothing more."""
+    pure-JAX path's tokens, AR and DDTree; and under tensor parallelism the tree-rule kernel runs under `shard_map`
+    on each device's key heads and their value heads: DDTree on 2 devices gives one device's tokens and acceptance.
+    One layer of each kind and a one-layer drafter: each interpreted kernel is traced and compiled once per layer,
+    so more layers of the same kinds cost compile time and show nothing more."""
     layers = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
-    target = load_target(write_random_qwen3_5(tmp_path / "t", seed=6, **layers), jnp.float32)
-    drafter = load_drafter(write_random_dflash(tmp_path / "d", tiny_qwen3_5_config(**layers), seed=7,
-                                               num_hidden_layers=1, layer_types=["full_attention"]), target.config,
-                           jnp.float32)
+    t_dir = write_random_qwen3_5(tmp_path / "t", seed=6, **layers)
+    d_dir = write_random_dflash(tmp_path / "d", tiny_qwen3_5_config(**layers), seed=7, num_hidden_layers=1,
+                                layer_types=["full_attention"])
+    target = load_target(t_dir, jnp.float32)
+    drafter = load_drafter(d_dir, target.config, jnp.float32)
     prompts = [[1, 2, 3, 4, 5], [3, 9]]
     for mode in (Mode.AR, Mode.DDTREE):  # budget 20: a verify of 21 nodes, two of the tree-rule kernel's row blocks
         jax_out = generate(target, prompts, DecodeOptions(mode=mode, max_new_tokens=6, budget=20), drafter=drafter)
@@ -48,42 +61,12 @@ def test_hybrid_with_pallas_kernels_matches_jax(tmp_path):
                               drafter=drafter)
         assert pallas_out.output_ids == jax_out.output_ids
         assert pallas_out.acceptance_lengths == jax_out.acceptance_lengths
-
-
-def test_pallas_attention_under_tp_shard_map_matches_one_device(tmp_path):
-    target_kw = dict(vocab_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=8, intermediate_size=128)
-    t_dir = write_random_qwen3(tmp_path / "t", seed=4, with_tokenizer=False, **target_kw)
-    d_dir = write_random_dflash(tmp_path / "d", tiny_qwen3_config(**target_kw), seed=5, block_size=4,
-                                num_key_value_heads=4)
-    prompts = [[1, 2, 3, 4, 5], [3, 9]]
-    target = load_target(t_dir, jnp.float32)
-    single = generate(target, prompts, DecodeOptions(mode=Mode.DDTREE, max_new_tokens=8, budget=6),
-                      drafter=load_drafter(d_dir, target.config, jnp.float32))
-    parallel = make_parallel(2, "tp")
-    options = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=8, budget=6, kernels="pallas", parallel=parallel)
-    assert options.runtime == Runtime(Kernels.PALLAS, parallel.mesh)
-    target = load_target(t_dir, jnp.float32, parallel=parallel)
-    tp = generate(target, prompts, options, drafter=load_drafter(d_dir, target.config, jnp.float32, parallel=parallel))
-    assert tp.output_ids == single.output_ids and tp.acceptance_lengths == single.acceptance_lengths
-
-
-def test_hybrid_tree_rule_kernel_under_tp_shard_map_matches_one_device(tmp_path):
-    """The hybrid's tree-rule kernel under tensor parallelism runs under `shard_map` on each device's key heads and
-    their value heads (interpreted): DDTree on 2 devices gives one device's tokens and acceptance."""
-    layers = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
-    t_dir = write_random_qwen3_5(tmp_path / "t", seed=6, **layers)
-    d_dir = write_random_dflash(tmp_path / "d", tiny_qwen3_5_config(**layers), seed=7, num_hidden_layers=1,
-                                layer_types=["full_attention"])
-    prompts = [[1, 2, 3, 4, 5], [3, 9]]
-    target = load_target(t_dir, jnp.float32)
-    single = generate(target, prompts, DecodeOptions(mode=Mode.DDTREE, max_new_tokens=6, budget=4),
-                      drafter=load_drafter(d_dir, target.config, jnp.float32))
     parallel = make_parallel(2, "tp")
     target = load_target(t_dir, jnp.float32, parallel=parallel)
-    tp = generate(target, prompts, DecodeOptions(mode=Mode.DDTREE, max_new_tokens=6, budget=4, kernels="pallas",
+    tp = generate(target, prompts, DecodeOptions(mode=Mode.DDTREE, max_new_tokens=6, budget=20, kernels="pallas",
                                                  parallel=parallel),
                   drafter=load_drafter(d_dir, target.config, jnp.float32, parallel=parallel))
-    assert tp.output_ids == single.output_ids and tp.acceptance_lengths == single.acceptance_lengths
+    assert tp.output_ids == jax_out.output_ids and tp.acceptance_lengths == jax_out.acceptance_lengths
 
 
 # ---- the default: "auto" kernels (Pallas on a GPU, pure JAX elsewhere)
