@@ -6,10 +6,10 @@ float32 drafter logits, timed in a device loop (`measure.timing.in_loop_seconds`
 call, so the call's dispatch cancels out; each pass depends on the previous one through an optimization
 barrier, so nothing is hoisted). `top-k <name>` times the first step alone (the top K = min(B, V) of every
 depth's vocabulary, `tree.threshold_top_k`, `tree.kernel_top_k` ("pallas", or "pallas:step=8192:num_warps=16"
-with those `VocabTopKConfig` knobs) or `tree.chunked_top_k`), checked equal to one lax.top_k. With
-`--baseline FILE` (another version's tree.py, e.g. `git show REV:ddtree_jax/tree.py > old_tree.py`) that
-version's build is timed beside it (with its own defaults) and every tree is checked equal to it (tokens,
-parents, depths, valid, scores, ancestor mask); without, every tree is checked against the first chunk's with
+with those `VocabTopKConfig` knobs laid over the kernel's `default_config(V)`, what the engine runs) or
+`tree.chunked_top_k`), checked equal to one lax.top_k. With `--baseline FILE` (another version's tree.py, e.g.
+`git show REV:ddtree_jax/tree.py > old_tree.py`) that version's build is timed beside it (with its own defaults)
+and every tree is checked equal to it (tokens, parents, depths, valid, scores, ancestor mask); without, every tree is checked against the first chunk's with
 the first top-k and the first `--tree-build` (`reference`, the XLA builder, or `pallas`, the tree-build kernel:
 `current <top-k> pallas` in the table). `threshold_fits` says whether threshold_top_k's fast path held the
 candidates for these logits (else it took its fallback). Writes topk_probe.json and topk_probe.md under --out.
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import importlib.util
 import json
 import re
@@ -45,7 +46,7 @@ from ddtree_jax.measure.timing import in_loop_seconds, record_trace  # noqa: E40
 from ddtree_jax.cli import recorded_command  # noqa: E402
 from ddtree_jax.engine import compile_program  # noqa: E402
 from pallas_kernels.tree_build import TreeBuildConfig  # noqa: E402
-from pallas_kernels.vocab_top_k import VocabTopKConfig  # noqa: E402
+from pallas_kernels import vocab_top_k  # noqa: E402
 
 FIELDS = ("tokens", "parents", "depths", "valid", "scores", "ancestor")
 
@@ -86,7 +87,7 @@ def top_k_function(budget: int, chunk, top_k: str, vocab: int):
     if name == "threshold":
         return lambda lp: current.threshold_top_k(lp, k, fallback_chunk=c)
     if name == "pallas":
-        config = VocabTopKConfig(**_knobs(knobs))
+        config = dataclasses.replace(vocab_top_k.default_config(vocab), **_knobs(knobs))
         return lambda lp: current.kernel_top_k(lp, k, fallback_chunk=c, config=config)
     return lambda lp: current.chunked_top_k(lp, k, c)
 
