@@ -1,18 +1,18 @@
 """Device time of the draft-tree build, and of its vocabulary top-k alone, against a baseline implementation.
 
-For each vocabulary size, budget B, chunk and vocabulary top-k (`--top-k`: `build_tree`'s `top_k`,
-"threshold", "pallas" or "chunked"): `build_tree(log_softmax(logits), roots, B, chunk, top_k=...)` on [1, L, V]
-float32 drafter logits, timed in a device loop (`measure.timing.in_loop_seconds`: --passes passes against 1 in one
-call, so the call's dispatch cancels out; each pass depends on the previous one through an optimization
-barrier, so nothing is hoisted). `top-k <name>` times the first step alone (the top K = min(B, V) of every
-depth's vocabulary, `tree.threshold_top_k`, `tree.kernel_top_k` ("pallas", or "pallas:step=8192:num_warps=16"
-with those `VocabTopKConfig` knobs laid over the kernel's `default_config(V)`, what the engine runs) or
-`tree.chunked_top_k`), checked equal to one lax.top_k. With `--baseline FILE` (another version's tree.py, e.g.
-`git show REV:ddtree_jax/tree.py > old_tree.py`) that version's build is timed beside it (with its own defaults)
-and every tree is checked equal to it (tokens, parents, depths, valid, scores, ancestor mask); without, every tree is checked against the first chunk's with
-the first top-k and the first `--tree-build` (`reference`, the XLA builder, or `pallas`, the tree-build kernel:
-`current <top-k> pallas` in the table). `threshold_fits` says whether threshold_top_k's fast path held the
-candidates for these logits (else it took its fallback). Writes topk_probe.json and topk_probe.md under --out.
+For each vocabulary size, budget B, chunk and vocabulary top-k (`--top-k`: `build_tree`'s `top_k`, "threshold",
+"pallas" or "chunked"): `build_tree(log_softmax(logits), roots, B, chunk, top_k=...)` on [1, L, V] float32 drafter
+logits, timed in a device loop (`measure.timing.in_loop_seconds`: --passes passes against 1 in one call, so the call's
+dispatch cancels out; each pass depends on the previous one through an optimization barrier, so nothing is hoisted).
+`top-k <name>` times the first step alone (the top K = min(B, V) of every depth's vocabulary, `tree.threshold_top_k`,
+`tree.kernel_top_k` ("pallas", or "pallas:step=8192:num_warps=16" with those `VocabTopKConfig` knobs laid over the
+kernel's `default_config(V)`, what the engine runs) or `tree.chunked_top_k`), checked equal to one lax.top_k. With
+`--baseline FILE` (another version's tree.py, e.g. `git show REV:ddtree_jax/tree.py > old_tree.py`) that version's
+build is timed beside it (with its own defaults) and every tree is checked equal to it (tokens, parents, depths,
+valid, scores, ancestor mask); without, every tree is checked against the first chunk's with the first top-k and the
+first `--tree-build` (`reference`, the XLA builder, or `pallas`, the tree-build kernel: `current <top-k> pallas` in
+the table). `threshold_fits` says whether threshold_top_k's fast path held the candidates for these logits (else it
+took its fallback). Writes topk_probe.json and topk_probe.md under --out.
 `--trace DIR`: each `top-k` point also runs one call of --passes passes under the profiler, in DIR/V_B_NAME
 (`python tools/trace_summary.py DIR --rounds PASSES`: its launches by name, per pass).
 
