@@ -15,9 +15,8 @@ programs, because one program streaming a whole row was latency-bound (one progr
 
 1. `_chunk_max_kernel`, grid (r, P): the maxima of the segment's chunks.
 2. `_threshold_kernel`, grid (r,) (knob `threshold_once`; else each segment program of step 3 computes it):
-   t = the k-th largest chunk maximum of the row (a search on the key bits over the row's maxima, held in
-   registers, `radix_bits` bits a step): k different chunks hold an entry >= t, so every top-k entry is > t
-   or == t.
+   t = the k-th largest chunk maximum of the row (a 32-step bisection on the key bits over the row's maxima,
+   held in registers): k different chunks hold an entry >= t, so every top-k entry is > t or == t.
 3. `_compact_kernel`, grid (r, P): the segment's entries > t in index order into its M slots, and the indices
    of its first k entries == t (an exclusive prefix count per step, both counts packed in one int32 scan); with
    `skip_cold` only the chunks whose maximum reaches t are read, a chunk a step.
@@ -60,8 +59,6 @@ class VocabTopKConfig:
     block_rows: rows of a counting tile.
     num_warps:  Triton's warps per program.
     num_stages: Triton's software pipelining of the streaming loads.
-    radix_bits: bits of the threshold decided per step of its search (1, 2 or 4): 32 / radix_bits steps, each
-                one reduction of 2^radix_bits counts over the row's chunk maxima.
     threshold_once: 1: the threshold in a launch of its own, once per row (grid (r,)), read by the row's
                 segment programs; 0: every segment program computes it (no launch, P times the work).
     skip_cold:  1: the compaction reads a chunk at a time, only the chunks whose maximum reaches the threshold;
@@ -74,7 +71,6 @@ class VocabTopKConfig:
     block_rows: int = 128
     num_warps: int = 8
     num_stages: int = 2
-    radix_bits: int = 1
     threshold_once: int = 0
     skip_cold: int = 1
 
@@ -82,8 +78,6 @@ class VocabTopKConfig:
         check_knobs(self, pow2={"segment": 16, "step": 16, "block": 16, "block_rows": 16})
         if self.step > 1 << 14:  # a step's two exclusive counts share one int32 scan (16 bits each)
             raise ValueError(f"VocabTopKConfig.step={self.step!r}: must be at most 16384")
-        if self.radix_bits not in (1, 2, 4):
-            raise ValueError(f"VocabTopKConfig.radix_bits={self.radix_bits!r}: must be 1, 2 or 4")
         for name in ("threshold_once", "skip_cold"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"VocabTopKConfig.{name}={getattr(self, name)!r}: must be 0 or 1")
@@ -97,7 +91,7 @@ def default_config(n: int) -> VocabTopKConfig:
     vocabulary): segments of 8192 and cold chunks skipped, 15 rows of 151936 with the log-softmax 77.1 -> 55.9 us
     at k = 64 (50.4 at 16, 63.6 at 128; the compaction's launch 32 -> 15 us); the threshold in its own launch
     saved ~9 us of the compaction's time but cost more than that in the launch (60.3 us with both), and searching
-    it 2 or 4 bits a step saved nothing (H200, 2026-12-04 evening, docs/performance.md)."""
+    it 2 or 4 bits a step saved nothing (a knob removed since; H200, 2026-12-04 evening, docs/performance.md)."""
     return VocabTopKConfig(segment=2048, skip_cold=0) if n <= 16384 else VocabTopKConfig()
 
 
@@ -137,34 +131,26 @@ def _chunk_max_kernel(x_ref, cmax_ref, *, n: int, chunk: int, segment: int, step
     lax.fori_loop(0, segment // step, body, 0)
 
 
-def _kth_largest(values, k: int, radix_bits: int = 1):
+def _kth_largest(values, k: int):
     """The k-th largest of an int32 vector (with multiplicity; k <= its length), by deciding its bits from the
-    top, radix_bits at a time: the largest u (as an unsigned pattern of the sign-flipped key) with at least k
-    values >= it. Per step the counts of values >= each candidate digit (digit 0 always has k: it is the answer
-    so far) fall as the digit grows, so the digit is the number of candidates with k, less one."""
+    top: the largest u (as an unsigned pattern of the sign-flipped key) with at least k values >= it. (Deciding
+    2 or 4 bits a step, one 2-D count each, was no faster on the H200: 2026-12-04.)"""
     answer = jnp.int32(0)
-    if radix_bits == 1:
-        for bit in range(31, -1, -1):
-            candidate = answer | jnp.int32(np.int32(np.uint32(1 << bit).view(np.int32)))
-            enough = jnp.sum((values >= (candidate ^ INT32_MIN)).astype(jnp.int32)) >= k
-            answer = jnp.where(enough, candidate, answer)
-        return answer ^ INT32_MIN
-    digits = jnp.arange(1 << radix_bits, dtype=jnp.int32)
-    for shift in range(32 - radix_bits, -1, -radix_bits):
-        candidates = (answer | (digits << shift)) ^ INT32_MIN  # the top digits wrap into the sign bit
-        counts = jnp.sum((values[None, :] >= candidates[:, None]).astype(jnp.int32), axis=1)
-        answer = answer | ((jnp.sum((counts >= k).astype(jnp.int32)) - 1) << shift)
+    for bit in range(31, -1, -1):
+        candidate = answer | jnp.int32(np.int32(np.uint32(1 << bit).view(np.int32)))
+        enough = jnp.sum((values >= (candidate ^ INT32_MIN)).astype(jnp.int32)) >= k
+        answer = jnp.where(enough, candidate, answer)
     return answer ^ INT32_MIN
 
 
-def _threshold_kernel(cmax_ref, t_ref, *, k: int, num_chunks: int, chunks_p: int, radix_bits: int):
+def _threshold_kernel(cmax_ref, t_ref, *, k: int, num_chunks: int, chunks_p: int):
     """cmax_ref [chunks_p] a row's chunk maxima (past num_chunks not read) -> t_ref [1] their k-th largest."""
     maxima = plt.load(cmax_ref.at[pl.ds(0, chunks_p)], mask=jnp.arange(chunks_p) < num_chunks, other=INT32_MIN)
-    t_ref[0] = _kth_largest(maxima, k, radix_bits)
+    t_ref[0] = _kth_largest(maxima, k)
 
 
 def _compact_kernel(x_ref, cmax_ref, *refs, n: int, k: int, num_chunks: int, chunks_p: int, chunk: int, slots: int,
-                    segment: int, step: int, radix_bits: int, threshold_given: bool, skip_cold: bool):
+                    segment: int, step: int, threshold_given: bool, skip_cold: bool):
     """x_ref [segment]; cmax_ref [chunks_p] the row's chunk maxima (past num_chunks not read); refs: t_in_ref [1]
     the row's t where `threshold_given` (`_threshold_kernel`), then the outputs: this segment's entries > t in
     index order, keys and indices (above_key_ref, above_idx_ref [slots]; the first `slots` of them) and their
@@ -180,7 +166,7 @@ def _compact_kernel(x_ref, cmax_ref, *refs, n: int, k: int, num_chunks: int, chu
         above_key_ref, above_idx_ref, tie_idx_ref, above_count_ref, tie_count_ref, t_ref = refs
         maxima = plt.load(cmax_ref.at[pl.ds(0, chunks_p)], mask=jnp.arange(chunks_p) < num_chunks,
                           other=INT32_MIN)
-        t = _kth_largest(maxima, k, radix_bits)
+        t = _kth_largest(maxima, k)
         t_ref[0] = t
 
     def compact(s, size, carry):  # entries [s * size, (s + 1) * size) of the segment; both exclusive counts in
@@ -316,8 +302,7 @@ def vocab_top_k_pallas(x: jax.Array, k: int, *, config: VocabTopKConfig | None =
     chunks_p = next_pow2(num_chunks)
     if config.threshold_once:
         t = pl.pallas_call(
-            functools.partial(_threshold_kernel, k=k, num_chunks=num_chunks, chunks_p=chunks_p,
-                              radix_bits=config.radix_bits),
+            functools.partial(_threshold_kernel, k=k, num_chunks=num_chunks, chunks_p=chunks_p),
             grid=(r,), in_specs=[row(chunks_p)], out_specs=row(1), out_shape=jax.ShapeDtypeStruct((r, 1), jnp.int32),
             compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=1), interpret=interpret,
             debug=debug, name="vocab_top_k_threshold")(cmax)
@@ -328,8 +313,7 @@ def vocab_top_k_pallas(x: jax.Array, k: int, *, config: VocabTopKConfig | None =
     t_out = 0 if config.threshold_once else 1  # the compact's outputs of t (one per segment)
     above_key, above_idx, tie_idx, above_count, tie_count, *t_segments = pl.pallas_call(
         functools.partial(_compact_kernel, n=n, k=k, num_chunks=num_chunks, chunks_p=chunks_p, chunk=chunk,
-                          slots=slots, segment=segment, step=step, radix_bits=config.radix_bits,
-                          threshold_given=bool(config.threshold_once), skip_cold=bool(config.skip_cold)),
+                          slots=slots, segment=segment, step=step, threshold_given=bool(config.threshold_once), skip_cold=bool(config.skip_cold)),
         grid=(r, segments),
         in_specs=[x_spec, pl.BlockSpec((None, chunks_p), lambda i, j: (i, 0)),
                   *[pl.BlockSpec((None, 1), lambda i, j: (i, 0))] * (1 - t_out)],

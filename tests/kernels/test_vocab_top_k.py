@@ -67,27 +67,24 @@ def test_reference_is_lax_top_k_on_the_cpu():
 
 # The defaults (`default_config`: segments of 2048 and every chunk read up to 16384 entries, segments of 8192 and cold
 # chunks skipped above) and small segments (a row over many programs, each streaming several steps; the row's first
-# k ties spread over segments) with the threshold's other search (its own launch, four bits a step) and cold chunks
-# skipped.
+# k ties spread over segments) with the threshold in its own launch and cold chunks skipped.
 CONFIGS = [pytest.param(None, id="default"),
-           pytest.param(vtk.VocabTopKConfig(segment=1024, step=256, radix_bits=4, threshold_once=1, skip_cold=1),
+           pytest.param(vtk.VocabTopKConfig(segment=1024, step=256, threshold_once=1, skip_cold=1),
                         id="small")]
 
 
-@pytest.mark.parametrize("radix_bits", [1, 2, 4])
-def test_kth_largest_by_radix(radix_bits):
-    """The threshold's search, at each radix, against NumPy's sort: int32 keys across the whole range (both
-    extremes, negatives whose unsigned patterns sort above the positives', many equal values), k from 1 to all."""
-    rng = np.random.default_rng(radix_bits)
+def test_kth_largest():
+    """The threshold's search against NumPy's sort: int32 keys across the whole range (both extremes, negatives
+    whose unsigned patterns sort above the positives', many equal values), k from 1 to all."""
+    rng = np.random.default_rng(1)
     info = np.iinfo(np.int32)
     values = np.concatenate([rng.integers(info.min, info.max, 200, endpoint=True, dtype=np.int32),
                              np.array([info.min, info.min, info.max, -1, 0, 0, 1], np.int32),
                              np.full(49, 12345, np.int32)])
     rng.shuffle(values)
     descending = np.sort(values)[::-1]
-    search = jax.jit(vtk._kth_largest, static_argnums=(1, 2))
     for k in (1, 2, 3, 40, 120, 200, len(values)):
-        assert int(search(jnp.asarray(values), k, radix_bits)) == descending[k - 1], k
+        assert int(jax.jit(vtk._kth_largest, static_argnums=1)(jnp.asarray(values), k)) == descending[k - 1], k
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
@@ -129,7 +126,5 @@ def test_sizes_and_bad_arguments():
         vtk.VocabTopKConfig(step=1000)
     with pytest.raises(ValueError, match="VocabTopKConfig.step=32768: must be at most 16384"):
         vtk.VocabTopKConfig(step=32768)
-    with pytest.raises(ValueError, match="VocabTopKConfig.radix_bits=3: must be 1, 2 or 4"):
-        vtk.VocabTopKConfig(radix_bits=3)
     with pytest.raises(ValueError, match="VocabTopKConfig.threshold_once=2: must be 0 or 1"):
         vtk.VocabTopKConfig(threshold_once=2)
