@@ -135,6 +135,9 @@ def trajectory(target, drafter, prompts, budgets: tuple[int, ...], costs: list[f
         state = with_round_costs(state, costs)
         if learned is not None:
             state = dataclasses.replace(state, budget=state.budget.with_learned(learned))
+        # Every leaf committed to the device, as the rounds' outputs are: a mix of committed and uncommitted
+        # arrays is another signature, and `features` and each candidate's round compiled again for it.
+        state = jax.device_put(state, jax.devices()[0])
         while not bool(state.done[0]):
             pick, pred, ex = features(state)
             after = [r(state) for r in run]  # each drafts the same logits from the same state
