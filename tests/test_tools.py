@@ -145,13 +145,16 @@ def test_top2_gap_is_the_gap_of_the_next_token_logits():
 
 
 def test_gpu_probe_smoke_forms_agree(tmp_path):
-    assert gpu_probe.main(["--out", str(tmp_path), "--smoke", "--repeats", "2", "--tokens", "1,5",
+    """Every form at one token count (5 rows: the stream kernels' row tiles at any T,
+    tests/kernels/test_stream_matmul.py) agrees with the models' layout."""
+    assert gpu_probe.main(["--out", str(tmp_path), "--smoke", "--repeats", "2", "--tokens", "5",
                            "--forms", "hf,fused,io,stream,stream_fused,fp8,stream_fp8"]) == 0
     report = json.loads((tmp_path / "probe.json").read_text())
     rows = [r for r in report["rows"] if r["section"] == "projections"]
     assert {r["form"].split("[")[0] for r in rows} == {"hf", "fused", "io", "stream", "stream_fused", "fp8",
                                                       "stream_fp8"}
-    hf, fp8 = (next(r for r in rows if r["form"] == f and r["tokens"] == 1) for f in ("hf", "fp8"))
+    assert {r["tokens"] for r in rows} == {5}
+    hf, fp8 = (next(r for r in rows if r["form"] == f) for f in ("hf", "fp8"))
     assert fp8["weight_bytes"] < 0.6 * hf["weight_bytes"]  # one byte a weight, plus the scales
     for r in rows:
         assert "error" not in r and r["ms"] >= 0 and r["x_floor"] == pytest.approx(r["ms"] / r["floor_ms"])
@@ -161,12 +164,14 @@ def test_gpu_probe_smoke_forms_agree(tmp_path):
 
 
 def test_gdn_probe_smoke_checks_every_variant(tmp_path, capsys):
-    """tools/gdn_probe.py at tiny shapes: each solve against NumPy's float64 solve, the tree-rule kernel
-    (interpreted) against the jnp rule, every variant timed; an unknown solve is one error line, exit 2."""
-    assert gdn_probe.main(["--out", str(tmp_path), "--smoke", "--solves", "trsm,blocked8", "--kernels", "default",
-                           "--kernel-forms", "one,two,direct", "--repeats", "2"]) == 0
+    """tools/gdn_probe.py at tiny shapes and one T (16 nodes: two blocks of blocked8, one row block of the kernel;
+    the kernel at other T: tests/kernels/test_tree_delta_rule.py): each solve against NumPy's float64 solve, the
+    tree-rule kernel (interpreted) against the jnp rule, every variant timed; an unknown solve is one error line,
+    exit 2."""
+    assert gdn_probe.main(["--out", str(tmp_path), "--smoke", "--t", "16", "--solves", "trsm,blocked8", "--kernels",
+                           "default", "--kernel-forms", "one,two,direct", "--repeats", "2"]) == 0
     rows = json.loads((tmp_path / "gdn_probe.json").read_text())["rows"]
-    assert {(r["t"], r["variant"]) for r in rows} == {(t, v) for t in (5, 16) for v in (
+    assert {(r["t"], r["variant"]) for r in rows} == {(16, v) for v in (
         "trsm", "blocked8", "rule_without_solve", "kernel_default_w8_vb64_s1_one", "kernel_default_w8_vb64_s1_two4",
         "kernel_default_w8_vb64_s1_direct_inv1")}
     for r in rows:

@@ -1,7 +1,7 @@
 """Where the hybrid's tree verify goes: the Gated DeltaNet tree rule and its triangular solve, per layer.
 
     python tools/gdn_probe.py --out DIR [--t 16,17,65,257] [--heads 48] [--solves trsm,blocked16,...]
-    python tools/gdn_probe.py --out DIR --smoke      # tiny shapes: runs on a CPU
+    python tools/gdn_probe.py --out DIR --smoke [--t 5,16]   # tiny shapes (T 5 and 16 by default): runs on a CPU
 
 `qwen3_5.tree_gated_delta_rule` solves one unit lower triangular T x T system per value head (the WY form),
 [T, Dk + Dv] right-hand sides, with `qwen3_5.unit_lower_solve`. Each solve variant below is timed alone and
@@ -133,7 +133,7 @@ def kernel_configs(args) -> dict[str, tuple[str, tree_delta_rule.TreeDeltaRuleCo
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--t", default="16,17,65,257")
+    p.add_argument("--t", default=None, help="nodes per tree (default 16,17,65,257; with --smoke 5,16)")
     p.add_argument("--heads", type=int, default=48)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--solves", default="trsm,inverse,blocked8,blocked16,blocked32,current")
@@ -155,9 +155,9 @@ def main(argv=None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny shapes (a CPU check of the script)")
     args = p.parse_args(argv)
     heads, dk, dv, layers = args.heads, 128, 128, args.layers
-    ts = [int(x) for x in args.t.split(",")]
+    ts = [int(x) for x in (args.t or ("5,16" if args.smoke else "16,17,65,257")).split(",")]
     if args.smoke:
-        heads, dk, dv, layers, ts = 2, 16, 16, 2, [5, 16]
+        heads, dk, dv, layers = 2, 16, 16, 2
     solves = solve_variants()
     names = args.solves.split(",")
     for name in names:
