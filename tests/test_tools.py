@@ -189,8 +189,9 @@ def test_topk_probe_times_and_checks_every_chunk(tmp_path):
     a DIFFERENT would be the probe's own bug)."""
     assert topk_probe.main(["--out", str(tmp_path), "--vocab", "3000", "--budgets", "16", "--chunks", "0,64",
                             "--top-k", "threshold,chunked,pallas:step=1024", "--depths", "3", "--rounds", "1", "--passes", "2",
-                            "--workers", "1"]) == 0
+                            "--workers", "1", "--batch", "2"]) == 0
     report = json.loads((tmp_path / "topk_probe.json").read_text())
+    assert report["batch"] == 2
     assert [(r["budget"], r["chunk"], r["impl"]) for r in report["records"]] == [
         (b, c, impl) for b in (16,) for c in (None, 64)
         for impl in ("current threshold", "current chunked", "current pallas", "top-k threshold", "top-k chunked",

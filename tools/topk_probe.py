@@ -1,7 +1,7 @@
 """Device time of the draft-tree build, and of its vocabulary top-k alone, against a baseline implementation.
 
 For each vocabulary size, budget B, chunk and vocabulary top-k (`--top-k`: `build_tree`'s `top_k`, "threshold",
-"pallas" or "chunked"): `build_tree(log_softmax(logits), roots, B, chunk, top_k=...)` on [1, L, V] float32 drafter
+"pallas" or "chunked"): `build_tree(log_softmax(logits), roots, B, chunk, top_k=...)` on [batch, L, V] float32 drafter
 logits, timed in a device loop (`measure.timing.in_loop_seconds`: --passes passes against 1 in one call, so the call's
 dispatch cancels out; each pass depends on the previous one through an optimization barrier, so nothing is hoisted).
 `top-k <name>` times the first step alone (the top K = min(B, V) of every depth's vocabulary, `tree.threshold_top_k`,
@@ -19,7 +19,7 @@ took its fallback). Writes topk_probe.json and topk_probe.md under --out.
     python tools/topk_probe.py --out DIR [--vocab 151936,248320] [--budgets 16,64,256,512]
                                [--chunks auto] [--top-k threshold,chunked,pallas,pallas:step=8192]
                                [--tree-build reference,pallas,pallas:block_rows=256:num_warps=8]
-                               [--baseline old_tree.py] [--trace DIR]
+                               [--baseline old_tree.py] [--trace DIR] [--batch 1]
                                (chunk 0: one lax.top_k)
 """
 
@@ -57,7 +57,7 @@ def _knobs(knobs: list[str]) -> dict[str, int]:
 
 
 def tree_program(build_tree, budget: int, chunk, top_k: str | None = None, tree_build: str | None = None):
-    """(logits [1, L, V] f32, roots [1] i32, passes) -> the last pass's tree fields. top_k / tree_build None:
+    """(logits [batch, L, V] f32, roots [batch] i32, passes) -> the last pass's tree fields. top_k / tree_build None:
     the build's own default (a baseline's build may not take the arguments); tree_build: build_tree's
     `implementation` after the top-k ("reference": the XLA builder, "pallas": the tree-build kernel, and
     "pallas:KNOB=N:..." the kernel with those `TreeBuildConfig` knobs)."""
@@ -79,7 +79,7 @@ def tree_program(build_tree, budget: int, chunk, top_k: str | None = None, tree_
 
 
 def top_k_function(budget: int, chunk, top_k: str, vocab: int):
-    """log-probs [1, L, V] -> the per-depth top-K values and indices by build_tree's top_k `top_k` (with
+    """log-probs [batch, L, V] -> the per-depth top-K values and indices by build_tree's top_k `top_k` (with
     `VocabTopKConfig` knobs after ':'), K = min(B, V)."""
     k = min(budget, vocab)
     c = current.default_top_k_chunk(budget, vocab) if chunk == "auto" else chunk
@@ -106,7 +106,7 @@ def top_k_program(budget: int, chunk, top_k: str):
 
 
 def same_top_k(budget: int, chunk, top_k: str, logits: jax.Array) -> bool:
-    """Whether a top-k (`top_k_function`) of log_softmax(logits) [1, L, V] keeps lax.top_k's contract (value desc,
+    """Whether a top-k (`top_k_function`) of log_softmax(logits) [batch, L, V] keeps lax.top_k's contract (value desc,
     lower index first among equals) on the very log-probs it took (one program returns both; NumPy orders the
     reference): a GPU's own lax.top_k of a log-softmax compiled apart differed from the threshold top-k at B = 256
     (V = 151936, H200, 2026-12-04), where 14 of 15 i.i.d. rows hold equal values within their top 256."""
@@ -123,7 +123,7 @@ def same_top_k(budget: int, chunk, top_k: str, logits: jax.Array) -> bool:
 
 
 def threshold_fits(logits: jax.Array, budget: int) -> bool:
-    """Whether threshold_top_k's fast path holds the candidates of log_softmax(logits) [1, L, V] (its
+    """Whether threshold_top_k's fast path holds the candidates of log_softmax(logits) [batch, L, V] (its
     fallback replaced by a marker to see which branch ran)."""
     k = min(budget, logits.shape[-1])
     original = current.chunked_top_k
@@ -172,6 +172,7 @@ def main(argv=None) -> int:
                         "pallas:block_rows=256:num_warps=8 (the kernel with those knobs)")
     p.add_argument("--baseline", type=Path, default=None, help="another version's tree.py, timed and compared")
     p.add_argument("--depths", type=int, default=15, help="L: the drafter's block size - 1")
+    p.add_argument("--batch", type=int, default=1, help="rows of the decode batch (each with its L depths)")
     p.add_argument("--peak", type=float, default=0.0,
                    help="added to one token's logit per depth: a confident drafter's deep tree (0: i.i.d. logits, "
                         "shallow trees)")
@@ -198,9 +199,9 @@ def main(argv=None) -> int:
               for impl in names]
     inputs = {}
     for v in _ints(args.vocab):
-        logits = 2.0 * jax.random.normal(jax.random.key(v), (1, args.depths, v), jnp.float32)
-        logits = logits.at[0, jnp.arange(args.depths), (7 * jnp.arange(args.depths)) % v].add(args.peak)
-        inputs[v] = (logits, jnp.array([3], jnp.int32))
+        logits = 2.0 * jax.random.normal(jax.random.key(v), (args.batch, args.depths, v), jnp.float32)
+        logits = logits.at[:, jnp.arange(args.depths), (7 * jnp.arange(args.depths)) % v].add(args.peak)
+        inputs[v] = (logits, jnp.full((args.batch,), 3, jnp.int32))
 
     start = time.perf_counter()
 
@@ -257,13 +258,13 @@ def main(argv=None) -> int:
                 lines.append(f"| {v} | {b} | {c or 'none'} | " + " | ".join(cells) + f" | {fits[(v, b)]} |")
     table = "\n".join(lines)
     print(table)
-    report = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, depths=args.depths, peak=args.peak,
-                  date=time.strftime("%Y-%m-%d"),
+    report = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, depths=args.depths, batch=args.batch,
+                  peak=args.peak, date=time.strftime("%Y-%m-%d"),
                   command=recorded_command("python tools/topk_probe.py", sys.argv[1:] if argv is None else argv),
                   records=records)
     (args.out / "topk_probe.json").write_text(json.dumps(report, indent=1))
-    (args.out / "topk_probe.md").write_text(f"Tree build, device us per round (L = {args.depths}, batch 1)\n\n"
-                                           + table + "\n")
+    (args.out / "topk_probe.md").write_text(
+        f"Tree build, device us per round (L = {args.depths}, batch {args.batch})\n\n" + table + "\n")
     return 0 if all(r.get("same_tree", True) and r.get("same_top_k", True) for r in records) else 1
 
 
