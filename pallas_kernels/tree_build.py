@@ -91,6 +91,9 @@ class TreeBuildConfig:
                 first: a confident drafter's deep tree at B = 64 keeps few of its 280. On the H200 deep trees
                 (V = 151936, L = 15, top-k included) took 123 against 204 us at B = 64 and 166 against 524 at
                 B = 128; shallow ones the same within the spread (tools/topk_probe.py, 2026-12-04).
+    fuse_above: 1: the running entries' counts of candidates above them ride in the first row block's pass
+                over the candidates (one pass over them less per depth, a [bp, block] tile more in it); 0: a
+                pass of their own after the places (not yet measured on a GPU: the knob is for that).
     """
 
     block: int = 32
@@ -98,9 +101,12 @@ class TreeBuildConfig:
     num_warps: int = 8
     num_stages: int = 1
     prune: int = 1
+    fuse_above: int = 0
 
     def __post_init__(self):
         check_knobs(self, pow2={"block": 16, "block_rows": 16})
+        if self.fuse_above not in (0, 1):
+            raise ValueError(f"TreeBuildConfig.fuse_above={self.fuse_above!r}: must be 0 or 1")
 
 
 def candidate_table(budget: int, k: int) -> np.ndarray:
@@ -154,6 +160,7 @@ def _tree_build_kernel(
     block_b: int,
     block_t: int,
     prune: bool,
+    fuse_above: bool,
     interpret: bool,
 ):
     b_, k_, l_, c_ = budget, k, depth_limit, num_pairs
@@ -235,21 +242,40 @@ def _tree_build_kernel(
         # or above its key (shallower first on ties; within the beam, key order is place order: scores are
         # log-softmax outputs, so float order is total order), a running entry's its own plus the beam entries
         # above it, min(B, candidates above it) (the beam holds the B best).
-        def place_block(r):
+        run_key, run_flat = run_key_ref[pl.ds(prev, bp)], run_flat_ref[pl.ds(prev, bp)]
+
+        def place_running(beam_above):
+            """The running entries' places in the merged list: their own plus the beam entries above them,
+            min(B, candidates above them) [bp] (with prune: the kept ones, which are all the candidates above
+            any entry that the B best are not all above)."""
+            merged = pos + jnp.minimum(beam_above, b_)
+            keep = in_beam & (merged < b_)
+            at = jnp.where(keep, cur + merged, 2 * bp)
+            plt.store(run_key_ref.at[at], run_key, mask=keep)
+            plt.store(run_flat_ref.at[at], run_flat, mask=keep)
+
+        def above_tile(q, cols):  # [bp, block_c] 1 where candidate column q * block_c + c is above running entry
+            col_ok = (q * block_c + jnp.arange(block_c, dtype=jnp.int32)) < num
+            return ((total_order_key(cols)[None, :] > run_key[:, None]) & col_ok[None, :]).astype(jnp.int32)
+
+        def place_block(r, with_above: bool):
             row_idx = r * block_r + jnp.arange(block_r, dtype=jnp.int32)
             row_ok = row_idx < num
             rows, row_lex = load_candidates(r, block_r, num)
 
             def body(q, carry):
-                acc, cols, col_lex = carry
+                acc, cols, col_lex, *above = carry  # above: the running entries' counts, with_above
                 upcoming = load_candidates(q + 1, block_c, num)  # issued before the compares: its latency overlaps them
                 col_idx = q * block_c + jnp.arange(block_c, dtype=jnp.int32)
                 lex_less = (col_lex[None, :] < row_lex[:, None]) & (col_idx < num)[None, :]
                 ahead = (cols[None, :] > rows[:, None]) | ((cols[None, :] == rows[:, None]) & lex_less)
-                return (acc + ahead.astype(jnp.int32) + (lex_less.astype(jnp.int32) << 16), *upcoming)
+                return (acc + ahead.astype(jnp.int32) + (lex_less.astype(jnp.int32) << 16), *upcoming,
+                        *[a + above_tile(q, cols) for a in above])
 
-            acc, _, _ = lax.fori_loop(0, blocks(num, block_c), body,
-                                      (jnp.zeros((block_r, block_c), jnp.int32), *load_candidates(0, block_c, num)))
+            acc, _, _, *above = lax.fori_loop(
+                0, blocks(num, block_c), body,
+                (jnp.zeros((block_r, block_c), jnp.int32), *load_candidates(0, block_c, num),
+                 *[jnp.zeros((bp, block_c), jnp.int32)] * with_above))
             packed = jnp.sum(acc, axis=1)
             place = packed & 0xFFFF
             keep = row_ok & (place < b_)
@@ -272,25 +298,22 @@ def _tree_build_kernel(
             at = jnp.where(keep, cur + merged, 2 * bp)
             plt.store(run_key_ref.at[at], key, mask=keep)
             plt.store(run_flat_ref.at[at], d * b_ + place, mask=keep)
+            if with_above:  # the running entries' writes go to other places of the list than the new entries'
+                place_running(jnp.sum(above[0], axis=1))
 
         # No carry: inside the depth loop Triton's lowering cannot yield a literal.
-        lax.fori_loop(0, blocks(num, block_r), lambda r, _: place_block(r), None)
+        if fuse_above:  # the first row block runs whatever the count (with none kept it counts none above)
+            place_block(0, True)
+            lax.fori_loop(1, blocks(num, block_r), lambda r, _: place_block(r, False), None)
+        else:
+            lax.fori_loop(0, blocks(num, block_r), lambda r, _: place_block(r, False), None)
 
-        run_key, run_flat = run_key_ref[pl.ds(prev, bp)], run_flat_ref[pl.ds(prev, bp)]
+            def above(q, acc):
+                cols, _ = load_candidates(q, block_c, num)
+                return acc + above_tile(q, cols)
 
-        def above(q, acc):  # candidates above each running entry, in total order (with prune: the kept ones,
-            # which are all the candidates above any entry that the B best are not all above)
-            cols, _ = load_candidates(q, block_c, num)
-            col_ok = (q * block_c + jnp.arange(block_c, dtype=jnp.int32)) < num
-            return acc + ((total_order_key(cols)[None, :] > run_key[:, None]) & col_ok[None, :]).astype(jnp.int32)
-
-        beam_above = jnp.sum(lax.fori_loop(0, blocks(num, block_c), above, jnp.zeros((bp, block_c), jnp.int32)),
-                             axis=1)
-        merged = pos + jnp.minimum(beam_above, b_)
-        keep = in_beam & (merged < b_)
-        at = jnp.where(keep, cur + merged, 2 * bp)
-        plt.store(run_key_ref.at[at], run_key, mask=keep)
-        plt.store(run_flat_ref.at[at], run_flat, mask=keep)
+            place_running(jnp.sum(lax.fori_loop(0, blocks(num, block_c), above,
+                                                jnp.zeros((bp, block_c), jnp.int32)), axis=1))
         barrier()
         return d + 1, deeper_can_enter(d)
 
@@ -375,7 +398,7 @@ def tree_build_pallas(top_lp, top_tok, root_tokens, *, budget: int, config: Tree
     kernel = functools.partial(
         _tree_build_kernel, budget=budget, k=k, depth_limit=depth_limit, num_pairs=num_pairs, bp=bp, cp=cp,
         tp=tp, block_c=min(config.block, cp), block_r=min(config.block_rows, cp), block_b=min(config.block, bp),
-        block_t=min(config.block, tp), prune=bool(config.prune),
+        block_t=min(config.block, tp), prune=bool(config.prune), fuse_above=bool(config.fuse_above),
         interpret=interpret)
 
     def row(*shape):

@@ -127,6 +127,18 @@ def test_unpruned_candidates_give_the_same_tree(case: Case, interpret: bool):
     assert_same_tree(got, build(lp, roots, case.budget, "reference"))
 
 
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("case", [CASES[3], CASES[6], CASES[7]], ids=str)
+def test_running_counts_in_the_first_row_block_give_the_same_tree(case: Case, interpret: bool):
+    """`fuse_above=1` counts the candidates above each running entry in the first row block's pass: the same tree
+    on tied and padded inputs at B = 64, and at B = 128 where a shallow tree keeps several row blocks."""
+    lp = log_probs(case)
+    roots = jnp.arange(case.b, dtype=jnp.int32) + 5
+    got = jax.jit(functools.partial(build_tree, budget=case.budget, implementation="pallas", interpret=interpret,
+                                    kernel_config=tb.TreeBuildConfig(fuse_above=1)))(lp, roots)
+    assert_same_tree(got, build(lp, roots, case.budget, "reference"))
+
+
 def test_budget_above_the_kernel_maximum():
     """The kernel refuses B > MAX_BUDGET naming it; build_tree keeps those on the XLA builder."""
     budget = tb.MAX_BUDGET + 1
@@ -143,3 +155,5 @@ def test_config_is_validated():
         tb.TreeBuildConfig(block=24)
     with pytest.raises(ValueError, match="block_rows=8"):
         tb.TreeBuildConfig(block_rows=8)
+    with pytest.raises(ValueError, match="TreeBuildConfig.fuse_above=2: must be 0 or 1"):
+        tb.TreeBuildConfig(fuse_above=2)
