@@ -94,6 +94,10 @@ class TreeBuildConfig:
     fuse_above: 1: the running entries' counts of candidates above them ride in the first row block's pass
                 over the candidates (one pass over them less per depth, a [bp, block] tile more in it); 0: a
                 pass of their own after the places (not yet measured on a GPU: the knob is for that).
+    hoist_pairs: 1 (with prune): the candidate table loaded once, before the depth loop, and each kept candidate's
+                pair (i, j) compacted with it: each depth's gathers start from registers and the places' from the
+                compacted pairs, two dependent loads fewer per depth; 0: the table read at every depth (not yet
+                measured on a GPU either).
     """
 
     block: int = 32
@@ -102,11 +106,13 @@ class TreeBuildConfig:
     num_stages: int = 1
     prune: int = 1
     fuse_above: int = 0
+    hoist_pairs: int = 0
 
     def __post_init__(self):
         check_knobs(self, pow2={"block": 16, "block_rows": 16})
-        if self.fuse_above not in (0, 1):
-            raise ValueError(f"TreeBuildConfig.fuse_above={self.fuse_above!r}: must be 0 or 1")
+        for name in ("fuse_above", "hoist_pairs"):
+            if getattr(self, name) not in (0, 1):
+                raise ValueError(f"TreeBuildConfig.{name}={getattr(self, name)!r}: must be 0 or 1")
 
 
 def candidate_table(budget: int, k: int) -> np.ndarray:
@@ -144,7 +150,8 @@ def _tree_build_kernel(
     label_ref,     # [bp] int32 the current beam's labels (ranks in lexicographic order)
     cand_score_ref,  # [cp] float32 the depth's candidate scores (NaN past C)
     cand_lex_ref,    # [cp] int32 and their lexicographic keys (parent's label, token rank)
-    cand_idx_ref,    # [cp] int32 and their candidate index (prune: the kept candidates, compacted)
+    cand_idx_ref,    # [cp] int32 and their candidate index (prune: the kept candidates, compacted), or with
+                     # hoist_pairs their pair (i, j) as i * 2^16 + j
     run_key_ref,   # [2 bp] int32 running global top B: keys, best first (two lists: depth parity)
     run_flat_ref,  # [2 bp] int32 and flat indices d * B + i
     *,
@@ -161,6 +168,7 @@ def _tree_build_kernel(
     block_t: int,
     prune: bool,
     fuse_above: bool,
+    hoist_pairs: bool,
     interpret: bool,
 ):
     b_, k_, l_, c_ = budget, k, depth_limit, num_pairs
@@ -211,12 +219,12 @@ def _tree_build_kernel(
         return cdiv(num, block) if isinstance(num, int) else lax.div(num + block - 1, block)
 
     def next_depth(carry):
-        d, _ = carry
+        d, _, *pairs = carry  # pairs: the candidate table, loaded once (hoist_pairs)
         prev, cur = lax.rem(d - 1, 2) * bp, lax.rem(d, 2) * bp  # the running lists read and written
         # 1. Every candidate's score and lexicographic key (parent's label, token rank), in (i, j) order.
         cand = jnp.arange(cp, dtype=jnp.int32)
         cand_ok = cand < c_
-        pair_i, pair_j = pair_ref[0, :], pair_ref[1, :]
+        pair_i, pair_j = pairs if hoist_pairs else (pair_ref[0, :], pair_ref[1, :])
         score = score_ref[d - 1, pair_i] + lp_ref[d, jnp.minimum(pair_j, k_ - 1)]  # left to right, as _build_one
         lex = label_ref[pair_i] * k_ + pair_j
         if prune:
@@ -229,7 +237,7 @@ def _tree_build_kernel(
             num = jnp.sum(flags)
             plt.store(cand_score_ref.at[slot], score, mask=kept)
             plt.store(cand_lex_ref.at[slot], lex, mask=kept)
-            plt.store(cand_idx_ref.at[slot], cand, mask=kept)
+            plt.store(cand_idx_ref.at[slot], (pair_i << 16) | pair_j if hoist_pairs else cand, mask=kept)
         else:
             num = c_
             cand_score_ref[...] = jnp.where(cand_ok, score, jnp.nan)  # a padding candidate is never ahead
@@ -283,7 +291,10 @@ def _tree_build_kernel(
             depth_at = jnp.full((block_r,), d, jnp.int32)
             if prune:
                 idx = plt.load(cand_idx_ref.at[pl.ds(r * block_r, block_r)], mask=row_ok, other=0)
-                pair_i, pair_j = pair_ref[0, idx], pair_ref[1, idx]
+                if hoist_pairs:  # the pair itself was kept: no gather from the table
+                    pair_i, pair_j = idx >> 16, idx & 0xFFFF
+                else:
+                    pair_i, pair_j = pair_ref[0, idx], pair_ref[1, idx]
             else:
                 pair_i, pair_j = pair_ref[0, pl.ds(r * block_r, block_r)], pair_ref[1, pl.ds(r * block_r, block_r)]
             plt.store(score_ref.at[depth_at, at], rows, mask=keep)
@@ -315,10 +326,11 @@ def _tree_build_kernel(
             place_running(jnp.sum(lax.fori_loop(0, blocks(num, block_c), above,
                                                 jnp.zeros((bp, block_c), jnp.int32)), axis=1))
         barrier()
-        return d + 1, deeper_can_enter(d)
+        return d + 1, deeper_can_enter(d), *pairs
 
     # Depth after depth while a deeper prefix can still enter (a shallow tree stops early).
-    last, _ = lax.while_loop(lambda carry: carry[1], next_depth, (jnp.int32(1), deeper_can_enter(0)))
+    pairs = (pair_ref[0, :], pair_ref[1, :]) if hoist_pairs else ()
+    last, *_ = lax.while_loop(lambda carry: carry[1], next_depth, (jnp.int32(1), deeper_can_enter(0), *pairs))
     final = lax.rem(last - 1, 2) * bp  # the running list the last depth wrote
 
     # Nodes: node n + 1 is the running list's entry n.
@@ -399,6 +411,7 @@ def tree_build_pallas(top_lp, top_tok, root_tokens, *, budget: int, config: Tree
         _tree_build_kernel, budget=budget, k=k, depth_limit=depth_limit, num_pairs=num_pairs, bp=bp, cp=cp,
         tp=tp, block_c=min(config.block, cp), block_r=min(config.block_rows, cp), block_b=min(config.block, bp),
         block_t=min(config.block, tp), prune=bool(config.prune), fuse_above=bool(config.fuse_above),
+        hoist_pairs=bool(config.hoist_pairs) and bool(config.prune),
         interpret=interpret)
 
     def row(*shape):

@@ -129,13 +129,15 @@ def test_unpruned_candidates_give_the_same_tree(case: Case, interpret: bool):
 
 @pytest.mark.parametrize("interpret", INTERPRET)
 @pytest.mark.parametrize("case", [CASES[3], CASES[6], CASES[7]], ids=str)
-def test_running_counts_in_the_first_row_block_give_the_same_tree(case: Case, interpret: bool):
-    """`fuse_above=1` counts the candidates above each running entry in the first row block's pass: the same tree
-    on tied and padded inputs at B = 64, and at B = 128 where a shallow tree keeps several row blocks."""
+def test_latency_knobs_give_the_same_tree(case: Case, interpret: bool):
+    """`fuse_above=1` (the candidates above each running entry counted in the first row block's pass) with
+    `hoist_pairs=1` (the candidate table loaded once, the kept candidates' pairs compacted): the same tree on tied
+    and padded inputs at B = 64, and at B = 128 where a shallow tree keeps several row blocks."""
     lp = log_probs(case)
     roots = jnp.arange(case.b, dtype=jnp.int32) + 5
+    config = tb.TreeBuildConfig(fuse_above=1, hoist_pairs=1)
     got = jax.jit(functools.partial(build_tree, budget=case.budget, implementation="pallas", interpret=interpret,
-                                    kernel_config=tb.TreeBuildConfig(fuse_above=1)))(lp, roots)
+                                    kernel_config=config))(lp, roots)
     assert_same_tree(got, build(lp, roots, case.budget, "reference"))
 
 
@@ -157,3 +159,5 @@ def test_config_is_validated():
         tb.TreeBuildConfig(block_rows=8)
     with pytest.raises(ValueError, match="TreeBuildConfig.fuse_above=2: must be 0 or 1"):
         tb.TreeBuildConfig(fuse_above=2)
+    with pytest.raises(ValueError, match="TreeBuildConfig.hoist_pairs=-1: must be 0 or 1"):
+        tb.TreeBuildConfig(hoist_pairs=-1)
