@@ -91,9 +91,11 @@ class TreeBuildConfig:
                 first: a confident drafter's deep tree at B = 64 keeps few of its 280. On the H200 deep trees
                 (V = 151936, L = 15, top-k included) took 123 against 204 us at B = 64 and 166 against 524 at
                 B = 128; shallow ones the same within the spread (tools/topk_probe.py, 2026-12-04).
-    fuse_above: 1: the running entries' counts of candidates above them ride in the first row block's pass
-                over the candidates (one pass over them less per depth, a [bp, block] tile more in it); 0: a
-                pass of their own after the places (not yet measured on a GPU: the knob is for that).
+    fuse_above: 1: the running list read once per depth, into registers: its entries' counts of candidates
+                above them ride in the first row block's pass over the candidates (one pass over them less per
+                depth, a [bp, block] tile more in it), and the candidates' counts of running entries at or above
+                them compare with it in one [block_rows, bp] tile; 0: a pass of their own after the places, and
+                the list read from memory in `block`-wide steps (not yet measured on a GPU: the knob is for that).
     hoist_pairs: 1 (with prune): the candidate table loaded once, before the depth loop, and each kept candidate's
                 pair (i, j) compacted with it: each depth's gathers start from registers and the places' from the
                 compacted pairs, two dependent loads fewer per depth; 0: the table read at every depth (not yet
@@ -302,9 +304,13 @@ def _tree_build_kernel(
             plt.store(rank_ref.at[depth_at, at], pair_j, mask=keep)
             plt.store(label_ref.at[at], packed >> 16, mask=keep)
             key = total_order_key(rows)
-            merged = place + count_ahead(key, row_idx, run_key_ref, lax.div(prev, block_b),
-                                         lax.div(prev, block_b) + run_blocks, block=block_b, num_cols=prev + b_,
-                                         tie="always", other=INT32_MIN, masked=True)
+            if fuse_above:  # the running entries at or above each key, from the list in registers
+                merged = place + jnp.sum(((run_key[None, :] >= key[:, None]) & in_beam[None, :]).astype(jnp.int32),
+                                         axis=1)
+            else:
+                merged = place + count_ahead(key, row_idx, run_key_ref, lax.div(prev, block_b),
+                                             lax.div(prev, block_b) + run_blocks, block=block_b, num_cols=prev + b_,
+                                             tie="always", other=INT32_MIN, masked=True)
             keep = keep & (merged < b_)
             at = jnp.where(keep, cur + merged, 2 * bp)
             plt.store(run_key_ref.at[at], key, mask=keep)
