@@ -216,12 +216,13 @@ def test_correct_recurrence_is_back_after_the_negative_control(hybrid_pair, hybr
 
 def test_tree_verify_states_equal_running_each_root_path(hybrid_pair):
     """A verify forward over a small tree: every node's hidden state and recurrent state equal a plain
-    chain forward over its root path (from the same committed cache)."""
+    chain forward over its root path (from the same committed cache; the path right-padded to the longest, 5
+    tokens, with `valid` its length: padding leaves the recurrent states alone, `ForwardMeta.valid`)."""
     target, _ = hybrid_pair
     config = target.config
     prompt = jnp.asarray([[5, 1, 7, 2, 9]])
     cache = qwen3_5.create_cache(config, 1, 32, jnp.float32)
-    out = qwen3_5.forward(target, prompt, ForwardMeta.prompt(jnp.asarray([5]), 5), cache)
+    out = jax.jit(lambda t, c: qwen3_5.forward(t, prompt, ForwardMeta.prompt(jnp.asarray([5]), 5), c))(target, cache)
     cache = advance(out.cache, jnp.asarray([5]))
     parents = np.array([0, 0, 0, 1, 2, 3, 3, 5])  # root; two children; grandchildren; a depth-4 branch
     depths = np.array([0, 1, 1, 2, 2, 3, 3, 4])
@@ -235,12 +236,13 @@ def test_tree_verify_states_equal_running_each_root_path(hybrid_pair):
     tree_out = jax.jit(lambda t, c: qwen3_5.forward(t, tokens, meta, c))(target, cache)
     assert isinstance(tree_out.cache, HybridCache) and len(tree_out.nodes) == len(config.linear_layers)
 
+    longest = 5
+
     @jax.jit
-    def chain_forward(t, path_tokens, c):  # one compile per path length
-        n = path_tokens.shape[1]
-        return qwen3_5.forward(t, path_tokens, ForwardMeta(positions=5 + jnp.arange(n)[None],
-                                                           new_mask=jnp.tril(jnp.ones((1, n, n), bool)),
-                                                           valid=jnp.asarray([n])), c)
+    def chain_forward(t, path_tokens, n, c):  # the first n of `longest` tokens
+        return qwen3_5.forward(t, path_tokens, ForwardMeta(positions=5 + jnp.arange(longest)[None],
+                                                           new_mask=jnp.tril(jnp.ones((1, longest, longest), bool)),
+                                                           valid=n), c)
 
     commit = jax.jit(lambda nodes, committed, path, n: [commit_recurrent(c, nd, path, n)
                                                         for nd, c in zip(nodes, committed)])
@@ -250,10 +252,10 @@ def test_tree_verify_states_equal_running_each_root_path(hybrid_pair):
             path.append(int(parents[path[-1]]))
         path = path[::-1]
         n = len(path)
-        chain = chain_forward(target, tokens[:, np.array(path)], cache)
+        chain = chain_forward(target, tokens[:, np.array(path + [path[-1]] * (longest - n))], jnp.asarray([n]), cache)
         # Two float32 orders of the same sums (the WY tree form against the chunked chain): hidden states of size
         # ~3 agree to ~1e-5 (1.4e-5 seen on one CPU, within 1e-5 on another); a wrong root path is off by ~0.1.
-        np.testing.assert_allclose(np.asarray(tree_out.hidden[0, node]), np.asarray(chain.hidden[0, -1]),
+        np.testing.assert_allclose(np.asarray(tree_out.hidden[0, node]), np.asarray(chain.hidden[0, n - 1]),
                                    atol=5e-5, rtol=0, err_msg=f"node {node}")
         # The state (`cache.path_state`) and conv window after committing this root path equal the chain's.
         path_arr = jnp.asarray([path + [path[-1]] * (8 - n)])
