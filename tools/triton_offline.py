@@ -148,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
             stages = config.num_stages if which < 2 else 1
             jobs.append((f"vocab_top_k k={k} {launch}", dataclasses.replace(config, num_stages=stages), fn,
                          [sds((15, 151936), jnp.float32)], which))
+        one = dataclasses.replace(vtk.default_config(8192), one_launch=1)  # the demo pair's vocabulary in one launch
+        jobs.append((f"vocab_top_k k={k} one launch V=8192", dataclasses.replace(one, num_stages=1),
+                     functools.partial(vtk.vocab_top_k_pallas, k=k, config=one), [sds((15, 8192), jnp.float32)], 0))
     for t in (16, 17, 65, 128):  # the Gated DeltaNet tree rule at the Qwen3.6-27B shape (48 value heads, 16 key)
         for precision in ("default", "highest"):
             # the one-launch form
