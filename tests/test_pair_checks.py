@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -98,12 +96,13 @@ def test_block_size_inside_dflash_config_and_layer_rules():
     assert c.layer_causal == (False, False)
 
 
-def test_cli_refuses_a_bad_pair_before_loading_weights(tmp_path, target_dir):
+def test_cli_refuses_a_bad_pair_before_loading_weights(tmp_path, target_dir, capsys):
+    """In this process (`main`, as `python -m ddtree_jax.generate` calls it)."""
+    from ddtree_jax.generate import main
+
     drafter = _drafter(tmp_path, dflash_config={"mask_token_id": 999, "target_layer_ids": [0, 1]})
     (drafter / "model.safetensors").write_bytes(b"not even read")
-    proc = subprocess.run([sys.executable, "-m", "ddtree_jax.generate", "--target", str(target_dir), "--drafter",
-                           str(drafter), "--mode", "dflash", "--prompt-ids", "1,2"], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 2
-    assert proc.stderr.strip() == (f"error: {drafter / 'config.json'}: field 'dflash_config.mask_token_id': 999 is not "
-                                   "a row of the target's embedding (expected 0..319)")
+    assert main(["--target", str(target_dir), "--drafter", str(drafter), "--mode", "dflash", "--prompt-ids",
+                 "1,2"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: {drafter / 'config.json'}: field 'dflash_config.mask_token_id': "
+                                               "999 is not a row of the target's embedding (expected 0..319)")

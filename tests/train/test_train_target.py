@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -75,13 +73,16 @@ def test_export_is_a_sharded_hf_checkpoint_that_loads(trained):
         assert (out / name).exists()
 
 
-def test_generate_cli_runs_the_export(trained):
+def test_generate_cli_runs_the_export(trained, capsys):
+    """`generate` (its `main`, in this process) on the exported checkpoint and its tokenizer."""
+    from ddtree_jax.generate import main
+
     tmp, _ = trained
-    proc = subprocess.run([sys.executable, "-m", "ddtree_jax.generate", "--mode", "ar", "--target", str(tmp / "target"),
-                           "--prompt", "def f(x):", "--json", "--max-new-tokens", "8", "--ignore-eos",
-                           "--dtype", "float32"], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(proc.stdout)
+    code = main(["--mode", "ar", "--target", str(tmp / "target"), "--prompt", "def f(x):", "--json",
+                 "--max-new-tokens", "8", "--ignore-eos", "--dtype", "float32"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    report = json.loads(captured.out)
     assert report["new_tokens"] == 8 and isinstance(report["text"], str)
 
 
