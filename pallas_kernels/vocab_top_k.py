@@ -1,5 +1,5 @@
 """The top k of every row of a long float32 matrix (a drafter's per-depth log-probs over the vocabulary) in three
-launches (Pallas, Triton; four with `threshold_once`), without sorting.
+launches (Pallas, Triton; four with `threshold_once`, one with `one_launch`), without sorting.
 
 The contract is `lax.top_k` over the last axis as a CPU computes it: the same values, the same int32 indices,
 the same order (value desc in XLA's total order of floats, lower index first among equals; on a GPU lax.top_k
@@ -216,11 +216,11 @@ def _segment_of(j, seg_start, valid):
 def _select_kernel(above_key_ref, above_idx_ref, tie_idx_ref, above_count_ref, tie_count_ref, t_ref, values_ref,
                    indices_ref, count_ref, dense_key_ref, dense_idx_ref, *, k: int, slots: int, segments: int,
                    block: int, block_rows: int, interpret: bool):
-    """The segments' candidates (above_key_ref, above_idx_ref [P, slots], tie_idx_ref [P, k], the counts
-    [next_pow2(P)], past P not read, and t_ref [next_pow2(P)] every segment's t, the same, or [1] the row's) -> values_ref [k]
+    """The segments' candidates (above_key_ref, above_idx_ref [P, slots], tie_idx_ref [P, k], the counts [next_pow2(P)],
+    past P not read, and t_ref [next_pow2(P)] every segment's t, the same, or [1] the row's) -> values_ref [k]
     float32, indices_ref [k] int32, count_ref [1] the row's count of entries > t; scratch (global memory):
-    dense_key_ref, dense_idx_ref [slots]. The top k are the entries > t in (key desc, index asc) order, then
-    as many of the entries == t as are missing, in index order."""
+    dense_key_ref, dense_idx_ref [slots]. The top k are the entries > t in (key desc, index asc) order, then as
+    many of the entries == t as are missing, in index order."""
     segments_p = next_pow2(segments)
     seg_ids = jnp.arange(segments_p, dtype=jnp.int32)
     valid = seg_ids < segments
@@ -365,7 +365,8 @@ def vocab_top_k_pallas(x: jax.Array, k: int, *, config: VocabTopKConfig | None =
     t_out = 0 if config.threshold_once else 1  # the compact's outputs of t (one per segment)
     above_key, above_idx, tie_idx, above_count, tie_count, *t_segments = pl.pallas_call(
         functools.partial(_compact_kernel, n=n, k=k, num_chunks=num_chunks, chunks_p=chunks_p, chunk=chunk,
-                          slots=slots, segment=segment, step=step, threshold_given=bool(config.threshold_once), skip_cold=bool(config.skip_cold)),
+                          slots=slots, segment=segment, step=step, threshold_given=bool(config.threshold_once),
+                          skip_cold=bool(config.skip_cold)),
         grid=(r, segments),
         in_specs=[x_spec, pl.BlockSpec((None, chunks_p), lambda i, j: (i, 0)),
                   *[pl.BlockSpec((None, 1), lambda i, j: (i, 0))] * (1 - t_out)],
