@@ -48,18 +48,20 @@ def _has_gpu() -> bool:
         return False
 
 
-# Modules whose single tests (or module fixtures) run longest, longest first (the full two-worker run of
-# 2026-12-02, `--durations`). `--dist load` hands tests out in collection order, so these go first and the
-# run ends on short tests (a long test handed out last runs alone on one worker while the other idles).
+# Modules whose single tests (or module fixtures) run longest, longest first (the full two-worker runs of
+# 2026-12-04, `--durations`, with the single-process times after that evening's trims). `--dist load` hands tests
+# out in collection order, so these go first and the run ends on short tests (a long test handed out last runs
+# alone on one worker while the other idles).
 # A module stays in one piece (its module-scoped fixtures are built once per worker) and keeps its own order
 # (negative controls that drop every compilation run last in their module). Unlisted modules follow in
 # collection order.
 SLOW_FIRST = (
-    "test_notebooks.py", "test_kernels_in_engine.py", "train/test_train_demo.py", "test_multiprocess.py",
-    "test_tools.py", "test_hybrid_decoding.py", "train/test_train_mtp.py", "test_mtp_decoding.py",
-    "test_sampling.py", "test_doctor.py", "test_kernel_check.py", "test_tree.py", "train/test_train_drafter.py",
-    "test_generate_prompts.py", "train/test_train_features.py", "test_generate_cli.py", "test_ddtree_decoding.py",
-    "train/test_train_target.py", "test_parallel.py", "test_bench.py",
+    "test_notebooks.py", "train/test_train_demo.py", "test_bench.py", "test_kernels_in_engine.py", "test_doctor.py",
+    "test_tools.py", "test_generate_prompts.py", "test_hybrid_decoding.py", "train/test_train_mtp.py",
+    "train/test_train_drafter.py", "test_generate_cli.py", "test_kernel_check.py", "train/test_train_features.py",
+    "test_ddtree_decoding.py", "test_mtp_decoding.py", "test_fp8.py", "test_budget.py", "test_dflash_decoding.py",
+    "train/test_train_target.py", "models/test_qwen3.py", "test_multiprocess.py", "test_parallel.py",
+    "test_sampling.py", "test_tree.py",
 )
 TESTS = Path(__file__).resolve().parent
 
