@@ -119,7 +119,8 @@ def test_streams_text_and_stops_at_eos(random_target, tmp_path):
 
 def test_readme_command_prints_what_ar_prints():
     """The README's first command, as a new user runs it on a CPU (default dtype: float32 there), prints the
-    same text as --mode ar, and ends with the summary line of the demo pair's DDTree."""
+    same text as --mode ar (run in this process: `main`), and ends with the summary line of the demo pair's
+    DDTree."""
     readme = ("--prompt", "def fibonacci(n):")
     proc = run_process(*readme)
     assert proc.returncode == 0, proc.stderr
@@ -128,7 +129,7 @@ def test_readme_command_prints_what_ar_prints():
     assert SUMMARY.match(summary) and summary.startswith("[ddtree B=63] 64 tokens, "), summary
     # A trained drafter: a random one accepts almost nothing (tau ~1); this pair measured 3.15 at 64 tokens.
     assert float(summary.split("tokens, ")[1].split(" tokens per round")[0]) >= 2.0
-    ar = run_process("--mode", "ar", *readme)
+    ar = run_cli("--mode", "ar", *readme)
     assert ar.returncode == 0, ar.stderr
     assert ar.stderr.strip().splitlines()[-1].startswith("[ar] 64 tokens, decode")
     assert proc.stdout == ar.stdout
@@ -182,8 +183,9 @@ def test_bad_budget_flags_are_bad_input(args, message):
 def test_long_requests_fail_in_seconds_before_allocating():
     """The issue's 10M new tokens on the demo pair: beyond its 4096 positions. With --allow-long-context, a
     billion (the cache alone would need terabytes): refused from the config shapes, before any weight or cache is
-    allocated, in seconds (the bound is generous for a loaded CI machine)."""
-    proc = run_process("--prompt", "def f():", "--max-new-tokens", 10_000_000, timeout=120)
+    allocated, in seconds (the bound is generous for a loaded CI machine). The first in this process (`main`), the
+    second in its own (were its cache allocated, it would take the process down)."""
+    proc = run_cli("--prompt", "def f():", "--max-new-tokens", 10_000_000)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: 3 prompt tokens + --max-new-tokens 10000000 = 10000003 tokens: beyond the target's "
