@@ -22,10 +22,11 @@ def assert_stage_times(row, stages=STAGES):
 
 def assert_round_times(rows):
     """Every row's round time finite and >= 0 (an in-loop difference, clamped at 0 when a busy CPU makes the
-    one-round call the slower: `measure.timing.in_loop_seconds`), the rows together took time, and each ratio to
-    the floor is the round over the floor."""
+    one-round call the slower: `measure.timing.in_loop_seconds`; a tiny shape's round is below the CPU's noise, so
+    a row of one may read 0), its call of one round took time, and each ratio to the floor is the round over the
+    floor."""
     assert all(0 <= r["round_s"] < float("inf") and r["floor_s"] > 0 for r in rows)
-    assert sum(r["round_s"] for r in rows) > 0
+    assert all(0 < r["round_call_s"] < float("inf") for r in rows)
     assert all(r["ratio_to_floor"] == r["round_s"] / r["floor_s"] for r in rows)
 
 
