@@ -103,16 +103,19 @@ class TestTreeBuildKernel:
         assert_same_tree(got, build(perturbed, roots, case.budget, "reference"))
 
 
+def assert_knobs_give_the_reference_tree(case: Case, config: tb.TreeBuildConfig, interpret: bool):
+    """The kernel with `config` builds the XLA builder's tree for `case`."""
+    lp = log_probs(case)
+    roots = jnp.arange(case.b, dtype=jnp.int32) + 5
+    got = jax.jit(functools.partial(build_tree, budget=case.budget, implementation="pallas", interpret=interpret,
+                                    kernel_config=config))(lp, roots)
+    assert_same_tree(got, build(lp, roots, case.budget, "reference"))
+
+
 def test_narrow_tiles_give_the_same_tree():
     """The counting tiles are knobs: 16 x 16 tiles (18 row blocks of candidates at B = 64, many ties) give the
     default's tree, i.e. the XLA builder's."""
-    case = CASES[3]
-    lp = log_probs(case)
-    roots = jnp.arange(case.b, dtype=jnp.int32) + 5
-    config = tb.TreeBuildConfig(block=16, block_rows=16)
-    got = jax.jit(functools.partial(build_tree, budget=case.budget, implementation="pallas", interpret=True,
-                                    kernel_config=config))(lp, roots)
-    assert_same_tree(got, build(lp, roots, case.budget, "reference"))
+    assert_knobs_give_the_reference_tree(CASES[3], tb.TreeBuildConfig(block=16, block_rows=16), True)
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
@@ -120,11 +123,7 @@ def test_narrow_tiles_give_the_same_tree():
 def test_unpruned_candidates_give_the_same_tree(case: Case, interpret: bool):
     """`prune=0` (the default prunes) counts every candidate: the same tree on shallow, tied, deep and padded
     inputs at B = 64."""
-    lp = log_probs(case)
-    roots = jnp.arange(case.b, dtype=jnp.int32) + 5
-    got = jax.jit(functools.partial(build_tree, budget=case.budget, implementation="pallas", interpret=interpret,
-                                    kernel_config=tb.TreeBuildConfig(prune=0)))(lp, roots)
-    assert_same_tree(got, build(lp, roots, case.budget, "reference"))
+    assert_knobs_give_the_reference_tree(case, tb.TreeBuildConfig(prune=0), interpret)
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
@@ -133,12 +132,7 @@ def test_latency_knobs_give_the_same_tree(case: Case, interpret: bool):
     """`fuse_above=1` (the candidates above each running entry counted in the first row block's pass) with
     `hoist_pairs=1` (the candidate table loaded once, the kept candidates' pairs compacted): the same tree on tied
     and padded inputs at B = 64, and at B = 128 where a shallow tree keeps several row blocks."""
-    lp = log_probs(case)
-    roots = jnp.arange(case.b, dtype=jnp.int32) + 5
-    config = tb.TreeBuildConfig(fuse_above=1, hoist_pairs=1)
-    got = jax.jit(functools.partial(build_tree, budget=case.budget, implementation="pallas", interpret=interpret,
-                                    kernel_config=config))(lp, roots)
-    assert_same_tree(got, build(lp, roots, case.budget, "reference"))
+    assert_knobs_give_the_reference_tree(case, tb.TreeBuildConfig(fuse_above=1, hoist_pairs=1), interpret)
 
 
 def test_budget_above_the_kernel_maximum():
