@@ -22,6 +22,19 @@ in registers (exact: every e4m3 value is a bfloat16 one), multiplied into a floa
 tile times its block's scale is added to the accumulator: sum over blocks of s_b (sum over the block of q x),
 which is the product with the dequantised weight up to float32 rounding.
 
+Widening FP8 to bfloat16 (`fp8_bits`). Triton widens e4m3 to bfloat16 through float16: one conversion a pair to
+float16 (F2FP), then one F2F a value to bfloat16 (its SASS for sm_90, tools/triton_offline.py); the CUDA guide's
+throughput table gives such conversions 16 results per cycle per multiprocessor against 64 for integer logic,
+where streaming an FP8 weight at the H200's bandwidth needs ~18 values per cycle (the FP8 kernel ran at ~2.7x its
+floor, docs/performance.md). With `fp8_bits=1` the float16 pair is moved into bfloat16's fields by integer ops
+instead (`_PLACE_ASM`: a shift and two masks a pair, no F2F). Moved unrebiased, the exponent keeps float16's bias
+(15) where bfloat16 has 127: the tile is the weight times 2^-112, exactly, and normal (every e4m3 value, its
+subnormals included, is a normal float16, so no subnormal reaches the multiply, which some flush: XLA's CPU dot
+does). So that no product leaves float32's normal range, x comes in times 2^64 (exact below 2^64) and each tile's
+partial sums are scaled back with the block's scale; a power of two scales every product alike, so the sums
+round as the widened tile's do: the same bits as `fp8_bits=0` unless a product falls below float32's normal range
+(under 2^-78 in the true units).
+
 Letters: t rows (tokens), tg rows per group, tp padded rows, k input features, n output features, s splits of k.
 `stream_matmul_reference` is the plain-jnp restatement (float32 accumulation, result in x's dtype; an FP8
 weight dequantised in float32 first).
@@ -56,6 +69,8 @@ class StreamMatmulConfig:
     row_tile: None: the rows in tiles that are powers of two >= 16, largest first (65 rows as 64 + 16); a power of
               two >= 16: every tile that many rows, so that every row count multiplies with one mma shape (Triton
               takes Hopper's wgmma for 64-row tiles and mma.sync for 16-row ones; the row-invariant models take 16).
+    fp8_bits: how FP8 tiles become bfloat16 when x is bfloat16 (module docstring): 0 Triton's conversions, 1 to
+              float16 by Triton's, then into bfloat16's fields by integer ops. No effect otherwise.
     """
 
     block_n: int = 64
@@ -64,12 +79,44 @@ class StreamMatmulConfig:
     num_warps: int = 4
     num_stages: int = 4
     row_tile: int | None = None
+    fp8_bits: int = 0
 
     def __post_init__(self):
         check_knobs(self, pow2={"block_n": 16, "block_k": 16}, optional_counts=("splits",))
         if self.row_tile is not None and (isinstance(self.row_tile, bool) or not isinstance(self.row_tile, int)
                                           or self.row_tile < 16 or self.row_tile & (self.row_tile - 1)):
             raise ValueError(f"StreamMatmulConfig.row_tile={self.row_tile!r}: must be None or a power of two >= 16")
+        if self.fp8_bits not in (0, 1) or isinstance(self.fp8_bits, bool):
+            raise ValueError(f"StreamMatmulConfig.fp8_bits={self.fp8_bits!r}: must be 0 or 1")
+
+
+# `fp8_bits=1`: a placed e4m3 tile is the weight times 2^PLACED_EXPONENT; x comes in times 2^X_PRESCALE_EXPONENT.
+PLACED_EXPONENT = -112
+X_PRESCALE_EXPONENT = 64
+# On a GPU, a pair of e4m3 bytes (a 16-bit register: the multiply's operand layout holds k in pairs) at a time:
+# converted to a float16 pair, each half s eeeee mmm0000000 becomes s 000 eeeee mmm 0000: an arithmetic shift by
+# three of the pair keeps the high half's sign in place (the mask clears its copies); the low half's sign comes
+# from the pair before the shift (the shift moves the high half's zero mantissa bits into the low half's top).
+_PLACE_ASM = """{
+.reg .b32 h, t;
+cvt.rn.f16x2.e4m3x2 h, $1;
+shr.s32 t, h, 3;
+and.b32 t, t, 0x8FFF0FFF;
+and.b32 h, h, 0x00008000;
+or.b32 $0, t, h;
+}"""
+
+
+def _fp8_tile_as_bf16(w: jax.Array, asm: bool) -> jax.Array:
+    """float8_e4m3fn [..] -> bfloat16 [..] equal to w x 2^PLACED_EXPONENT, through float16 and placed bits (e4m3's
+    NaN becomes a finite value: a checkpoint holds none). `asm`: as PTX (compiled kernels); else the same bits by
+    jnp ops."""
+    if asm:
+        return plt.elementwise_inline_asm(_PLACE_ASM, args=[lax.bitcast_convert_type(w, jnp.uint8)],
+                                          constraints="=r,h", pack=2,
+                                          result_shape_dtypes=[jax.ShapeDtypeStruct(w.shape, jnp.bfloat16)])[0]
+    h = lax.bitcast_convert_type(w.astype(jnp.float16), jnp.uint16)
+    return lax.bitcast_convert_type(((h >> 3) & 0x0FFF) | (h & 0x8000), jnp.bfloat16)
 
 
 def _row_tiles(t: int, row_tile: int | None = None) -> tuple[int, ...]:
@@ -87,7 +134,7 @@ def _row_tiles(t: int, row_tile: int | None = None) -> tuple[int, ...]:
 
 
 def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_block: tuple[int, int] | None,
-            row_tiles: tuple[int, ...]):
+            row_tiles: tuple[int, ...], fp8_bits: int, asm: bool):
     # x_ref [tg, ks] one group's rows of x, this split's k slice; w_ref [block_n, ks] weight rows; o_ref [block_n, tg] f32;
     # with FP8 weights, s_ref [so, si] all the block scales (one scalar read per step). The rows go in
     # `row_tiles` (tg = their sum), each with its own accumulator; every weight tile is loaded once for all.
@@ -100,10 +147,13 @@ def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_bloc
 
     def step(i, accs):
         cols = pl.ds(i * block_k, block_k)
-        w = w_ref[:, cols].astype(x_ref.dtype)  # FP8 widened in registers once for every row tile; else a no-op
+        w = w_ref[:, cols]  # FP8 widened in registers once for every row tile; else as it is
+        w = _fp8_tile_as_bf16(w, asm) if fp8_bits else w.astype(x_ref.dtype)
         scale = None
         if scale_block is not None:
             scale = s_ref[scale_row, (first_col + i * block_k) // scale_block[1]].astype(jnp.float32)
+            if fp8_bits:
+                scale = scale * 2.0 ** -(PLACED_EXPONENT + X_PRESCALE_EXPONENT)
         new = []
         for acc, start, size in zip(accs, starts, row_tiles):
             x = x_ref[pl.ds(start, size), cols]
@@ -174,6 +224,9 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
     # The weight's dtype for x unless the weight is FP8 (then the tiles are widened to x's dtype).
     xp = jnp.pad(x.astype(x.dtype if block is not None else w.dtype), [(0, tp - t), (0, 0)])
+    fp8_bits = config.fp8_bits if block is not None and x.dtype == jnp.bfloat16 else 0
+    if fp8_bits:
+        xp = xp * jnp.bfloat16(2.0 ** X_PRESCALE_EXPONENT)  # exact below 2^64 (module docstring)
     in_specs = [pl.BlockSpec((tg, ks), lambda i, s, g: (g, s)),  # x rows of this group, this split's k slice
                 pl.BlockSpec((block_n, ks), lambda i, s, g: (i, s))]  # w rows
     operands = [xp, w]
@@ -182,7 +235,8 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
         operands.append(scale_inv)
     partial_sums = pl.pallas_call(
         functools.partial(_kernel, block_k=config.block_k, steps=ks // config.block_k, precision=precision,
-                          scale_block=None if block is None else tuple(block), row_tiles=row_tiles),
+                          scale_block=None if block is None else tuple(block), row_tiles=row_tiles,
+                          fp8_bits=fp8_bits, asm=not interpret),
         grid=(n // block_n, splits, groups),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((None, block_n, tg), lambda i, s, g: (s, i, g)),

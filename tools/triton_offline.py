@@ -6,7 +6,7 @@
 For each kernel at the kernel_check shapes and configs: jax lowers the Pallas kernel to Triton IR (as it
 does on a GPU), the pip `triton` compiles that IR for compute capability 9.0, and `cuobjdump` (shipped
 with triton) reads the cubin's registers, spill stack and shared memory, from which programs per SM
-follow. This catches Triton compile errors and shared-memory overflows before spending device time;
+follow, and counts its F2F conversions (the FP8 streaming matmul's bound, `pallas_kernels.stream_matmul`). This catches Triton compile errors and shared-memory overflows before spending device time;
 XLA's own Triton (inside jaxlib) may still differ in detail, so the GPU run remains the judge.
 Reads a private jax hook (`jax._src.pallas.triton.lowering.lower_jaxpr_to_triton_module`).
 """
@@ -33,6 +33,7 @@ from pallas_kernels import tree_accept as tac  # noqa: E402
 from pallas_kernels import tree_attention as ta  # noqa: E402
 from pallas_kernels import qk_norm_rope as qk  # noqa: E402
 from pallas_kernels import rms_norm as rn  # noqa: E402
+from pallas_kernels import stream_matmul as smm  # noqa: E402
 from pallas_kernels import tree_build as tbk  # noqa: E402
 from pallas_kernels import tree_delta_rule as tdr  # noqa: E402
 from pallas_kernels import vocab_top_k as vtk  # noqa: E402
@@ -80,6 +81,7 @@ def resources(ir_text: str, num_warps: int, num_stages: int) -> dict:
             f.write(kernel.asm["cubin"])
         tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
         usage = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
         ptx = kernel.asm["ptx"]
     smem = int(kernel.metadata.shared)
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
@@ -87,7 +89,8 @@ def resources(ir_text: str, num_warps: int, num_stages: int) -> dict:
     threads = 32 * num_warps
     per_sm = min(SMEM_PER_SM // (smem + 1024), REGS_PER_SM // (-(-regs // 8) * 8 * threads), 64 // num_warps, 32)
     return dict(smem=smem, regs=regs, spill_stack=stack, programs_per_sm=per_sm, fits=smem <= SMEM_PER_BLOCK,
-                mma="wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "none")
+                mma="wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "none",
+                conversions=len(re.findall(r"\bF2F\.", sass)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,6 +154,15 @@ def main(argv: list[str] | None = None) -> int:
         one = dataclasses.replace(vtk.default_config(8192), one_launch=1)  # the demo pair's vocabulary in one launch
         jobs.append((f"vocab_top_k k={k} one launch V=8192", dataclasses.replace(one, num_stages=1),
                      functools.partial(vtk.vocab_top_k_pallas, k=k, config=one), [sds((15, 8192), jnp.float32)], 0))
+    for rows in (1, 16, 65):  # the weight-streaming matmul on a Qwen3-8B projection, bf16 and block-scaled FP8
+        x = sds((rows, 4096), jnp.bfloat16)
+        for config in (smm.StreamMatmulConfig(splits=1), smm.StreamMatmulConfig(splits=1, fp8_bits=1)):
+            fn = functools.partial(smm.stream_matmul_pallas, block=(128, 128), config=config)
+            jobs.append((f"stream_matmul fp8 rows={rows}", config, fn,
+                         [x, sds((4096, 4096), jnp.float8_e4m3fn), sds((32, 32), jnp.float32)]))
+        config = smm.StreamMatmulConfig(splits=1)
+        fn = functools.partial(smm.stream_matmul_pallas, config=config)
+        jobs.append((f"stream_matmul bf16 rows={rows}", config, fn, [x, sds((4096, 4096), jnp.bfloat16)]))
     for t in (16, 17, 65, 128):  # the Gated DeltaNet tree rule at the Qwen3.6-27B shape (48 value heads, 16 key)
         for precision in ("default", "highest"):
             # the one-launch form
@@ -190,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     jobs = [job for job in jobs if args.only in job[0]]
     for name, config, fn, fn_args, *which in jobs:
         label = f"{name:<32} {config!r}".replace("TreeAttentionConfig", "").replace("TreeAcceptConfig", "").replace(
-            "TreeBuildConfig", "").replace("VocabTopKConfig", "").replace("TreeDeltaRuleConfig", "")
+            "TreeBuildConfig", "").replace("VocabTopKConfig", "").replace("TreeDeltaRuleConfig", "").replace(
+            "StreamMatmulConfig", "")
         try:
             print(label, resources(triton_ir(fn, fn_args, *which), config.num_warps, config.num_stages), flush=True)
         except Exception as exc:  # noqa: BLE001 - report and go on

@@ -37,6 +37,11 @@ NORMAL_STD = 0.02
 STREAM_MAX_ROWS = 128
 
 
+# The streaming kernel's knobs for FP8 projections (tiles fitted to each weight by `fitted_config`). `fp8_bits=1`
+# widens without F2F conversions (`pallas_kernels.stream_matmul`'s docstring), the same bits as 0; it stays off
+# until the H200 has timed it.
+FP8_STREAM_KNOBS = StreamMatmulConfig()
+
 # The streaming kernel's row tile under `Runtime.row_invariant`: one mma shape (Triton's mma.sync on Hopper) for
 # every row count, where power-of-two tiles would multiply 64 of 65 rows with wgmma and a lone row with mma.sync.
 ROW_INVARIANT_ROW_TILE = 16
@@ -130,7 +135,7 @@ class Linear(nnx.Module):
         streams = runtime.row_invariant or (runtime.fp8_matmul is Fp8Matmul.STREAM and rows <= STREAM_MAX_ROWS)
         if self.block is None or not streams or runtime.tp_mesh is not None:
             return None
-        tile = StreamMatmulConfig(row_tile=ROW_INVARIANT_ROW_TILE if runtime.row_invariant else None)
+        tile = dataclasses.replace(FP8_STREAM_KNOBS, row_tile=ROW_INVARIANT_ROW_TILE if runtime.row_invariant else None)
         return fitted_config(*self.weight[...].shape, self.block, config=tile)
 
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import ml_dtypes
 import numpy as np
 import jax.numpy as jnp
 import pytest
@@ -72,7 +75,8 @@ def test_check_can_fail():
 
 
 @pytest.mark.parametrize("field,value", [("block_n", 8), ("block_k", 48), ("splits", 0), ("num_warps", 3),
-                                         ("num_stages", 0), ("row_tile", 8), ("row_tile", 24)])
+                                         ("num_stages", 0), ("row_tile", 8), ("row_tile", 24),
+                                         ("fp8_bits", 2)])
 def test_bad_config_names_the_value(field, value):
     with pytest.raises(ValueError, match=rf"StreamMatmulConfig\.{field}={value!r}"):
         sm.StreamMatmulConfig(**{field: value})
@@ -119,10 +123,49 @@ def test_fp8_weights_match_the_dequantised_float64_product(t, n, k, dtype, block
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol * scale_of_out, rtol=tol)
     ref = sm.stream_matmul_reference(x, q, scale, block=block)
     np.testing.assert_allclose(np.asarray(ref, np.float64), want, atol=tol * scale_of_out, rtol=tol)
+    if dtype == "bfloat16":  # the tiles placed by bits (fp8_bits=1) multiply to the widened tiles' bits
+        placed = sm.stream_matmul_pallas(x, q, scale, block=block, config=dataclasses.replace(config, fp8_bits=1),
+                                         interpret=interpret)
+        np.testing.assert_array_equal(np.asarray(placed, np.float32), np.asarray(got, np.float32))
     # Negative control: one block's scale changed shows through.
     wrong = sm.stream_matmul_pallas(x, q, scale.at[0, 1].multiply(1.5), block=block, config=config,
                                     interpret=interpret)
     assert not np.allclose(np.asarray(wrong, np.float64), want, atol=tol * scale_of_out, rtol=tol)
+
+
+def _finite_e4m3_codes() -> np.ndarray:
+    """The 254 bytes that are finite float8_e4m3fn values (both zeros, the subnormals, +-448), as uint8."""
+    codes = np.arange(256, dtype=np.uint8)
+    return codes[np.isfinite(codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64))]
+
+
+def test_fp8_bits_place_every_e4m3_value():
+    """`fp8_bits=1`'s placement (the jnp form that interpreted kernels run) turns each finite e4m3 code into its
+    value (ml_dtypes' decoding) times 2^PLACED_EXPONENT, exactly."""
+    codes = _finite_e4m3_codes()
+    got = sm._fp8_tile_as_bf16(jnp.asarray(codes.view(ml_dtypes.float8_e4m3fn)), asm=False)
+    assert got.dtype == jnp.bfloat16
+    want = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float64) * 2.0 ** sm.PLACED_EXPONENT
+    np.testing.assert_array_equal(np.asarray(got).astype(np.float64), want)
+    np.testing.assert_array_equal(np.signbit(np.asarray(got).astype(np.float64)), np.signbit(want))
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("fp8_bits", [0, 1])
+def test_fp8_kernel_widens_every_e4m3_value_exactly(fp8_bits, interpret):
+    """x = the identity, so that each output is one weight times its block's scale: every finite e4m3 code
+    (subnormals and +-448 included) comes out as its value times the scale rounded once to float32, whichever way
+    the tiles become bfloat16 (on a GPU, `fp8_bits=1` runs the PTX placement)."""
+    n, k, block = 32, 128, (16, 128)
+    codes = np.resize(_finite_e4m3_codes(), n * k).reshape(n, k)
+    q = jnp.asarray(codes.view(ml_dtypes.float8_e4m3fn))
+    scale = jnp.asarray([[0.37], [2.0 ** -7]], jnp.float32)  # one scale per 16 weight rows
+    x = jnp.eye(k, dtype=jnp.bfloat16)
+    got = sm.stream_matmul_pallas(x, q, scale, block=block, out_dtype=jnp.float32, interpret=interpret,
+                                  config=sm.StreamMatmulConfig(block_n=16, block_k=64, splits=1, fp8_bits=fp8_bits))
+    values = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    want = values * np.repeat(np.asarray(scale), block[0], axis=0)  # one float32 rounding per entry
+    np.testing.assert_array_equal(np.asarray(got), want.T)
 
 
 def test_fp8_bad_scales_and_tiles_say_what_was_expected():
