@@ -23,7 +23,7 @@ from ddtree_jax.models.contract import Fp8Matmul, Runtime
 from pallas_kernels.qk_norm_rope import qk_norm_rope
 from pallas_kernels.rms_norm import add_rms_norm
 from pallas_kernels.stream_matmul import StreamMatmulConfig, fitted_config, stream_matmul
-from pallas_kernels.tree_attention import ROW_INVARIANT_CONFIG, tree_attention
+from pallas_kernels.tree_attention import ROW_INVARIANT_CONFIG, TreeAttentionConfig, tree_attention
 
 from ddtree_jax.config import RopeConfig
 
@@ -41,6 +41,10 @@ STREAM_MAX_ROWS = 128
 # widens without F2F conversions (`pallas_kernels.stream_matmul`'s docstring), the same bits as 0; it stays off
 # until the H200 has timed it.
 FP8_STREAM_KNOBS = StreamMatmulConfig()
+
+# The fast attention kernel's knobs (None: its defaults). `single_pass=True` (one launch, no merge) stays off
+# until the H200 has timed it.
+ATTENTION_CONFIG: TreeAttentionConfig | None = None
 
 # The streaming kernel's row tile under `Runtime.row_invariant`: one mma shape (Triton's mma.sync on Hopper) for
 # every row count, where power-of-two tiles would multiply 64 of 65 rows with wgmma and a lone row with mma.sync.
@@ -361,7 +365,8 @@ def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache
     # The row-invariant kernel has no sliding window: a windowed layer keeps the fast kernel.
     invariant = runtime.row_invariant and sliding_window is None
     attend = functools.partial(tree_attention, scale=scale, sliding_window=sliding_window,
-                               implementation=implementation, config=ROW_INVARIANT_CONFIG if invariant else None)
+                               implementation=implementation,
+                               config=ROW_INVARIANT_CONFIG if invariant else ATTENTION_CONFIG)
     args = (q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions)
     mesh = runtime.tp_mesh
     if not runtime.pallas or mesh is None or k_cache.shape[2] % mesh.size:
