@@ -22,6 +22,7 @@ import gpu_probe  # noqa: E402
 import greedy_equality  # noqa: E402
 import invariant_layers  # noqa: E402
 import loop_cost  # noqa: E402
+import per_call_choice  # noqa: E402
 import round_attribution  # noqa: E402
 import topk_probe  # noqa: E402
 import tp_layout  # noqa: E402
@@ -286,6 +287,37 @@ def test_auto_projection_on_random_weights(tmp_path, capsys):
     capsys.readouterr()
     assert auto_projection.main(["--costs", "16=1e-3"]) == 2
     assert capsys.readouterr().err.startswith("error: --costs '16=1e-3'")
+
+
+def test_per_call_choice_replays_the_prompts(tmp_path, capsys):
+    """tools/per_call_choice.py: a chooser that runs one fixed program per prompt. A hand-worked replay (`once`
+    tries each candidate once, then the fewest mean seconds); candidates that are all alike give exactly the best
+    fixed total; a clearly faster candidate is found within a few prompts; an unknown candidate is one error line,
+    exit 2."""
+    seconds = np.array([[1.0, 1.0, 1.0, 1.0], [0.5, 2.0, 0.5, 0.5]])
+    # Candidate 0 on prompt 0, 1 on prompt 1 (an unlucky 2.0), then 0 (mean 1.0 < 2.0) for the rest.
+    assert per_call_choice.replay(seconds, np.arange(4), "once") == 1.0 + 2.0 + 1.0 + 1.0
+    assert per_call_choice.replay(seconds, np.array([2, 3, 0, 1]), "once") == 1.0 + 0.5 + 0.5 + 2.0
+    rng = np.random.default_rng(0)
+    noise = rng.uniform(0.9, 1.1, size=64)
+
+    def bench(per_prompt):
+        rows = [{"mode": "dflash", "budget": None, "decode_s": float(sum(per_prompt[0])),
+                 "decode_s_by_prompt": list(per_prompt[0])}]
+        rows += [{"mode": "ddtree", "budget": b, "decode_s": float(sum(s)), "decode_s_by_prompt": list(s)}
+                 for b, s in zip((15, 31), per_prompt[1:])]
+        return {"rows": rows}
+
+    alike = per_call_choice.evaluate(bench([noise, noise, noise]), None, "once", orders=5)
+    assert alike["per_call_x_best_mean"] == pytest.approx(1.0) and alike["device_auto_x_best"] is None
+    clear = per_call_choice.evaluate(bench([noise, 0.9 * noise, 0.6 * noise]), ["chain", "15", "31"], "lcb", orders=20)
+    assert clear["fixed_x_best"] == pytest.approx({"chain": 0.6, "15": 0.6 / 0.9, "31": 1.0})
+    assert 0.9 < clear["per_call_x_best_p5"] <= clear["per_call_x_best_mean"] < 1.0
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(bench([noise, noise, noise])))
+    capsys.readouterr()
+    assert per_call_choice.main([str(path), "--candidates", "chain,99"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {path}: candidates chain,99")
 
 
 def test_auto_counterfactual_rules_and_trajectory(tmp_path, capsys):
