@@ -28,12 +28,30 @@ os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
 #     exp, log, rsqrt, sigmoid, softplus, softmax, sin, cos, pow and erf were bit-identical in float32);
 #   - each module compiled by LLVM in one piece, not split for parallel threads (which a 2-core machine running two
 #     test workers has none to spare for): 2.4-3.1 s -> 2.1-2.3 s more.
+# XLA aborts the process at start on a flag it does not define, and a later jaxlib may drop the legacy emitters'
+# flag: the last two are passed only where this jaxlib's library names them (`_xla_defines`).
 CPU_COMPILE_FLAGS = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false",
                      "xla_cpu_parallel_codegen_split_count": "1"}
+
+
+def _xla_defines(flag: str) -> bool:
+    """Whether this jaxlib's XLA defines `flag`: its name is in the library that holds XLA (a search of ~0.4 s,
+    made once per run: the workers and subprocesses inherit XLA_FLAGS with the flags already in it)."""
+    import importlib.util
+    import mmap
+
+    library = Path(importlib.util.find_spec("jaxlib").origin).parent / "libjax_common.so"
+    if not library.exists():
+        return False
+    with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        return data.find(flag.encode()) >= 0
+
+
 if os.environ["JAX_PLATFORMS"] == "cpu":
     _given = os.environ.get("XLA_FLAGS", "")
-    os.environ["XLA_FLAGS"] = " ".join([_given] + [f"--{name}={value}" for name, value in CPU_COMPILE_FLAGS.items()
-                                                   if name not in _given]).strip()
+    os.environ["XLA_FLAGS"] = " ".join([_given] + [
+        f"--{name}={value}" for name, value in CPU_COMPILE_FLAGS.items()
+        if name not in _given and (name == "xla_backend_optimization_level" or _xla_defines(name))]).strip()
 
 import jax  # noqa: E402
 
