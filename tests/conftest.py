@@ -16,11 +16,42 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # shared over the run, jaxlib 0.10.2 crashed (segfault) twice inside `executable.serialize()` writing an entry
 # (2026-12-01); without it a crash inside a compile still came (pyproject.toml: a crashed test runs again).
 os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
-# On the CPU, LLVM's optimisation level 0 for XLA's generated code: the tests' programs are tiny, so
-# compiling them is what takes the time (about a third less at level 0), and the level changes no result
-# (XLA's CPU backend does not use fast-math: IEEE semantics at every level).
-if os.environ["JAX_PLATFORMS"] == "cpu" and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# On the CPU, XLA's cheapest code generation: the tests' programs are tiny, so compiling them is what takes the
+# time. Each flag is left as the caller's XLA_FLAGS set it, if it does.
+#   - LLVM's optimisation level 0 (about a third less compile time than the default level; it changes no result:
+#     XLA's CPU backend does not use fast-math, IEEE semantics at every level);
+#   - loop fusions emitted by XLA's legacy LLVM IR emitters instead of its MLIR fusion emitters (jaxlib 0.10.2's
+#     default), which took twice as long to compile the tests' programs: XLA's compile of the pair16 target and
+#     drafter's AR, DFlash and DDTree programs (prefill and decode loop each) 6.6-6.8 s -> 3.1-3.2 s on this
+#     project's 2-core CPU, 2026-12-04, their runs a little faster too. Same arithmetic but for the last bits of
+#     some transcendental functions' approximations (tanh, which neither the models nor the kernels use, differed;
+#     exp, log, rsqrt, sigmoid, softplus, softmax, sin, cos, pow and erf were bit-identical in float32);
+#   - each module compiled by LLVM in one piece, not split for parallel threads (which a 2-core machine running two
+#     test workers has none to spare for): 2.4-3.1 s -> 2.1-2.3 s more.
+# XLA aborts the process at start on a flag it does not define, and a later jaxlib may drop the legacy emitters'
+# flag: the last two are passed only where this jaxlib's library names them (`_xla_defines`).
+CPU_COMPILE_FLAGS = {"xla_backend_optimization_level": "0", "xla_cpu_use_fusion_emitters": "false",
+                     "xla_cpu_parallel_codegen_split_count": "1"}
+
+
+def _xla_defines(flag: str) -> bool:
+    """Whether this jaxlib's XLA defines `flag`: its name is in the library that holds XLA (a search of ~0.4 s,
+    made once per run: the workers and subprocesses inherit XLA_FLAGS with the flags already in it)."""
+    import importlib.util
+    import mmap
+
+    library = Path(importlib.util.find_spec("jaxlib").origin).parent / "libjax_common.so"
+    if not library.exists():
+        return False
+    with open(library, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        return data.find(flag.encode()) >= 0
+
+
+if os.environ["JAX_PLATFORMS"] == "cpu":
+    _given = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = " ".join([_given] + [
+        f"--{name}={value}" for name, value in CPU_COMPILE_FLAGS.items()
+        if name not in _given and (name == "xla_backend_optimization_level" or _xla_defines(name))]).strip()
 
 import jax  # noqa: E402
 

@@ -61,6 +61,8 @@ def test_refuses_to_overwrite_without_force(tmp_path, capsys):
 
 
 def test_wrong_direction_is_a_clear_error(tmp_path):
+    """`python -m conversions.convert` itself (a fresh interpreter: its exit status, and a stderr of one line with
+    nothing printed at import); the refusals below call its `main` in this process."""
     config = tiny_qwen3_config()
     src = save_hf(random_qwen3_arrays(config), config, tmp_path / "hf")
     proc = subprocess.run([sys.executable, "-m", "conversions.convert", "orbax-to-hf", str(src), str(tmp_path / "x")],
@@ -71,19 +73,18 @@ def test_wrong_direction_is_a_clear_error(tmp_path):
 
 
 @pytest.mark.parametrize("where", ["under_a_file", "unwritable"])
-def test_unwritable_destination_is_refused_before_reading(tmp_path, where):
+def test_unwritable_destination_is_refused_before_reading(tmp_path, capsys, where):
     config = tiny_qwen3_config()
     src = save_hf(random_qwen3_arrays(config), config, tmp_path / "hf")
     (tmp_path / "file").write_text("x")
     # Root ignores permission bits, so the unwritable place is one no one can create files in.
     dst, message = {"under_a_file": (tmp_path / "file" / "out", f"{tmp_path / 'file'} is a file, not a folder"),
                     "unwritable": (Path("/proc/ddtree_jax_out"), "cannot write in /proc")}[where]
-    proc = subprocess.run([sys.executable, "-m", "conversions.convert", "hf-to-orbax", str(src), str(dst)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: DST {dst}: {message}"), proc.stderr
-    assert proc.stdout == ""
+    assert convert_main(["hf-to-orbax", str(src), str(dst)]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: DST {dst}: {message}"), captured.err
+    assert captured.out == ""
 
 
 def test_drafter_round_trip_and_verify(tmp_path, capsys):

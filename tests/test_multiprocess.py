@@ -28,7 +28,7 @@ def _gloo_available() -> bool:
 
 
 def _env() -> dict[str, str]:
-    # One host device per process; conftest's XLA_FLAGS (LLVM optimisation level 0, which changes no result) kept.
+    # One host device per process; conftest's XLA_FLAGS (its CPU compile flags) kept.
     flags = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1").strip()
     return {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
 
