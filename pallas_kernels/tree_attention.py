@@ -540,7 +540,8 @@ def _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, n
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         debug=debug,
-        name="tree_attention_row_invariant" if config.row_invariant else "tree_attention",
+        name=("tree_attention_row_invariant" if config.row_invariant else
+              "tree_attention_single_pass" if config.single_pass else "tree_attention"),
     )(q, k_cache, v_cache, k_new, v_new, seen, positions, lengths)
     if config.single_pass:
         return outputs[0], None, lay
