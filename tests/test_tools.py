@@ -292,8 +292,8 @@ def test_auto_projection_on_random_weights(tmp_path, capsys):
 def test_per_call_choice_replays_the_prompts(tmp_path, capsys):
     """tools/per_call_choice.py: a chooser that runs one fixed program per prompt. A hand-worked replay (`once`
     tries each candidate once, then the fewest mean seconds); candidates that are all alike give exactly the best
-    fixed total; a clearly faster candidate is found within a few prompts; an unknown candidate is one error line,
-    exit 2."""
+    fixed total; a clearly faster candidate is found within a few prompts; a prior run's fastest is kept; an
+    unknown candidate is one error line, exit 2."""
     seconds = np.array([[1.0, 1.0, 1.0, 1.0], [0.5, 2.0, 0.5, 0.5]])
     # Candidate 0 on prompt 0, 1 on prompt 1 (an unlucky 2.0), then 0 (mean 1.0 < 2.0) for the rest.
     assert per_call_choice.replay(seconds, np.arange(4), "once") == 1.0 + 2.0 + 1.0 + 1.0
@@ -313,6 +313,10 @@ def test_per_call_choice_replays_the_prompts(tmp_path, capsys):
     clear = per_call_choice.evaluate(bench([noise, 0.9 * noise, 0.6 * noise]), ["chain", "15", "31"], "lcb", orders=20)
     assert clear["fixed_x_best"] == pytest.approx({"chain": 0.6, "15": 0.6 / 0.9, "31": 1.0})
     assert 0.9 < clear["per_call_x_best_p5"] <= clear["per_call_x_best_mean"] < 1.0
+    # A prior (an earlier run) whose fastest candidate is 15 keeps 15 for every prompt: 0.6 / 0.9 of the best.
+    earlier = bench([noise, 0.5 * noise, 0.6 * noise])
+    kept = per_call_choice.evaluate(bench([noise, 0.9 * noise, 0.6 * noise]), None, "once", orders=2, prior=earlier)
+    assert kept["prior_pick"] == "15" and kept["prior_x_best"] == pytest.approx(0.6 / 0.9)
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(bench([noise, noise, noise])))
     capsys.readouterr()

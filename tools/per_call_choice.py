@@ -6,7 +6,9 @@ Reads a bench JSON of the demo pair (or any checkpoint run) whose rows hold `dec
 each prompt's own `generate` call) for DFlash (the chain) and fixed DDTree budgets, and replays the prompts, in
 `--orders` random orders, with a chooser that runs one fixed program per prompt and sees only the seconds of the
 prompts it ran: `once` tries each candidate once, then takes the one with the fewest mean seconds per prompt;
-`lcb` takes the lowest mean less a confidence term (mean x 0.15 x sqrt(ln n / runs)). Greedy decoding emits the
+`lcb` takes the lowest mean less a confidence term (mean x 0.15 x sqrt(ln n / runs)); with `--prior
+EARLIER_BENCH_JSON`, also the candidate that was fastest in that earlier run, for every prompt (what a choice
+kept on disk from an earlier run would give). Greedy decoding emits the
 same tokens in every mode, so a prompt's seconds compare the programs directly, and a fixed program's seconds do
 not depend on which programs ran before (the bench warms each up first). Prints, and with `--out` writes as JSON,
 each fixed row's total against the best fixed one, the device-side auto row's if the JSON has one, and the
@@ -59,7 +61,8 @@ def replay(seconds: np.ndarray, order: np.ndarray, rule: str) -> float:
     return total
 
 
-def evaluate(bench: dict, candidates: list[str] | None, rule: str, orders: int, seed: int = 0) -> dict:
+def evaluate(bench: dict, candidates: list[str] | None, rule: str, orders: int, seed: int = 0,
+             prior: dict | None = None) -> dict:
     rows = fixed_seconds(bench)
     names = list(rows) if candidates is None else candidates
     missing = [c for c in names if c not in rows]
@@ -71,10 +74,17 @@ def evaluate(bench: dict, candidates: list[str] | None, rule: str, orders: int, 
     rng = np.random.default_rng(seed)
     ratios = np.array([best / replay(seconds, rng.permutation(seconds.shape[1]), rule) for _ in range(orders)])
     auto = [r for r in bench["rows"] if r.get("budget") == "auto"]
-    return {"prompts": int(seconds.shape[1]), "rule": rule, "candidates": names, "orders": orders,
-            "fixed_x_best": {c: best / float(s.sum()) for c, s in rows.items()},
-            "device_auto_x_best": best / auto[0]["decode_s"] if auto else None,
-            "per_call_x_best_mean": float(ratios.mean()), "per_call_x_best_p5": float(np.percentile(ratios, 5))}
+    result = {"prompts": int(seconds.shape[1]), "rule": rule, "candidates": names, "orders": orders,
+              "fixed_x_best": {c: best / float(s.sum()) for c, s in rows.items()},
+              "device_auto_x_best": best / auto[0]["decode_s"] if auto else None,
+              "per_call_x_best_mean": float(ratios.mean()), "per_call_x_best_p5": float(np.percentile(ratios, 5))}
+    if prior is not None:
+        earlier = fixed_seconds(prior)
+        if any(c not in earlier for c in names):
+            raise ValueError(f"the prior has fixed rows for {','.join(earlier)}, not every candidate")
+        pick = min(names, key=lambda c: float(earlier[c].sum()))
+        result.update(prior_pick=pick, prior_x_best=best / float(rows[pick].sum()))
+    return result
 
 
 def main(argv=None) -> int:
@@ -83,11 +93,14 @@ def main(argv=None) -> int:
     p.add_argument("--candidates", default=None, help="comma list of 'chain' and budgets (default: every fixed row)")
     p.add_argument("--rule", default="once", choices=RULES)
     p.add_argument("--orders", type=int, default=200, help="random prompt orders replayed")
+    p.add_argument("--prior", type=Path, default=None, help="an earlier bench JSON: its fastest candidate, kept")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     try:
         bench = json.loads(args.bench.read_text())
-        result = evaluate(bench, args.candidates.split(",") if args.candidates else None, args.rule, args.orders)
+        prior = json.loads(args.prior.read_text()) if args.prior else None
+        result = evaluate(bench, args.candidates.split(",") if args.candidates else None, args.rule, args.orders,
+                          prior=prior)
     except (OSError, ValueError, KeyError) as e:
         print(f"error: {args.bench}: {e}", file=sys.stderr)
         return 2
@@ -97,6 +110,8 @@ def main(argv=None) -> int:
         print(f"auto (the bench's row): {result['device_auto_x_best']:.3f}")
     print(f"per call ({args.rule}, over {','.join(result['candidates'])}, {result['prompts']} prompts): "
           f"{result['per_call_x_best_mean']:.3f} mean, {result['per_call_x_best_p5']:.3f} at the 5th percentile")
+    if "prior_pick" in result:
+        print(f"the prior's fastest ({result['prior_pick']}) kept: {result['prior_x_best']:.3f}")
     if args.out:
         from ddtree_jax.cli import atomic_path, recorded_command
 
