@@ -44,8 +44,9 @@
 #   kernel_tests  the GPU tests of the kernels changed last ($KERNEL_TESTS) and the hybrid engine with the Pallas
 #             kernels, compiled (the greedy DDTree decoding tests are the `tests` step's)
 #   knobs     the knobs written without a device on 2026-12-04 (off until timed): their GPU tests, the FP8 projections
-#             with stream_matmul's fp8_bits 0 and 1, the attention alone and the demo pair's rounds with tree_attention's
-#             single_pass                                      -> knobs_fp8/, knobs_att/, knobs_lc_{multi,single}.json
+#             with stream_matmul's fp8_bits 0 and 1, the attention alone with tree_attention's single_pass
+#                                                                                       -> knobs_fp8/, knobs_att/
+#   knobs_demo  the demo pair's rounds with the attention chunked and with single_pass -> knobs_lc_{multi,single}.json
 #   fp8       tools/gpu_probe.py's FP8 projections (bf16, dequantised, streamed) at 1, 16 and 65 rows, then the 8B
 #             rounds with FP8 weights, streamed against dequantised (issue 23)        -> fp8_probe/, fp8_{dequantize,stream}/
 #   auto_cost what an auto round costs beyond the fixed round it runs (issue 22): the demo shape's fixed DFlash and
@@ -146,14 +147,17 @@ for step in "$@"; do
       log "knobs: GPU tests"
       timeout 150 python3 -m pytest -q --tb=short -o addopts=-ra -p no:cacheprovider -m gpu \
         tests/kernels/test_stream_matmul.py tests/kernels/test_tree_attention.py 2>&1 | tail -8
-      log "knobs: FP8 projections, fp8_bits 0 and 1"
-      timeout 120 python3 tools/gpu_probe.py --out "$OUT/knobs_fp8" --forms hf,stream_fp8 --tokens 1,16,65 \
-        --no-ceilings --repeats 10 --stream-configs "${KNOB_FP8_CONFIGS:-64x128x4x4,64x128x4x4x1,128x128x4x4x1,64x128x8x4x1}" \
+      log "knobs: FP8 projections of 12 layers, fp8_bits 0 and 1"
+      timeout 150 python3 tools/gpu_probe.py --out "$OUT/knobs_fp8" --forms hf,stream_fp8 --tokens 1,16,65 --layers 12 \
+        --no-ceilings --repeats 10 --stream-configs "${KNOB_FP8_CONFIGS:-64x128x4x4,64x128x4x4x1,128x128x4x4x1}" \
         2>&1 | grep '^|' | grep -v lm_head
       log "knobs: attention single_pass"
       timeout 120 python3 tools/kernel_check.py --out "$OUT/knobs_att" --only attention --s 256,2048 --t 1,17,65 \
         --no-alternatives --attention-configs "single_pass=true" > /tmp/knobs_att.log 2>&1; echo "rc=$?"
       tail -30 /tmp/knobs_att.log
+      ;;
+    knobs_demo)
+      # The demo pair's rounds with the attention chunked (as now), then in one launch (single_pass).
       sp="import runpy, sys; from ddtree_jax.models import layers as l; from pallas_kernels.tree_attention import \
 TreeAttentionConfig as C; l.ATTENTION_CONFIG = C(single_pass=True); sys.argv = ['x'] + sys.argv[1:]; \
 sys.path.insert(0, 'tools')"
@@ -161,7 +165,7 @@ sys.path.insert(0, 'tools')"
         log "knobs: demo pair's rounds, attention $side"
         pre=$([ "$side" = single ] && echo "$sp" || echo "import runpy, sys; sys.argv = ['x'] + sys.argv[1:]; \
 sys.path.insert(0, 'tools')")
-        timeout 120 python3 -c "$pre; runpy.run_path('tools/loop_cost.py', run_name='__main__')" --modes ar,dflash,31,63 \
+        timeout 200 python3 -c "$pre; runpy.run_path('tools/loop_cost.py', run_name='__main__')" --modes ar,dflash,31,63 \
           --auto '' --rounds 48 --repeats 5 --out "$OUT/knobs_lc_$side.json" 2>&1 | tail -5
       done
       ;;
