@@ -109,8 +109,8 @@ class TreeAttentionConfig:
         if self.chunk is not None and not self.row_invariant:
             raise ValueError(f"TreeAttentionConfig.chunk={self.chunk}: a knob of the row-invariant kernel only")
         if self.single_pass and (self.row_invariant or self.num_chunks not in (None, 1)):
-            raise ValueError(f"TreeAttentionConfig.single_pass: one chunk of the fast kernel (num_chunks None or 1, not "
-                             f"{self.num_chunks}; row_invariant False, not {self.row_invariant})")
+            raise ValueError(f"TreeAttentionConfig.single_pass: one chunk of the fast kernel (num_chunks None or 1, "
+                             f"not {self.num_chunks}; row_invariant False, not {self.row_invariant})")
         if self.row_invariant and (self.chunk or ROW_INVARIANT_CHUNK) % self.block_k:
             raise ValueError(f"TreeAttentionConfig.chunk={self.chunk or ROW_INVARIANT_CHUNK} (positions) must be a "
                              f"multiple of block_k={self.block_k}")

@@ -158,13 +158,12 @@ for step in "$@"; do
       ;;
     knobs_demo)
       # The demo pair's rounds with the attention chunked (as now), then in one launch (single_pass).
-      sp="import runpy, sys; from ddtree_jax.models import layers as l; from pallas_kernels.tree_attention import \
-TreeAttentionConfig as C; l.ATTENTION_CONFIG = C(single_pass=True); sys.argv = ['x'] + sys.argv[1:]; \
-sys.path.insert(0, 'tools')"
+      base="import runpy, sys; sys.argv = ['x'] + sys.argv[1:]; sys.path.insert(0, 'tools')"
+      sp="$base; from ddtree_jax.models import layers as l; from pallas_kernels.tree_attention import \
+TreeAttentionConfig as C; l.ATTENTION_CONFIG = C(single_pass=True)"
       for side in multi single; do
         log "knobs: demo pair's rounds, attention $side"
-        pre=$([ "$side" = single ] && echo "$sp" || echo "import runpy, sys; sys.argv = ['x'] + sys.argv[1:]; \
-sys.path.insert(0, 'tools')")
+        pre=$([ "$side" = single ] && echo "$sp" || echo "$base")
         timeout 200 python3 -c "$pre; runpy.run_path('tools/loop_cost.py', run_name='__main__')" --modes ar,dflash,31,63 \
           --auto '' --rounds 48 --repeats 5 --out "$OUT/knobs_lc_$side.json" 2>&1 | tail -5
       done

@@ -6,7 +6,8 @@
 For each kernel at the kernel_check shapes and configs: jax lowers the Pallas kernel to Triton IR (as it
 does on a GPU), the pip `triton` compiles that IR for compute capability 9.0, and `cuobjdump` (shipped
 with triton) reads the cubin's registers, spill stack and shared memory, from which programs per SM
-follow, and counts its F2F conversions (the FP8 streaming matmul's bound, `pallas_kernels.stream_matmul`). This catches Triton compile errors and shared-memory overflows before spending device time;
+follow, and counts its F2F conversions (the FP8 streaming matmul's bound, `pallas_kernels.stream_matmul`).
+This catches Triton compile errors and shared-memory overflows before spending device time;
 XLA's own Triton (inside jaxlib) may still differ in detail, so the GPU run remains the judge.
 Reads a private jax hook (`jax._src.pallas.triton.lowering.lower_jaxpr_to_triton_module`).
 """
