@@ -227,48 +227,56 @@ def run_checkpoints(args, parallel) -> dict:
     target = load_target(args.target, dtype, parallel=parallel)
     drafter = load_drafter(args.drafter, target.config, dtype, parallel=parallel)
     prompts = read_prompts(args.prompts, args.target, target.config.vocab_size)[:args.num_prompts]
-    plan = [("ar", None)] + [("dflash", None)] * ("dflash" in args.modes) + \
-        [("ddtree", b) for b in args.budgets if "ddtree" in args.modes]
+    # (mode, budget, auto scope): the scope only for budget "auto", one row per --auto-scope
+    plan = [("ar", None, None)] + [("dflash", None, None)] * ("dflash" in args.modes) + \
+        [("ddtree", b, scope) for b in args.budgets if "ddtree" in args.modes
+         for scope in (args.auto_scope if b == "auto" else (None,))]
     options_of, warm_of = {}, {}
-    for mode, budget in tqdm(plan, desc="compile", disable=None):
+    for key in tqdm(plan, desc="compile", disable=None):
+        mode, budget, scope = key
         auto = budget == "auto"
         options = DecodeOptions(mode=Mode(mode), max_new_tokens=args.max_new_tokens,
                                 budget=64 if auto or budget is None else budget,
-                                budgets=args.budget_candidates if auto else (), parallel=parallel,
-                                matmul_precision=args.matmul_precision, split_k=args.split_k,
+                                budgets=args.budget_candidates if auto else (), auto_scope=scope or "call",
+                                parallel=parallel, matmul_precision=args.matmul_precision, split_k=args.split_k,
                                 fp8_matmul=args.fp8_matmul, row_invariant=args.row_invariant)
-        # Warm-up: compilation, and for auto the round costs (calibrated unless cached, on the first prompt), then
-        # used for every prompt: one cost table per run (a prompt of another cache size has its own cache entry,
-        # which --recalibrate would not refresh).
-        options_of[mode, budget] = options
-        warm_of[mode, budget] = generate(target, prompts[:1], options, drafter=drafter,
-                                         recalibrate=auto and args.recalibrate)
-        # And one untimed call of every further program the prompts need (another prompt width or cache size): a
-        # program's first run sets it up on the device (on a GPU, XLA's command buffers, more of them the more
-        # control flow the program has), which the timed calls would otherwise pay once per row and program.
-        resolved = resolve_options(options, drafter, dtype)
-        shapes = {cache_shape(len(prompts[0]), resolved)}
-        for p in prompts[1:]:
-            if (shape := cache_shape(len(p), resolved)) not in shapes:
-                shapes.add(shape)
-                generate(target, [p], options, drafter=drafter, **costs_of(warm_of[mode, budget]))
+        options_of[key] = options
+        # Warm-up: compilation, and for auto per round the round costs (calibrated unless cached, on the first
+        # prompt), then used for every prompt: one cost table per run (a prompt of another cache size has its own
+        # cache entry, which --recalibrate would not refresh). Auto per call runs the candidates' fixed programs:
+        # each is warmed up (and nothing is recorded).
+        for warm in ([options.candidate(b) for b in options.budgets] if options.auto_per_call else [options]):
+            warm_of[key] = generate(target, prompts[:1], warm, drafter=drafter,
+                                    recalibrate=auto and args.recalibrate)
+            # And one untimed call of every further program the prompts need (another prompt width or cache
+            # size): a program's first run sets it up on the device (on a GPU, XLA's command buffers, more of them
+            # the more control flow the program has), which the timed calls would otherwise pay once per row and
+            # program.
+            resolved = resolve_options(warm, drafter, dtype)
+            shapes = {cache_shape(len(prompts[0]), resolved)}
+            for p in prompts[1:]:
+                if (shape := cache_shape(len(p), resolved)) not in shapes:
+                    shapes.add(shape)
+                    generate(target, [p], warm, drafter=drafter, **costs_of(warm_of[key]))
     # Timed: prompt by prompt, every row in turn, so that what drifts during the run (a GPU's clock, a shared
     # CPU's load) weighs on every row alike; the rows decoded one after the other had moved by up to 1.7x on
     # this project's CPU.
-    # Auto carries what it learned from one prompt to the next (as `generate --prompts` does from batch to batch),
-    # starting from nothing at the first timed prompt.
+    # Auto carries what it learned from one prompt to the next (as `generate --prompts` does from batch to batch):
+    # per round starting from nothing at the first timed prompt, per call from the record kept on disk (from
+    # nothing with --recalibrate).
     results_of = {key: [] for key in plan}
     for p in tqdm(prompts, desc="bench", disable=None):
         for key in plan:
             learned = results_of[key][-1].auto_learned if results_of[key] else None
             results_of[key].append(generate(target, [p], options_of[key], drafter=drafter, auto_learned=learned,
+                                            recalibrate=args.recalibrate and not results_of[key],
                                             **costs_of(warm_of[key])))
     rows, reference = [], None
     for key in plan:
-        (mode, budget), options, warm, results = key, options_of[key], warm_of[key], results_of[key]
+        (mode, budget, scope), options, warm, results = key, options_of[key], warm_of[key], results_of[key]
         auto = budget == "auto"
         if args.trace:  # one more decode of the first prompt, profiled (prefill included), outside the timing
-            trace_dir = args.trace / f"{mode}{budget or ''}"
+            trace_dir = args.trace / f"{mode}{budget or ''}{'_' + scope if auto else ''}"
             traced = record_trace(trace_dir, lambda: generate(target, prompts[:1], options, drafter=drafter,
                                                               **costs_of(warm)))
             with atomic_path(trace_dir / "rounds.json") as tmp:  # tools/trace_summary.py's divisor
@@ -294,11 +302,18 @@ def run_checkpoints(args, parallel) -> dict:
                      "decode_s_by_prompt": [r.decode_seconds for r in results]})
         if auto:
             chosen = [b for r in results for b in r.budgets_chosen[0]]
-            rows[-1].update(budget_candidates=list(options.budgets),
+            rows[-1].update(auto_scope=scope, budget_candidates=list(options.budgets),
                             rounds_by_budget={str(b): chosen.count(b) for b in options.budgets},
-                            budgets_by_round=[r.budgets_chosen[0] for r in results],
-                            round_costs_s=warm.round_costs, change_cost_s=warm.change_cost,
-                            calibration_s=warm.calibration_seconds)
+                            budgets_by_round=[r.budgets_chosen[0] for r in results])
+            if scope == "round":
+                rows[-1].update(round_costs_s=warm.round_costs, change_cost_s=warm.change_cost,
+                                calibration_s=warm.calibration_seconds)
+            else:  # the calls of each candidate in this run, and in the record it started from
+                calls = [r.budgets_chosen[0][0] for r in results if r.budgets_chosen[0]]
+                run_calls = [calls.count(b) for b in options.budgets]
+                rows[-1].update(calls_by_budget={str(b): n for b, n in zip(options.budgets, run_calls)},
+                                record_calls_before={str(b): total - n for b, n, total in zip(
+                                    options.budgets, run_calls, results[-1].auto_learned["calls"])})
     for r in rows:
         r["speedup_over_ar"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
     return {"kind": "checkpoints", "target": shown_path(args.target), "drafter": shown_path(args.drafter),
@@ -357,13 +372,28 @@ def markdown(report: dict) -> str:
                 f"functions each compiled and called alone (dispatch included). Projected tokens/s = batch x tau / "
                 f"round time." + notes + "\n")
     head = "| mode | B | tau | tokens/s | speedup over AR | first divergence from AR |\n|---|---|---|---|---|---|\n"
-    notes = "".join(f"\n\nddtree auto: rounds by budget {r['rounds_by_budget']} (0: the chain), round costs "
-                    f"{', '.join(f'{c * 1e3:.2f}' for c in r['round_costs_s'])} ms, a change of candidate "
-                    f"{r.get('change_cost_s', 0.0) * 1e3:.2f} ms."
-                    for r in report["rows"] if r["budget"] == "auto") + ("\n\n" + streamed.strip() if streamed else "")
-    return head + "\n".join(f"| {r['mode']} | {r['budget'] or '-'} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
+    notes = "".join(_auto_note(r) for r in report["rows"] if r["budget"] == "auto")
+    notes += "\n\n" + streamed.strip() if streamed else ""
+    return head + "\n".join(f"| {r['mode']} | {_budget_label(r)} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
                             f"{r['speedup_over_ar']:.2f} | {r['first_divergence'] or 'none'} |"
                             for r in report["rows"]) + notes + "\n"
+
+
+def _budget_label(row: dict) -> str:
+    """A row's budget as the tables show it: '-', B, or 'auto (call)' / 'auto (round)'."""
+    if row["budget"] == "auto":
+        return f"auto ({row.get('auto_scope', 'round')})"
+    return "-" if row["budget"] is None else str(row["budget"])
+
+
+def _auto_note(row: dict) -> str:
+    """What a `--budget auto` row chose and from what (0: the chain)."""
+    if row.get("auto_scope", "round") == "round":
+        return (f"\n\nddtree auto per round: rounds by budget {row['rounds_by_budget']} (0: the chain), round costs "
+                f"{', '.join(f'{c * 1e3:.2f}' for c in row['round_costs_s'])} ms, a change of candidate "
+                f"{row.get('change_cost_s', 0.0) * 1e3:.2f} ms.")
+    return (f"\n\nddtree auto per call: calls by budget {row['calls_by_budget']} (0: the chain), the record it "
+            f"started from had {row['record_calls_before']}.")
 
 
 def plot(report: dict, path: Path) -> None:
@@ -375,10 +405,10 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     auto = [r for r in report["rows"] if r.get("budgets_by_round")]
-    fig, axes = plt.subplots(1, 1 + bool(auto), figsize=(6.4 * (1 + bool(auto)), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, 1 + len(auto), figsize=(6.4 * (1 + len(auto)), 4.2), squeeze=False)
     ax = axes[0, 0]
-    if auto:  # checkpoints with --budget auto: the budget each round of each prompt verified
-        _plot_chosen_budgets(axes[0, 1], auto[0])
+    for i, row in enumerate(auto):  # checkpoints with --budget auto: the budget each round of each prompt verified
+        _plot_chosen_budgets(axes[0, 1 + i], row)
     if report["kind"] == "shape":
         first = [r for r in report["rows"] if r["batch"] == report["batch"][0] and r["context"] == report["context"][0]]
         kernels = list(dict.fromkeys(r["kernels"] for r in first))
@@ -402,7 +432,7 @@ def plot(report: dict, path: Path) -> None:
                      f"{report['device']}")
         ax.legend()
     else:
-        ax.bar([f"{r['mode']}{'' if r['budget'] is None else ' ' + str(r['budget'])}" for r in report["rows"]],
+        ax.bar([f"{r['mode']}{'' if r['budget'] is None else ' ' + _budget_label(r)}" for r in report["rows"]],
                [r["tokens_per_s"] for r in report["rows"]])
         ax.set_ylabel("tokens/s")
     fig.tight_layout()
@@ -428,7 +458,7 @@ def _plot_chosen_budgets(ax, row: dict) -> None:
     bar.ax.set_yticklabels(["chain" if b == 0 else f"B = {b}" for b in candidates])
     ax.set_xlabel("round")
     ax.set_ylabel("prompt")
-    ax.set_title("--budget auto: the budget each round verified")
+    ax.set_title(f"--budget auto per {row.get('auto_scope', 'round')}: the budget each round verified")
 
 
 def _ints(text: str, flag: str) -> list[int]:
@@ -455,8 +485,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="DDTree budgets B (comma list); with checkpoints also auto (`generate --budget auto`)")
     p.add_argument("--budget-candidates", default=candidates_text(DEFAULT_CANDIDATES),
                    help="--budgets auto: the budgets it chooses from (chain or 0: a DFlash round)")
+    p.add_argument("--auto-scope", default="call",
+                   help="--budgets auto: comma list of call (choose per prompt among the candidates' fixed programs)"
+                        " and round (choose every round on the device), a row each")
     p.add_argument("--recalibrate", action="store_true",
-                   help="--budgets auto: measure the round costs afresh even when the cost cache has them")
+                   help="--budgets auto: per round, measure the round costs afresh even when the cost cache has "
+                        "them; per call, start from an empty record, not the one kept on disk")
     p.add_argument("--modes", default="ar,dflash,ddtree",
                    help="comma list of ar, dflash, ddtree, mtp (mtp: a Qwen3.5/3.6 --shape, its random MTP head)")
     p.add_argument("--mtp-steps", type=int, default=3, help="--modes mtp: the head's drafts per round")
@@ -498,7 +532,7 @@ def main(argv=None) -> int:
 
     args = parse_args(argv)
     try:
-        from ddtree_jax.budget import parse_candidates
+        from ddtree_jax.budget import AUTO_SCOPES, parse_candidates
 
         budgets = [b for b in args.budgets.split(",") if b]
         fixed = [b for b in budgets if b != "auto"]
@@ -512,6 +546,10 @@ def main(argv=None) -> int:
                 args.budget_candidates = parse_candidates(args.budget_candidates)
             except ValueError as e:
                 raise ValueError(f"--budget-candidates: {e}") from None
+        args.auto_scope = list(dict.fromkeys(s for s in args.auto_scope.split(",") if s))
+        if not args.auto_scope or any(s not in AUTO_SCOPES for s in args.auto_scope):
+            raise ValueError(f"--auto-scope takes a comma list of {', '.join(AUTO_SCOPES)}, got "
+                             f"{','.join(args.auto_scope)!r}")
         args.context = _ints(args.context, "--context")
         args.batch = _ints(args.batch, "--batch")
         args.modes = [m for m in args.modes.split(",") if m]

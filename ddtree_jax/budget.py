@@ -64,6 +64,9 @@ CHAIN = 0  # the candidate budget that means a DFlash round (the chain of per-de
 # B = 64's 1.19-1.20x; at the Qwen3-8B shape and on the demo pair, with its tau, no dearer than 16 and 64); a probe of
 # the widest is priced at PROBE_SHARE of the time.
 DEFAULT_CANDIDATES = (CHAIN, 15, 63)
+# How often `--budget auto` chooses (`DecodeOptions.auto_scope`): once per `generate` call among the candidates'
+# fixed programs (`CallRecord`), or every round on the device (`BudgetState`, `round.auto_loop`).
+AUTO_SCOPES = ("call", "round")
 COST_CACHE_ENV = "DDTREE_JAX_ROUND_COSTS"  # a folder that overrides the cost cache's default place
 
 
@@ -136,7 +139,7 @@ class BudgetState:
 
     def learned(self) -> dict:
         """What carries to the next call (host numpy): tokens, rows, since_widest."""
-        return {"tokens": np.asarray(self.tokens), "rows": np.asarray(self.rows),
+        return {"scope": "round", "tokens": np.asarray(self.tokens), "rows": np.asarray(self.rows),
                 "since_widest": int(self.since_widest)}
 
     def with_learned(self, learned: dict) -> "BudgetState":
@@ -322,14 +325,34 @@ def cost_cache_path(key: dict) -> Path:
     return cost_cache_dir() / f"{_digest(json.dumps(key, sort_keys=True))}.json"
 
 
+def _read_entry(path: Path, key: dict) -> dict | None:
+    """The JSON entry at `path` written for `key`, or None (absent, unreadable or for another key)."""
+    try:
+        entry = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return entry if isinstance(entry, dict) and entry.get("key") == key else None
+
+
+def _write_entry(path: Path, entry: dict) -> Path | None:
+    """Write `entry` as JSON at `path` atomically (a temporary file, then a rename); None (and nothing written)
+    when the folder cannot be written."""
+    from ddtree_jax.cli import atomic_path
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_path(path) as tmp:
+            tmp.write_text(json.dumps({**entry, "date": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1) + "\n")
+    except OSError:
+        return None
+    return path
+
+
 def load_costs(key: dict) -> tuple[list[float], float] | None:
     """The cached (seconds per round of `key`'s candidates, seconds per change of candidate), or None (absent,
     unreadable or for another key)."""
-    try:
-        entry = json.loads(cost_cache_path(key).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(entry, dict) or entry.get("key") != key:
+    entry = _read_entry(cost_cache_path(key), key)
+    if entry is None:
         return None
     seconds, change = entry.get("seconds"), entry.get("change_seconds")
     if not isinstance(seconds, list) or len(seconds) != len(key["budgets"]) or not all(
@@ -344,21 +367,128 @@ def save_costs(key: dict, seconds, change_seconds: float) -> Path | None:
     """Write the entry (seconds per round of each candidate, seconds per change of candidate) atomically (a
     temporary file, then a rename); None (and nothing written) when the cache folder cannot be written: the
     costs then hold for this process only."""
-    from ddtree_jax.cli import atomic_path
+    return _write_entry(cost_cache_path(key), {"key": key, "seconds": [float(s) for s in seconds],
+                                               "change_seconds": float(change_seconds)})
 
-    path = cost_cache_path(key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_path(path) as tmp:
-            tmp.write_text(json.dumps({"key": key, "seconds": [float(s) for s in seconds],
-                                       "change_seconds": float(change_seconds),
-                                       "date": time.strftime("%Y-%m-%d %H:%M:%S")}, indent=1) + "\n")
-    except OSError:
+
+
+# ----------------------------------------------------------------------------------------------------
+# Per call (host side): `DecodeOptions.auto_scope == "call"`
+
+
+# The exploration term of `CallRecord.choose`: a candidate's measured rate is raised by EXPLORE x
+# sqrt(ln(calls of all) / calls of it). Replaying three H200 runs of the demo pair (per-prompt seconds of every
+# fixed program, `tools/per_call_choice.py`, 2026-12-05) gave 0.944-0.970x the best fixed budget for 0 <= EXPLORE
+# <= 0.3, within 0.004 of each other: prompts differ more than the candidates, so what the first calls of a
+# record measure decides, not this term; it keeps a candidate that lost on one hard prompt from being dropped.
+EXPLORE = 0.05
+CALL_RECORD_VERSION = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CallRecord:
+    """What `--budget auto` per call knows: for each candidate (`DecodeOptions.budgets` order), the calls that ran
+    its fixed program (the chain: DFlash's), the tokens they emitted (every row's) and their decode seconds.
+
+    Why per call. A per-round choice (`auto_scope="round"`, the `lax.switch` of `round.auto_loop`) pays for its
+    program every call and for every change of candidate, and learns from its own rounds, which start where the
+    candidate before them stopped (biased: docs/performance.md, 2026-12-04 evening); on the H200's demo pair it
+    reached 0.87x the best fixed budget. A call that runs one fixed program pays nothing extra and its tokens per
+    second are the objective itself, measured. Replaying those runs' per-prompt seconds (`tools/per_call_choice.py`)
+    over (chain, 15, 31, 63) gave 0.96-0.97x the best candidate from an empty record (the calls that try each
+    candidate, on prompts that differ more than the candidates do) and the best candidate's own time from a record
+    an earlier run left (kept on disk, `save_record`)."""
+
+    calls: tuple[int, ...]
+    tokens: tuple[float, ...]
+    seconds: tuple[float, ...]
+
+    @classmethod
+    def empty(cls, candidates: int) -> "CallRecord":
+        return cls(calls=(0,) * candidates, tokens=(0.0,) * candidates, seconds=(0.0,) * candidates)
+
+    @classmethod
+    def from_learned(cls, learned: dict, candidates: int) -> "CallRecord":
+        """The record of `learned()` (a previous call's `GenerationResult.auto_learned`); ValueError if it is not
+        one over `candidates` candidates."""
+        try:
+            record = cls(calls=tuple(int(c) for c in learned["calls"]),
+                         tokens=tuple(float(t) for t in learned["tokens"]),
+                         seconds=tuple(float(s) for s in learned["seconds"]))
+        except (KeyError, TypeError, ValueError):
+            raise ValueError("expected a --budget auto per-call record: calls, tokens and seconds per candidate, "
+                             f"got keys {sorted(learned) if isinstance(learned, dict) else type(learned).__name__}"
+                             ) from None
+        n = {len(record.calls), len(record.tokens), len(record.seconds)}
+        bad = [c for c, t, s in zip(record.calls, record.tokens, record.seconds) if c < 0 or t < 0 or s < 0
+               or (c > 0) != (s > 0)]
+        if n != {candidates} or bad:
+            raise ValueError(f"expected a per-call record of {candidates} candidates with calls, tokens and seconds "
+                             f">= 0 (seconds > 0 exactly where calls > 0), got {learned}")
+        return record
+
+    def learned(self) -> dict:
+        """What carries to the next call (`GenerationResult.auto_learned`; JSON)."""
+        return {"scope": "call", "calls": list(self.calls), "tokens": list(self.tokens),
+                "seconds": list(self.seconds)}
+
+    @property
+    def rates(self) -> list[float | None]:
+        """Each candidate's tokens per second over its calls (None: never run)."""
+        return [t / s if c else None for c, t, s in zip(self.calls, self.tokens, self.seconds)]
+
+    def choose(self) -> int:
+        """The candidate index the next call runs: the first never run, else the highest rate raised by
+        EXPLORE x sqrt(ln(all calls) / its calls).
+
+        Example: calls (2, 1), tokens (400, 300), seconds (2.0, 1.4): rates 200 and 214.3; raised by
+        0.05 x sqrt(ln 3 / 2) = 3.7% and 0.05 x sqrt(ln 3) = 5.2%: 207.4 against 225.5, the second runs."""
+        untried = [i for i, c in enumerate(self.calls) if c == 0]
+        if untried:
+            return untried[0]
+        total = np.log(sum(self.calls))
+        scores = [rate * (1 + EXPLORE * np.sqrt(total / c)) for rate, c in zip(self.rates, self.calls)]
+        return int(np.argmax(scores))
+
+    def add(self, index: int, tokens: int, seconds: float) -> "CallRecord":
+        """The record with one more call of candidate `index` that emitted `tokens` in `seconds` (a call that
+        emitted nothing, its rows already done, is not recorded)."""
+        if tokens <= 0 or seconds <= 0:
+            return self
+        bump = lambda values, by: tuple(v + by if i == index else v for i, v in enumerate(values))  # noqa: E731
+        return CallRecord(calls=bump(self.calls, 1), tokens=bump(self.tokens, float(tokens)),
+                          seconds=bump(self.seconds, float(seconds)))
+
+
+def record_key(target_config, drafter_config, options, batch: int, capacity: int, dtype) -> dict:
+    """What a per-call record depends on: `cost_key`'s fields (greedy or sampled acceptance among them), the
+    calibration's version left out."""
+    key = cost_key(target_config, drafter_config, options, batch, capacity, dtype)
+    del key["calibration"]
+    return {**key, "record": CALL_RECORD_VERSION}
+
+
+def record_path(key: dict) -> Path:
+    return cost_cache_dir() / f"calls-{_digest(json.dumps(key, sort_keys=True))}.json"
+
+
+def load_record(key: dict) -> CallRecord | None:
+    """The per-call record kept for `key`, or None (absent, unreadable, for another key or malformed)."""
+    entry = _read_entry(record_path(key), key)
+    if entry is None:
         return None
-    return path
+    try:
+        return CallRecord.from_learned(entry, len(key["budgets"]))
+    except ValueError:
+        return None
 
 
-__all__ = ["CHAIN", "DEFAULT_CANDIDATES", "candidates_text", "BudgetState", "parse_candidates", "check_candidates",
+def save_record(key: dict, record: CallRecord) -> Path | None:
+    """Keep `record` for `key` (atomically; None, and nothing written, when the folder cannot be written)."""
+    return _write_entry(record_path(key), {"key": key, **record.learned()})
+
+__all__ = ["CHAIN", "DEFAULT_CANDIDATES", "AUTO_SCOPES", "candidates_text", "BudgetState", "parse_candidates", "check_candidates",
            "choose", "chain_rounds", "UNBOUNDED_ROUNDS", "learn_chain_rounds", "revealed_counts", "observe", "DECAY",
            "PROBE_MIN", "PROBE_MAX", "PROBE_SHARE", "CHANGE_ROUNDS",
-           "cost_key", "cost_cache_dir", "cost_cache_path", "load_costs", "save_costs"]
+           "cost_key", "cost_cache_dir", "cost_cache_path", "load_costs", "save_costs",
+           "EXPLORE", "CallRecord", "record_key", "record_path", "load_record", "save_record"]

@@ -52,8 +52,9 @@ class GenerationResult:
     round_costs: list[float] | None = None
     change_cost: float | None = None
     calibration_seconds: float = 0.0
-    # --budget auto: what the call learned of each candidate's committed tokens (`budget.BudgetState.learned`),
-    # for the next call's `generate(auto_learned=...)`
+    # --budget auto: what the call learned, for the next call's `generate(auto_learned=...)`: per round, each
+    # candidate's committed tokens (`budget.BudgetState.learned`); per call, each candidate's calls, tokens and
+    # seconds (`budget.CallRecord.learned`)
     auto_learned: dict | None = None
 
     def acceptance_histogram(self, block_size: int) -> list[int]:
@@ -235,6 +236,9 @@ def compile_generation(target: ModelParams, prompts: Sequence[Sequence[int]], op
     runs, for tools that time its calls (`tools/loop_cost.py`)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
+    if options.auto_per_call:
+        raise ValueError("--budget auto per call runs its candidates' fixed programs (`DecodeOptions.candidate`); "
+                         "auto_scope='round' compiles the per-round program")
     options = resolve_options(options, drafter, target.array("model.embed_tokens.weight").dtype)
     if not options.mode.needs_drafter:
         drafter = None
@@ -283,15 +287,24 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
     a round costs on top when it verifies another candidate than the round before; round_costs None takes both
     from the cost cache, or measures them on these prompts first (`calibrate`) and caches them (`recalibrate`:
     measure even when cached); auto_learned, a previous call's `GenerationResult.auto_learned` (same candidates):
-    the committed tokens per round it learned, to start from instead of nothing.
+    the committed tokens per round it learned, to start from instead of nothing. Per call (`options.auto_scope`
+    "call", the default) no costs: the candidate `budget.CallRecord.choose` picks from auto_learned, else from
+    the record kept on disk for these models, device and batch (`recalibrate`: from nothing) runs as a fixed
+    program, and the record with this call's tokens and seconds is kept (`_generate_per_call`).
     """
+    if options.auto_per_call:
+        if round_costs is not None:
+            raise ValueError("round_costs: --budget auto per round only (auto_scope='round')")
+        return _generate_per_call(target, prompts, options, drafter=drafter, seed=seed, steps_per_call=steps_per_call,
+                                  on_tokens=on_tokens, recalibrate=recalibrate, auto_learned=auto_learned)
     if round_costs is not None and len(round_costs) != len(options.budgets):
         raise ValueError(f"round_costs: one per candidate budget {options.budgets}, got {len(round_costs)}")
     if change_cost < 0:
         raise ValueError(f"change_cost: seconds >= 0, got {change_cost}")
-    if auto_learned is not None and (not options.auto_budget or len(auto_learned.get("tokens", ())) != len(
-            options.budgets)):
-        raise ValueError(f"auto_learned: a previous --budget auto call's, over the candidates {options.budgets}")
+    if auto_learned is not None and (not options.auto_budget or auto_learned.get("scope") != "round" or len(
+            auto_learned.get("tokens", ())) != len(options.budgets)):
+        raise ValueError(f"auto_learned: a previous --budget auto call's (per round), over the candidates "
+                         f"{options.budgets}")
     n_prompts = len(prompts)
     programs = compile_generation(target, prompts, options, drafter=drafter, seed=seed,
                                   steps_per_call=1 if options.record_trees else steps_per_call)
@@ -347,6 +360,36 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
         calibration_seconds=calibration_s,
         auto_learned=state.budget.learned() if options.auto_budget else None,
     )
+
+
+def _generate_per_call(target: ModelParams, prompts: Sequence[Sequence[int]], options: DecodeOptions, *,
+                       drafter: ModelParams | None, recalibrate: bool, auto_learned: dict | None,
+                       **kwargs) -> GenerationResult:
+    """`generate` for `--budget auto` per call: the candidate the record picks runs its fixed program
+    (`DecodeOptions.candidate`: the programs of the fixed rows, compiled once per process); the record, with this
+    call's emitted tokens and decode seconds added, is kept on disk and returned as `auto_learned`."""
+    n = len(options.budgets)
+    dtype = target.array("model.embed_tokens.weight").dtype
+    resolved = resolve_options(options, drafter, dtype)
+    _, capacity = cache_shape(max(map(len, prompts), default=0), resolved)  # as the widest candidate's program
+    key = auto.record_key(target.config, drafter.config, resolved, len(prompts), capacity, dtype)
+    if auto_learned is not None:
+        record = auto.CallRecord.from_learned(auto_learned, n)
+    elif recalibrate:
+        record = auto.CallRecord.empty(n)
+    else:
+        record = auto.load_record(key) or auto.CallRecord.empty(n)
+    pick = record.choose()
+    budget = options.budgets[pick]
+    result = generate(target, prompts, options.candidate(budget), drafter=drafter, **kwargs)
+    record = record.add(pick, result.new_tokens, result.decode_seconds)
+    if auto.save_record(key, record) is None and "record" not in _NOTED:
+        _NOTED.add("record")
+        print(f"warning: cannot write the --budget auto record in {auto.cost_cache_dir()}; what this run measures "
+              "holds for this process only", file=sys.stderr)
+    trees = None if result.trees is None else [{**tree, "budget": budget} for tree in result.trees]
+    return dataclasses.replace(result, trees=trees, auto_learned=record.learned(),
+                               budgets_chosen=[[budget] * len(a) for a in result.acceptance_lengths])
 
 
 def with_round_costs(state: DecodeState, seconds: Sequence[float], change_seconds: float = 0.0) -> DecodeState:

@@ -5,9 +5,10 @@ object with `--json`: {"mode", "output_ids", "text" (with a tokenizer), "accepta
 "new_tokens", "decode_seconds", "tokens_per_second", "prefill_seconds", "compile_seconds",
 "matmul_precision", "split_k", "fp8_matmul" and "row_invariant" (as resolved)}, plus "block_size" and
 "acceptance_histogram" for dflash, ddtree and mtp, "budget" for ddtree and "mtp_steps" for mtp; with `--budget
-auto` "budget" is "auto", plus "budget_candidates", "budgets_chosen" (the budget each round verified, 0 the chain), "round_costs_s" (seconds
-per round of each candidate, as used), "change_cost_s" (seconds charged to a change of candidate) and
-"calibration_seconds".
+auto` "budget" is "auto", plus "auto_scope", "budget_candidates", "budgets_chosen" (the budget each round verified,
+0 the chain) and, per call, "auto_record" (each candidate's calls, tokens and decode seconds so far, this call
+included), per round "round_costs_s" (seconds per round of each candidate, as used), "change_cost_s" (seconds
+charged to a change of candidate) and "calibration_seconds".
 Many prompts (`--prompts FILE.jsonl`): runs them in batches and writes one such JSON line per prompt, with
 its "index", "line" and "id", to `--out` or stdout; a line that cannot run gets {"index", "line", "id",
 "error"} instead, and the others still run (exit status 1 then).
@@ -36,7 +37,7 @@ DEFAULT_PROMPT = "def fibonacci(n):"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ddtree_jax.budget import DEFAULT_CANDIDATES, candidates_text
+    from ddtree_jax.budget import AUTO_SCOPES, DEFAULT_CANDIDATES, candidates_text
     from ddtree_jax.round import DecodeOptions  # the one default budget
 
     p = argparse.ArgumentParser(prog="python -m ddtree_jax.generate", description=__doc__.split("\n")[0],
@@ -64,12 +65,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "--target: the demo drafter")
     p.add_argument("--budget", default=str(DecodeOptions.budget),
                    help="DDTree: draft-tree nodes besides the root (the target verifies budget + 1 per round), or "
-                        "auto: every round the candidate of --budget-candidates expected to commit the most tokens "
-                        "per second, from the drafter's confidence and measured round costs")
+                        "auto: the candidate of --budget-candidates that commits the most tokens per second "
+                        "(--auto-scope)")
     p.add_argument("--budget-candidates", default=candidates_text(DEFAULT_CANDIDATES),
                    help="--budget auto: the budgets to choose from, comma-separated; chain (or 0) is a DFlash round")
+    p.add_argument("--auto-scope", choices=list(AUTO_SCOPES), default=DecodeOptions.auto_scope,
+                   help="--budget auto: choose once per call (batch) among the candidates' fixed programs by the "
+                        "tokens per second measured on earlier calls (kept on disk), or every round on the device "
+                        "from the drafter's tree and calibrated round costs")
     p.add_argument("--recalibrate", action="store_true",
-                   help="--budget auto: measure the round costs again even when the cost cache has them")
+                   help="--budget auto: per round, measure the round costs again even when the cost cache has them; "
+                        "per call, start from an empty record, not the one kept on disk")
     p.add_argument("--mtp-steps", type=int, default=DecodeOptions.mtp_steps,
                    help="mtp: draft steps of the head per round (the target verifies mtp-steps + 1 tokens)")
     p.add_argument("--block-size", type=int, default=0,
@@ -216,6 +222,7 @@ def prepare(args) -> Request:
                             block_size=args.block_size if mode in (Mode.DFLASH, Mode.DDTREE) else 0,
                             budget=DecodeOptions.budget if args.budget == "auto" else args.budget,
                             budgets=args.budget_candidates if args.budget == "auto" and mode is Mode.DDTREE else (),
+                            auto_scope=args.auto_scope,
                             mtp_steps=args.mtp_steps,
                             record_trees=args.save_trees is not None, parallel=parallel, kernels=args.kernels,
                             matmul_precision=args.matmul_precision, split_k=args.split_k,
@@ -323,11 +330,15 @@ def row_report(mode: str, options, result, row: int, tokenizer) -> dict:
     if options.mode is Mode.DDTREE:
         report["budget"] = "auto" if options.auto_budget else options.budget
     if options.auto_budget:
+        report["auto_scope"] = options.auto_scope
         report["budget_candidates"] = list(options.budgets)
         report["budgets_chosen"] = result.budgets_chosen[row]
-        report["round_costs_s"] = result.round_costs
-        report["change_cost_s"] = result.change_cost
-        report["calibration_seconds"] = result.calibration_seconds
+        if options.auto_per_call:
+            report["auto_record"] = result.auto_learned
+        else:
+            report["round_costs_s"] = result.round_costs
+            report["change_cost_s"] = result.change_cost
+            report["calibration_seconds"] = result.calibration_seconds
     if options.mode is Mode.MTP:
         report["mtp_steps"] = options.mtp_steps
     return report

@@ -40,8 +40,8 @@ import jax.numpy as jnp
 
 from ddtree_jax import cache as kv
 from ddtree_jax.accept import Accepted, accept_tree, chain_tree
-from ddtree_jax.budget import (CHAIN, BudgetState, chain_rounds, check_candidates, choose, learn_chain_rounds, observe,
-                               revealed_counts)
+from ddtree_jax.budget import (AUTO_SCOPES, CHAIN, BudgetState, chain_rounds, check_candidates, choose,
+                               learn_chain_rounds, observe, revealed_counts)
 from ddtree_jax.models import dflash, mtp, target_family
 from ddtree_jax.models.contract import (FP8_MATMUL_CHOICES, KERNEL_CHOICES, ForwardMeta,
                                         ForwardOut, Kernels, Runtime, resolve_fp8_matmul, resolve_kernels)
@@ -89,6 +89,10 @@ class DecodeOptions:
     budgets: DDTree with `--budget auto` when not empty: the candidate budgets, ascending, 0 meaning the chain
       (a DFlash round); every round verifies the one expected to commit the most tokens per second
       (`auto_loop`, `budget.py`), and `budget` is unused.
+    auto_scope: with `budgets`, how often the budget is chosen: "call" (default), once per `engine.generate` call,
+      on the host, which then runs that candidate's fixed program (`budget.CallRecord`: the candidates' measured
+      tokens per second, kept on disk); "round", every round on the device (`auto_loop`: the `lax.switch`).
+      Not compared (nor hashed): no compiled program depends on it.
     mtp_steps: MTP steps per round (m): the head drafts m tokens and the target verifies m + 1.
     kernels: "auto" (the Pallas kernels on a GPU for 16-bit weights, pure JAX elsewhere;
       $DDTREE_JAX_KERNELS overrides), "jax" or "pallas" (`models.contract.resolve_kernels`);
@@ -127,6 +131,7 @@ class DecodeOptions:
     block_size: int = 0
     budget: int = 63  # B + 1 = 64 rows: whole tiles of the verify (README, "Picking a budget")
     budgets: tuple[int, ...] = ()
+    auto_scope: str = dataclasses.field(default="call", compare=False)  # host-side: not in the compilation key
     mtp_steps: int = 3
     record_trees: bool = False  # keep each round's tree and accepted path in the state (--save-trees)
     parallel: Parallel = Parallel()  # device layout (parallel.py)
@@ -148,6 +153,8 @@ class DecodeOptions:
                 raise ValueError(f"budgets (--budget auto) is a ddtree option, not {self.mode.value}'s")
             if self.budgets != check_candidates(self.budgets):
                 raise ValueError(f"budgets must be distinct and ascending, got {self.budgets}")
+        if self.auto_scope not in AUTO_SCOPES:
+            raise ValueError(f"auto_scope must be one of {', '.join(map(repr, AUTO_SCOPES))}, got {self.auto_scope!r}")
         if self.mode is Mode.MTP and self.mtp_steps < 1:
             raise ValueError(f"mtp_steps must be >= 1, got {self.mtp_steps}")
         if self.mode is Mode.MTP and self.block_size not in (0, self.mtp_steps + 1):
@@ -178,15 +185,22 @@ class DecodeOptions:
 
     @property
     def auto_budget(self) -> bool:
-        """DDTree choosing its budget every round among `budgets` (`auto_loop`)."""
+        """DDTree choosing its budget among `budgets`: per call (`auto_scope` "call": `engine.generate`) or every
+        round (`auto_loop`)."""
         return bool(self.budgets)
+
+    @property
+    def auto_per_call(self) -> bool:
+        """`--budget auto` choosing once per call, on the host: `engine.generate` runs `candidate(chosen)`."""
+        return self.auto_budget and self.auto_scope == "call"
 
     def candidate(self, budget: int) -> "DecodeOptions":
         """The options of one `--budget auto` candidate's fixed round: a DFlash round for 0 (the chain), else a
         DDTree round of that budget."""
+        fixed = dataclasses.replace(self, budgets=())
         if budget == CHAIN:
-            return dataclasses.replace(self, mode=Mode.DFLASH, budgets=())
-        return dataclasses.replace(self, budget=budget, budgets=())
+            return dataclasses.replace(fixed, mode=Mode.DFLASH)
+        return dataclasses.replace(fixed, budget=budget)
 
     @property
     def verify_width(self) -> int:

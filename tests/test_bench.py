@@ -76,8 +76,8 @@ def test_checkpoint_mode_reports_speedup_and_divergence(tmp_path, monkeypatch):
     monkeypatch.setattr(engine, "generate", recording)
     traces = tmp_path / "traces"
     assert main(["--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts), "--budgets", "4,auto",
-                 "--budget-candidates", "chain,4", "--max-new-tokens", "12", "--dtype", "float32", "--trace",
-                 str(traces), "--out", str(out)]) == 0
+                 "--budget-candidates", "chain,4", "--auto-scope", "round", "--max-new-tokens", "12", "--dtype",
+                 "float32", "--trace", str(traces), "--out", str(out)]) == 0
     plan = [("ar", 64), ("dflash", 64), ("ddtree", 4), ("ddtree", (0, 4))]
     # Every row compiles and warms up first, on the first prompt and on the long one (its own programs); then
     # prompt by prompt every row in turn, none compiling again; then each row's traced decode of the first prompt.
@@ -85,12 +85,12 @@ def test_checkpoint_mode_reports_speedup_and_divergence(tmp_path, monkeypatch):
     assert [c[:2] for c in calls] == warm + plan * 4 and [c[2] for c in calls] == [3, 40] * 4 + [3] * 4 + [2] * 4 + \
         [40] * 4 + [3] * 4
     assert all(c[3] > 0 for c in calls[:8]) and all(c[3] == 0 for c in calls[8:])
-    rows_traced = ("ar", "dflash", "ddtree4", "ddtreeauto")
+    rows_traced = ("ar", "dflash", "ddtree4", "ddtreeauto_round")
     assert sorted(p.name for p in traces.iterdir()) == sorted(rows_traced)
     assert [json.loads((traces / row / "rounds.json").read_text())["rounds"] for row in rows_traced] == [11, 3, 3, 3]
     assert all(list((traces / row).glob("**/perfetto_trace.json.gz")) for row in rows_traced)
     record = json.loads((out / "bench.json").read_text())
-    assert record["command"].endswith("--dtype float32 --trace DIR")
+    assert record["command"].endswith("--auto-scope round --max-new-tokens 12 --dtype float32 --trace DIR")
     assert (record["target"], record["drafter"]) == (str(target.relative_to(tmp_path)), str(drafter.relative_to(tmp_path)))
     rows = record["rows"]
     assert [(r["mode"], r["budget"]) for r in rows] == [("ar", None), ("dflash", None), ("ddtree", 4),
@@ -104,11 +104,38 @@ def test_checkpoint_mode_reports_speedup_and_divergence(tmp_path, monkeypatch):
     assert auto["budget_candidates"] == [0, 4] and sum(auto["rounds_by_budget"].values()) == 9  # 3 x 3 rounds
     assert [len(r) for r in auto["budgets_by_round"]] == [3] * 3 and {b for r in auto["budgets_by_round"] for b in r} \
         <= {0, 4} and (out / "bench.png").read_bytes()[:4] == b"\x89PNG"
-    assert len(auto["round_costs_s"]) == 2 and "ddtree auto: rounds by budget" in (out / "bench.md").read_text()
+    assert len(auto["round_costs_s"]) == 2 and auto["auto_scope"] == "round"
+    assert "ddtree auto per round: rounds by budget" in (out / "bench.md").read_text()
     # Without --row-invariant: recorded off per row, no note (test_checkpoint_mode_with_row_invariant_arithmetic).
     assert not any(r["row_invariant"] for r in rows) and "Row-invariant" not in (out / "bench.md").read_text()
     # One cost table per run: calibrated in the warm-up (an empty cost cache) and given to every prompt.
     assert auto["calibration_s"] > 0 and len(list((tmp_path / "costs").iterdir())) == 1
+
+
+def test_checkpoint_mode_auto_per_call_starts_from_the_kept_record(tmp_path, monkeypatch, capsys):
+    """The auto row per call (the default scope) on the hand-built pair: it runs the fixed rows' programs (compiles
+    nothing of its own), one candidate per prompt, AR's tokens; with --recalibrate from an empty record (the chain,
+    then 4, then the faster), and the next run from the record the first one left. A bad scope is one error."""
+    from pairs import write_signal_pair
+
+    monkeypatch.setenv("DDTREE_JAX_ROUND_COSTS", str(tmp_path / "costs"))
+    target, drafter = write_signal_pair(tmp_path)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2, 3]}\n{"prompt_ids": [4, 5]}\n{"prompt_ids": [6]}\n')
+    argv = ["--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts), "--budgets", "4,auto",
+            "--budget-candidates", "chain,4", "--max-new-tokens", "12", "--dtype", "float32"]
+    runs = []
+    for n, extra in enumerate((["--recalibrate"], [])):
+        assert main(argv + extra + ["--out", str(tmp_path / f"out{n}")]) == 0
+        runs.append(json.loads((tmp_path / f"out{n}" / "bench.json").read_text())["rows"])
+    first, second = runs[0][3], runs[1][3]
+    assert first["auto_scope"] == "call" and "round_costs_s" not in first and first["first_divergence"] is None
+    assert first["record_calls_before"] == {"0": 0, "4": 0} and sum(first["calls_by_budget"].values()) == 3
+    assert [r[0] for r in first["budgets_by_round"][:2]] == [0, 4] and first["tokens"] == 36
+    assert second["record_calls_before"] == first["calls_by_budget"]
+    assert "ddtree auto per call: calls by budget" in (tmp_path / "out1" / "bench.md").read_text()
+    assert main(argv + ["--auto-scope", "call,turn"]) == 2
+    assert "--auto-scope takes a comma list of call, round, got 'call,turn'" in capsys.readouterr().err
 
 
 def test_checkpoint_mode_with_row_invariant_arithmetic(tmp_path, monkeypatch):

@@ -1,5 +1,5 @@
 """`--budget auto`'s choice (`budget.py`'s worked example), what a round reveals and how it is learned, the
-candidate parser and the on-disk cost cache. The decoding itself (lossless, branches taken, calibration) is
+candidate parser and the on-disk cost cache; per call, the record's choice and its on-disk copy. The decoding itself (lossless, branches taken, calibration) is
 tested in test_ddtree_decoding.py and test_hybrid_decoding.py."""
 
 from __future__ import annotations
@@ -229,6 +229,57 @@ def test_cost_cache_round_trip_is_keyed_and_atomic(tmp_path, monkeypatch):
     assert auto.load_costs(key) is None  # no change cost: measured again
     path.write_text("{not json")
     assert auto.load_costs(key) is None
+
+
+def test_call_record_tries_every_candidate_then_takes_the_best_rate_raised_for_exploration():
+    """`CallRecord.choose`: the first candidate never run, in candidate order; then the docstring's example (rates
+    200 and 214.3 tokens/s, raised by 3.7% and 5.2%: the second); a candidate far behind is not tried again after
+    one unlucky call, but one within the exploration term is (computed here by hand, not by the code)."""
+    record = auto.CallRecord.empty(3)
+    picks = []
+    for tokens, seconds in ((100, 1.0), (100, 0.5), (100, 2.0)):
+        picks.append(record.choose())
+        record = record.add(picks[-1], tokens, seconds)
+    assert picks == [0, 1, 2] and record.calls == (1, 1, 1) and record.rates == [100.0, 200.0, 50.0]
+    assert record.choose() == 1
+    example = auto.CallRecord(calls=(2, 1), tokens=(400.0, 300.0), seconds=(2.0, 1.4))
+    assert example.choose() == 1
+    # 50 calls of a 200 tokens/s candidate against one call of 195: 195 x (1 + 0.05 sqrt(ln 51)) = 214.2 > 200 x
+    # (1 + 0.05 sqrt(ln 51 / 50)) = 202.8, so the second is tried again; at 180 (197.7) it is not.
+    for rate, want in ((195.0, 1), (180.0, 0)):
+        record = auto.CallRecord(calls=(50, 1), tokens=(200.0 * 50, rate), seconds=(50.0, 1.0))
+        assert record.choose() == want, rate
+    assert record.add(0, 0, 1.0) == record and record.add(0, 5, 0.0) == record  # nothing emitted: not recorded
+
+
+@pytest.mark.parametrize("learned", [{"calls": [1], "tokens": [1.0], "seconds": [1.0]},  # one candidate of two
+                                     {"calls": [1, 0], "tokens": [1.0, 0.0], "seconds": [0.0, 0.0]},  # no seconds
+                                     {"calls": [1, -1], "tokens": [1.0, 0.0], "seconds": [1.0, 0.0]},
+                                     {"tokens": [1.0, 0.0], "rows": [1.0, 0.0]},  # a per-round state's
+                                     [1, 2]])
+def test_call_record_refuses_what_is_not_one(learned):
+    with pytest.raises(ValueError, match="expected"):
+        auto.CallRecord.from_learned(learned, 2)
+
+
+def test_call_record_on_disk_is_keyed_and_atomic(tmp_path, monkeypatch):
+    """The record round-trips through its own file beside the costs (no temporary left), keyed as the costs but
+    for the calibration's version; another batch has another; a broken entry reads as none."""
+    monkeypatch.setenv(auto.COST_CACHE_ENV, str(tmp_path / "c"))
+    from ddtree_jax.config import parse_qwen3
+
+    config = parse_qwen3(tiny_qwen3_config())
+    options = DecodeOptions(mode=Mode.DDTREE, block_size=4, budgets=(0, 4, 16))
+    key = auto.record_key(config, None, options, 1, 300, jnp.float32)
+    assert "calibration" not in key and key["batch"] == 1 and key["budgets"] == [0, 4, 16]
+    assert auto.load_record(key) is None
+    record = auto.CallRecord(calls=(1, 2, 0), tokens=(10.0, 30.0, 0.0), seconds=(0.1, 0.2, 0.0))
+    path = auto.save_record(key, record)
+    assert [p.name for p in path.parent.iterdir()] == [path.name] and path.name.startswith("calls-")
+    assert auto.load_record(key) == record
+    assert auto.load_record({**key, "batch": 2}) is None
+    path.write_text(json.dumps({"key": key, "calls": [1, 2], "tokens": [1, 2], "seconds": [1, 2]}))
+    assert auto.load_record(key) is None  # two candidates' record under a key of three
 
 
 def test_a_wider_round_reveals_what_the_chain_and_smaller_trees_commit():

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from ddtree_jax.checkpoint import load_drafter, load_target
-from ddtree_jax.engine import FORCED_OUT, DecodeOptions, Mode, decode_loop, generate, prefill, resolve_options
+from ddtree_jax.engine import (FORCED_OUT, DecodeOptions, Mode, compile_generation, decode_loop, generate, prefill,
+                               resolve_options)
 from ddtree_jax.round import speculative_round
 from ddtree_jax.models.contract import ForwardMeta
 from ddtree_jax.models import dflash, qwen3
@@ -178,7 +179,8 @@ def test_decode_loop_makes_no_host_transfers(pair16):
 # ---- --budget auto: each round verifies one candidate (chain, 4, 16), chosen on device; always an exact round
 
 
-AUTO = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=40, block_size=4, budgets=(0, 4, 16), record_trees=True)
+AUTO = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=40, block_size=4, budgets=(0, 4, 16), record_trees=True,
+                      auto_scope="round")
 # Seconds per round of (chain, 4, 16) and what pair16 then chooses (per row of 40 tokens): 16 in all 20 rounds; 16 in
 # 16-18, 4 in 4, the chain once; 16 in the first round (the widest first), then the chain in ~35; the same.
 AUTO_COSTS = [(1.0, 1.0, 1.2), (1.0, 1.0, 1.4), (1.0, 1.2, 2.0), (1.0, 1.3, 2.0)]
@@ -223,6 +225,41 @@ def test_auto_budget_calibrates_once_and_caches_the_costs(pair16, ar_outputs, tm
     assert again.output_ids == ar_outputs
 
 
+def test_auto_per_call_runs_each_candidates_fixed_program_and_keeps_a_record(pair16, ar_outputs, tmp_path,
+                                                                             monkeypatch):
+    """Per call (the default scope): from an empty record the calls run the chain, 4 and 16 in turn, each exactly
+    that candidate's fixed program (its rounds and trees, AR's tokens); the record on disk holds every call's
+    tokens and seconds, and the next call takes the candidate of the best rate in it (all tried once, so the
+    exploration term is the same for each); `recalibrate` starts from nothing, a record passed in is used as
+    given; round costs, a per-round state and compiling the per-call options are refused."""
+    monkeypatch.setenv("DDTREE_JAX_ROUND_COSTS", str(tmp_path / "c"))
+    target, drafter = pair16
+    options = dataclasses.replace(AUTO, auto_scope="call")
+    for want in AUTO.budgets:
+        spec = generate(target, PROMPTS, options, drafter=drafter)
+        fixed = generate(target, PROMPTS, options.candidate(want), drafter=drafter)
+        assert spec.output_ids == ar_outputs and spec.acceptance_lengths == fixed.acceptance_lengths
+        assert spec.budgets_chosen == [[want] * len(r) for r in fixed.acceptance_lengths]
+        assert spec.trees == [{**t, "budget": want} for t in fixed.trees] and spec.round_costs is None
+    [entry] = (tmp_path / "c").iterdir()
+    kept = json.loads(entry.read_text())
+    assert kept["calls"] == [1, 1, 1] and kept["tokens"] == [80.0] * 3 and kept == {**kept, **spec.auto_learned}
+    best = AUTO.budgets[int(np.argmax(np.array(kept["tokens"]) / np.array(kept["seconds"])))]
+    assert generate(target, PROMPTS, options, drafter=drafter).budgets_chosen[0][0] == best
+    assert generate(target, PROMPTS, options, drafter=drafter, recalibrate=True).budgets_chosen[0][0] == 0
+    given = {"calls": [1, 0, 1], "tokens": [80.0, 0.0, 80.0], "seconds": [1.0, 0.0, 1.0]}
+    spec = generate(target, PROMPTS, options, drafter=drafter, auto_learned=given)
+    assert spec.budgets_chosen[0][0] == 4 and spec.auto_learned["calls"] == [1, 1, 1]
+    with pytest.raises(ValueError, match="per round only"):
+        generate(target, PROMPTS, options, drafter=drafter, round_costs=[1.0, 1.0, 1.0])
+    with pytest.raises(ValueError, match="expected a --budget auto per-call record"):
+        generate(target, PROMPTS, options, drafter=drafter, auto_learned={"tokens": [1, 2, 3], "rows": [1, 1, 1]})
+    with pytest.raises(ValueError, match="per round"):
+        generate(target, PROMPTS, AUTO, drafter=drafter, round_costs=[1.0, 1.0, 1.0], auto_learned=given)
+    with pytest.raises(ValueError, match="fixed programs"):
+        compile_generation(target, PROMPTS, options, drafter=drafter)
+
+
 def _primitives(jaxpr, skip=None) -> set[str]:
     """Every primitive in a jaxpr and the jaxprs inside it, but not inside the equation `skip`."""
     return {eqn.primitive.name for eqn, _ in equations(jaxpr, skip)}
@@ -263,7 +300,7 @@ def test_auto_budget_sampling_follows_the_ar_distribution(tmp_path):
     decode that has learned nothing starts with it) and the later ones the chain (what round one revealed of
     every candidate's count tips it; budget 2 is priced out)."""
     target, drafter, prompt, exact = sampling_pair(tmp_path)
-    options = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=3, block_size=4, budgets=(0, 2, 6),
+    options = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=3, block_size=4, budgets=(0, 2, 6), auto_scope="round",
                             sampling=SamplingConfig(temperature=1.0, top_k=0, top_p=1.0))
     result = generate(target, [prompt] * 4000, options, drafter=drafter, seed=321, round_costs=[1.0, 4.0, 2.0])
     assert {b for row in result.budgets_chosen for b in row} == {0, 6}

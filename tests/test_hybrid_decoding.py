@@ -165,7 +165,8 @@ def test_auto_budget_greedy_equals_ar(hybrid_pair, hybrid_ar):
     """`--budget auto` over (chain, 4, 16) through the recurrent layers, batch 2: AR's tokens under cost tables
     that make it verify different candidates (costs are an argument of the one compiled loop)."""
     target, drafter = hybrid_pair
-    options = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=MAX_NEW, block_size=8, budgets=(0, 4, 16))
+    options = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=MAX_NEW, block_size=8, budgets=(0, 4, 16),
+                            auto_scope="round")
     chosen = set()
     for costs in HYBRID_AUTO_COSTS:
         spec = generate(target, PROMPTS, options, drafter=drafter, round_costs=costs)

@@ -339,7 +339,7 @@ def test_auto_counterfactual_rules_and_trajectory(tmp_path, capsys):
     seconds = [1e-3, 1.2e-3]  # auto runs both candidates here (checked below)
     got_counts, got_picks, predicted, exact = auto_counterfactual.trajectory(target, drafter, prompts, (0, 4),
                                                                              seconds, 8)
-    options = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=8, budgets=(0, 4))
+    options = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=8, budgets=(0, 4), auto_scope="round")
     want_counts, want_picks, learned = [], [], None
     for prompt in prompts:  # what one prompt taught carries to the next, as in the tool
         result = generate(target, [prompt], options, drafter=drafter, round_costs=seconds, auto_learned=learned)

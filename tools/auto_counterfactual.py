@@ -112,8 +112,8 @@ def trajectory(target, drafter, prompts, budgets: tuple[int, ...], costs: list[f
     from ddtree_jax.budget import CHAIN, choose
     from ddtree_jax.engine import DecodeOptions, Mode, cache_shape, resolve_options, with_round_costs
 
-    options = resolve_options(DecodeOptions(mode=Mode.DDTREE, max_new_tokens=max_new_tokens, budgets=budgets),
-                              drafter, jnp.float32)
+    options = resolve_options(DecodeOptions(mode=Mode.DDTREE, max_new_tokens=max_new_tokens, budgets=budgets,
+                                            auto_scope="round"), drafter, jnp.float32)
 
     @jax.jit
     def features(s):

@@ -100,8 +100,8 @@ def main(argv=None) -> int:
     modes = [("chain", DecodeOptions(mode=Mode.DFLASH, max_new_tokens=args.max_new_tokens), None)]
     modes += [(str(b), DecodeOptions(mode=Mode.DDTREE, max_new_tokens=args.max_new_tokens, budget=b), None)
               for b in budgets if b]
-    modes += [("auto", DecodeOptions(mode=Mode.DDTREE, max_new_tokens=args.max_new_tokens, budgets=budgets),
-               [costs[b] for b in budgets])]
+    modes += [("auto", DecodeOptions(mode=Mode.DDTREE, max_new_tokens=args.max_new_tokens, budgets=budgets,
+                                     auto_scope="round"), [costs[b] for b in budgets])]
     rows, outputs = [], {}
     for name, options, round_costs in modes:
         seconds, tokens, rounds, changes, chosen, learned = 0.0, 0, 0, 0, [], None

@@ -124,7 +124,8 @@ def main(argv=None) -> int:
     plan = [(m, DecodeOptions(mode=Mode.AR if m == "ar" else Mode.DFLASH if m == "dflash" else Mode.DDTREE,
                               max_new_tokens=max_new, budget=64 if m in ("ar", "dflash") else int(m)), None)
             for m in modes]
-    auto = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=max_new, budgets=candidates) if candidates else None
+    auto = (DecodeOptions(mode=Mode.DDTREE, max_new_tokens=max_new, budgets=candidates, auto_scope="round")
+            if candidates else None)
     for i, b in enumerate(candidates):
         plan.append((f"auto[{','.join(map(str, candidates))}]@{'chain' if b == 0 else b}", auto, i))
 
