@@ -59,11 +59,13 @@ import jax.numpy as jnp
 import numpy as np
 
 CHAIN = 0  # the candidate budget that means a DFlash round (the chain of per-depth argmaxes)
-# The chain, B = 15 and B = 63: trees of 16 and 64 rows with their root, whole tiles of the verify (H200,
+# The chain and B = 15, 31, 63: trees of 16, 32 and 64 rows with their root, whole tiles of the verify (H200,
 # 2026-12-04 evening: at the Qwen3.6-27B shape B = 15's round cost 1.00x DFlash's and B = 63's 1.09-1.13x against
-# B = 64's 1.19-1.20x; at the Qwen3-8B shape and on the demo pair, with its tau, no dearer than 16 and 64); a probe of
-# the widest is priced at PROBE_SHARE of the time.
-DEFAULT_CANDIDATES = (CHAIN, 15, 63)
+# B = 64's 1.19-1.20x; at the Qwen3-8B shape and on the demo pair, with its tau, no dearer than 16 and 64). B = 31
+# since 2026-12-05: the demo pair's best budget on the H200 in every run of 2026-12-04, which the choice cannot
+# reach without it (a choice kept per call gives 0.93-0.95x the best fixed budget over (chain, 15, 63), 1.000x
+# over these four; docs/performance.md); a candidate costs the per-call choice one call to try it.
+DEFAULT_CANDIDATES = (CHAIN, 15, 31, 63)
 # How often `--budget auto` chooses (`DecodeOptions.auto_scope`): once per `generate` call among the candidates'
 # fixed programs (`CallRecord`), or every round on the device (`BudgetState`, `round.auto_loop`).
 AUTO_SCOPES = ("call", "round")
@@ -487,8 +489,9 @@ def save_record(key: dict, record: CallRecord) -> Path | None:
     """Keep `record` for `key` (atomically; None, and nothing written, when the folder cannot be written)."""
     return _write_entry(record_path(key), {"key": key, **record.learned()})
 
-__all__ = ["CHAIN", "DEFAULT_CANDIDATES", "AUTO_SCOPES", "candidates_text", "BudgetState", "parse_candidates", "check_candidates",
-           "choose", "chain_rounds", "UNBOUNDED_ROUNDS", "learn_chain_rounds", "revealed_counts", "observe", "DECAY",
-           "PROBE_MIN", "PROBE_MAX", "PROBE_SHARE", "CHANGE_ROUNDS",
+
+__all__ = ["CHAIN", "DEFAULT_CANDIDATES", "AUTO_SCOPES", "candidates_text", "BudgetState", "parse_candidates",
+           "check_candidates", "choose", "chain_rounds", "UNBOUNDED_ROUNDS", "learn_chain_rounds", "revealed_counts",
+           "observe", "DECAY", "PROBE_MIN", "PROBE_MAX", "PROBE_SHARE", "CHANGE_ROUNDS",
            "cost_key", "cost_cache_dir", "cost_cache_path", "load_costs", "save_costs",
            "EXPLORE", "CallRecord", "record_key", "record_path", "load_record", "save_record"]

@@ -1,6 +1,7 @@
 """`--budget auto`'s choice (`budget.py`'s worked example), what a round reveals and how it is learned, the
-candidate parser and the on-disk cost cache; per call, the record's choice and its on-disk copy. The decoding itself (lossless, branches taken, calibration) is
-tested in test_ddtree_decoding.py and test_hybrid_decoding.py."""
+candidate parser and the on-disk cost cache; per call, the record's choice and its on-disk copy. The decoding
+itself (lossless, branches taken, calibration, the per-call record) is tested in test_ddtree_decoding.py and
+test_hybrid_decoding.py."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ target's exact distribution (chi-square), which the chain-ordered recurrence fai
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 
 import jax
@@ -161,9 +162,11 @@ def test_ddtree_accepts_off_spine_nodes(hybrid_spec):
     assert off_spine >= 1
 
 
-def test_auto_budget_greedy_equals_ar(hybrid_pair, hybrid_ar):
-    """`--budget auto` over (chain, 4, 16) through the recurrent layers, batch 2: AR's tokens under cost tables
-    that make it verify different candidates (costs are an argument of the one compiled loop)."""
+def test_auto_budget_greedy_equals_ar(hybrid_pair, hybrid_ar, tmp_path, monkeypatch):
+    """`--budget auto` over (chain, 4, 16) through the recurrent layers, batch 2: AR's tokens per round under cost
+    tables that make it verify different candidates (costs are an argument of the one compiled loop), and per call
+    with records that leave each candidate in turn untried (so that one runs)."""
+    monkeypatch.setenv("DDTREE_JAX_ROUND_COSTS", str(tmp_path / "records"))
     target, drafter = hybrid_pair
     options = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=MAX_NEW, block_size=8, budgets=(0, 4, 16),
                             auto_scope="round")
@@ -173,6 +176,13 @@ def test_auto_budget_greedy_equals_ar(hybrid_pair, hybrid_ar):
         assert spec.output_ids == hybrid_ar, costs
         chosen |= {b for row in spec.budgets_chosen for b in row}
     assert chosen == {0, 4, 16}, chosen
+    per_call = dataclasses.replace(options, auto_scope="call")
+    for untried, budget in enumerate(options.budgets):
+        calls = [float(i != untried) for i in range(3)]
+        spec = generate(target, PROMPTS, per_call, drafter=drafter,
+                        auto_learned={"calls": [int(c) for c in calls], "tokens": calls, "seconds": calls})
+        assert spec.output_ids == hybrid_ar and spec.budgets_chosen == [[budget] * len(r) for r in
+                                                                        spec.acceptance_lengths]
 
 
 HYBRID_AUTO_COSTS = [(1.0, 1.0, 1.2), (1.0, 1.0, 1.6), (1.0, 1.3, 2.0)]

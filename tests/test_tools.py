@@ -298,6 +298,8 @@ def test_per_call_choice_replays_the_prompts(tmp_path, capsys):
     # Candidate 0 on prompt 0, 1 on prompt 1 (an unlucky 2.0), then 0 (mean 1.0 < 2.0) for the rest.
     assert per_call_choice.replay(seconds, np.arange(4), "once") == 1.0 + 2.0 + 1.0 + 1.0
     assert per_call_choice.replay(seconds, np.array([2, 3, 0, 1]), "once") == 1.0 + 0.5 + 0.5 + 2.0
+    # The engine's rule: 0, then 1 (an unlucky 2.0: 0.5 prompts/s against 1.0, each raised alike), then 0 twice.
+    assert per_call_choice.replay(seconds, np.arange(4), "engine") == 1.0 + 2.0 + 1.0 + 1.0
     rng = np.random.default_rng(0)
     noise = rng.uniform(0.9, 1.1, size=64)
 

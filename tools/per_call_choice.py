@@ -6,12 +6,15 @@ Reads a bench JSON of the demo pair (or any checkpoint run) whose rows hold `dec
 each prompt's own `generate` call) for DFlash (the chain) and fixed DDTree budgets, and replays the prompts, in
 `--orders` random orders, with a chooser that runs one fixed program per prompt and sees only the seconds of the
 prompts it ran: `once` tries each candidate once, then takes the one with the fewest mean seconds per prompt;
-`lcb` takes the lowest mean less a confidence term (mean x 0.15 x sqrt(ln n / runs)); with `--prior
+`lcb` takes the lowest mean less a confidence term (mean x 0.15 x sqrt(ln n / runs)); `engine` is `--budget auto`
+per call's own rule (`budget.CallRecord`, each prompt counted as one token: the bench's prompts all generate
+`--max-new-tokens`); with `--prior
 EARLIER_BENCH_JSON`, also the candidate that was fastest in that earlier run, for every prompt (what a choice
 kept on disk from an earlier run would give). Greedy decoding emits the
 same tokens in every mode, so a prompt's seconds compare the programs directly, and a fixed program's seconds do
 not depend on which programs ran before (the bench warms each up first). Prints, and with `--out` writes as JSON,
-each fixed row's total against the best fixed one, the device-side auto row's if the JSON has one, and the
+each fixed row's total against the best fixed one, the bench's auto rows' if the JSON has them (per round: the
+device-side switch; per call: `--auto-scope call`, what this replays, run for real), and the
 chooser's mean and 5th percentile over the orders: the ceiling of a per-call choice that pays nothing per round
 (no switch in the loop), and what learning from a run's own calls costs where the candidates are a few percent
 apart and prompts vary more than that.
@@ -26,7 +29,9 @@ from pathlib import Path
 
 import numpy as np
 
-RULES = ("once", "lcb")
+from ddtree_jax.budget import CallRecord
+
+RULES = ("once", "lcb", "engine")
 
 
 def fixed_seconds(bench: dict) -> dict[str, np.ndarray]:
@@ -44,6 +49,13 @@ def fixed_seconds(bench: dict) -> dict[str, np.ndarray]:
 
 def replay(seconds: np.ndarray, order: np.ndarray, rule: str) -> float:
     """Total seconds of one chooser over the prompts in `order`; seconds [C, P] per candidate and prompt."""
+    if rule == "engine":  # `generate --budget auto`'s own record, a prompt counted as one token
+        record, total = CallRecord.empty(len(seconds)), 0.0
+        for prompt in order:
+            pick = record.choose()
+            total += seconds[pick, prompt]
+            record = record.add(pick, 1, seconds[pick, prompt])
+        return total
     runs = np.zeros(len(seconds))
     sums = np.zeros(len(seconds))
     total = 0.0
@@ -73,10 +85,10 @@ def evaluate(bench: dict, candidates: list[str] | None, rule: str, orders: int, 
     best = min(float(s.sum()) for s in rows.values())
     rng = np.random.default_rng(seed)
     ratios = np.array([best / replay(seconds, rng.permutation(seconds.shape[1]), rule) for _ in range(orders)])
-    auto = [r for r in bench["rows"] if r.get("budget") == "auto"]
+    auto = {r.get("auto_scope", "round"): best / r["decode_s"] for r in bench["rows"] if r.get("budget") == "auto"}
     result = {"prompts": int(seconds.shape[1]), "rule": rule, "candidates": names, "orders": orders,
               "fixed_x_best": {c: best / float(s.sum()) for c, s in rows.items()},
-              "device_auto_x_best": best / auto[0]["decode_s"] if auto else None,
+              "device_auto_x_best": auto.get("round"), "bench_per_call_x_best": auto.get("call"),
               "per_call_x_best_mean": float(ratios.mean()), "per_call_x_best_p5": float(np.percentile(ratios, 5))}
     if prior is not None:
         earlier = fixed_seconds(prior)
@@ -107,7 +119,9 @@ def main(argv=None) -> int:
     for name, ratio in result["fixed_x_best"].items():
         print(f"fixed {name:>6}: {ratio:.3f} x the best fixed")
     if result["device_auto_x_best"] is not None:
-        print(f"auto (the bench's row): {result['device_auto_x_best']:.3f}")
+        print(f"auto per round (the bench's row): {result['device_auto_x_best']:.3f}")
+    if result["bench_per_call_x_best"] is not None:
+        print(f"auto per call (the bench's row): {result['bench_per_call_x_best']:.3f}")
     print(f"per call ({args.rule}, over {','.join(result['candidates'])}, {result['prompts']} prompts): "
           f"{result['per_call_x_best_mean']:.3f} mean, {result['per_call_x_best_p5']:.3f} at the 5th percentile")
     if "prior_pick" in result:
