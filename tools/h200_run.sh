@@ -49,6 +49,8 @@
 #   knobs_demo  the demo pair's rounds with the attention chunked and with single_pass -> knobs_lc_{multi,single}.json
 #   fp8       tools/gpu_probe.py's FP8 projections (bf16, dequantised, streamed) at 1, 16 and 65 rows, then the 8B
 #             rounds with FP8 weights, streamed against dequantised (issue 23)        -> fp8_probe/, fp8_{dequantize,stream}/
+#   auto_scopes  --budget auto per call and per round on the demo pair beside DFlash and B = 15, 31, 63 (issue 22),
+#             from an empty record, then from the kept one                          -> auto_scopes_{fresh,kept}/
 #   auto_cost what an auto round costs beyond the fixed round it runs (issue 22): the demo shape's fixed DFlash and
 #             B = 16 rounds, then the demo pair with auto's calibration (its round_costs_s), one decode of each row traced
 #             (kernels and gaps per round, prefill included)                 -> demo_shape/, demo_auto/, auto_trace_summary.json
@@ -183,11 +185,22 @@ TreeAttentionConfig as C; l.ATTENTION_CONFIG = C(single_pass=True)"
       log "auto's round against the fixed rounds (demo)"
       timeout "${AUTO_LIMIT:-150}" python3 -m ddtree_jax.bench --shape demo --budgets 16 --modes dflash,ddtree \
         --repeats 10 --kernels pallas --out "$OUT/demo_shape" 2>&1 | grep -v '^{"mode"' | grep '^|'
-      timeout "${AUTO_LIMIT:-150}" python3 -m ddtree_jax.bench --budgets 16,auto --modes dflash,ddtree --max-new-tokens 128 \
-        --num-prompts 12 --recalibrate --trace /tmp/auto_traces --out "$OUT/demo_auto" 2>&1 | tail -6
+      timeout "${AUTO_LIMIT:-150}" python3 -m ddtree_jax.bench --budgets 16,auto --auto-scope round --modes dflash,ddtree \
+        --max-new-tokens 128 --num-prompts 12 --recalibrate --trace /tmp/auto_traces --out "$OUT/demo_auto" 2>&1 | tail -6
       rm -f "$OUT"/demo_shape/bench.{md,png,partial.json} "$OUT"/demo_auto/bench.{md,partial.json}
       timeout 60 python3 tools/trace_summary.py /tmp/auto_traces --top 12 2>&1 | tail -60
       timeout 60 python3 tools/trace_summary.py /tmp/auto_traces --top 30 --json > "$OUT/auto_trace_summary.json"
+      ;;
+    auto_scopes)
+      # Issue 22 on the demo pair: --budget auto per call and per round beside the fixed candidates, from an empty
+      # record and calibration, then again from what the first run kept (the per-call record, the round costs)
+      log "auto per call and per round (demo), fresh then kept"
+      for run in fresh kept; do
+        timeout "${AUTO_LIMIT:-270}" python3 -m ddtree_jax.bench --budgets 15,31,63,auto --auto-scope call,round \
+          --num-prompts 32 --max-new-tokens 128 $([ "$run" = fresh ] && echo --recalibrate) \
+          --out "$OUT/auto_scopes_$run" 2>&1 | grep -v '^{"mode"' | grep -E '^\||^ddtree auto'
+        rm -f "$OUT/auto_scopes_$run"/bench.{md,partial.json}
+      done
       ;;
     loop_cost)
       # What a decode-loop call costs beyond its rounds, right after a prefill and again on its own state (issue
