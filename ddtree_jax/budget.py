@@ -373,15 +373,14 @@ def save_costs(key: dict, seconds, change_seconds: float) -> Path | None:
                                                "change_seconds": float(change_seconds)})
 
 
-
 # ----------------------------------------------------------------------------------------------------
 # Per call (host side): `DecodeOptions.auto_scope == "call"`
 
 
 # The exploration term of `CallRecord.choose`: a candidate's measured rate is raised by EXPLORE x
 # sqrt(ln(calls of all) / calls of it). Replaying three H200 runs of the demo pair (per-prompt seconds of every
-# fixed program, `tools/per_call_choice.py`, 2026-12-05) gave 0.944-0.970x the best fixed budget for 0 <= EXPLORE
-# <= 0.3, within 0.004 of each other: prompts differ more than the candidates, so what the first calls of a
+# fixed program, over (chain, 15, 63) and (chain, 15, 31, 63), 2026-12-05) gave 0.944-0.970x the best fixed budget
+# for every EXPLORE in 0..0.3, within 0.004 of each other per run and candidate set: prompts differ more than the candidates, so what the first calls of a
 # record measure decides, not this term; it keeps a candidate that lost on one hard prompt from being dropped.
 EXPLORE = 0.05
 CALL_RECORD_VERSION = 1
@@ -397,7 +396,7 @@ class CallRecord:
     candidate before them stopped (biased: docs/performance.md, 2026-12-04 evening); on the H200's demo pair it
     reached 0.87x the best fixed budget. A call that runs one fixed program pays nothing extra and its tokens per
     second are the objective itself, measured. Replaying those runs' per-prompt seconds (`tools/per_call_choice.py`)
-    over (chain, 15, 31, 63) gave 0.96-0.97x the best candidate from an empty record (the calls that try each
+    over (chain, 15, 31, 63) gave 0.97x the best fixed budget from an empty record (the calls that try each
     candidate, on prompts that differ more than the candidates do) and the best candidate's own time from a record
     an earlier run left (kept on disk, `save_record`)."""
 
@@ -453,9 +452,9 @@ class CallRecord:
         return int(np.argmax(scores))
 
     def add(self, index: int, tokens: int, seconds: float) -> "CallRecord":
-        """The record with one more call of candidate `index` that emitted `tokens` in `seconds` (a call that
-        emitted nothing, its rows already done, is not recorded)."""
-        if tokens <= 0 or seconds <= 0:
+        """The record with one more call of candidate `index` that emitted `tokens` in `seconds` of decode (a call
+        that decoded nothing, its rows done after the prompt's pass, is not recorded)."""
+        if seconds <= 0:
             return self
         bump = lambda values, by: tuple(v + by if i == index else v for i, v in enumerate(values))  # noqa: E731
         return CallRecord(calls=bump(self.calls, 1), tokens=bump(self.tokens, float(tokens)),

@@ -87,8 +87,8 @@ class DecodeOptions:
       mtp_steps + 1 (`engine.resolve_options` sets it).
     budget: DDTree tree nodes besides the root (B); the target verifies B + 1 tokens per round.
     budgets: DDTree with `--budget auto` when not empty: the candidate budgets, ascending, 0 meaning the chain
-      (a DFlash round); every round verifies the one expected to commit the most tokens per second
-      (`auto_loop`, `budget.py`), and `budget` is unused.
+      (a DFlash round); the one that commits the most tokens per second is chosen (`auto_scope`; `budget.py`),
+      and `budget` is unused.
     auto_scope: with `budgets`, how often the budget is chosen: "call" (default), once per `engine.generate` call,
       on the host, which then runs that candidate's fixed program (`budget.CallRecord`: the candidates' measured
       tokens per second, kept on disk); "round", every round on the device (`auto_loop`: the `lax.switch`).
@@ -197,10 +197,9 @@ class DecodeOptions:
     def candidate(self, budget: int) -> "DecodeOptions":
         """The options of one `--budget auto` candidate's fixed round: a DFlash round for 0 (the chain), else a
         DDTree round of that budget."""
-        fixed = dataclasses.replace(self, budgets=())
         if budget == CHAIN:
-            return dataclasses.replace(fixed, mode=Mode.DFLASH)
-        return dataclasses.replace(fixed, budget=budget)
+            return dataclasses.replace(self, mode=Mode.DFLASH, budgets=())
+        return dataclasses.replace(self, budget=budget, budgets=())
 
     @property
     def verify_width(self) -> int:

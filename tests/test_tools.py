@@ -275,8 +275,8 @@ def test_auto_projection_on_random_weights(tmp_path, capsys):
     assert auto_projection.main(["--shape", "tiny", "--costs", "chain=1e-3,4=1.2e-3", "--num-prompts", "2",
                                  "--max-new-tokens", "8", "--out", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["outputs_equal"] and [r["mode"] for r in report["rows"]] == ["chain", "4", "auto"]
-    chain, tree, auto = report["rows"]
+    assert report["outputs_equal"] and [r["mode"] for r in report["rows"]] == ["chain", "4", "auto", "auto per call"]
+    chain, tree, auto, per_call = report["rows"]
     assert chain["rounds_by_budget"] == {"0": chain["rounds"], "4": 0}
     assert tree["rounds_by_budget"] == {"0": 0, "4": tree["rounds"]}
     assert chain["projected_s"] == pytest.approx(chain["rounds"] * 1e-3)
@@ -284,6 +284,10 @@ def test_auto_projection_on_random_weights(tmp_path, capsys):
     assert sum(auto["rounds_by_budget"].values()) == auto["rounds"]
     by_budget = auto["rounds_by_budget"]
     assert auto["projected_s"] == pytest.approx(1e-3 * by_budget["0"] + 1.2e-3 * by_budget["4"])
+    # Per call, two prompts from an empty record: the chain's call on the first, the tree's on the second.
+    assert per_call["rounds_by_budget"] == {"0": chain["rounds_by_prompt"][0], "4": tree["rounds_by_prompt"][1]}
+    assert per_call["projected_s"] == pytest.approx(1e-3 * chain["rounds_by_prompt"][0]
+                                                    + 1.2e-3 * tree["rounds_by_prompt"][1])
     capsys.readouterr()
     assert auto_projection.main(["--costs", "16=1e-3"]) == 2
     assert capsys.readouterr().err.startswith("error: --costs '16=1e-3'")

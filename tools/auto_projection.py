@@ -9,7 +9,10 @@ a GPU: the `round_costs_s` of a bench JSON) and `--change-cost` (seconds a round
 another candidate than the round before: the JSON's `change_cost_s`). Every round of every mode is then charged
 its candidate's cost (and auto's changes theirs), so
 the projected device seconds compare auto's choices with the fixed budgets' under one cost table, leaving out
-what auto's own machinery adds per round on that device (which only a run there shows). Greedy, so every
+what auto's own machinery adds per round on that device (which only a run there shows). The `auto` row is the
+per-round choice (`--auto-scope round`); `auto per call` (the default scope) runs one fixed program per call, so
+its row is the fixed rows' own calls, prompt by prompt as `budget.CallRecord` picks them from an empty record
+(exact: it adds nothing to a fixed program). Greedy, so every
 mode emits the same tokens; acceptance is this machine's float32 (a GPU's bf16 may flip near-ties).
 Writes the result as JSON (`--out`) and prints a table. The demo pair and its held-out prompts by default.
 """
@@ -20,6 +23,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+from ddtree_jax.budget import CallRecord
 
 
 def parse_costs(text: str) -> dict[int, float]:
@@ -102,9 +107,9 @@ def main(argv=None) -> int:
               for b in budgets if b]
     modes += [("auto", DecodeOptions(mode=Mode.DDTREE, max_new_tokens=args.max_new_tokens, budgets=budgets,
                                      auto_scope="round"), [costs[b] for b in budgets])]
-    rows, outputs = [], {}
+    rows, outputs, fixed_by_prompt = [], {}, {}
     for name, options, round_costs in modes:
-        seconds, tokens, rounds, changes, chosen, learned = 0.0, 0, 0, 0, [], None
+        seconds, tokens, rounds, changes, chosen, learned, by_prompt = 0.0, 0, 0, 0, [], None, []
         for prompt in prompts:  # one row per call: auto's choice is per batch; what it learned carries, as in
             # `generate --prompts` and the bench
             result = generate(target, [prompt], options, drafter=drafter, round_costs=round_costs,
@@ -113,17 +118,26 @@ def main(argv=None) -> int:
             picks = result.budgets_chosen[0] if round_costs else [0 if name == "chain" else int(name)] * len(
                 result.acceptance_lengths[0])
             changed = sum(a != b for a, b in zip(picks, picks[1:]))  # the first round enters with the call
-            seconds += sum(costs[b] for b in picks) + changed * args.change_cost
+            by_prompt.append({"seconds": sum(costs[b] for b in picks) + changed * args.change_cost,
+                              "tokens": len(result.output_ids[0]), "picks": picks})
+            seconds += by_prompt[-1]["seconds"]
             changes += changed
             tokens += len(result.output_ids[0])
             rounds += len(picks)
             chosen += picks
             outputs.setdefault(name, []).append(result.output_ids[0])
-        row = {"mode": name, "rounds": rounds, "tokens": tokens, "tau": tokens / rounds,
-               "projected_s": seconds, "projected_tokens_per_s": tokens / seconds,
-               "rounds_by_budget": {str(b): chosen.count(b) for b in budgets}, "changes": changes}
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+        rows.append(projected_row(name, by_prompt, budgets, changes))
+        print(json.dumps(rows[-1]), flush=True)
+        fixed_by_prompt[name] = by_prompt
+    # Per call: each prompt runs the fixed program the record picks (its seconds and rounds are that row's).
+    record, calls = CallRecord.empty(len(budgets)), []
+    for p in range(len(prompts)):
+        pick = record.choose()
+        call = fixed_by_prompt["chain" if budgets[pick] == 0 else str(budgets[pick])][p]
+        record = record.add(pick, call["tokens"], call["seconds"])
+        calls.append(call)
+    rows.append(projected_row("auto per call", calls, budgets, 0))
+    print(json.dumps(rows[-1]), flush=True)
     same = all(outputs[name] == outputs["chain"] for name in outputs)
     report = {"source": source, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
               "costs_s": {str(b): c for b, c in costs.items()}, "change_cost_s": args.change_cost,
@@ -132,14 +146,26 @@ def main(argv=None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         with atomic_path(args.out) as tmp:
             tmp.write_text(json.dumps(report, indent=1))
-    best = max((r for r in rows if r["mode"] != "auto"), key=lambda r: r["projected_tokens_per_s"])
-    auto = rows[-1]
-    print(f"\n{'mode':>6} {'rounds':>7} {'tau':>6} {'projected tok/s':>16}")
+    best = max((r for r in rows if not r["mode"].startswith("auto")), key=lambda r: r["projected_tokens_per_s"])
+    print(f"\n{'mode':>13} {'rounds':>7} {'tau':>6} {'projected tok/s':>16}")
     for r in rows:
-        print(f"{r['mode']:>6} {r['rounds']:>7} {r['tau']:6.2f} {r['projected_tokens_per_s']:16.1f}")
-    print(f"auto / best fixed ({best['mode']}): {auto['projected_tokens_per_s'] / best['projected_tokens_per_s']:.4f}"
-          f"; outputs {'equal' if same else 'DIFFERENT'} across modes")
+        print(f"{r['mode']:>13} {r['rounds']:>7} {r['tau']:6.2f} {r['projected_tokens_per_s']:16.1f}")
+    for auto in rows[-2:]:
+        print(f"{auto['mode']} / best fixed ({best['mode']}): "
+              f"{auto['projected_tokens_per_s'] / best['projected_tokens_per_s']:.4f}")
+    print(f"outputs {'equal' if same else 'DIFFERENT'} across modes")
     return 0 if same else 1
+
+
+def projected_row(name: str, by_prompt: list[dict], budgets: tuple[int, ...], changes: int) -> dict:
+    """A row of the report from its calls' projected seconds, tokens and per-round picks."""
+    seconds = sum(c["seconds"] for c in by_prompt)
+    tokens = sum(c["tokens"] for c in by_prompt)
+    picks = [b for c in by_prompt for b in c["picks"]]
+    return {"mode": name, "rounds": len(picks), "tokens": tokens, "tau": tokens / len(picks),
+            "projected_s": seconds, "projected_tokens_per_s": tokens / seconds,
+            "rounds_by_budget": {str(b): picks.count(b) for b in budgets}, "changes": changes,
+            "rounds_by_prompt": [len(c["picks"]) for c in by_prompt]}
 
 
 if __name__ == "__main__":
