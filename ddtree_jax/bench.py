@@ -220,7 +220,7 @@ def run_checkpoints(args, parallel) -> dict:
     from tqdm import tqdm
 
     from ddtree_jax.checkpoint import load_drafter, load_target
-    from ddtree_jax.engine import DecodeOptions, Mode, cache_shape, generate, resolve_options
+    from ddtree_jax.engine import DecodeOptions, Mode, cache_shape, generate, kept_record, resolve_options
     from ddtree_jax.measure.timing import record_trace
 
     dtype = {"bfloat16": jnp.bfloat16, "float32": jnp.float32}[args.dtype]
@@ -265,6 +265,11 @@ def run_checkpoints(args, parallel) -> dict:
     # per round starting from nothing at the first timed prompt, per call from the record kept on disk (from
     # nothing with --recalibrate).
     results_of = {key: [] for key in plan}
+    record_before = {}  # auto per call: the calls of each candidate in the record the first prompt starts from
+    for key in plan:
+        if options_of[key].auto_per_call:
+            kept = None if args.recalibrate else kept_record(target, prompts[:1], options_of[key], drafter)[1]
+            record_before[key] = [0] * len(options_of[key].budgets) if kept is None else list(kept.calls)
     for p in tqdm(prompts, desc="bench", disable=None):
         for key in plan:
             learned = results_of[key][-1].auto_learned if results_of[key] else None
@@ -312,8 +317,10 @@ def run_checkpoints(args, parallel) -> dict:
                 calls = [r.budgets_chosen[0][0] for r in results if r.budgets_chosen[0]]
                 run_calls = [calls.count(b) for b in options.budgets]
                 rows[-1].update(calls_by_budget={str(b): n for b, n in zip(options.budgets, run_calls)},
-                                record_calls_before={str(b): total - n for b, n, total in zip(
-                                    options.budgets, run_calls, results[-1].auto_learned["calls"])})
+                                record_calls_before=dict(zip(map(str, options.budgets), record_before[key])),
+                                record_calls_after=dict(zip(map(str, options.budgets),
+                                                            results[-1].auto_learned["calls"])),
+                                calibration_s=sum(r.calibration_seconds for r in results))
     for r in rows:
         r["speedup_over_ar"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
     return {"kind": "checkpoints", "target": shown_path(args.target), "drafter": shown_path(args.drafter),
@@ -393,7 +400,8 @@ def _auto_note(row: dict) -> str:
                 f"{', '.join(f'{c * 1e3:.2f}' for c in row['round_costs_s'])} ms, a change of candidate "
                 f"{row.get('change_cost_s', 0.0) * 1e3:.2f} ms.")
     return (f"\n\nddtree auto per call: calls by budget {row['calls_by_budget']} (0: the chain), the record it "
-            f"started from had {row['record_calls_before']}.")
+            f"started from had {row['record_calls_before']}; calibration {row['calibration_s']:.3f} s (each candidate "
+            f"on the first prompts, paired; not in its tokens/s).")
 
 
 def plot(report: dict, path: Path) -> None:

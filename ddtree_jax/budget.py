@@ -380,9 +380,16 @@ def save_costs(key: dict, seconds, change_seconds: float) -> Path | None:
 # The exploration term of `CallRecord.choose`: a candidate's measured rate is raised by EXPLORE x
 # sqrt(ln(calls of all) / calls of it). Replaying three H200 runs of the demo pair (per-prompt seconds of every
 # fixed program, over (chain, 15, 63) and (chain, 15, 31, 63), 2026-12-05) gave 0.944-0.970x the best fixed budget
-# for every EXPLORE in 0..0.3, within 0.004 of each other per run and candidate set: prompts differ more than the candidates, so what the first calls of a
-# record measure decides, not this term; it keeps a candidate that lost on one hard prompt from being dropped.
+# for every EXPLORE in 0..0.3, within 0.004 of each other per run and candidate set: prompts differ more than the
+# candidates, so what the first calls of a record measure decides, not this term; it keeps a candidate that lost
+# on one hard prompt from being dropped.
 EXPLORE = 0.05
+# Calls of every candidate on the same prompts before the record chooses (`CallRecord.uncalibrated`): paired, a
+# prompt's difficulty weighs on every candidate alike. The same replays (the engine's rule, 300 prompt orders):
+# from an empty record, over (chain, 15, 31, 63) on the H200 0.967-0.971x the best fixed budget without, 0.972-0.976
+# with 2; on this project's CPU over (chain, 15, 63) 0.933 -> 0.986; with the Qwen3-8B shape's H200 round costs
+# 0.967 -> 0.989 (docs/performance.md, 2026-12-05). Their decode seconds are the calibration's, not the call's.
+CALIBRATION_CALLS = 2
 CALL_RECORD_VERSION = 1
 
 
@@ -438,6 +445,11 @@ class CallRecord:
         """Each candidate's tokens per second over its calls (None: never run)."""
         return [t / s if c else None for c, t, s in zip(self.calls, self.tokens, self.seconds)]
 
+    def uncalibrated(self) -> list[int]:
+        """The candidates with fewer than CALIBRATION_CALLS calls: a call runs each of them once on its prompts
+        (their outputs set aside) before it chooses (`engine.generate`)."""
+        return [i for i, c in enumerate(self.calls) if c < CALIBRATION_CALLS]
+
     def choose(self) -> int:
         """The candidate index the next call runs: the first never run, else the highest rate raised by
         EXPLORE x sqrt(ln(all calls) / its calls).
@@ -459,6 +471,21 @@ class CallRecord:
         bump = lambda values, by: tuple(v + by if i == index else v for i, v in enumerate(values))  # noqa: E731
         return CallRecord(calls=bump(self.calls, 1), tokens=bump(self.tokens, float(tokens)),
                           seconds=bump(self.seconds, float(seconds)))
+
+
+def decide_call(record: CallRecord, run) -> tuple[CallRecord, int, float]:
+    """One call of `--budget auto` per call: every `uncalibrated` candidate i runs first (`run(i, True)`: a
+    calibration run, its output set aside), then the candidate the record chooses runs (`run(pick, False)`: the
+    call's own); each run's (tokens emitted, decode seconds) goes into the record. Returns (the record, pick, the
+    calibration runs' seconds). `engine.generate` runs the programs; the tools replay measured seconds."""
+    calibration_s = 0.0
+    for i in record.uncalibrated():
+        tokens, seconds = run(i, True)
+        record = record.add(i, tokens, seconds)
+        calibration_s += seconds
+    pick = record.choose()
+    tokens, seconds = run(pick, False)
+    return record.add(pick, tokens, seconds), pick, calibration_s
 
 
 def record_key(target_config, drafter_config, options, batch: int, capacity: int, dtype) -> dict:
@@ -493,4 +520,5 @@ __all__ = ["CHAIN", "DEFAULT_CANDIDATES", "AUTO_SCOPES", "candidates_text", "Bud
            "check_candidates", "choose", "chain_rounds", "UNBOUNDED_ROUNDS", "learn_chain_rounds", "revealed_counts",
            "observe", "DECAY", "PROBE_MIN", "PROBE_MAX", "PROBE_SHARE", "CHANGE_ROUNDS",
            "cost_key", "cost_cache_dir", "cost_cache_path", "load_costs", "save_costs",
-           "EXPLORE", "CallRecord", "record_key", "record_path", "load_record", "save_record"]
+           "EXPLORE", "CALIBRATION_CALLS", "CallRecord", "decide_call", "record_key", "record_path", "load_record",
+           "save_record"]

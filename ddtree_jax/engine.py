@@ -26,7 +26,7 @@ from ddtree_jax.parallel import put, to_host
 from ddtree_jax.round import DecodeOptions, DecodeState, Mode, RoundTrace, decode_loop, prefill
 
 # The Python API: generate and its types here; the device-side names re-exported from round.py.
-__all__ = ["generate", "GenerationResult", "compile_generation", "GenerationPrograms", "resolve_options",
+__all__ = ["generate", "GenerationResult", "compile_generation", "GenerationPrograms", "resolve_options", "kept_record",
            "cache_shape", "calibrate", "compile_program", "models_as_leaves", "prefill_on_leaves",
            "decode_loop_on_leaves", "DecodeOptions", "DecodeState", "Mode", "RoundTrace", "decode_loop", "prefill"]
 
@@ -289,8 +289,9 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
     measure even when cached); auto_learned, a previous call's `GenerationResult.auto_learned` (same candidates):
     the committed tokens per round it learned, to start from instead of nothing. Per call (`options.auto_scope`
     "call", the default) no costs: the candidate `budget.CallRecord.choose` picks from auto_learned, else from
-    the record kept on disk for these models, device and batch (`recalibrate`: from nothing) runs as a fixed
-    program, and the record with this call's tokens and seconds is kept (`_generate_per_call`).
+    the record kept on disk for these models, device and batch (`recalibrate`: from nothing), after calibrating
+    the candidates with too few calls on these prompts, runs as a fixed program, and the record with this call's
+    tokens and seconds is kept (`_generate_per_call`).
     """
     if options.auto_per_call:
         if round_costs is not None:
@@ -362,33 +363,58 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
     )
 
 
-def _generate_per_call(target: ModelParams, prompts: Sequence[Sequence[int]], options: DecodeOptions, *,
-                       drafter: ModelParams | None, recalibrate: bool, auto_learned: dict | None,
-                       **kwargs) -> GenerationResult:
-    """`generate` for `--budget auto` per call: the candidate the record picks runs its fixed program
-    (`DecodeOptions.candidate`: the programs of the fixed rows, compiled once per process); the record, with this
-    call's emitted tokens and decode seconds added, is kept on disk and returned as `auto_learned`."""
-    n = len(options.budgets)
+def kept_record(target: ModelParams, prompts: Sequence[Sequence[int]], options: DecodeOptions,
+                drafter: ModelParams | None) -> tuple[dict, "auto.CallRecord | None"]:
+    """`--budget auto` per call: the key of the record for these prompts and options (`budget.record_key`: the
+    batch, and the context the widest candidate's program would size), and the record kept on disk for it (None:
+    none)."""
     dtype = target.array("model.embed_tokens.weight").dtype
     resolved = resolve_options(options, drafter, dtype)
-    _, capacity = cache_shape(max(map(len, prompts), default=0), resolved)  # as the widest candidate's program
+    _, capacity = cache_shape(max(map(len, prompts), default=0), resolved)
     key = auto.record_key(target.config, drafter.config, resolved, len(prompts), capacity, dtype)
+    return key, auto.load_record(key)
+
+
+def _generate_per_call(target: ModelParams, prompts: Sequence[Sequence[int]], options: DecodeOptions, *,
+                       drafter: ModelParams | None, seed: int, recalibrate: bool, auto_learned: dict | None,
+                       on_tokens: Callable | None, **kwargs) -> GenerationResult:
+    """`generate` for `--budget auto` per call: the candidate the record picks runs its fixed program
+    (`DecodeOptions.candidate`: the programs of the fixed rows, compiled once per process); the record, with this
+    call's emitted tokens and decode seconds added, is kept on disk and returned as `auto_learned`.
+
+    Calibration: while a candidate has fewer than `budget.CALIBRATION_CALLS` calls, each such candidate first runs
+    on these prompts (a freshly compiled program once more, so that its first run's setup is not timed), with its
+    own seed: its output is set aside, so the choice, which depends on its speed, is independent of the sampling
+    of the call that is returned (exact with sampling). Their seconds are `calibration_seconds`."""
+    n = len(options.budgets)
+    key, kept = kept_record(target, prompts, options, drafter)
     if auto_learned is not None:
         record = auto.CallRecord.from_learned(auto_learned, n)
-    elif recalibrate:
+    elif recalibrate or kept is None:
         record = auto.CallRecord.empty(n)
     else:
-        record = auto.load_record(key) or auto.CallRecord.empty(n)
-    pick = record.choose()
-    budget = options.budgets[pick]
-    result = generate(target, prompts, options.candidate(budget), drafter=drafter, **kwargs)
-    record = record.add(pick, result.new_tokens, result.decode_seconds)
+        record = kept
+    returned = []
+
+    def run(i: int, calibrating: bool) -> tuple[int, float]:
+        fixed = options.candidate(options.budgets[i])
+        if calibrating:
+            out = generate(target, prompts, fixed, drafter=drafter, seed=seed + 1 + i, **kwargs)
+            if out.compile_seconds > 0:
+                out = generate(target, prompts, fixed, drafter=drafter, seed=seed + 1 + i, **kwargs)
+        else:
+            out = generate(target, prompts, fixed, drafter=drafter, seed=seed, on_tokens=on_tokens, **kwargs)
+            returned.append(out)
+        return out.new_tokens, out.decode_seconds
+
+    record, pick, calibration_s = auto.decide_call(record, run)
+    [result], budget = returned, options.budgets[pick]
     if auto.save_record(key, record) is None and "record" not in _NOTED:
         _NOTED.add("record")
         print(f"warning: cannot write the --budget auto record in {auto.cost_cache_dir()}; what this run measures "
               "holds for this process only", file=sys.stderr)
     trees = None if result.trees is None else [{**tree, "budget": budget} for tree in result.trees]
-    return dataclasses.replace(result, trees=trees, auto_learned=record.learned(),
+    return dataclasses.replace(result, trees=trees, auto_learned=record.learned(), calibration_seconds=calibration_s,
                                budgets_chosen=[[budget] * len(a) for a in result.acceptance_lengths])
 
 

@@ -6,9 +6,9 @@ object with `--json`: {"mode", "output_ids", "text" (with a tokenizer), "accepta
 "matmul_precision", "split_k", "fp8_matmul" and "row_invariant" (as resolved)}, plus "block_size" and
 "acceptance_histogram" for dflash, ddtree and mtp, "budget" for ddtree and "mtp_steps" for mtp; with `--budget
 auto` "budget" is "auto", plus "auto_scope", "budget_candidates", "budgets_chosen" (the budget each round verified,
-0 the chain) and, per call, "auto_record" (each candidate's calls, tokens and decode seconds so far, this call
-included), per round "round_costs_s" (seconds per round of each candidate, as used), "change_cost_s" (seconds
-charged to a change of candidate) and "calibration_seconds".
+0 the chain), "calibration_seconds" and, per call, "auto_record" (each candidate's calls, tokens and decode seconds
+so far, this call and its calibration included), per round "round_costs_s" (seconds per round of each candidate,
+as used) and "change_cost_s" (seconds charged to a change of candidate).
 Many prompts (`--prompts FILE.jsonl`): runs them in batches and writes one such JSON line per prompt, with
 its "index", "line" and "id", to `--out` or stdout; a line that cannot run gets {"index", "line", "id",
 "error"} instead, and the others still run (exit status 1 then).
@@ -338,7 +338,7 @@ def row_report(mode: str, options, result, row: int, tokenizer) -> dict:
         else:
             report["round_costs_s"] = result.round_costs
             report["change_cost_s"] = result.change_cost
-            report["calibration_seconds"] = result.calibration_seconds
+        report["calibration_seconds"] = result.calibration_seconds
     if options.mode is Mode.MTP:
         report["mtp_steps"] = options.mtp_steps
     return report

@@ -227,29 +227,36 @@ def test_auto_budget_calibrates_once_and_caches_the_costs(pair16, ar_outputs, tm
 
 def test_auto_per_call_runs_each_candidates_fixed_program_and_keeps_a_record(pair16, ar_outputs, tmp_path,
                                                                              monkeypatch):
-    """Per call (the default scope): from an empty record the calls run the chain, 4 and 16 in turn, each exactly
-    that candidate's fixed program (its rounds and trees, AR's tokens); the record on disk holds every call's
-    tokens and seconds, and the next call takes the candidate of the best rate in it (all tried once, so the
-    exploration term is the same for each); `recalibrate` starts from nothing, a record passed in is used as
-    given; round costs, a per-round state and compiling the per-call options are refused."""
+    """Per call (the default scope): every call is exactly one candidate's fixed program (its rounds and trees, AR's
+    tokens). From an empty record the first call calibrates all three candidates on its prompts and the second the
+    two it did not choose, so the record on disk then holds each candidate's calibration calls and the calls it was
+    chosen for, 80 tokens a call; the third call calibrates nothing and takes the best rate raised by 5% x sqrt(ln(calls) / its calls)
+    (worked out here from the kept seconds); `recalibrate` starts from nothing (calibrates again), a record passed in
+    is used as given; round costs, a per-round state and compiling the per-call options are refused."""
     monkeypatch.setenv("DDTREE_JAX_ROUND_COSTS", str(tmp_path / "c"))
     target, drafter = pair16
     options = dataclasses.replace(AUTO, auto_scope="call")
-    for want in AUTO.budgets:
+    chosen = []
+    for call in range(3):
         spec = generate(target, PROMPTS, options, drafter=drafter)
+        [want] = {b for row in spec.budgets_chosen for b in row}
         fixed = generate(target, PROMPTS, options.candidate(want), drafter=drafter)
         assert spec.output_ids == ar_outputs and spec.acceptance_lengths == fixed.acceptance_lengths
-        assert spec.budgets_chosen == [[want] * len(r) for r in fixed.acceptance_lengths]
         assert spec.trees == [{**t, "budget": want} for t in fixed.trees] and spec.round_costs is None
-    [entry] = (tmp_path / "c").iterdir()
-    kept = json.loads(entry.read_text())
-    assert kept["calls"] == [1, 1, 1] and kept["tokens"] == [80.0] * 3 and kept == {**kept, **spec.auto_learned}
-    best = AUTO.budgets[int(np.argmax(np.array(kept["tokens"]) / np.array(kept["seconds"])))]
-    assert generate(target, PROMPTS, options, drafter=drafter).budgets_chosen[0][0] == best
-    assert generate(target, PROMPTS, options, drafter=drafter, recalibrate=True).budgets_chosen[0][0] == 0
-    given = {"calls": [1, 0, 1], "tokens": [80.0, 0.0, 80.0], "seconds": [1.0, 0.0, 1.0]}
+        assert (spec.calibration_seconds > 0) == (call < 2)
+        chosen.append(AUTO.budgets.index(want))
+        if call == 1:
+            [entry] = (tmp_path / "c").iterdir()
+            kept = json.loads(entry.read_text())
+            assert kept["calls"] == [1 + (i != chosen[0]) + chosen.count(i) for i in range(3)]
+            assert kept["tokens"] == [80.0 * c for c in kept["calls"]] and kept == {**kept, **spec.auto_learned}
+    calls, rates = np.array(kept["calls"]), np.array(kept["tokens"]) / np.array(kept["seconds"])
+    assert chosen[2] == int(np.argmax(rates * (1 + 0.05 * np.sqrt(np.log(calls.sum()) / calls))))
+    assert generate(target, PROMPTS, options, drafter=drafter, recalibrate=True).calibration_seconds > 0
+    given = {"calls": [2, 2, 2], "tokens": [100.0, 300.0, 100.0], "seconds": [1.0, 1.0, 1.0]}
     spec = generate(target, PROMPTS, options, drafter=drafter, auto_learned=given)
-    assert spec.budgets_chosen[0][0] == 4 and spec.auto_learned["calls"] == [1, 1, 1]
+    assert spec.budgets_chosen[0][0] == 4 and spec.auto_learned["calls"] == [2, 3, 2]
+    assert spec.calibration_seconds == 0
     with pytest.raises(ValueError, match="per round only"):
         generate(target, PROMPTS, options, drafter=drafter, round_costs=[1.0, 1.0, 1.0])
     with pytest.raises(ValueError, match="expected a --budget auto per-call record"):

@@ -289,8 +289,8 @@ def test_ddtree_mode_json_and_saved_trees(tmp_path):
 def test_auto_budget_json_and_saved_trees_record_the_budget_of_every_round(tmp_path):
     """--budget auto on the signal pair (a confident drafter: the tree of 5 accepts as much as the chain, 4 tokens
     a round, whichever it takes): per round it calibrates into the cost cache, reports the candidates, costs and the
-    budget of each round, and saves it with each tree; per call (the default) it runs the chain first (an empty
-    record) and reports the record it keeps."""
+    budget of each round, and saves it with each tree; per call (the default) it calibrates both candidates (an
+    empty record), runs one and reports the record it keeps."""
     from pairs import write_signal_pair
 
     target, drafter = write_signal_pair(tmp_path)
@@ -300,9 +300,12 @@ def test_auto_budget_json_and_saved_trees_record_the_budget_of_every_round(tmp_p
     proc = run_cli(*args, env={"DDTREE_JAX_ROUND_COSTS": str(tmp_path / "records")})
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
-    assert report["auto_scope"] == "call" and report["budgets_chosen"] == [0, 0, 0] and "round_costs_s" not in report
-    assert report["auto_record"]["calls"] == [1, 0] and report["auto_record"]["tokens"] == [13.0, 0.0]
-    assert [json.loads(line)["budget"] for line in trees.read_text().splitlines()] == [0, 0, 0]
+    assert report["auto_scope"] == "call" and "round_costs_s" not in report and report["calibration_seconds"] > 0
+    [chosen] = set(report["budgets_chosen"])
+    assert chosen in (0, 5) and len(report["budgets_chosen"]) == 3
+    assert report["auto_record"]["calls"] == [1 + (chosen == b) for b in (0, 5)]
+    assert report["auto_record"]["tokens"] == [13.0 * c for c in report["auto_record"]["calls"]]
+    assert [json.loads(line)["budget"] for line in trees.read_text().splitlines()] == [chosen] * 3
     proc = run_cli(*args, "--auto-scope", "round", env={"DDTREE_JAX_ROUND_COSTS": str(cache)})
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)

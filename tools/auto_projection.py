@@ -11,8 +11,8 @@ its candidate's cost (and auto's changes theirs), so
 the projected device seconds compare auto's choices with the fixed budgets' under one cost table, leaving out
 what auto's own machinery adds per round on that device (which only a run there shows). The `auto` row is the
 per-round choice (`--auto-scope round`); `auto per call` (the default scope) runs one fixed program per call, so
-its row is the fixed rows' own calls, prompt by prompt as `budget.CallRecord` picks them from an empty record
-(exact: it adds nothing to a fixed program). Greedy, so every
+its row is the fixed rows' own calls, prompt by prompt as `budget.decide_call` picks them from an empty record
+(exact: it adds nothing to a fixed program; its calibration runs' projected seconds are `calibration_s`). Greedy, so every
 mode emits the same tokens; acceptance is this machine's float32 (a GPU's bf16 may flip near-ties).
 Writes the result as JSON (`--out`) and prints a table. The demo pair and its held-out prompts by default.
 """
@@ -24,7 +24,7 @@ import json
 import sys
 from pathlib import Path
 
-from ddtree_jax.budget import CallRecord
+from ddtree_jax.budget import CallRecord, decide_call
 
 
 def parse_costs(text: str) -> dict[int, float]:
@@ -129,14 +129,19 @@ def main(argv=None) -> int:
         rows.append(projected_row(name, by_prompt, budgets, changes))
         print(json.dumps(rows[-1]), flush=True)
         fixed_by_prompt[name] = by_prompt
-    # Per call: each prompt runs the fixed program the record picks (its seconds and rounds are that row's).
-    record, calls = CallRecord.empty(len(budgets)), []
+    # Per call: each prompt runs the fixed program the record picks (its seconds and rounds are that row's), after
+    # the calibration runs of the candidates with too few calls (their seconds reported apart, as the engine does).
+    record, calls, calibration_s = CallRecord.empty(len(budgets)), [], 0.0
     for p in range(len(prompts)):
-        pick = record.choose()
-        call = fixed_by_prompt["chain" if budgets[pick] == 0 else str(budgets[pick])][p]
-        record = record.add(pick, call["tokens"], call["seconds"])
-        calls.append(call)
-    rows.append(projected_row("auto per call", calls, budgets, 0))
+        def run(i, calibrating):
+            call = fixed_by_prompt["chain" if budgets[i] == 0 else str(budgets[i])][p]
+            if not calibrating:
+                calls.append(call)
+            return call["tokens"], call["seconds"]
+
+        record, _, seconds = decide_call(record, run)
+        calibration_s += seconds
+    rows.append({**projected_row("auto per call", calls, budgets, 0), "calibration_s": calibration_s})
     print(json.dumps(rows[-1]), flush=True)
     same = all(outputs[name] == outputs["chain"] for name in outputs)
     report = {"source": source, "prompts": len(prompts), "max_new_tokens": args.max_new_tokens,

@@ -7,8 +7,9 @@ each prompt's own `generate` call) for DFlash (the chain) and fixed DDTree budge
 `--orders` random orders, with a chooser that runs one fixed program per prompt and sees only the seconds of the
 prompts it ran: `once` tries each candidate once, then takes the one with the fewest mean seconds per prompt;
 `lcb` takes the lowest mean less a confidence term (mean x 0.15 x sqrt(ln n / runs)); `engine` is `--budget auto`
-per call's own rule (`budget.CallRecord`, each prompt counted as one token: the bench's prompts all generate
-`--max-new-tokens`); with `--prior
+per call's own decision (`budget.decide_call`: the candidates with too few calls calibrated on the prompt, their
+seconds left out as the engine leaves them out; each prompt counted as one token: the bench's prompts all
+generate `--max-new-tokens`); with `--prior
 EARLIER_BENCH_JSON`, also the candidate that was fastest in that earlier run, for every prompt (what a choice
 kept on disk from an earlier run would give). Greedy decoding emits the
 same tokens in every mode, so a prompt's seconds compare the programs directly, and a fixed program's seconds do
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ddtree_jax.budget import CallRecord
+from ddtree_jax.budget import CallRecord, decide_call
 
 RULES = ("once", "lcb", "engine")
 
@@ -49,12 +50,11 @@ def fixed_seconds(bench: dict) -> dict[str, np.ndarray]:
 
 def replay(seconds: np.ndarray, order: np.ndarray, rule: str) -> float:
     """Total seconds of one chooser over the prompts in `order`; seconds [C, P] per candidate and prompt."""
-    if rule == "engine":  # `generate --budget auto`'s own record, a prompt counted as one token
+    if rule == "engine":  # `generate --budget auto`'s own decision, a prompt counted as one token
         record, total = CallRecord.empty(len(seconds)), 0.0
-        for prompt in order:
-            pick = record.choose()
+        for prompt in order:  # the calibration runs' seconds are left out, as the engine leaves them out
+            record, pick, _ = decide_call(record, lambda i, calibrating: (1, seconds[i, prompt]))
             total += seconds[pick, prompt]
-            record = record.add(pick, 1, seconds[pick, prompt])
         return total
     runs = np.zeros(len(seconds))
     sums = np.zeros(len(seconds))
