@@ -384,11 +384,12 @@ def save_costs(key: dict, seconds, change_seconds: float) -> Path | None:
 # candidates, so what the first calls of a record measure decides, not this term; it keeps a candidate that lost
 # on one hard prompt from being dropped.
 EXPLORE = 0.05
-# Calls of every candidate on the same prompts before the record chooses (`CallRecord.uncalibrated`): paired, a
-# prompt's difficulty weighs on every candidate alike. The same replays (the engine's rule, 300 prompt orders):
-# from an empty record, over (chain, 15, 31, 63) on the H200 0.967-0.971x the best fixed budget without, 0.972-0.976
-# with 2; on this project's CPU over (chain, 15, 63) 0.933 -> 0.986; with the Qwen3-8B shape's H200 round costs
-# 0.967 -> 0.989 (docs/performance.md, 2026-12-05). Their decode seconds are the calibration's, not the call's.
+# Calls on whose prompts every candidate runs before the record chooses alone (`CallRecord.paired`): paired, a
+# prompt's difficulty weighs on every candidate alike. Replays (every candidate's measured seconds per prompt,
+# 300 prompt orders, 2026-12-05; docs/performance.md) from an empty record, x the best fixed budget: on the H200's
+# demo pair over (chain, 15, 31, 63) 0.967-0.971 without, 0.972-0.976 with 2 (0.974-0.981 with 3-4); on this
+# project's CPU over (chain, 15, 63) 0.933 -> 0.982-0.983; with the Qwen3-8B shape's H200 round costs
+# 0.967 -> 0.989. The calibration runs cost ~0.2x of a 32-prompt run's decode, once per record (reported apart).
 CALIBRATION_CALLS = 2
 CALL_RECORD_VERSION = 1
 
@@ -403,13 +404,14 @@ class CallRecord:
     candidate before them stopped (biased: docs/performance.md, 2026-12-04 evening); on the H200's demo pair it
     reached 0.87x the best fixed budget. A call that runs one fixed program pays nothing extra and its tokens per
     second are the objective itself, measured. Replaying those runs' per-prompt seconds (`tools/per_call_choice.py`)
-    over (chain, 15, 31, 63) gave 0.97x the best fixed budget from an empty record (the calls that try each
-    candidate, on prompts that differ more than the candidates do) and the best candidate's own time from a record
-    an earlier run left (kept on disk, `save_record`)."""
+    over (chain, 15, 31, 63) gave ~0.97x the best fixed budget from an empty record (the calls spent finding the
+    best, on prompts that differ more than the candidates do; CALIBRATION_CALLS) and the best candidate's own time
+    from a record an earlier run left (kept on disk, `save_record`)."""
 
     calls: tuple[int, ...]
     tokens: tuple[float, ...]
     seconds: tuple[float, ...]
+    paired: int = 0  # calls on whose prompts every candidate ran (the calibration, `decide_call`)
 
     @classmethod
     def empty(cls, candidates: int) -> "CallRecord":
@@ -422,33 +424,34 @@ class CallRecord:
         try:
             record = cls(calls=tuple(int(c) for c in learned["calls"]),
                          tokens=tuple(float(t) for t in learned["tokens"]),
-                         seconds=tuple(float(s) for s in learned["seconds"]))
+                         seconds=tuple(float(s) for s in learned["seconds"]), paired=int(learned["paired"]))
         except (KeyError, TypeError, ValueError):
             raise ValueError("expected a --budget auto per-call record: calls, tokens and seconds per candidate, "
-                             f"got keys {sorted(learned) if isinstance(learned, dict) else type(learned).__name__}"
+                             f"paired, got keys {sorted(learned) if isinstance(learned, dict) else type(learned).__name__}"
                              ) from None
         n = {len(record.calls), len(record.tokens), len(record.seconds)}
         bad = [c for c, t, s in zip(record.calls, record.tokens, record.seconds) if c < 0 or t < 0 or s < 0
                or (c > 0) != (s > 0)]
-        if n != {candidates} or bad:
+        if n != {candidates} or bad or not 0 <= record.paired <= min(record.calls):
             raise ValueError(f"expected a per-call record of {candidates} candidates with calls, tokens and seconds "
-                             f">= 0 (seconds > 0 exactly where calls > 0), got {learned}")
+                             f">= 0 (seconds > 0 exactly where calls > 0) and paired calls within each one's calls, "
+                             f"got {learned}")
         return record
 
     def learned(self) -> dict:
         """What carries to the next call (`GenerationResult.auto_learned`; JSON)."""
         return {"scope": "call", "calls": list(self.calls), "tokens": list(self.tokens),
-                "seconds": list(self.seconds)}
+                "seconds": list(self.seconds), "paired": self.paired}
 
     @property
     def rates(self) -> list[float | None]:
         """Each candidate's tokens per second over its calls (None: never run)."""
         return [t / s if c else None for c, t, s in zip(self.calls, self.tokens, self.seconds)]
 
-    def uncalibrated(self) -> list[int]:
-        """The candidates with fewer than CALIBRATION_CALLS calls: a call runs each of them once on its prompts
-        (their outputs set aside) before it chooses (`engine.generate`)."""
-        return [i for i, c in enumerate(self.calls) if c < CALIBRATION_CALLS]
+    @property
+    def calibrating(self) -> bool:
+        """Fewer than CALIBRATION_CALLS paired calls: the next call runs every candidate on its prompts first."""
+        return self.paired < CALIBRATION_CALLS
 
     def choose(self) -> int:
         """The candidate index the next call runs: the first never run, else the highest rate raised by
@@ -469,23 +472,28 @@ class CallRecord:
         if seconds <= 0:
             return self
         bump = lambda values, by: tuple(v + by if i == index else v for i, v in enumerate(values))  # noqa: E731
-        return CallRecord(calls=bump(self.calls, 1), tokens=bump(self.tokens, float(tokens)),
-                          seconds=bump(self.seconds, float(seconds)))
+        return dataclasses.replace(self, calls=bump(self.calls, 1), tokens=bump(self.tokens, float(tokens)),
+                                   seconds=bump(self.seconds, float(seconds)))
 
 
 def decide_call(record: CallRecord, run) -> tuple[CallRecord, int, float]:
-    """One call of `--budget auto` per call: every `uncalibrated` candidate i runs first (`run(i, True)`: a
-    calibration run, its output set aside), then the candidate the record chooses runs (`run(pick, False)`: the
-    call's own); each run's (tokens emitted, decode seconds) goes into the record. Returns (the record, pick, the
-    calibration runs' seconds). `engine.generate` runs the programs; the tools replay measured seconds."""
-    calibration_s = 0.0
-    for i in record.uncalibrated():
-        tokens, seconds = run(i, True)
-        record = record.add(i, tokens, seconds)
-        calibration_s += seconds
+    """One call of `--budget auto` per call. While the record is `calibrating`, every candidate i first runs on the
+    call's prompts (`run(i, True)`: a calibration run, its output set aside) and goes into the record, paired; then
+    the candidate the record chooses runs (`run(pick, False)`: the call's own), and goes into the record when the
+    call did not calibrate (its prompts are already there for every candidate). `run` returns (tokens emitted,
+    decode seconds). Returns (the record, pick, the calibration runs' seconds). `engine.generate` runs the programs;
+    the tools replay measured seconds."""
+    calibration_s, calibrating = 0.0, record.calibrating
+    if calibrating:
+        runs = [run(i, True) for i in range(len(record.calls))]
+        for i, (tokens, seconds) in enumerate(runs):
+            record = record.add(i, tokens, seconds)
+            calibration_s += seconds
+        if all(seconds > 0 for _, seconds in runs):  # prompts done after their pass decode nothing: not paired
+            record = dataclasses.replace(record, paired=record.paired + 1)
     pick = record.choose()
     tokens, seconds = run(pick, False)
-    return record.add(pick, tokens, seconds), pick, calibration_s
+    return (record if calibrating else record.add(pick, tokens, seconds)), pick, calibration_s
 
 
 def record_key(target_config, drafter_config, options, batch: int, capacity: int, dtype) -> dict:

@@ -382,10 +382,11 @@ def _generate_per_call(target: ModelParams, prompts: Sequence[Sequence[int]], op
     (`DecodeOptions.candidate`: the programs of the fixed rows, compiled once per process); the record, with this
     call's emitted tokens and decode seconds added, is kept on disk and returned as `auto_learned`.
 
-    Calibration: while a candidate has fewer than `budget.CALIBRATION_CALLS` calls, each such candidate first runs
-    on these prompts (a freshly compiled program once more, so that its first run's setup is not timed), with its
-    own seed: its output is set aside, so the choice, which depends on its speed, is independent of the sampling
-    of the call that is returned (exact with sampling). Their seconds are `calibration_seconds`."""
+    Calibration (`budget.decide_call`): on the first `budget.CALIBRATION_CALLS` calls of a record, every candidate
+    first runs on these prompts (a freshly compiled program once more, so that its first run's setup is not
+    timed), each with a seed of its own: their outputs are set aside, so the choice, which depends on their speed,
+    is independent of the sampling of the call that is returned (exact with sampling). Their seconds are
+    `calibration_seconds`."""
     n = len(options.budgets)
     key, kept = kept_record(target, prompts, options, drafter)
     if auto_learned is not None:

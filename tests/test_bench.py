@@ -115,8 +115,8 @@ def test_checkpoint_mode_reports_speedup_and_divergence(tmp_path, monkeypatch):
 def test_checkpoint_mode_auto_per_call_starts_from_the_kept_record(tmp_path, monkeypatch, capsys):
     """The auto row per call (the default scope) on the hand-built pair: it runs the fixed rows' programs, one
     candidate per prompt, AR's tokens; with --recalibrate from an empty record, calibrating (both candidates on the
-    first prompt, the one not chosen again on the second: 2 calls each before a choice), and the next run from the
-    record the first one left, calibrating nothing. A bad scope is one error."""
+    first two prompts), and the next run from the record the first one left, calibrating nothing. A bad scope is
+    one error."""
     from pairs import write_signal_pair
 
     monkeypatch.setenv("DDTREE_JAX_ROUND_COSTS", str(tmp_path / "costs"))
@@ -132,7 +132,7 @@ def test_checkpoint_mode_auto_per_call_starts_from_the_kept_record(tmp_path, mon
     first, second = runs[0][3], runs[1][3]
     assert first["auto_scope"] == "call" and "round_costs_s" not in first and first["first_divergence"] is None
     assert first["record_calls_before"] == {"0": 0, "4": 0} and sum(first["calls_by_budget"].values()) == 3
-    assert first["tokens"] == 36 and first["calibration_s"] > 0 and sum(first["record_calls_after"].values()) == 3 + 3
+    assert first["tokens"] == 36 and first["calibration_s"] > 0 and sum(first["record_calls_after"].values()) == 4 + 1
     assert second["record_calls_before"] == first["record_calls_after"] and second["calibration_s"] == 0
     assert "ddtree auto per call: calls by budget" in (tmp_path / "out1" / "bench.md").read_text()
     assert main(argv + ["--auto-scope", "call,turn"]) == 2

@@ -255,9 +255,9 @@ def test_call_record_tries_every_candidate_then_takes_the_best_rate_raised_for_e
 
 def test_decide_call_calibrates_paired_then_chooses():
     """`decide_call` on two candidates whose seconds per prompt are [1, 1, 1, 1] and [0.5, 2, 0.5, 0.5] (a prompt
-    a token), worked by hand: prompt 0 runs both (calibration), then 1 (rate 2 against 1); prompt 1 calibrates 0
-    (one call so far), then 1 again (2.0: its rate falls to 1.0); prompt 2, both calibrated at rate 1.0, takes 0
-    (two calls: the larger exploration term); prompt 3 a tie at three calls each: the first."""
+    a token), worked by hand: prompts 0 and 1 run both (the calibration, paired), each then running the record's
+    choice, unrecorded: 1 after prompt 0 (rate 2 against 1), 0 after prompt 1 (2 prompts in 2.0 s against 2.5);
+    prompts 2 and 3 run 0 alone and record it (rates 1.0 against 0.8; raised by 1.04 and 1.04, then 1.04 and 1.05)."""
     seconds = [[1.0, 1.0, 1.0, 1.0], [0.5, 2.0, 0.5, 0.5]]
     record, picks, calibration = auto.CallRecord.empty(2), [], []
     for prompt in range(4):
@@ -270,16 +270,16 @@ def test_decide_call_calibrates_paired_then_chooses():
         record, pick, calibration_s = auto.decide_call(record, run)
         picks.append(pick)
         calibration.append((ran, calibration_s))
-    assert picks == [1, 1, 0, 0] and auto.CALIBRATION_CALLS == 2
-    assert calibration == [([(0, True), (1, True), (1, False)], 1.5), ([(0, True), (1, False)], 1.0),
+    assert picks == [1, 0, 0, 0] and auto.CALIBRATION_CALLS == 2
+    assert calibration == [([(0, True), (1, True), (1, False)], 1.5), ([(0, True), (1, True), (0, False)], 3.0),
                            ([(0, False)], 0.0), ([(0, False)], 0.0)]
-    assert record.calls == (4, 3) and record.seconds == (4.0, 3.0) and record.uncalibrated() == []
-    assert auto.CallRecord(calls=(0, 1, 2), tokens=(0.0, 1.0, 2.0), seconds=(0.0, 1.0, 2.0)).uncalibrated() == [0, 1]
+    assert record.calls == (4, 2) and record.seconds == (4.0, 2.5) and record.paired == 2 and not record.calibrating
 
 
 @pytest.mark.parametrize("learned", [{"calls": [1], "tokens": [1.0], "seconds": [1.0]},  # one candidate of two
                                      {"calls": [1, 0], "tokens": [1.0, 0.0], "seconds": [0.0, 0.0]},  # no seconds
                                      {"calls": [1, -1], "tokens": [1.0, 0.0], "seconds": [1.0, 0.0]},
+                                     {"calls": [1, 1], "tokens": [1.0, 1.0], "seconds": [1.0, 1.0], "paired": 2},
                                      {"tokens": [1.0, 0.0], "rows": [1.0, 0.0]},  # a per-round state's
                                      [1, 2]])
 def test_call_record_refuses_what_is_not_one(learned):

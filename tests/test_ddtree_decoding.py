@@ -228,10 +228,9 @@ def test_auto_budget_calibrates_once_and_caches_the_costs(pair16, ar_outputs, tm
 def test_auto_per_call_runs_each_candidates_fixed_program_and_keeps_a_record(pair16, ar_outputs, tmp_path,
                                                                              monkeypatch):
     """Per call (the default scope): every call is exactly one candidate's fixed program (its rounds and trees, AR's
-    tokens). From an empty record the first call calibrates all three candidates on its prompts and the second the
-    two it did not choose, so the record on disk then holds each candidate's calibration calls and the calls it was
-    chosen for, 80 tokens a call; the third call calibrates nothing and takes the best rate raised by 5% x sqrt(ln(calls) / its calls)
-    (worked out here from the kept seconds); `recalibrate` starts from nothing (calibrates again), a record passed in
+    tokens). From an empty record the first two calls calibrate (every candidate runs on their prompts first), so
+    the record on disk then holds 2 calls of each, 80 tokens a call, 2 paired; the third calibrates nothing and
+    takes the best rate of the kept seconds (the same calls each, so the same exploration term); `recalibrate` starts from nothing (calibrates again), a record passed in
     is used as given; round costs, a per-round state and compiling the per-call options are refused."""
     monkeypatch.setenv("DDTREE_JAX_ROUND_COSTS", str(tmp_path / "c"))
     target, drafter = pair16
@@ -248,12 +247,11 @@ def test_auto_per_call_runs_each_candidates_fixed_program_and_keeps_a_record(pai
         if call == 1:
             [entry] = (tmp_path / "c").iterdir()
             kept = json.loads(entry.read_text())
-            assert kept["calls"] == [1 + (i != chosen[0]) + chosen.count(i) for i in range(3)]
-            assert kept["tokens"] == [80.0 * c for c in kept["calls"]] and kept == {**kept, **spec.auto_learned}
-    calls, rates = np.array(kept["calls"]), np.array(kept["tokens"]) / np.array(kept["seconds"])
-    assert chosen[2] == int(np.argmax(rates * (1 + 0.05 * np.sqrt(np.log(calls.sum()) / calls))))
+            assert kept["calls"] == [2, 2, 2] and kept["tokens"] == [160.0] * 3 and kept["paired"] == 2
+            assert kept == {**kept, **spec.auto_learned}
+    assert chosen[2] == int(np.argmax(np.array(kept["tokens"]) / np.array(kept["seconds"])))
     assert generate(target, PROMPTS, options, drafter=drafter, recalibrate=True).calibration_seconds > 0
-    given = {"calls": [2, 2, 2], "tokens": [100.0, 300.0, 100.0], "seconds": [1.0, 1.0, 1.0]}
+    given = {"calls": [2, 2, 2], "tokens": [100.0, 300.0, 100.0], "seconds": [1.0, 1.0, 1.0], "paired": 2}
     spec = generate(target, PROMPTS, options, drafter=drafter, auto_learned=given)
     assert spec.budgets_chosen[0][0] == 4 and spec.auto_learned["calls"] == [2, 3, 2]
     assert spec.calibration_seconds == 0

@@ -303,8 +303,8 @@ def test_auto_budget_json_and_saved_trees_record_the_budget_of_every_round(tmp_p
     assert report["auto_scope"] == "call" and "round_costs_s" not in report and report["calibration_seconds"] > 0
     [chosen] = set(report["budgets_chosen"])
     assert chosen in (0, 5) and len(report["budgets_chosen"]) == 3
-    assert report["auto_record"]["calls"] == [1 + (chosen == b) for b in (0, 5)]
-    assert report["auto_record"]["tokens"] == [13.0 * c for c in report["auto_record"]["calls"]]
+    assert report["auto_record"] == {"scope": "call", "calls": [1, 1], "tokens": [13.0, 13.0], "paired": 1,
+                                     "seconds": report["auto_record"]["seconds"]}
     assert [json.loads(line)["budget"] for line in trees.read_text().splitlines()] == [chosen] * 3
     proc = run_cli(*args, "--auto-scope", "round", env={"DDTREE_JAX_ROUND_COSTS": str(cache)})
     assert proc.returncode == 0, proc.stderr

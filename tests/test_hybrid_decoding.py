@@ -165,8 +165,8 @@ def test_ddtree_accepts_off_spine_nodes(hybrid_spec):
 def test_auto_budget_greedy_equals_ar(hybrid_pair, hybrid_ar, tmp_path, monkeypatch):
     """`--budget auto` over (chain, 4, 16) through the recurrent layers, batch 2: AR's tokens per round under cost
     tables that make it verify different candidates (costs are an argument of the one compiled loop), and per call
-    with a record that leaves budget 4 untried (so that its fixed program runs: the per-call choice itself is
-    tested on the dense pair)."""
+    with a calibrated record in which budget 4 is the fastest (so that its fixed program runs: the per-call choice
+    itself is tested on the dense pair)."""
     monkeypatch.setenv("DDTREE_JAX_ROUND_COSTS", str(tmp_path / "records"))
     target, drafter = hybrid_pair
     options = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=MAX_NEW, block_size=8, budgets=(0, 4, 16),
@@ -178,7 +178,8 @@ def test_auto_budget_greedy_equals_ar(hybrid_pair, hybrid_ar, tmp_path, monkeypa
         chosen |= {b for row in spec.budgets_chosen for b in row}
     assert chosen == {0, 4, 16}, chosen
     spec = generate(target, PROMPTS, dataclasses.replace(options, auto_scope="call"), drafter=drafter,
-                    auto_learned={"calls": [1, 0, 1], "tokens": [1.0, 0.0, 1.0], "seconds": [1.0, 0.0, 1.0]})
+                    auto_learned={"calls": [2, 2, 2], "tokens": [1.0, 3.0, 1.0], "seconds": [1.0, 1.0, 1.0],
+                                  "paired": 2})
     assert spec.output_ids == hybrid_ar and spec.budgets_chosen == [[4] * len(r) for r in spec.acceptance_lengths]
 
 
