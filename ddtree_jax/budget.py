@@ -1,5 +1,10 @@
 """`--budget auto`: the draft-tree size that commits the most tokens per second, learned from what the target grants.
 
+Two scopes (`DecodeOptions.auto_scope`). Per call (the default; the last part of this module, host side): each
+`engine.generate` call runs one candidate's fixed program, the one with the best measured tokens per second in a
+record of every candidate's calls (`CallRecord`, `decide_call`), calibrated on the first calls' prompts and kept on
+disk. Per round (below, device side): every round chooses, inside the compiled loop.
+
 The candidates (`DecodeOptions.budgets`, 0 = the chain, i.e. a DFlash round) each have a measured cost per round
 (calibrated on the actual model, device and batch; below) and a committed-tokens-per-round that the decode learns
 as it goes. Every round verifies the candidate with the most tokens per second, tokens / cost (`choose`), as the
