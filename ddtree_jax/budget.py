@@ -390,11 +390,11 @@ def save_costs(key: dict, seconds, change_seconds: float) -> Path | None:
 # on one hard prompt from being dropped.
 EXPLORE = 0.05
 # Calls on whose prompts every candidate runs before the record chooses alone (`CallRecord.paired`): paired, a
-# prompt's difficulty weighs on every candidate alike. Replays (every candidate's measured seconds per prompt,
-# 300 prompt orders, 2026-12-05; docs/performance.md) from an empty record, x the best fixed budget: on the H200's
-# demo pair over (chain, 15, 31, 63) 0.967-0.971 without, 0.972-0.976 with 2 (0.974-0.981 with 3-4); on this
-# project's CPU over (chain, 15, 63) 0.933 -> 0.982-0.983; with the Qwen3-8B shape's H200 round costs
-# 0.967 -> 0.989. The calibration runs cost ~0.2x of a 32-prompt run's decode, once per record (reported apart).
+# prompt's difficulty weighs on every candidate alike. Replays from an empty record (`tools/per_call_choice.py
+# --rule engine`, 300 random prompt orders, 2026-12-05), x the best fixed budget: the H200's demo-pair runs over
+# (chain, 15, 31, 63) 0.967-0.971 without, 0.970-0.976 with 2; this project's CPU over (chain, 15, 63) 0.933 ->
+# ~0.98. The first prompts still weigh: 0.927 measured in the CPU's held-out order (docs/performance.md). The
+# calibration runs cost ~0.2x of a 32-prompt run's decode, once per record (reported apart).
 CALIBRATION_CALLS = 2
 CALL_RECORD_VERSION = 1
 
@@ -431,9 +431,9 @@ class CallRecord:
                          tokens=tuple(float(t) for t in learned["tokens"]),
                          seconds=tuple(float(s) for s in learned["seconds"]), paired=int(learned["paired"]))
         except (KeyError, TypeError, ValueError):
+            got = sorted(learned) if isinstance(learned, dict) else type(learned).__name__
             raise ValueError("expected a --budget auto per-call record: calls, tokens and seconds per candidate, "
-                             f"paired, got keys {sorted(learned) if isinstance(learned, dict) else type(learned).__name__}"
-                             ) from None
+                             f"paired, got keys {got}") from None
         n = {len(record.calls), len(record.tokens), len(record.seconds)}
         bad = [c for c, t, s in zip(record.calls, record.tokens, record.seconds) if c < 0 or t < 0 or s < 0
                or (c > 0) != (s > 0)]

@@ -230,8 +230,9 @@ def test_auto_per_call_runs_each_candidates_fixed_program_and_keeps_a_record(pai
     """Per call (the default scope): every call is exactly one candidate's fixed program (its rounds and trees, AR's
     tokens). From an empty record the first two calls calibrate (every candidate runs on their prompts first), so
     the record on disk then holds 2 calls of each, 80 tokens a call, 2 paired; the third calibrates nothing and
-    takes the best rate of the kept seconds (the same calls each, so the same exploration term); `recalibrate` starts from nothing (calibrates again), a record passed in
-    is used as given; round costs, a per-round state and compiling the per-call options are refused."""
+    takes the best rate of the kept seconds (the same calls each, so the same exploration term); `recalibrate`
+    starts from nothing (calibrates again), a record passed in is used as given; round costs, a per-round state and
+    compiling the per-call options are refused."""
     monkeypatch.setenv("DDTREE_JAX_ROUND_COSTS", str(tmp_path / "c"))
     target, drafter = pair16
     options = dataclasses.replace(AUTO, auto_scope="call")

@@ -12,8 +12,9 @@ the projected device seconds compare auto's choices with the fixed budgets' unde
 what auto's own machinery adds per round on that device (which only a run there shows). The `auto` row is the
 per-round choice (`--auto-scope round`); `auto per call` (the default scope) runs one fixed program per call, so
 its row is the fixed rows' own calls, prompt by prompt as `budget.decide_call` picks them from an empty record
-(exact: it adds nothing to a fixed program; its calibration runs' projected seconds are `calibration_s`). Greedy, so every
-mode emits the same tokens; acceptance is this machine's float32 (a GPU's bf16 may flip near-ties).
+(exact: it adds nothing to a fixed program; its calibration runs' projected seconds are `calibration_s`).
+Greedy, so every mode emits the same tokens; acceptance is this machine's float32 (a GPU's bf16 may flip
+near-ties).
 Writes the result as JSON (`--out`) and prints a table. The demo pair and its held-out prompts by default.
 """
 
