@@ -397,12 +397,15 @@ def mode_label(mode: str, budget: int | None = None, block_size: int | None = No
 
 
 def summary_line(label: str, tokens: int, decode_seconds: float, compile_seconds: float, tau: float | None = None,
-                 prompts: str | None = None) -> str:
+                 prompts: str | None = None, calibration_seconds: float = 0.0) -> str:
     """One line per run, e.g. '[ddtree B=64] 64 tokens, 3.15 tokens per round (tau), decode 0.43 s =
-    149 tokens/s; compile 6.1 s'. `tau` None (AR) leaves it out; `prompts` ('12 prompts') leads the counts."""
+    149 tokens/s; compile 6.1 s'. `tau` None (AR) leaves it out; `prompts` ('12 prompts') leads the counts;
+    `--budget auto`'s calibration seconds, when it calibrated, close it."""
     parts = [f"[{label}]", (f"{prompts}, " if prompts else "") + f"{tokens} tokens,"]
     if tau is not None:
         parts.append(f"{tau:.2f} tokens per round (tau),")
     rate = f" = {tokens / decode_seconds:.0f} tokens/s" if decode_seconds > 0 else ""
     parts.append(f"decode {decode_seconds:.2f} s{rate}; compile {compile_seconds:.1f} s")
+    if calibration_seconds > 0:
+        parts[-1] += f"; --budget auto calibration {calibration_seconds:.2f} s"
     return " ".join(parts)

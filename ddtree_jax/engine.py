@@ -395,17 +395,19 @@ def _generate_per_call(target: ModelParams, prompts: Sequence[Sequence[int]], op
         record = auto.CallRecord.empty(n)
     else:
         record = kept
-    returned = []
+    returned, compile_s = [], []
 
     def run(i: int, calibrating: bool) -> tuple[int, float]:
         fixed = options.candidate(options.budgets[i])
         if calibrating:
             out = generate(target, prompts, fixed, drafter=drafter, seed=seed + 1 + i, **kwargs)
             if out.compile_seconds > 0:
+                compile_s.append(out.compile_seconds)
                 out = generate(target, prompts, fixed, drafter=drafter, seed=seed + 1 + i, **kwargs)
         else:
             out = generate(target, prompts, fixed, drafter=drafter, seed=seed, on_tokens=on_tokens, **kwargs)
             returned.append(out)
+        compile_s.append(out.compile_seconds)
         return out.new_tokens, out.decode_seconds
 
     record, pick, calibration_s = auto.decide_call(record, run)
@@ -416,6 +418,7 @@ def _generate_per_call(target: ModelParams, prompts: Sequence[Sequence[int]], op
               "holds for this process only", file=sys.stderr)
     trees = None if result.trees is None else [{**tree, "budget": budget} for tree in result.trees]
     return dataclasses.replace(result, trees=trees, auto_learned=record.learned(), calibration_seconds=calibration_s,
+                               compile_seconds=sum(compile_s),
                                budgets_chosen=[[budget] * len(a) for a in result.acceptance_lengths])
 
 

@@ -386,8 +386,8 @@ def run(args: argparse.Namespace) -> dict:
             stream(result.output_ids)
             print()
     print(summary_line(mode_label(args.mode, args.budget, options.block_size), report["new_tokens"],
-                       result.decode_seconds, result.compile_seconds, None if options.mode is Mode.AR else result.tau),
-          file=sys.stderr)
+                       result.decode_seconds, result.compile_seconds, None if options.mode is Mode.AR else result.tau,
+                       calibration_seconds=result.calibration_seconds), file=sys.stderr)
     return report
 
 
@@ -421,7 +421,7 @@ def run_prompts(args: argparse.Namespace) -> int:
 
     records = {line.index: {"index": line.index, "line": line.line, "id": line.id, "error": line.error}
                for line in lines if line.error is not None}
-    tokens, rounds, decode_s, compile_s, learned = 0, [], 0.0, 0.0, None
+    tokens, rounds, decode_s, compile_s, calibration_s, learned = 0, [], 0.0, 0.0, 0.0, None
     with tqdm(total=len(runnable), desc="prompts", unit="prompt", disable=None) as bar:
         for b, start in enumerate(range(0, len(runnable), args.batch_size)):
             batch = runnable[start:start + args.batch_size]
@@ -439,6 +439,7 @@ def run_prompts(args: argparse.Namespace) -> int:
             rounds += [n for row in result.acceptance_lengths for n in row]
             decode_s += result.decode_seconds
             compile_s += result.compile_seconds
+            calibration_s += result.calibration_seconds
             bar.update(len(batch))
     out_lines = (json.dumps(records[i]) for i in range(len(lines)))
     if args.out is not None:
@@ -449,8 +450,8 @@ def run_prompts(args: argparse.Namespace) -> int:
     failed = len(lines) - len(runnable)
     print(summary_line(mode_label(args.mode, args.budget, options.block_size), tokens, decode_s, compile_s,
                        None if options.mode is Mode.AR else sum(rounds) / len(rounds),
-                       prompts=f"{len(runnable)} prompts" + (f" ({failed} failed)" if failed else "")),
-          file=sys.stderr)
+                       prompts=f"{len(runnable)} prompts" + (f" ({failed} failed)" if failed else ""),
+                       calibration_seconds=calibration_s), file=sys.stderr)
     return EXIT_PARTIAL if failed else 0
 
 

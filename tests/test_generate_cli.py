@@ -301,6 +301,7 @@ def test_auto_budget_json_and_saved_trees_record_the_budget_of_every_round(tmp_p
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["auto_scope"] == "call" and "round_costs_s" not in report and report["calibration_seconds"] > 0
+    assert "; --budget auto calibration " in proc.stderr.splitlines()[-1]
     [chosen] = set(report["budgets_chosen"])
     assert chosen in (0, 5) and len(report["budgets_chosen"]) == 3
     assert report["auto_record"] == {"scope": "call", "calls": [1, 1], "tokens": [13.0, 13.0], "paired": 1,
