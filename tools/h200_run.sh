@@ -47,6 +47,8 @@
 #             with stream_matmul's fp8_bits 0 and 1, the attention alone with tree_attention's single_pass
 #                                                                                       -> knobs_fp8/, knobs_att/
 #   knobs_demo  the demo pair's rounds with the attention chunked and with single_pass -> knobs_lc_{multi,single}.json
+#   knobs_fp8_8b  the 8B FP8 rounds (streamed) with fp8_bits 0 and 1                     -> fp8_bits{0,1}/
+#   knobs_att_8b  the 8B rounds with the attention chunked and with single_pass         -> att_{multi,single}/
 #   fp8       tools/gpu_probe.py's FP8 projections (bf16, dequantised, streamed) at 1, 16 and 65 rows, then the 8B
 #             rounds with FP8 weights, streamed against dequantised (issue 23)        -> fp8_probe/, fp8_{dequantize,stream}/
 #   auto_scopes  --budget auto per call and per round on the demo pair beside DFlash and B = 15, 31, 63 (issue 22),
@@ -168,6 +170,31 @@ TreeAttentionConfig as C; l.ATTENTION_CONFIG = C(single_pass=True)"
         pre=$([ "$side" = single ] && echo "$sp" || echo "$base")
         timeout 200 python3 -c "$pre; runpy.run_path('tools/loop_cost.py', run_name='__main__')" --modes ar,dflash,31,63 \
           --auto '' --rounds 48 --repeats 5 --out "$OUT/knobs_lc_$side.json" 2>&1 | tail -5
+      done
+      ;;
+    knobs_fp8_8b)
+      # Issue 23: the 8B rounds with FP8 weights streamed, stream_matmul's fp8_bits 0 (as now) then 1
+      base="import dataclasses, runpy, sys; sys.argv = ['bench'] + sys.argv[1:]; from ddtree_jax.models import layers as l"
+      for bits in 0 1; do
+        log "knobs: 8B FP8 rounds, fp8_bits=$bits"
+        timeout "${FP8_LIMIT:-240}" python3 -c "$base; l.FP8_STREAM_KNOBS = dataclasses.replace(l.FP8_STREAM_KNOBS, \
+fp8_bits=$bits); runpy.run_module('ddtree_jax.bench', run_name='__main__')" --shape qwen3-8b --weights fp8 \
+          --budgets 16,64 --modes ar,dflash,ddtree --repeats 5 --kernels pallas --fp8-matmul stream \
+          --out "$OUT/fp8_bits$bits" 2>&1 | grep -v '^{"mode"' | grep '^|'
+        rm -f "$OUT/fp8_bits$bits"/bench.{md,png,partial.json}
+      done
+      ;;
+    knobs_att_8b)
+      # Issue 19: the 8B rounds with the attention chunked (as now), then in one launch (single_pass)
+      base="import runpy, sys; sys.argv = ['bench'] + sys.argv[1:]; from ddtree_jax.models import layers as l; \
+from pallas_kernels.tree_attention import TreeAttentionConfig as C"
+      for side in multi single; do
+        log "knobs: 8B rounds, attention $side"
+        knob=$([ "$side" = single ] && echo "l.ATTENTION_CONFIG = C(single_pass=True)" || echo "pass")
+        timeout "${ATT_LIMIT:-240}" python3 -c "$base; $knob; runpy.run_module('ddtree_jax.bench', run_name='__main__')" \
+          --shape qwen3-8b --context 2048 --budgets 16,63 --modes ar,dflash,ddtree --repeats 5 --kernels pallas \
+          --out "$OUT/att_$side" 2>&1 | grep -v '^{"mode"' | grep '^|'
+        rm -f "$OUT/att_$side"/bench.{md,png,partial.json}
       done
       ;;
     fp8)
