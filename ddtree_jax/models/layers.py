@@ -38,12 +38,14 @@ STREAM_MAX_ROWS = 128
 
 
 # The streaming kernel's knobs for FP8 projections (tiles fitted to each weight by `fitted_config`). `fp8_bits=1`
-# widens without F2F conversions (`pallas_kernels.stream_matmul`'s docstring), the same bits as 0; it stays off
-# until the H200 has timed it.
-FP8_STREAM_KNOBS = StreamMatmulConfig()
+# widens without F2F conversions (`pallas_kernels.stream_matmul`'s docstring), the same bits as 0: on the H200
+# (2026-12-05) 12 layers' FP8 projections took 1.384 / 1.323 / 2.461 ms at 1 / 16 / 65 rows against 1.528 / 1.542
+# / 2.833 with 0, and the Qwen3-8B FP8 rounds AR 5.43 ms (5.62), DFlash 6.63 (6.82), B = 64 9.49 (10.73).
+FP8_STREAM_KNOBS = StreamMatmulConfig(fp8_bits=1)
 
-# The fast attention kernel's knobs (None: its defaults). `single_pass=True` (one launch, no merge) stays off
-# until the H200 has timed it.
+# The fast attention kernel's knobs (None: its defaults). `single_pass=True` (one launch, no merge) stays off: on
+# the H200 (2026-12-05) it was slower at every point timed, 7.8 against 6.3 us at S = 256, T = 1 (a demo cache)
+# and 29.7 against 9.5 at S = 2048, T = 1 (too few programs once the keys are not split into chunks).
 ATTENTION_CONFIG: TreeAttentionConfig | None = None
 
 # The streaming kernel's row tile under `Runtime.row_invariant`: one mma shape (Triton's mma.sync on Hopper) for
