@@ -2,8 +2,8 @@
 
 Two scopes (`DecodeOptions.auto_scope`). Per call (the default; the last part of this module, host side): each
 `engine.generate` call runs one candidate's fixed program, the one with the best measured tokens per second in a
-record of every candidate's calls (`CallRecord`, `decide_call`), calibrated on the first calls' prompts and kept on
-disk. Per round (below, device side): every round chooses, inside the compiled loop.
+record of every candidate's runs on the same prompts (`CallRecord`, `decide_call`: the first calls calibrate),
+kept on disk. Per round (below, device side): every round chooses, inside the compiled loop.
 
 The candidates (`DecodeOptions.budgets`, 0 = the chain, i.e. a DFlash round) each have a measured cost per round
 (calibrated on the actual model, device and batch; below) and a committed-tokens-per-round that the decode learns
@@ -382,36 +382,27 @@ def save_costs(key: dict, seconds, change_seconds: float) -> Path | None:
 # Per call (host side): `DecodeOptions.auto_scope == "call"`
 
 
-# The exploration term of `CallRecord.choose`: a candidate's measured rate is raised by EXPLORE x
-# sqrt(ln(calls of all) / calls of it). Replaying three H200 runs of the demo pair (per-prompt seconds of every
-# fixed program, over (chain, 15, 63) and (chain, 15, 31, 63), 2026-12-05) gave 0.944-0.970x the best fixed budget
-# for every EXPLORE in 0..0.3, within 0.004 of each other per run and candidate set: prompts differ more than the
-# candidates, so what the first calls of a record measure decides, not this term; it keeps a candidate that lost
-# on one hard prompt from being dropped.
-EXPLORE = 0.05
-# Calls on whose prompts every candidate runs before the record chooses alone (`CallRecord.paired`): paired, a
-# prompt's difficulty weighs on every candidate alike. Replays from an empty record (`tools/per_call_choice.py
-# --rule engine`, 300 random prompt orders, 2026-12-05), x the best fixed budget: the H200's demo-pair runs over
-# (chain, 15, 31, 63) 0.967-0.971 without, 0.970-0.976 with 2; this project's CPU over (chain, 15, 63) 0.933 ->
-# ~0.98. The first prompts still weigh: 0.927 measured in the CPU's held-out order (docs/performance.md). The
-# calibration runs cost ~0.2x of a 32-prompt run's decode, once per record (reported apart).
-CALIBRATION_CALLS = 2
+# Calls on whose prompts every candidate runs (the calibration, `decide_call`); the choice is made from these paired
+# runs only, so a prompt's difficulty weighs on every candidate alike. Measured on the H200's demo pair
+# (2026-12-05), a record that also learned from each call's own run (unpaired, after 2 paired calls) settled on
+# B = 63 where B = 31 was 4% faster: prompts differ by more than the candidates (docs/performance.md). Replays of
+# every candidate's measured seconds per prompt (`tools/per_call_choice.py --rule engine`, 300 random prompt
+# orders) gave 0.97-0.99x the best fixed budget with 4 paired calls on the H200's runs, 1.00x on the CPU's.
+CALIBRATION_CALLS = 4
 CALL_RECORD_VERSION = 1
 
 
 @dataclasses.dataclass(frozen=True)
 class CallRecord:
-    """What `--budget auto` per call knows: for each candidate (`DecodeOptions.budgets` order), the calls that ran
-    its fixed program (the chain: DFlash's), the tokens they emitted (every row's) and their decode seconds.
+    """What `--budget auto` per call knows: for each candidate (`DecodeOptions.budgets` order), the calibration
+    calls that ran its fixed program (the chain: DFlash's) on the same prompts as every other candidate, the tokens
+    they emitted (every row's) and their decode seconds.
 
     Why per call. A per-round choice (`auto_scope="round"`, the `lax.switch` of `round.auto_loop`) pays for its
     program every call and for every change of candidate, and learns from its own rounds, which start where the
     candidate before them stopped (biased: docs/performance.md, 2026-12-04 evening); on the H200's demo pair it
-    reached 0.87x the best fixed budget. A call that runs one fixed program pays nothing extra and its tokens per
-    second are the objective itself, measured. Replaying those runs' per-prompt seconds (`tools/per_call_choice.py`)
-    over (chain, 15, 31, 63) gave ~0.97x the best fixed budget from an empty record (the calls spent finding the
-    best, on prompts that differ more than the candidates do; CALIBRATION_CALLS) and the best candidate's own time
-    from a record an earlier run left (kept on disk, `save_record`)."""
+    reached 0.86-0.87x the best fixed budget. A call that runs one fixed program pays nothing extra, and the
+    calibration measures the objective itself, tokens per second, every candidate on the same prompts."""
 
     calls: tuple[int, ...]
     tokens: tuple[float, ...]
@@ -459,17 +450,11 @@ class CallRecord:
         return self.paired < CALIBRATION_CALLS
 
     def choose(self) -> int:
-        """The candidate index the next call runs: the first never run, else the highest rate raised by
-        EXPLORE x sqrt(ln(all calls) / its calls).
+        """The candidate index a call runs: the highest rate (the first where none has run).
 
-        Example: calls (2, 1), tokens (400, 300), seconds (2.0, 1.4): rates 200 and 214.3; raised by
-        0.05 x sqrt(ln 3 / 2) = 3.7% and 0.05 x sqrt(ln 3) = 5.2%: 207.4 against 225.5, the second runs."""
-        untried = [i for i, c in enumerate(self.calls) if c == 0]
-        if untried:
-            return untried[0]
-        total = np.log(sum(self.calls))
-        scores = [rate * (1 + EXPLORE * np.sqrt(total / c)) for rate, c in zip(self.rates, self.calls)]
-        return int(np.argmax(scores))
+        Example: tokens (400, 300), seconds (2.0, 1.4): rates 200 and 214.3 tokens/s, the second runs."""
+        rates = [-1.0 if rate is None else rate for rate in self.rates]
+        return int(np.argmax(rates))
 
     def add(self, index: int, tokens: int, seconds: float) -> "CallRecord":
         """The record with one more call of candidate `index` that emitted `tokens` in `seconds` of decode (a call
@@ -484,21 +469,20 @@ class CallRecord:
 def decide_call(record: CallRecord, run) -> tuple[CallRecord, int, float]:
     """One call of `--budget auto` per call. While the record is `calibrating`, every candidate i first runs on the
     call's prompts (`run(i, True)`: a calibration run, its output set aside) and goes into the record, paired; then
-    the candidate the record chooses runs (`run(pick, False)`: the call's own), and goes into the record when the
-    call did not calibrate (its prompts are already there for every candidate). `run` returns (tokens emitted,
-    decode seconds). Returns (the record, pick, the calibration runs' seconds). `engine.generate` runs the programs;
-    the tools replay measured seconds."""
-    calibration_s, calibrating = 0.0, record.calibrating
-    if calibrating:
+    the candidate the record chooses runs (`run(pick, False)`: the call's own, not recorded: the choice rests on
+    paired runs only). `run` returns (tokens emitted, decode seconds). Returns (the record, pick, the calibration
+    runs' seconds). `engine.generate` runs the programs; the tools replay measured seconds."""
+    calibration_s = 0.0
+    if record.calibrating:
         runs = [run(i, True) for i in range(len(record.calls))]
-        for i, (tokens, seconds) in enumerate(runs):
-            record = record.add(i, tokens, seconds)
-            calibration_s += seconds
         if all(seconds > 0 for _, seconds in runs):  # prompts done after their pass decode nothing: not paired
+            for i, (tokens, seconds) in enumerate(runs):
+                record = record.add(i, tokens, seconds)
             record = dataclasses.replace(record, paired=record.paired + 1)
+        calibration_s = sum(seconds for _, seconds in runs)
     pick = record.choose()
-    tokens, seconds = run(pick, False)
-    return (record if calibrating else record.add(pick, tokens, seconds)), pick, calibration_s
+    run(pick, False)
+    return record, pick, calibration_s
 
 
 def record_key(target_config, drafter_config, options, batch: int, capacity: int, dtype) -> dict:
@@ -533,5 +517,5 @@ __all__ = ["CHAIN", "DEFAULT_CANDIDATES", "AUTO_SCOPES", "candidates_text", "Bud
            "check_candidates", "choose", "chain_rounds", "UNBOUNDED_ROUNDS", "learn_chain_rounds", "revealed_counts",
            "observe", "DECAY", "PROBE_MIN", "PROBE_MAX", "PROBE_SHARE", "CHANGE_ROUNDS",
            "cost_key", "cost_cache_dir", "cost_cache_path", "load_costs", "save_costs",
-           "EXPLORE", "CALIBRATION_CALLS", "CallRecord", "decide_call", "record_key", "record_path", "load_record",
+           "CALIBRATION_CALLS", "CallRecord", "decide_call", "record_key", "record_path", "load_record",
            "save_record"]

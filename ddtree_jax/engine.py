@@ -289,9 +289,9 @@ def generate(target: ModelParams, prompts: Sequence[Sequence[int]], options: Dec
     measure even when cached); auto_learned, a previous call's `GenerationResult.auto_learned` (same candidates):
     the committed tokens per round it learned, to start from instead of nothing. Per call (`options.auto_scope`
     "call", the default) no costs: the candidate `budget.CallRecord.choose` picks from auto_learned, else from
-    the record kept on disk for these models, device and batch (`recalibrate`: from nothing), after calibrating
-    the candidates with too few calls on these prompts, runs as a fixed program, and the record with this call's
-    tokens and seconds is kept (`_generate_per_call`).
+    the record kept on disk for these models, device and batch (`recalibrate`: from nothing), which calibrates
+    on the first calls' prompts (every candidate on the same prompts), runs as a fixed program
+    (`_generate_per_call`).
     """
     if options.auto_per_call:
         if round_costs is not None:
@@ -379,8 +379,8 @@ def _generate_per_call(target: ModelParams, prompts: Sequence[Sequence[int]], op
                        drafter: ModelParams | None, seed: int, recalibrate: bool, auto_learned: dict | None,
                        on_tokens: Callable | None, **kwargs) -> GenerationResult:
     """`generate` for `--budget auto` per call: the candidate the record picks runs its fixed program
-    (`DecodeOptions.candidate`: the programs of the fixed rows, compiled once per process); the record, with this
-    call's emitted tokens and decode seconds added, is kept on disk and returned as `auto_learned`.
+    (`DecodeOptions.candidate`: the programs of the fixed rows, compiled once per process); the record (with this
+    call's calibration runs, if it calibrated) is kept on disk and returned as `auto_learned`.
 
     Calibration (`budget.decide_call`): on the first `budget.CALIBRATION_CALLS` calls of a record, every candidate
     first runs on these prompts (a freshly compiled program once more, so that its first run's setup is not

@@ -114,25 +114,25 @@ def test_checkpoint_mode_reports_speedup_and_divergence(tmp_path, monkeypatch):
 
 def test_checkpoint_mode_auto_per_call_starts_from_the_kept_record(tmp_path, monkeypatch, capsys):
     """The auto row per call (the default scope) on the hand-built pair: it runs the fixed rows' programs, one
-    candidate per prompt, AR's tokens; with --recalibrate from an empty record, calibrating (both candidates on the
-    first two prompts), and the next run from the record the first one left, calibrating nothing. A bad scope is
-    one error."""
+    candidate per prompt, AR's tokens; with --recalibrate from an empty record, calibrating (both candidates on
+    each of the four prompts), and the next run from the record the first one left, calibrating nothing. A bad
+    scope is one error."""
     from pairs import write_signal_pair
 
     monkeypatch.setenv("DDTREE_JAX_ROUND_COSTS", str(tmp_path / "costs"))
     target, drafter = write_signal_pair(tmp_path)
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text('{"prompt_ids": [1, 2, 3]}\n{"prompt_ids": [4, 5]}\n{"prompt_ids": [6]}\n')
+    prompts.write_text('{"prompt_ids": [1, 2, 3]}\n{"prompt_ids": [4, 5]}\n{"prompt_ids": [6]}\n{"prompt_ids": [7]}\n')
     argv = ["--target", str(target), "--drafter", str(drafter), "--prompts", str(prompts), "--budgets", "4,auto",
-            "--budget-candidates", "chain,4", "--max-new-tokens", "12", "--dtype", "float32"]
+            "--budget-candidates", "chain,4", "--max-new-tokens", "12", "--dtype", "float32", "--num-prompts", "4"]
     runs = []
     for n, extra in enumerate((["--recalibrate"], [])):
         assert main(argv + extra + ["--out", str(tmp_path / f"out{n}")]) == 0
         runs.append(json.loads((tmp_path / f"out{n}" / "bench.json").read_text())["rows"])
     first, second = runs[0][3], runs[1][3]
     assert first["auto_scope"] == "call" and "round_costs_s" not in first and first["first_divergence"] is None
-    assert first["record_calls_before"] == {"0": 0, "4": 0} and sum(first["calls_by_budget"].values()) == 3
-    assert first["tokens"] == 36 and first["calibration_s"] > 0 and sum(first["record_calls_after"].values()) == 4 + 1
+    assert first["record_calls_before"] == {"0": 0, "4": 0} and sum(first["calls_by_budget"].values()) == 4
+    assert first["tokens"] == 48 and first["calibration_s"] > 0 and first["record_calls_after"] == {"0": 4, "4": 4}
     assert second["record_calls_before"] == first["record_calls_after"] and second["calibration_s"] == 0
     assert "ddtree auto per call: calls by budget" in (tmp_path / "out1" / "bench.md").read_text()
     assert main(argv + ["--auto-scope", "call,turn"]) == 2

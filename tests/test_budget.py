@@ -232,35 +232,24 @@ def test_cost_cache_round_trip_is_keyed_and_atomic(tmp_path, monkeypatch):
     assert auto.load_costs(key) is None
 
 
-def test_call_record_tries_every_candidate_then_takes_the_best_rate_raised_for_exploration():
-    """`CallRecord.choose`: the first candidate never run, in candidate order; then the docstring's example (rates
-    200 and 214.3 tokens/s, raised by 3.7% and 5.2%: the second); a candidate far behind is not tried again after
-    one unlucky call, but one within the exploration term is (computed here by hand, not by the code)."""
-    record = auto.CallRecord.empty(3)
-    picks = []
-    for tokens, seconds in ((100, 1.0), (100, 0.5), (100, 2.0)):
-        picks.append(record.choose())
-        record = record.add(picks[-1], tokens, seconds)
-    assert picks == [0, 1, 2] and record.calls == (1, 1, 1) and record.rates == [100.0, 200.0, 50.0]
-    assert record.choose() == 1
-    example = auto.CallRecord(calls=(2, 1), tokens=(400.0, 300.0), seconds=(2.0, 1.4))
-    assert example.choose() == 1
-    # 50 calls of a 200 tokens/s candidate against one call of 195: 195 x (1 + 0.05 sqrt(ln 51)) = 214.2 > 200 x
-    # (1 + 0.05 sqrt(ln 51 / 50)) = 202.8, so the second is tried again; at 180 (197.7) it is not.
-    for rate, want in ((195.0, 1), (180.0, 0)):
-        record = auto.CallRecord(calls=(50, 1), tokens=(200.0 * 50, rate), seconds=(50.0, 1.0))
-        assert record.choose() == want, rate
+def test_call_record_takes_the_best_rate():
+    """`CallRecord.choose`: the highest tokens per second (the docstring's example), the first candidate where none
+    has run, never one that has not run while another has."""
+    assert auto.CallRecord(calls=(2, 1), tokens=(400.0, 300.0), seconds=(2.0, 1.4)).choose() == 1
+    assert auto.CallRecord.empty(3).choose() == 0
+    record = auto.CallRecord.empty(3).add(2, 10, 1.0)
+    assert record.rates == [None, None, 10.0] and record.choose() == 2
     assert record.add(0, 5, 0.0) == record  # no decode: not recorded
 
 
 def test_decide_call_calibrates_paired_then_chooses():
-    """`decide_call` on two candidates whose seconds per prompt are [1, 1, 1, 1] and [0.5, 2, 0.5, 0.5] (a prompt
-    a token), worked by hand: prompts 0 and 1 run both (the calibration, paired), each then running the record's
-    choice, unrecorded: 1 after prompt 0 (rate 2 against 1), 0 after prompt 1 (2 prompts in 2.0 s against 2.5);
-    prompts 2 and 3 run 0 alone and record it (rates 1.0 against 0.8; raised by 1.04 and 1.04, then 1.04 and 1.05)."""
-    seconds = [[1.0, 1.0, 1.0, 1.0], [0.5, 2.0, 0.5, 0.5]]
+    """`decide_call` on two candidates whose seconds per prompt are [1, 1, 1, 1, 1] and [0.5, 2, 0.5, 0.5, 9] (a
+    prompt a token), worked by hand: prompts 0-3 run both (the calibration, paired), each then the choice from the
+    sums so far: 1 (0.5 s against 1), 0 (2 against 2.5), 0 (a tie at 3 s: the first), 1 (3.5 against 4); prompt 4
+    runs 1 alone, not recorded (its 9 s do not move the choice)."""
+    seconds = [[1.0, 1.0, 1.0, 1.0, 1.0], [0.5, 2.0, 0.5, 0.5, 9.0]]
     record, picks, calibration = auto.CallRecord.empty(2), [], []
-    for prompt in range(4):
+    for prompt in range(5):
         ran = []
 
         def run(i, calibrating):
@@ -269,11 +258,11 @@ def test_decide_call_calibrates_paired_then_chooses():
 
         record, pick, calibration_s = auto.decide_call(record, run)
         picks.append(pick)
-        calibration.append((ran, calibration_s))
-    assert picks == [1, 0, 0, 0] and auto.CALIBRATION_CALLS == 2
-    assert calibration == [([(0, True), (1, True), (1, False)], 1.5), ([(0, True), (1, True), (0, False)], 3.0),
-                           ([(0, False)], 0.0), ([(0, False)], 0.0)]
-    assert record.calls == (4, 2) and record.seconds == (4.0, 2.5) and record.paired == 2 and not record.calibrating
+        calibration.append((ran[-1], len(ran), calibration_s))
+    assert picks == [1, 0, 0, 1, 1] and auto.CALIBRATION_CALLS == 4
+    assert calibration == [((1, False), 3, 1.5), ((0, False), 3, 3.0), ((0, False), 3, 1.5), ((1, False), 3, 1.5),
+                           ((1, False), 1, 0.0)]
+    assert record.calls == (4, 4) and record.seconds == (4.0, 3.5) and record.paired == 4 and not record.calibrating
 
 
 @pytest.mark.parametrize("learned", [{"calls": [1], "tokens": [1.0], "seconds": [1.0]},  # one candidate of two

@@ -228,33 +228,28 @@ def test_auto_budget_calibrates_once_and_caches_the_costs(pair16, ar_outputs, tm
 def test_auto_per_call_runs_each_candidates_fixed_program_and_keeps_a_record(pair16, ar_outputs, tmp_path,
                                                                              monkeypatch):
     """Per call (the default scope): every call is exactly one candidate's fixed program (its rounds and trees, AR's
-    tokens). From an empty record the first two calls calibrate (every candidate runs on their prompts first), so
-    the record on disk then holds 2 calls of each, 80 tokens a call, 2 paired; the third calibrates nothing and
-    takes the best rate of the kept seconds (the same calls each, so the same exploration term); `recalibrate`
-    starts from nothing (calibrates again), a record passed in is used as given; round costs, a per-round state and
-    compiling the per-call options are refused."""
+    tokens). From an empty record each of the first calls calibrates (every candidate runs on its prompts first:
+    the record on disk gains a call of each, 80 tokens) and then runs the candidate of the best rate in the record;
+    `recalibrate` starts from nothing, a record passed in is used as given (a calibrated one: no calibration);
+    round costs, a per-round state and compiling the per-call options are refused."""
     monkeypatch.setenv("DDTREE_JAX_ROUND_COSTS", str(tmp_path / "c"))
     target, drafter = pair16
     options = dataclasses.replace(AUTO, auto_scope="call")
-    chosen = []
-    for call in range(3):
+    for call in range(2):
         spec = generate(target, PROMPTS, options, drafter=drafter)
         [want] = {b for row in spec.budgets_chosen for b in row}
         fixed = generate(target, PROMPTS, options.candidate(want), drafter=drafter)
         assert spec.output_ids == ar_outputs and spec.acceptance_lengths == fixed.acceptance_lengths
         assert spec.trees == [{**t, "budget": want} for t in fixed.trees] and spec.round_costs is None
-        assert (spec.calibration_seconds > 0) == (call < 2)
-        chosen.append(AUTO.budgets.index(want))
-        if call == 1:
-            [entry] = (tmp_path / "c").iterdir()
-            kept = json.loads(entry.read_text())
-            assert kept["calls"] == [2, 2, 2] and kept["tokens"] == [160.0] * 3 and kept["paired"] == 2
-            assert kept == {**kept, **spec.auto_learned}
-    assert chosen[2] == int(np.argmax(np.array(kept["tokens"]) / np.array(kept["seconds"])))
-    assert generate(target, PROMPTS, options, drafter=drafter, recalibrate=True).calibration_seconds > 0
-    given = {"calls": [2, 2, 2], "tokens": [100.0, 300.0, 100.0], "seconds": [1.0, 1.0, 1.0], "paired": 2}
+        [entry] = (tmp_path / "c").iterdir()
+        kept = json.loads(entry.read_text())
+        assert kept["calls"] == [call + 1] * 3 and kept["tokens"] == [80.0 * (call + 1)] * 3
+        assert kept["paired"] == call + 1 and spec.calibration_seconds > 0 and kept == {**kept, **spec.auto_learned}
+        assert AUTO.budgets.index(want) == int(np.argmax(np.array(kept["tokens"]) / np.array(kept["seconds"])))
+    assert generate(target, PROMPTS, options, drafter=drafter, recalibrate=True).auto_learned["calls"] == [1, 1, 1]
+    given = {"calls": [4, 4, 4], "tokens": [100.0, 300.0, 100.0], "seconds": [1.0, 1.0, 1.0], "paired": 4}
     spec = generate(target, PROMPTS, options, drafter=drafter, auto_learned=given)
-    assert spec.budgets_chosen[0][0] == 4 and spec.auto_learned["calls"] == [2, 3, 2]
+    assert spec.budgets_chosen[0][0] == 4 and spec.auto_learned == {**given, "scope": "call"}
     assert spec.calibration_seconds == 0
     with pytest.raises(ValueError, match="per round only"):
         generate(target, PROMPTS, options, drafter=drafter, round_costs=[1.0, 1.0, 1.0])

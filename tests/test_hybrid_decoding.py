@@ -178,8 +178,8 @@ def test_auto_budget_greedy_equals_ar(hybrid_pair, hybrid_ar, tmp_path, monkeypa
         chosen |= {b for row in spec.budgets_chosen for b in row}
     assert chosen == {0, 4, 16}, chosen
     spec = generate(target, PROMPTS, dataclasses.replace(options, auto_scope="call"), drafter=drafter,
-                    auto_learned={"calls": [2, 2, 2], "tokens": [1.0, 3.0, 1.0], "seconds": [1.0, 1.0, 1.0],
-                                  "paired": 2})
+                    auto_learned={"calls": [4, 4, 4], "tokens": [1.0, 3.0, 1.0], "seconds": [1.0, 1.0, 1.0],
+                                  "paired": 4})
     assert spec.output_ids == hybrid_ar and spec.budgets_chosen == [[4] * len(r) for r in spec.acceptance_lengths]
 
 

@@ -307,8 +307,8 @@ def test_per_call_choice_replays_the_prompts(tmp_path, capsys):
     # Candidate 0 on prompt 0, 1 on prompt 1 (an unlucky 2.0), then 0 (mean 1.0 < 2.0) for the rest.
     assert per_call_choice.replay(seconds, np.arange(4), "once") == 1.0 + 2.0 + 1.0 + 1.0
     assert per_call_choice.replay(seconds, np.array([2, 3, 0, 1]), "once") == 1.0 + 0.5 + 0.5 + 2.0
-    # The engine's decision (test_budget's worked case): 1, 0, 0, 0, the calibration runs left out.
-    assert per_call_choice.replay(seconds, np.arange(4), "engine") == 0.5 + 1.0 + 1.0 + 1.0
+    # The engine's decision (test_budget's worked case): 1, 0, 0, 1, the calibration runs left out.
+    assert per_call_choice.replay(seconds, np.arange(4), "engine") == 0.5 + 1.0 + 1.0 + 0.5
     rng = np.random.default_rng(0)
     noise = rng.uniform(0.9, 1.1, size=64)
 
