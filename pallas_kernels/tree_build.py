@@ -117,6 +117,14 @@ class TreeBuildConfig:
                 raise ValueError(f"TreeBuildConfig.{name}={getattr(self, name)!r}: must be 0 or 1")
 
 
+def default_config(budget: int) -> TreeBuildConfig:
+    """The knobs for a budget B: the dataclass's defaults at every B (the sweep of 2026-12-05 found no knob faster
+    at every budget, docs/performance.md). A function, as the other kernels have, so that `tools/with_knobs.py`
+    can lay knobs over it for an A/B in whole rounds."""
+    del budget
+    return TreeBuildConfig()
+
+
 def candidate_table(budget: int, k: int) -> np.ndarray:
     """int32 [2, cp]: `_build_one`'s candidate pairs (beam entry i, token rank j), (i + 1)(j + 1) <= B,
     j < K, in (i, j) order, padded with zeros to a power of two. Example, B = 4, K = 4:
@@ -399,9 +407,9 @@ def tree_build_pallas(top_lp, top_tok, root_tokens, *, budget: int, config: Tree
     """top_lp [b, L, K] float32 and top_tok [b, L, K] int32: every depth's top K = min(B, V) log-probs and
     tokens in rank order (the vocabulary top-k's output); root_tokens [b] int32; budget B (static,
     1 <= B <= MAX_BUDGET). Returns BuiltTree, equal to `ddtree_jax.tree._build_one` vmapped."""
-    config = TreeBuildConfig() if config is None else config
     if not isinstance(budget, int) or isinstance(budget, bool) or not 1 <= budget <= MAX_BUDGET:
         raise ValueError(f"budget={budget!r}: the tree-build kernel takes 1 <= B <= {MAX_BUDGET}")
+    config = default_config(budget) if config is None else config
     if top_lp.ndim != 3 or top_tok.shape != top_lp.shape:
         raise ValueError(f"top_lp and top_tok must both be [b, L, K], got {top_lp.shape} and {top_tok.shape}")
     b, depth_limit, k = top_lp.shape

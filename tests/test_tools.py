@@ -27,6 +27,7 @@ import round_attribution  # noqa: E402
 import topk_probe  # noqa: E402
 import tp_layout  # noqa: E402
 import trace_summary  # noqa: E402
+import with_knobs  # noqa: E402
 import with_tree_rule  # noqa: E402
 
 
@@ -363,6 +364,27 @@ def test_auto_counterfactual_rules_and_trajectory(tmp_path, capsys):
     capsys.readouterr()
     assert auto_counterfactual.main(["--costs", "4=1e-3"]) == 2
     assert capsys.readouterr().err.startswith("error: --costs '4=1e-3'")
+
+
+def test_with_knobs_lays_knobs_over_each_kernels_defaults(tmp_path, monkeypatch, capsys):
+    """tools/with_knobs.py: top_k and tree_build knobs laid over their default_config at every size, seen by the
+    module or script it runs; an unknown kernel, field or a value the config refuses is one error line, exit 2."""
+    from pallas_kernels import tree_build, vocab_top_k
+
+    monkeypatch.setattr(vocab_top_k, "default_config", vocab_top_k.default_config)  # restored after the test
+    monkeypatch.setattr(tree_build, "default_config", tree_build.default_config)
+    script = tmp_path / "probe_knobs.py"
+    script.write_text(
+        "import sys\nfrom pallas_kernels import tree_build, vocab_top_k\n"
+        "print(vocab_top_k.default_config(8192).one_launch, vocab_top_k.default_config(151936).one_launch, "
+        "vocab_top_k.default_config(8192).segment, tree_build.default_config(31).block_rows, sys.argv[1:])\n")
+    assert (vocab_top_k.default_config(8192).one_launch, tree_build.default_config(31).block_rows) == (0, 128)
+    assert with_knobs.main(["top_k:one_launch=1", "tree_build:block_rows=64", "-m", str(script), "--y"]) == 0
+    assert capsys.readouterr().out.strip() == "1 1 2048 64 ['--y']"
+    for bad in ("topk:one_launch=1", "top_k:one_lunch=1", "tree_build:block_rows=48", "top_k:skip_cold=x"):
+        assert with_knobs.main([bad, "-m", str(script)]) == 2
+        assert capsys.readouterr().err.startswith(f"error: {bad!r}")
+    assert with_knobs.main(["-m", str(script)]) == 2
 
 
 def test_with_tree_rule_overrides_past_one_block_and_names_the_fastest(tmp_path, monkeypatch, capsys):

@@ -114,11 +114,12 @@ def _projections(shape: dict, form: str, interpret: bool, stream_config: str = "
         if form == "fp8":
             return jnp.einsum("ti,oi->to", x, fp8.dequantize(*w, FP8_BLOCK, x.dtype))
         if form in ("stream", "stream_fused", "stream_fp8"):
-            bn, bk, warps, stages, *bits = (int(v) for v in stream_config.split("x"))
+            bn, bk, warps, stages, *extra = (int(v) for v in stream_config.split("x"))
             w, scales = w if form == "stream_fp8" else (w, None)
             block = FP8_BLOCK if form == "stream_fp8" else None
             knobs = StreamMatmulConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
-                                       fp8_bits=bits[0] if bits else 0)
+                                       fp8_bits=extra[0] if extra else 0,
+                                       row_tile=extra[1] if len(extra) > 1 and extra[1] else None)
             config = fitted_config(*w.shape, block, knobs)
             return stream_matmul_pallas(x, w, scales, block=block, config=config, interpret=interpret)
         return jnp.einsum("ti,oi->to", x, w)
@@ -155,8 +156,8 @@ def main(argv=None) -> int:
     p.add_argument("--no-ceilings", action="store_true", help="skip the ceilings (floors then use --bandwidth)")
     p.add_argument("--bandwidth", type=float, default=4.25e12, help="bytes/s for the floors with --no-ceilings")
     p.add_argument("--stream-configs", default="64x128x4x4",
-                   help="the streaming forms' configs, block_n x block_k x warps x stages [x fp8_bits], comma list "
-                        "(one row each)")
+                   help="the streaming forms' configs, block_n x block_k x warps x stages [x fp8_bits [x row_tile]], "
+                        "comma list (one row each; row_tile 0: powers of two, largest first)")
     p.add_argument("--label", default="", help="a name for this run (e.g. the XLA_FLAGS variant), in every row")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--smoke", action="store_true")

@@ -47,6 +47,13 @@
 #             with stream_matmul's fp8_bits 0 and 1, the attention alone with tree_attention's single_pass
 #                                                                                       -> knobs_fp8/, knobs_att/
 #   knobs_demo  the demo pair's rounds with the attention chunked and with single_pass -> knobs_lc_{multi,single}.json
+#   topk_demo  issue 19: the vocabulary top-k's and tree build's GPU tests, then the top-k in one launch at V = 8192 and
+#             the build's 64-row tiles (V = 8192 and 151936, deep and i.i.d.) alone        -> v8k/, v152k_peak{20,0}/
+#   knobs_rounds  the demo pair's rounds (tools/loop_cost.py) and end to end (the bench, 32 prompts x 128) at the
+#             defaults and with each ';'-separated set of $KNOBS (tools/with_knobs.py items, space-separated)
+#                                                                          -> lc_{0,1,..}.json, demo_{0,1,..}/bench.json
+#   fp8_tiles issue 23: FP8 projections at 1-65 rows with the rows in one tile of 32 or 64 (row_tile) against
+#             powers of two largest first, then the 27B FP8 rows                          -> fp8_tiles/, fp8_27b/
 #   knobs_fp8_8b  the 8B FP8 rounds (streamed) with fp8_bits 0 and 1                     -> fp8_bits{0,1}/
 #   knobs_att_8b  the 8B rounds with the attention chunked and with single_pass         -> att_{multi,single}/
 #   fp8       tools/gpu_probe.py's FP8 projections (bf16, dequantised, streamed) at 1, 16 and 65 rows, then the 8B
@@ -171,6 +178,46 @@ TreeAttentionConfig as C; l.ATTENTION_CONFIG = C(single_pass=True)"
         timeout 200 python3 -c "$pre; runpy.run_path('tools/loop_cost.py', run_name='__main__')" --modes ar,dflash,31,63 \
           --auto '' --rounds 48 --repeats 5 --out "$OUT/knobs_lc_$side.json" 2>&1 | tail -5
       done
+      ;;
+    topk_demo)
+      log "top-k and tree-build kernels' GPU tests"
+      timeout 240 python3 -m pytest -q -o addopts="" -m gpu tests/kernels/test_vocab_top_k.py \
+        tests/kernels/test_tree_build.py 2>&1 | tail -3
+      log "top-k in one launch, 64-row build tiles, V = 8192"
+      timeout 150 python3 tools/topk_probe.py --out "$OUT/v8k" --vocab 8192 --budgets 15,31,63 \
+        --top-k pallas,pallas:one_launch=1 --tree-build pallas,pallas:block_rows=64 --peak 20 2>&1 | grep '^|'
+      for peak in 20 0; do
+        log "64-row build tiles, V = 151936, peak $peak"
+        timeout 120 python3 tools/topk_probe.py --out "$OUT/v152k_peak$peak" --vocab 151936 --budgets 31,63,64 \
+          --top-k pallas --tree-build pallas,pallas:block_rows=64 --peak "$peak" 2>&1 | grep '^|'
+      done
+      rm -f "$OUT"/v*/topk_probe.md
+      ;;
+    knobs_rounds)
+      IFS=';' read -ra sets <<< ";${KNOBS:?}"  # the defaults first
+      for i in "${!sets[@]}"; do
+        run="python3"; [ -n "${sets[$i]}" ] && run="python3 tools/with_knobs.py ${sets[$i]} -m"
+        log "demo rounds, knobs '${sets[$i]}'"
+        timeout "${LC_LIMIT:-150}" $run tools/loop_cost.py --modes dflash,15,31,63 --auto '' --rounds 48 --repeats 5 \
+          --out "$OUT/lc_$i.json" 2>&1 | tail -6
+      done
+      for i in "${!sets[@]}"; do
+        run="python3"; [ -n "${sets[$i]}" ] && run="python3 tools/with_knobs.py ${sets[$i]}"
+        log "demo pair end to end, knobs '${sets[$i]}'"
+        timeout "${DEMO_LIMIT:-150}" $run -m ddtree_jax.bench --modes ar,dflash,ddtree --budgets 15,31,63 \
+          --num-prompts 32 --max-new-tokens 128 --out "$OUT/demo_$i" 2>&1 | grep '^|'
+        rm -f "$OUT/demo_$i"/bench.{md,png,partial.json}
+      done
+      ;;
+    fp8_tiles)
+      log "FP8 projections, row tiles"
+      timeout "${FP8_PROBE_LIMIT:-150}" python3 tools/gpu_probe.py --out "$OUT/fp8_tiles" --forms stream_fp8 \
+        --tokens 1,16,17,32,33,64,65 --layers 12 --no-ceilings \
+        --stream-configs 64x128x4x4x1,64x128x4x4x1x32,64x128x4x4x1x64 2>&1 | grep '^|' | grep -v lm_head
+      log "27B FP8 rows"
+      timeout "${FP8_27B_LIMIT:-400}" python3 -m ddtree_jax.bench --shape qwen3.6-27b --weights fp8 --budgets 15,63 \
+        --modes ar,dflash,ddtree --repeats 3 --kernels pallas --out "$OUT/fp8_27b" 2>&1 | grep -v '^{"mode"' | grep '^|'
+      rm -f "$OUT/fp8_27b"/bench.{md,png}
       ;;
     knobs_fp8_8b)
       # Issue 23: the 8B rounds with FP8 weights streamed, stream_matmul's fp8_bits 0 (as now) then 1

@@ -1,5 +1,6 @@
 """Run a module with the Gated DeltaNet tree-rule kernel's knobs changed past one block of nodes, to A/B a knob
-in whole rounds on a GPU without committing it; or name the fastest knobs a `tools/gdn_probe.py` run measured.
+in whole rounds on a GPU without committing it (`tools/with_knobs.py tree_rule:KNOBS`, the general form); or name the
+fastest knobs a `tools/gdn_probe.py` run measured.
 
     python tools/with_tree_rule.py unrolled_chain=1,value_block=32 -m ddtree_jax.bench --shape qwen3.6-27b ...
     python tools/with_tree_rule.py --best gdn_probe.json --t 65      # prints e.g. num_warps=4,...,unrolled_chain=1
@@ -13,7 +14,6 @@ prints the knobs of the one with the smallest `rule_us`, as KNOBS; exit 1 if the
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import runpy
 import sys
@@ -22,36 +22,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels import tree_delta_rule  # noqa: E402
+import with_knobs  # noqa: E402  (tools/ is on the path: this script's folder)
 
 
 def parse_knobs(text: str) -> dict:
-    """'unrolled_chain=1,value_block=32' -> {'unrolled_chain': True, 'value_block': 32}; ValueError names a field
-    `TreeDeltaRuleConfig` lacks or a value that is not an integer."""
-    fields = {f.name: f for f in dataclasses.fields(tree_delta_rule.TreeDeltaRuleConfig)}
-    knobs = {}
-    for item in filter(None, text.split(",")):
-        name, _, value = item.partition("=")
-        if name not in fields:
-            raise ValueError(f"{name!r} is not a TreeDeltaRuleConfig field ({', '.join(fields)})")
-        try:
-            number = int(value)
-        except ValueError:
-            raise ValueError(f"{name}={value!r}: expected an integer (0 / 1 for a boolean)") from None
-        knobs[name] = bool(number) if fields[name].type in ("bool", bool) else number
-    return knobs
+    """'unrolled_chain=1,value_block=32' -> {'unrolled_chain': True, 'value_block': 32} (`with_knobs.parse_knobs`)."""
+    return with_knobs.parse_knobs(text, tree_delta_rule.TreeDeltaRuleConfig)
 
 
 def override(knobs: dict) -> None:
-    """Lay `knobs` over `default_config(t)` past one block, in this process (validated by the config itself)."""
-    base = tree_delta_rule.default_config
-    for t in range(tree_delta_rule.BLOCK + 1, tree_delta_rule.MAX_NODES + 1):  # fail now, not at the first trace
-        dataclasses.replace(base(t), **knobs)  # (the form changes with t: knobs of one form may not fit another)
-
-    def default_config(t: int, precision: str = "default") -> tree_delta_rule.TreeDeltaRuleConfig:
-        config = base(t, precision)
-        return dataclasses.replace(config, **knobs) if t > tree_delta_rule.BLOCK else config
-
-    tree_delta_rule.default_config = default_config
+    """Lay `knobs` over `default_config(t)` past one block, in this process (`with_knobs.override`)."""
+    with_knobs.override("tree_rule", knobs)
 
 
 def best_knobs(probe: dict, t: int) -> str | None:

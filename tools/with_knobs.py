@@ -1,0 +1,102 @@
+"""Run a module with Pallas kernels' default knobs changed, to A/B a knob in whole rounds on a GPU without
+committing it.
+
+    python tools/with_knobs.py top_k:one_launch=1 tree_build:block_rows=64 -m ddtree_jax.bench --budgets 15,31,63 ...
+    python tools/with_knobs.py tree_rule:unrolled_chain=1,value_block=32 -m tools.loop_cost ...
+
+Each KERNEL:KNOBS names a kernel and its config's fields (integers; 0 / 1 for the booleans), laid over that
+kernel's `default_config`, which is what the engine uses when it passes no config:
+- `top_k`: `pallas_kernels.vocab_top_k.VocabTopKConfig` over `default_config(n)`, every row length;
+- `tree_build`: `pallas_kernels.tree_build.TreeBuildConfig` over `default_config(budget)`, every budget;
+- `tree_rule`: `pallas_kernels.tree_delta_rule.TreeDeltaRuleConfig` over `default_config(t)` past one block of
+  nodes (17 and more; one block keeps its own form).
+A module path after -m may be a file's (tools/loop_cost.py): it is run as a script then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import runpy
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pallas_kernels import tree_build, tree_delta_rule, vocab_top_k  # noqa: E402
+
+# kernel -> (module holding default_config, its config class, the config's samples to validate knobs against)
+KERNELS = {
+    "top_k": (vocab_top_k, vocab_top_k.VocabTopKConfig, lambda: [vocab_top_k.default_config(n)
+                                                                  for n in (8192, 151936)]),
+    "tree_build": (tree_build, tree_build.TreeBuildConfig, lambda: [tree_build.default_config(64)]),
+    "tree_rule": (tree_delta_rule, tree_delta_rule.TreeDeltaRuleConfig,
+                  lambda: [tree_delta_rule.default_config(t)
+                           for t in range(tree_delta_rule.BLOCK + 1, tree_delta_rule.MAX_NODES + 1)]),
+}
+
+
+def parse_knobs(text: str, config_class) -> dict:
+    """'unrolled_chain=1,value_block=32' -> {'unrolled_chain': True, 'value_block': 32} for `config_class`;
+    ValueError names a field it lacks or a value that is not an integer."""
+    fields = {f.name: f for f in dataclasses.fields(config_class)}
+    knobs = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in fields:
+            raise ValueError(f"{name!r} is not a {config_class.__name__} field ({', '.join(fields)})")
+        try:
+            number = int(value)
+        except ValueError:
+            raise ValueError(f"{name}={value!r}: expected an integer (0 / 1 for a boolean)") from None
+        knobs[name] = bool(number) if fields[name].type in ("bool", bool) else number
+    return knobs
+
+
+def override(kernel: str, knobs: dict) -> None:
+    """Lay `knobs` over `kernel`'s default_config in this process; ValueError (or TypeError) now, from the config's
+    own checks, where they do not fit one of its default forms."""
+    module, _, samples = KERNELS[kernel]
+    for config in samples():  # fail now, not at the first trace
+        dataclasses.replace(config, **knobs)
+    base = module.default_config
+
+    def default_config(size: int, *args, **kwargs):
+        config = base(size, *args, **kwargs)
+        if kernel == "tree_rule" and size <= tree_delta_rule.BLOCK:
+            return config
+        return dataclasses.replace(config, **knobs)
+
+    module.default_config = default_config
+
+
+def parse_item(item: str) -> tuple[str, dict]:
+    """'top_k:one_launch=1' -> ('top_k', {'one_launch': 1}); ValueError names an unknown kernel or bad knob."""
+    kernel, sep, text = item.partition(":")
+    if not sep or kernel not in KERNELS:
+        raise ValueError(f"expected KERNEL:KNOBS with KERNEL one of {', '.join(KERNELS)}")
+    return kernel, parse_knobs(text, KERNELS[kernel][1])
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "-m" not in argv or argv.index("-m") == 0 or argv.index("-m") == len(argv) - 1:
+        print("error: usage: with_knobs.py KERNEL:KNOBS... -m MODULE [ARGS...]", file=sys.stderr)
+        return 2
+    at = argv.index("-m")
+    for item in argv[:at]:
+        try:
+            override(*parse_item(item))
+        except (ValueError, TypeError) as e:
+            print(f"error: {item!r}: {e}", file=sys.stderr)
+            return 2
+    target, args = argv[at + 1], argv[at + 2:]
+    sys.argv = [target, *args]
+    if target.endswith(".py"):
+        runpy.run_path(target, run_name="__main__")
+    else:
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
