@@ -7,7 +7,7 @@ TB/s for 65 (docs/performance.md). Here every row count runs the same streaming 
 - one program owns `block_n` rows of w and one of `splits` slices of the k axis, and walks its slice in
   `block_k` steps (Triton pipelines the loads `num_stages` deep), multiplying each [block_n, block_k]
   weight tile by x^T's rows in power-of-two tiles >= 16 (65 rows as 64 + 16: padding to one power of two
-  would multiply 128) into float32 [block_n, tile] accumulators;
+  would multiply 128; 17 as one tile of 32, not 16 + 16) into float32 [block_n, tile] accumulators;
 - the `splits` partial sums are added in a fixed order outside the kernel (plain jnp), so that small
   matrices still give every streaming multiprocessor work (`splits` defaults to about two programs per
   multiprocessor);
@@ -120,14 +120,16 @@ def _fp8_tile_as_bf16(w: jax.Array, asm: bool) -> jax.Array:
 
 
 def _row_tiles(t: int, row_tile: int | None = None) -> tuple[int, ...]:
-    """t rows as row tiles that are powers of two >= 16, largest first: 65 -> (64, 16), 17 -> (16, 16), 128 ->
-    (128,). Padding t to one power of two would multiply 65 rows as 128; these multiply 80. With `row_tile`,
-    tiles of that many rows: 65 -> (16,) * 5 at 16."""
+    """t rows as row tiles that are powers of two >= 16, largest first, a rest of 17-32 rows in one tile of 32:
+    65 -> (64, 16), 17 -> (32,), 49 -> (32, 32), 128 -> (128,). Padding t to one power of two would multiply 65
+    rows as 128; these multiply 80. Two tiles of 16 ran 2.1x slower than one of 32 (12 Qwen3-8B layers' FP8
+    projections at 17 rows on the H200: 3.57 against 1.68 ms; 1.43 ms at 16 rows, 2026-12-05, docs/performance.md).
+    With `row_tile`, tiles of that many rows: 65 -> (16,) * 5 at 16."""
     if row_tile is not None:
         return (row_tile,) * -(-t // row_tile)
     tiles = []
     while t > 0:
-        size = max(16, 1 << (t.bit_length() - 1))  # the largest power of two <= t, at least 16
+        size = 32 if 16 < t <= 32 else max(16, 1 << (t.bit_length() - 1))  # the largest power of two <= t, >= 16
         tiles.append(size)
         t -= size
     return tuple(tiles)

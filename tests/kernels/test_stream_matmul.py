@@ -57,10 +57,13 @@ def test_a_row_gets_the_same_bits_in_every_call_under_row_tile(interpret):
 
 
 def test_row_tiles():
-    """Rows go in power-of-two tiles >= 16, largest first, covering t with less than 16 rows of padding; with
-    `row_tile`, in tiles of that many rows."""
-    assert [sm._row_tiles(t) for t in (1, 16, 17, 65, 100, 128)] == [
-        (16,), (16,), (16, 16), (64, 16), (64, 32, 16), (128,)]
+    """Rows go in power-of-two tiles >= 16, largest first, a rest of 17-32 rows in one tile of 32 (never two of
+    16); with `row_tile`, in tiles of that many rows."""
+    assert [sm._row_tiles(t) for t in (1, 16, 17, 32, 33, 49, 65, 81, 100, 128)] == [
+        (16,), (16,), (32,), (32,), (32, 16), (32, 32), (64, 16), (64, 32), (64, 32, 16), (128,)]
+    for t in range(1, 129):  # cover t, no two 16-row tiles
+        tiles = sm._row_tiles(t)
+        assert t <= sum(tiles) < t + 32 and tiles.count(16) <= 1 and list(tiles) == sorted(tiles, reverse=True)
     assert [sm._row_tiles(t, 16) for t in (1, 16, 17, 65)] == [(16,), (16,), (16, 16), (16,) * 5]
     assert sm._row_tiles(65, 32) == (32, 32, 32)
 
