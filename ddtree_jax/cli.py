@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 # Nothing at run time needs PyTorch; without it transformers prints an advisory on every import.
@@ -385,10 +386,13 @@ def recorded_command(program: str, argv) -> str:
     return " ".join([program, *kept])
 
 
-def mode_label(mode: str, budget: int | None = None, block_size: int | None = None) -> str:
-    """'ar', 'dflash block=16', 'ddtree B=64' or 'mtp steps=3': how a run is named in its summary line."""
+def mode_label(mode: str, budget: int | str | None = None, block_size: int | None = None,
+               ran: Iterable[int] = ()) -> str:
+    """'ar', 'dflash block=16', 'ddtree B=64', 'ddtree B=auto (31)' or 'mtp steps=3': how a run is named in its
+    summary line; `ran`, `--budget auto` per call: the budgets its calls ran (0: the chain), in parentheses."""
     if mode == "ddtree":
-        return f"ddtree B={budget}"
+        ran = sorted(set(ran))
+        return f"ddtree B={budget}" + (f" ({', '.join('chain' if b == 0 else str(b) for b in ran)})" if ran else "")
     if mode == "dflash":
         return f"dflash block={block_size}"
     if mode == "mtp":

@@ -37,7 +37,7 @@ DEFAULT_PROMPT = "def fibonacci(n):"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ddtree_jax.budget import AUTO_SCOPES, DEFAULT_CANDIDATES, candidates_text
+    from ddtree_jax.budget import AUTO_SCOPES, CALIBRATION_CALLS, DEFAULT_CANDIDATES, candidates_text
     from ddtree_jax.round import DecodeOptions  # the one default budget
 
     p = argparse.ArgumentParser(prog="python -m ddtree_jax.generate", description=__doc__.split("\n")[0],
@@ -63,10 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter", type=Path, default=None,
                    help="DFlash drafter checkpoint folder (ddtree and dflash modes); default with no "
                         "--target: the demo drafter")
-    p.add_argument("--budget", default=str(DecodeOptions.budget),
-                   help="DDTree: draft-tree nodes besides the root (the target verifies budget + 1 per round), or "
-                        "auto: the candidate of --budget-candidates that commits the most tokens per second "
-                        "(--auto-scope)")
+    p.add_argument("--budget", default="auto",
+                   help="DDTree: auto (the default), the candidate of --budget-candidates that commits the most "
+                        "tokens per second (--auto-scope; per call, a new model, device, batch or context first "
+                        f"calibrates on {CALIBRATION_CALLS} calls, README), or a fixed number of draft-tree nodes "
+                        f"besides the root (the target verifies budget + 1 per round; e.g. {DecodeOptions.budget})")
     p.add_argument("--budget-candidates", default=candidates_text(DEFAULT_CANDIDATES),
                    help="--budget auto: the budgets to choose from, comma-separated; chain (or 0) is a DFlash round")
     p.add_argument("--auto-scope", choices=list(AUTO_SCOPES), default=DecodeOptions.auto_scope,
@@ -385,10 +386,18 @@ def run(args: argparse.Namespace) -> dict:
         else:
             stream(result.output_ids)
             print()
-    print(summary_line(mode_label(args.mode, args.budget, options.block_size), report["new_tokens"],
+    print(summary_line(mode_label(args.mode, args.budget, options.block_size, ran_per_call(options, result)),
+                       report["new_tokens"],
                        result.decode_seconds, result.compile_seconds, None if options.mode is Mode.AR else result.tau,
                        calibration_seconds=result.calibration_seconds), file=sys.stderr)
     return report
+
+
+def ran_per_call(options, result) -> list[int]:
+    """`--budget auto` per call: the budget the call ran (0: the chain), once per row that ran a round; else []."""
+    if not options.auto_per_call:
+        return []
+    return [chosen[0] for chosen in result.budgets_chosen if chosen]
 
 
 def run_prompts(args: argparse.Namespace) -> int:
@@ -421,7 +430,7 @@ def run_prompts(args: argparse.Namespace) -> int:
 
     records = {line.index: {"index": line.index, "line": line.line, "id": line.id, "error": line.error}
                for line in lines if line.error is not None}
-    tokens, rounds, decode_s, compile_s, calibration_s, learned = 0, [], 0.0, 0.0, 0.0, None
+    tokens, rounds, decode_s, compile_s, calibration_s, learned, ran = 0, [], 0.0, 0.0, 0.0, None, set()
     with tqdm(total=len(runnable), desc="prompts", unit="prompt", disable=None) as bar:
         for b, start in enumerate(range(0, len(runnable), args.batch_size)):
             batch = runnable[start:start + args.batch_size]
@@ -432,6 +441,7 @@ def run_prompts(args: argparse.Namespace) -> int:
             except ValueError as e:
                 raise BadInput(str(e)) from None
             learned = result.auto_learned
+            ran.update(ran_per_call(options, result))
             for row, line in enumerate(batch):
                 records[line.index] = {"index": line.index, "line": line.line, "id": line.id,
                                        **row_report(args.mode, options, result, row, request.tokenizer)}
@@ -448,7 +458,8 @@ def run_prompts(args: argparse.Namespace) -> int:
         for text in out_lines:
             print(text)
     failed = len(lines) - len(runnable)
-    print(summary_line(mode_label(args.mode, args.budget, options.block_size), tokens, decode_s, compile_s,
+    print(summary_line(mode_label(args.mode, args.budget, options.block_size, ran),
+                       tokens, decode_s, compile_s,
                        None if options.mode is Mode.AR else sum(rounds) / len(rounds),
                        prompts=f"{len(runnable)} prompts" + (f" ({failed} failed)" if failed else ""),
                        calibration_seconds=calibration_s), file=sys.stderr)

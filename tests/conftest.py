@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import copy
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,12 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # shared over the run, jaxlib 0.10.2 crashed (segfault) twice inside `executable.serialize()` writing an entry
 # (2026-12-01); without it a crash inside a compile still came (pyproject.toml: a crashed test runs again).
 os.environ["JAX_ENABLE_COMPILATION_CACHE"] = "false"
+# `--budget auto` (the generate CLI's default) keeps round costs and per-call records on disk: in a folder of this
+# run, not the user's cache, so that no test reads what an earlier run measured (a kept record skips the
+# calibration a test may exercise) and none writes outside the run. Subprocesses inherit it.
+if "DDTREE_JAX_ROUND_COSTS" not in os.environ:
+    os.environ["DDTREE_JAX_ROUND_COSTS"] = tempfile.mkdtemp(prefix="ddtree_jax_costs_")
+    atexit.register(shutil.rmtree, os.environ["DDTREE_JAX_ROUND_COSTS"], ignore_errors=True)
 # On the CPU, XLA's cheapest code generation: the tests' programs are tiny, so compiling them is what takes the
 # time. Each flag is left as the caller's XLA_FLAGS set it, if it does.
 #   - LLVM's optimisation level 0 (about a third less compile time than the default level; it changes no result:

@@ -27,8 +27,9 @@ from ddtree_jax.demo_pair import demo_target
 JSON_KEYS = {"mode", "output_ids", "text", "acceptance_lengths", "tau", "new_tokens", "decode_seconds",
              "tokens_per_second", "prefill_seconds", "compile_seconds",
              "matmul_precision", "split_k", "fp8_matmul", "row_invariant"}
-SUMMARY = re.compile(r"^\[(ar|dflash block=\d+|ddtree B=\d+|mtp steps=\d+)\] \d+ tokens, "
-                     r"(\d+\.\d\d tokens per round \(tau\), )?decode \d+\.\d\d s( = \d+ tokens/s)?; compile \d+\.\d s$")
+SUMMARY = re.compile(r"^\[(ar|dflash block=\d+|ddtree B=(\d+|auto( \((chain|\d+)(, \d+)*\))?)|mtp steps=\d+)\] "
+                     r"\d+ tokens, (\d+\.\d\d tokens per round \(tau\), )?decode \d+\.\d\d s( = \d+ tokens/s)?; "
+                     r"compile \d+\.\d s(; --budget auto calibration \d+\.\d\d s)?$")
 
 
 def run_process(*args, env=None, timeout=600):
@@ -117,16 +118,16 @@ def test_streams_text_and_stops_at_eos(random_target, tmp_path):
     assert SUMMARY.match(summary) and summary.startswith("[ar] 8 tokens, decode"), summary
 
 
-def test_readme_command_prints_what_ar_prints():
+def test_readme_command_prints_what_ar_prints(tmp_path):
     """The README's first command, as a new user runs it on a CPU (default dtype: float32 there), prints the
     same text as --mode ar (run in this process: `main`), and ends with the summary line of the demo pair's
-    DDTree."""
+    DDTree with `--budget auto` (the default): a new record, so it calibrated, and names the budget it ran."""
     readme = ("--prompt", "def fibonacci(n):")
-    proc = run_process(*readme)
+    proc = run_process(*readme, env={"DDTREE_JAX_ROUND_COSTS": str(tmp_path)})  # a user's first run: no record
     assert proc.returncode == 0, proc.stderr
     assert "runs the demo pair" in proc.stderr
     summary = proc.stderr.strip().splitlines()[-1]
-    assert SUMMARY.match(summary) and summary.startswith("[ddtree B=63] 64 tokens, "), summary
+    assert SUMMARY.match(summary) and summary.startswith("[ddtree B=auto (") and "calibration" in summary, summary
     # A trained drafter: a random one accepts almost nothing (tau ~1); this pair measured 3.15 at 64 tokens.
     assert float(summary.split("tokens, ")[1].split(" tokens per round")[0]) >= 2.0
     ar = run_cli("--mode", "ar", *readme)
@@ -213,7 +214,7 @@ def test_output_paths_are_checked_before_work_and_written_with_normal_permission
         assert main(["--save-trees", str(path)]) == 2
         assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"error: --save-trees {path}: {message}")
     trees = tmp_path / "new" / "trees.jsonl"
-    assert main(["--save-trees", str(trees), "--max-new-tokens", "4", "--block-size", "32"]) == 0
+    assert main(["--save-trees", str(trees), "--max-new-tokens", "4", "--block-size", "32", "--budget", "63"]) == 0
     assert "warning: --block-size 32 is above the drafter's block_size 16" in capsys.readouterr().err
     umask = os.umask(0)
     os.umask(umask)
