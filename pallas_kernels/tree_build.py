@@ -118,9 +118,11 @@ class TreeBuildConfig:
 
 
 def default_config(budget: int) -> TreeBuildConfig:
-    """The knobs for a budget B: the dataclass's defaults at every B (the sweep of 2026-12-05 found no knob faster
-    at every budget, docs/performance.md). A function, as the other kernels have, so that `tools/with_knobs.py`
-    can lay knobs over it for an A/B in whole rounds."""
+    """The knobs for a budget B: the dataclass's defaults at every B. On the H200 no knob was faster at every
+    budget (2026-12-05, docs/performance.md): 64-row tiles (`block_rows`) took 64.4 / 69.6 / 83.8 us against 71.1 /
+    69.6 / 85.1 at V = 8192, B = 15 / 31 / 63 with deep trees, but 105.8 against 101.0 at V = 151936, B = 64, and
+    the same within 2-4% elsewhere. A function, as the other kernels have, so that `tools/with_knobs.py` can lay
+    knobs over it for an A/B in whole rounds."""
     del budget
     return TreeBuildConfig()
 
