@@ -38,7 +38,7 @@ DEFAULT_PROMPT = "def fibonacci(n):"
 
 def build_parser() -> argparse.ArgumentParser:
     from ddtree_jax.budget import AUTO_SCOPES, CALIBRATION_CALLS, DEFAULT_CANDIDATES, candidates_text
-    from ddtree_jax.round import DecodeOptions  # the one default budget
+    from ddtree_jax.round import DecodeOptions  # the API's defaults (its fixed budget among them)
 
     p = argparse.ArgumentParser(prog="python -m ddtree_jax.generate", description=__doc__.split("\n")[0],
                                 epilog=TAU_HELP + ".", formatter_class=argparse.ArgumentDefaultsHelpFormatter)

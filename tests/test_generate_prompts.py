@@ -123,7 +123,8 @@ def test_prompts_file_in_batches_equals_per_prompt_ar(tmp_path, capsys):
     assert [r["line"] for r in ar if "error" in r] == sorted(bad_lines)
     ok = [r for r in ar if "error" not in r]
     assert len({tuple(r["output_ids"]) for r in ok}) == 4 and all(len(r["output_ids"]) > 0 for r in ok)
-    tree = run("--mode", "ddtree", "--budget", "63", "--batch-size", "3")  # 4 prompts: a batch of 3 rows, then one of a single row
+    # 4 prompts: a batch of 3 rows, then one of a single row
+    tree = run("--mode", "ddtree", "--budget", "63", "--batch-size", "3")
     assert [r.get("error") for r in tree] == [r.get("error") for r in ar]
     for a, t in zip(ok, [r for r in tree if "error" not in r]):
         assert t["output_ids"] == a["output_ids"] and t["text"] == a["text"], a["index"]
