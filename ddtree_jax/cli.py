@@ -79,11 +79,13 @@ def add_matmul_args(p: argparse.ArgumentParser) -> None:
                    help="GPU: may XLA split a matmul's reduction into partial sums (xla: its autotuner decides) or "
                         "not (off); auto: off for dflash, ddtree and mtp (which verify several tokens per call), "
                         "xla for ar")
-    p.add_argument("--fp8-matmul", choices=["auto", "dequantize", "stream"], default="auto",
+    p.add_argument("--fp8-matmul", choices=["auto", "dequantize", "stream", "w8a8"], default="auto",
                    help="FP8 weights: dequantize (XLA dequantises each weight, then multiplies) or stream (the "
                         "weight-streaming matmul reads the FP8 weight as stored and scales it inside: the Pallas "
                         "kernel with --kernels pallas, its jnp reference otherwise; one device, decode calls of few "
-                        "rows, prefill dequantizes); auto: stream with the Pallas kernels on a GPU, else dequantize")
+                        "rows, prefill dequantizes); w8a8: stream with each token's activations quantised to FP8 "
+                        "per 128 features too (FP8 tensor cores; transformers' and vLLM's arithmetic for these "
+                        "checkpoints, other outputs); auto: stream with the Pallas kernels on a GPU, else dequantize")
     p.add_argument("--row-invariant", action="store_true",
                    help="every token's arithmetic independent of the call's other tokens (the weight-streaming "
                         "matmul in 16-row tiles for the projections and the lm_head, the row-invariant attention "

@@ -35,6 +35,15 @@ partial sums are scaled back with the block's scale; a power of two scales every
 round as the widened tile's do: the same bits as `fp8_bits=0` unless a product falls below float32's normal range
 (under 2^-78 in the true units).
 
+FP8 activations too (W8A8, `x_scale`): x may itself be float8_e4m3fn with float32 scales x_scale [t, ceil(k / bi)],
+one per row and input block (the per-token, per-128-feature quantisation that transformers and vLLM apply to the
+published checkpoints' activations on a GPU; `ddtree_jax/models/fp8.py` makes it). Then nothing is widened: each
+[block_n, block_k] weight tile and each row tile of x go to the tensor cores as FP8 (Hopper's FP8 wgmma), and the
+float32 tile of partial sums is scaled by the weight block's scale times each row's scale before it is added:
+sum over blocks of s_b x_s[r] (sum over the block of q_w q_x). Hopper accumulates FP8 products inside one
+instruction in fewer than float32's bits, so a block's partial sum may differ from the exact one in its last bits
+(the tests' tolerance says how far); a row's arithmetic still depends on nothing but that row.
+
 Letters: t rows (tokens), tg rows per group, tp padded rows, k input features, n output features, s splits of k.
 `stream_matmul_reference` is the plain-jnp restatement (float32 accumulation, result in x's dtype; an FP8
 weight dequantised in float32 first).
@@ -51,6 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from pallas_kernels._fp8_dot import fp8_dot
 from pallas_kernels._dispatch import check_knobs, core_count, next_pow2, resolve_implementation, resolve_interpret
 
 
@@ -71,6 +81,9 @@ class StreamMatmulConfig:
               takes Hopper's wgmma for 64-row tiles and mma.sync for 16-row ones; the row-invariant models take 16).
     fp8_bits: how FP8 tiles become bfloat16 when x is bfloat16 (module docstring): 0 Triton's conversions, 1 to
               float16 by Triton's, then into bfloat16's fields by integer ops. No effect otherwise.
+    promote_k: with FP8 rows (`x_scale`), the most of a step's block_k inputs that Hopper's FP8 tensor cores sum in
+              their own precision before the sum joins float32 (`pallas_kernels._fp8_dot`; >= 32); None: block_k,
+              one promotion a step. No effect otherwise.
     """
 
     block_n: int = 64
@@ -80,6 +93,7 @@ class StreamMatmulConfig:
     num_stages: int = 4
     row_tile: int | None = None
     fp8_bits: int = 0
+    promote_k: int | None = None
 
     def __post_init__(self):
         check_knobs(self, pow2={"block_n": 16, "block_k": 16}, optional_counts=("splits",))
@@ -88,6 +102,9 @@ class StreamMatmulConfig:
             raise ValueError(f"StreamMatmulConfig.row_tile={self.row_tile!r}: must be None or a power of two >= 16")
         if self.fp8_bits not in (0, 1) or isinstance(self.fp8_bits, bool):
             raise ValueError(f"StreamMatmulConfig.fp8_bits={self.fp8_bits!r}: must be 0 or 1")
+        if self.promote_k is not None and (isinstance(self.promote_k, bool) or not isinstance(self.promote_k, int)
+                                           or self.promote_k < 32):
+            raise ValueError(f"StreamMatmulConfig.promote_k={self.promote_k!r}: must be None or an int >= 32")
 
 
 # `fp8_bits=1`: a placed e4m3 tile is the weight times 2^PLACED_EXPONENT; x comes in times 2^X_PRESCALE_EXPONENT.
@@ -136,32 +153,44 @@ def _row_tiles(t: int, row_tile: int | None = None) -> tuple[int, ...]:
 
 
 def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_block: tuple[int, int] | None,
-            row_tiles: tuple[int, ...], fp8_bits: int, asm: bool):
+            row_tiles: tuple[int, ...], fp8_bits: int, fp8_rows: bool, promote_k: int, asm: bool):
     # x_ref [tg, ks] one group's rows of x, this split's k slice; w_ref [block_n, ks] weight rows; o_ref [block_n, tg] f32;
-    # with FP8 weights, s_ref [so, si] all the block scales (one scalar read per step). The rows go in
-    # `row_tiles` (tg = their sum), each with its own accumulator; every weight tile is loaded once for all.
-    s_ref, o_ref = refs if scale_block is not None else (None, *refs)
+    # with FP8 weights, s_ref [so, si] all the block scales (one scalar read per step); with FP8 rows too
+    # (`fp8_rows`), xs_ref [si, tp] every row's scales, transposed so that a row tile's are one contiguous read. The
+    # rows go in `row_tiles` (tg = their sum), each with its own accumulator; every weight tile is loaded once for all.
+    if fp8_rows:
+        s_ref, xs_ref, o_ref = refs
+    else:
+        s_ref, o_ref = refs if scale_block is not None else (None, *refs)
     if scale_block is not None:
         block_n = w_ref.shape[0]
         scale_row = pl.program_id(0) * block_n // scale_block[0]
         first_col = pl.program_id(1) * steps * block_k
     starts = [sum(row_tiles[:i]) for i in range(len(row_tiles))]
+    group_row = pl.program_id(2) * sum(row_tiles) if fp8_rows else None  # this group's first row in xs_ref
 
     def step(i, accs):
         cols = pl.ds(i * block_k, block_k)
-        w = w_ref[:, cols]  # FP8 widened in registers once for every row tile; else as it is
-        w = _fp8_tile_as_bf16(w, asm) if fp8_bits else w.astype(x_ref.dtype)
+        w = w_ref[:, cols]  # FP8 rows: FP8 as it is; FP8 widened in registers once for every row tile; else as it is
+        if not fp8_rows:
+            w = _fp8_tile_as_bf16(w, asm) if fp8_bits else w.astype(x_ref.dtype)
         scale = None
         if scale_block is not None:
-            scale = s_ref[scale_row, (first_col + i * block_k) // scale_block[1]].astype(jnp.float32)
+            block_col = (first_col + i * block_k) // scale_block[1]
+            scale = s_ref[scale_row, block_col].astype(jnp.float32)
             if fp8_bits:
                 scale = scale * 2.0 ** -(PLACED_EXPONENT + X_PRESCALE_EXPONENT)
         new = []
         for acc, start, size in zip(accs, starts, row_tiles):
             x = x_ref[pl.ds(start, size), cols]
-            tile = lax.dot_general(w, x, (((1,), (1,)), ((), ())), precision=precision,
-                                   preferred_element_type=jnp.float32)
-            new.append(acc + (tile if scale is None else tile * scale))
+            if fp8_rows:  # FP8 tensor cores, then the weight block's scale times each row's
+                tile = fp8_dot(w, x, promote_k)
+                tile = tile * (scale * xs_ref[block_col, pl.ds(group_row + start, size)])[None, :]
+            else:
+                tile = lax.dot_general(w, x, (((1,), (1,)), ((), ())), precision=precision,
+                                       preferred_element_type=jnp.float32)
+                tile = tile if scale is None else tile * scale
+            new.append(acc + tile)
         return tuple(new)
 
     accs = lax.fori_loop(0, steps, step, tuple(jnp.zeros((o_ref.shape[0], size), jnp.float32) for size in row_tiles))
@@ -202,12 +231,13 @@ def _splits(k: int, n_blocks: int, config: StreamMatmulConfig) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("block", "config", "out_dtype", "interpret", "debug"))
-def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None = None,
+def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None = None, x_scale=None,
                          config: StreamMatmulConfig | None = None, out_dtype=None, interpret: bool = False,
                          debug: bool = False) -> jax.Array:
     """The Pallas kernel; arguments and result as `stream_matmul_reference`, plus the knobs."""
     config = StreamMatmulConfig() if config is None else config
-    _check(x, w, scale_inv, block)
+    _check(x, w, scale_inv, block, x_scale, out_dtype)
+    fp8_rows = x_scale is not None
     t, k = x.shape
     n = w.shape[0]
     block_n = min(config.block_n, next_pow2(n))
@@ -224,7 +254,7 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
     splits = _splits(k, n // block_n, config)
     ks = k // splits
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
-    # The weight's dtype for x unless the weight is FP8 (then the tiles are widened to x's dtype).
+    # The weight's dtype for x unless the weight is FP8 (then the tiles are widened to x's dtype, or x is FP8 too).
     xp = jnp.pad(x.astype(x.dtype if block is not None else w.dtype), [(0, tp - t), (0, 0)])
     fp8_bits = config.fp8_bits if block is not None and x.dtype == jnp.bfloat16 else 0
     if fp8_bits:
@@ -235,10 +265,15 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
     if block is not None:
         in_specs.append(pl.BlockSpec(scale_inv.shape, lambda i, s, g: (0, 0)))  # every scale (a scalar read per step)
         operands.append(scale_inv)
+    if fp8_rows:  # every row's scales, [si, tp] (padded rows' are zeros: their products are anyway)
+        xs = jnp.pad(x_scale.astype(jnp.float32), [(0, tp - t), (0, 0)]).T
+        in_specs.append(pl.BlockSpec(xs.shape, lambda i, s, g: (0, 0)))
+        operands.append(xs)
     partial_sums = pl.pallas_call(
         functools.partial(_kernel, block_k=config.block_k, steps=ks // config.block_k, precision=precision,
                           scale_block=None if block is None else tuple(block), row_tiles=row_tiles,
-                          fp8_bits=fp8_bits, asm=not interpret),
+                          fp8_bits=fp8_bits, fp8_rows=fp8_rows, asm=not interpret,
+                          promote_k=config.block_k if config.promote_k is None else config.promote_k),
         grid=(n // block_n, splits, groups),
         in_specs=in_specs,
         out_specs=pl.BlockSpec((None, block_n, tg), lambda i, s, g: (s, i, g)),
@@ -246,7 +281,7 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         debug=debug,
-        name="stream_matmul" if block is None else "stream_matmul_fp8",
+        name="stream_matmul" if block is None else "stream_matmul_w8a8" if fp8_rows else "stream_matmul_fp8",
     )(*operands)
     total = partial_sums[0]
     for s in range(1, splits):  # a fixed order, whatever t is
@@ -254,16 +289,17 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
     return total[:, :t].T.astype(x.dtype if out_dtype is None else out_dtype)
 
 
-def stream_matmul(x, w, scale_inv=None, *, block: tuple[int, int] | None = None, implementation: str | None = None,
-                  config: StreamMatmulConfig | None = None, out_dtype=None, interpret: bool | None = None) -> jax.Array:
+def stream_matmul(x, w, scale_inv=None, *, block: tuple[int, int] | None = None, x_scale=None,
+                  implementation: str | None = None, config: StreamMatmulConfig | None = None, out_dtype=None,
+                  interpret: bool | None = None) -> jax.Array:
     """Dispatcher: the Pallas kernel on a GPU, the reference elsewhere (see `pallas_kernels.resolve_implementation`)."""
     if resolve_implementation(implementation) == "reference":
-        return stream_matmul_reference(x, w, scale_inv, block=block, out_dtype=out_dtype)
-    return stream_matmul_pallas(x, w, scale_inv, block=block, config=config, out_dtype=out_dtype,
+        return stream_matmul_reference(x, w, scale_inv, block=block, x_scale=x_scale, out_dtype=out_dtype)
+    return stream_matmul_pallas(x, w, scale_inv, block=block, x_scale=x_scale, config=config, out_dtype=out_dtype,
                                 interpret=resolve_interpret(interpret))
 
 
-def _check(x, w, scale_inv=None, block=None):
+def _check(x, w, scale_inv=None, block=None, x_scale=None, out_dtype=None):
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x must be [t, k] and w [n, k], got {x.shape} and {w.shape}")
     if (scale_inv is None) != (block is None):
@@ -273,21 +309,38 @@ def _check(x, w, scale_inv=None, block=None):
         if scale_inv.shape != want:
             raise ValueError(f"scale_inv must be [ceil(n / bo), ceil(k / bi)] = {want} for w {w.shape} and block "
                              f"{tuple(block)}, got {scale_inv.shape}")
+    if (x_scale is not None) != (x.dtype == jnp.float8_e4m3fn):
+        raise ValueError(f"x_scale goes with float8_e4m3fn rows of x and only with them (x is {x.dtype}, x_scale "
+                         f"{'given' if x_scale is not None else 'None'})")
+    if x_scale is not None:
+        want = (x.shape[0], -(-x.shape[1] // block[1])) if block is not None else None
+        if block is None or w.dtype != jnp.float8_e4m3fn:
+            raise ValueError("FP8 rows of x (x_scale) need a block-scaled float8_e4m3fn weight")
+        if x_scale.shape != want:
+            raise ValueError(f"x_scale must be [t, ceil(k / bi)] = {want} for x {x.shape} and block {tuple(block)}, "
+                             f"got {x_scale.shape}")
+        if out_dtype is None:
+            raise ValueError("FP8 rows of x (x_scale) need an out_dtype")
 
 
 @functools.partial(jax.jit, static_argnames=("block", "out_dtype"))
-def stream_matmul_reference(x, w, scale_inv=None, *, block: tuple[int, int] | None = None,
+def stream_matmul_reference(x, w, scale_inv=None, *, block: tuple[int, int] | None = None, x_scale=None,
                             out_dtype=None) -> jax.Array:
     """x [t, k] @ w [n, k]^T -> [t, n] in `out_dtype` (default x's dtype), accumulated in float32 (w in its HF
     [out, in] layout). With `scale_inv` [ceil(n / bo), ceil(k / bi)] and `block` (bo, bi), w is block-scaled FP8
-    and is dequantised in float32 first (w[r, c] x scale_inv[r // bo, c // bi])."""
-    _check(x, w, scale_inv, block)
+    and is dequantised in float32 first (w[r, c] x scale_inv[r // bo, c // bi]). With `x_scale` [t, ceil(k / bi)],
+    x is float8_e4m3fn too (per row and input block) and is dequantised alike (x[r, c] x x_scale[r, c // bi]);
+    `out_dtype` is then required."""
+    _check(x, w, scale_inv, block, x_scale, out_dtype)
     out_dtype = x.dtype if out_dtype is None else out_dtype
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
     if block is not None:
         scales = jnp.repeat(jnp.repeat(scale_inv.astype(jnp.float32), block[0], axis=0), block[1], axis=1)
         w = w.astype(jnp.float32) * scales[:w.shape[0], :w.shape[1]]
-        return jnp.einsum("tk,nk->tn", x.astype(jnp.float32), w, precision=lax.Precision.HIGHEST).astype(out_dtype)
+        x = x.astype(jnp.float32)
+        if x_scale is not None:
+            x = x * jnp.repeat(x_scale.astype(jnp.float32), block[1], axis=1)[:, :x.shape[1]]
+        return jnp.einsum("tk,nk->tn", x, w, precision=lax.Precision.HIGHEST).astype(out_dtype)
     return jnp.einsum("tk,nk->tn", x, w.astype(x.dtype), precision=precision,
                       preferred_element_type=jnp.float32).astype(out_dtype)
 

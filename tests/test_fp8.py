@@ -187,31 +187,51 @@ def test_dflash_and_ddtree_on_fp8_equal_ar(pair):
         assert max(n for row in spec.acceptance_lengths for n in row) >= 2, mode
 
 
-def _stream_kernel_calls(jaxpr) -> int:
-    """How many FP8 streaming-matmul kernels (`pallas_call`s named stream_matmul_fp8) a program holds."""
+def _stream_kernel_calls(jaxpr, name: str = "stream_matmul_fp8") -> int:
+    """How many FP8 streaming-matmul kernels (`pallas_call`s named `name`) a program holds."""
     from jaxprs import equations
 
-    return sum(eqn.primitive.name == "pallas_call" and "stream_matmul_fp8" in
+    return sum(eqn.primitive.name == "pallas_call" and name in
                str(eqn.params.get("name") or eqn.params.get("name_and_src_info")) for eqn, _ in equations(jaxpr))
 
 
 def test_streamed_fp8_matmul_gives_the_dequantize_tokens(pair):
     """`fp8_matmul="stream"` with the Pallas kernels (interpreted): each of the 14 FP8 projections of an AR step's
-    target forward is the streaming kernel (none with "dequantize": the negative control), and greedy DDTree on the
+    target forward is the streaming kernel (none with "dequantize": the negative control; the kernel on FP8 rows
+    with "w8a8"), and greedy DDTree on the
     FP8 target and drafter gives the dequantize path's AR tokens, with drafts accepted."""
     target, drafter, ar = pair
     cache = qwen3.create_cache(target.config, 1, 32, jnp.float32)
     meta = ForwardMeta.step(jnp.array([3]), jnp.array([True]))
-    for fp8_matmul, calls in (("stream", 2 * 7), ("dequantize", 0)):
+    for fp8_matmul, calls, w8a8_calls in (("stream", 2 * 7, 0), ("dequantize", 0, 0), ("w8a8", 0, 2 * 7)):
         runtime = DecodeOptions(kernels="pallas", fp8_matmul=fp8_matmul).runtime
         step = jax.make_jaxpr(lambda p, t: qwen3.forward(p, t, meta, cache, runtime=runtime).hidden)
-        assert _stream_kernel_calls(step(target, jnp.array([[5]]))) == calls, fp8_matmul
+        program = step(target, jnp.array([[5]]))
+        assert _stream_kernel_calls(program) == calls, fp8_matmul
+        assert _stream_kernel_calls(program, "stream_matmul_w8a8") == w8a8_calls, fp8_matmul
     # DDTree alone (its prefill, verify and drafter stream): the AR step's program is read above, and an AR decode
     # here doubled the test's time (compiling the interpreted kernels).
     options = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=NEW_TOKENS, budget=4, kernels="pallas", fp8_matmul="stream")
     got = generate(target, PROMPTS, options, drafter=drafter)
     assert got.output_ids == ar
     assert max(n for row in got.acceptance_lengths for n in row) >= 2
+
+
+def test_w8a8_dflash_and_ddtree_equal_its_own_ar(pair):
+    """`fp8_matmul="w8a8"` (each token's activations quantised to FP8 first; the jnp path): greedy DFlash and
+    DDTree give the AR tokens of the same arithmetic, with drafts accepted; its logits are not the dequantize
+    path's (the quantisation is there)."""
+    target, drafter, _ = pair
+    ar = generate(target, PROMPTS, DecodeOptions(max_new_tokens=NEW_TOKENS, fp8_matmul="w8a8"))
+    for mode in (Mode.DFLASH, Mode.DDTREE):
+        spec = generate(target, PROMPTS, DecodeOptions(mode=mode, max_new_tokens=NEW_TOKENS, budget=16,
+                                                       fp8_matmul="w8a8"), drafter=drafter)
+        assert spec.output_ids == ar.output_ids, mode
+        assert max(n for row in spec.acceptance_lengths for n in row) >= 2, mode
+    cache = qwen3.create_cache(target.config, 1, 32, jnp.float32)
+    hidden = {m: qwen3.forward(target, jnp.array([[5, 7, 2]]), ForwardMeta.prompt(jnp.array([3]), 3), cache,
+                               runtime=DecodeOptions(fp8_matmul=m).runtime).hidden for m in ("w8a8", "dequantize")}
+    assert not np.allclose(np.asarray(hidden["w8a8"]), np.asarray(hidden["dequantize"]), atol=1e-3)
 
 
 def test_converter_writes_the_published_layout_and_orbax_keeps_it(folders, tmp_path):

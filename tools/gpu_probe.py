@@ -15,8 +15,10 @@ Three sections, all in one process, each number a median over repeated device-sy
    `fp8`  the hf weights as block-scaled FP8 (128 x 128 blocks, `ddtree_jax/models/fp8.py`), dequantised and
    multiplied by XLA (what the models' FP8 projections do with `--fp8-matmul dequantize`);
    `stream_fp8` the same FP8 weights streamed as FP8 by the Pallas matmul (dequantised inside it; what they do
-   with `--fp8-matmul stream --kernels pallas`, auto's choice on a GPU). The streaming forms' knobs fit each weight as the models'
-   do (`pallas_kernels.stream_matmul.fitted_config`).
+   with `--fp8-matmul stream --kernels pallas`, auto's choice on a GPU);
+   `stream_w8a8` the same, each layer input quantised to FP8 per row and 128 features first, both operands on FP8
+   tensor cores (`--fp8-matmul w8a8`; the quantisation is timed with it). The streaming forms' knobs fit each
+   weight as the models' do (`pallas_kernels.stream_matmul.fitted_config`).
    Each against its floor: the layers' weight bytes over the measured bandwidth.
 3. The output head alone ([151936, 4096] bf16 times T vectors, float32 logits).
 
@@ -40,7 +42,7 @@ from pathlib import Path
 
 QWEN3_8B = dict(hidden=4096, q=4096, kv=1024, mlp=12288, vocab=151936)
 FP8_BLOCK = (128, 128)  # the published checkpoints' weight_block_size
-FP8_FORMS = ("fp8", "stream_fp8")
+FP8_FORMS = ("fp8", "stream_fp8", "stream_w8a8")
 SMOKE = dict(hidden=64, q=64, kv=32, mlp=128, vocab=320)
 
 
@@ -113,15 +115,20 @@ def _projections(shape: dict, form: str, interpret: bool, stream_config: str = "
             return jnp.einsum("ti,io->to", x, w)
         if form == "fp8":
             return jnp.einsum("ti,oi->to", x, fp8.dequantize(*w, FP8_BLOCK, x.dtype))
-        if form in ("stream", "stream_fused", "stream_fp8"):
+        if form in ("stream", "stream_fused", "stream_fp8", "stream_w8a8"):
             bn, bk, warps, stages, *extra = (int(v) for v in stream_config.split("x"))
-            w, scales = w if form == "stream_fp8" else (w, None)
-            block = FP8_BLOCK if form == "stream_fp8" else None
+            w, scales = w if form in FP8_FORMS else (w, None)
+            block = FP8_BLOCK if form in FP8_FORMS else None
             knobs = StreamMatmulConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
                                        fp8_bits=extra[0] if extra else 0,
-                                       row_tile=extra[1] if len(extra) > 1 and extra[1] else None)
+                                       row_tile=extra[1] if len(extra) > 1 and extra[1] else None,
+                                       promote_k=extra[2] if len(extra) > 2 and extra[2] else None)
             config = fitted_config(*w.shape, block, knobs)
-            return stream_matmul_pallas(x, w, scales, block=block, config=config, interpret=interpret)
+            x_scale = None
+            if form == "stream_w8a8":
+                x, x_scale = fp8.quantize_rows(x, FP8_BLOCK[1])
+            return stream_matmul_pallas(x, w, scales, block=block, x_scale=x_scale, config=config,
+                                        out_dtype=jnp.bfloat16, interpret=interpret)
         return jnp.einsum("ti,oi->to", x, w)
 
     def layers(weights, x):
@@ -156,8 +163,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-ceilings", action="store_true", help="skip the ceilings (floors then use --bandwidth)")
     p.add_argument("--bandwidth", type=float, default=4.25e12, help="bytes/s for the floors with --no-ceilings")
     p.add_argument("--stream-configs", default="64x128x4x4",
-                   help="the streaming forms' configs, block_n x block_k x warps x stages [x fp8_bits [x row_tile]], "
-                        "comma list (one row each; row_tile 0: powers of two, largest first)")
+                   help="the streaming forms' configs, block_n x block_k x warps x stages [x fp8_bits [x row_tile [x "
+                        "promote_k]]], comma list (one row each; row_tile 0: powers of two, largest first; promote_k "
+                        "0: block_k)")
     p.add_argument("--label", default="", help="a name for this run (e.g. the XLA_FLAGS variant), in every row")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--smoke", action="store_true")

@@ -57,20 +57,29 @@ def resolve_kernels(choice: str, dtype=None) -> Kernels:
 class Fp8Matmul(str, enum.Enum):
     """How an FP8 projection (`layers.Linear` after `to_fp8`) multiplies: XLA's dequantise-then-matmul, or the
     weight-streaming matmul (`pallas_kernels.stream_matmul`), which reads the FP8 weight as it is stored and
-    scales each block's partial sums inside the kernel."""
+    scales each block's partial sums inside the kernel, with the activations as they are (`STREAM`: the weights
+    dequantised, exactly up to float32 sums) or quantised to FP8 per token and weight block's input features
+    (`W8A8`: the arithmetic transformers and vLLM run the published FP8 checkpoints with on a GPU, FP8 tensor
+    cores on both operands; `models.fp8.quantize_rows`)."""
 
     DEQUANTIZE = "dequantize"
     STREAM = "stream"
+    W8A8 = "w8a8"
+
+    @property
+    def streams(self) -> bool:
+        return self is not Fp8Matmul.DEQUANTIZE
 
 
-FP8_MATMUL_CHOICES = ("auto", "dequantize", "stream")  # DecodeOptions.fp8_matmul and --fp8-matmul
+FP8_MATMUL_CHOICES = ("auto", "dequantize", "stream", "w8a8")  # DecodeOptions.fp8_matmul and --fp8-matmul
 
 
 def resolve_fp8_matmul(choice: str, kernels: Kernels | str = Kernels.JAX) -> Fp8Matmul:
     """The FP8 matmul a choice means with these (resolved) kernels; this is the one place that decides "auto":
     "stream" with the Pallas kernels on a GPU, "dequantize" elsewhere. On the H200 the 36 projections of the
     Qwen3-8B shape as FP8 took 4.60 / 5.00 / 11.31 ms streamed against 13.03 / 13.12 / 13.98 ms dequantised by
-    XLA, at 1 / 16 / 65 rows (tools/gpu_probe.py, 2026-12-02). "dequantize" and "stream" are kept as given."""
+    XLA, at 1 / 16 / 65 rows (tools/gpu_probe.py, 2026-12-02). "dequantize", "stream" and "w8a8" (another
+    arithmetic: the activations quantised) are kept as given."""
     if choice not in FP8_MATMUL_CHOICES:
         raise ValueError(f"fp8_matmul must be one of {', '.join(map(repr, FP8_MATMUL_CHOICES))}, got {choice!r}")
     if choice != "auto":
@@ -86,8 +95,8 @@ class Runtime:
     tp_mesh: the tensor-parallel mesh whose "model" axis splits the heads; the Pallas attention then runs
              under `shard_map` on each device's heads (XLA partitions the pure-JAX path itself). None on
              one device and under data parallelism.
-    fp8_matmul: `Fp8Matmul.DEQUANTIZE` or `Fp8Matmul.STREAM` (resolved, never "auto"): how FP8 projections
-             multiply (`layers.Linear.__call__` says where "stream" applies); no effect on other weights.
+    fp8_matmul: `Fp8Matmul.DEQUANTIZE`, `STREAM` or `W8A8` (resolved, never "auto"): how FP8 projections
+             multiply (`layers.Linear.__call__` says where they stream); no effect on other weights.
     row_invariant: every row's arithmetic independent of the call's other rows, its row count and its place
              (issue 20), with the Pallas kernels: projections and the lm_head through the weight-streaming matmul
              in 16-row tiles (`layers.linear`, `layers.Linear`; on the H200, 2026-12-02, no row of a 16-row call

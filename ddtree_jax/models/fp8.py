@@ -44,6 +44,16 @@ def dequantize(weight, scale_inv, block: tuple[int, int], dtype):
     return (weight.astype(jnp.float32) * expand_scales(scale_inv, weight.shape, block)).astype(dtype)
 
 
+def quantize_rows(x, group: int):
+    """Activations [t, k] -> (float8_e4m3fn [t, k], float32 scales [t, ceil(k / group)]): each row's groups of
+    `group` features quantised as `quantize` quantises a weight block (scale = the group's largest |x| / 448, 1
+    for an all-zero group; x / scale rounded to nearest). This is the dynamic per-token quantisation
+    (`activation_scheme: "dynamic"`) that transformers and vLLM apply to activations before the published
+    checkpoints' block-scaled FP8 GEMMs, with `group` the weight block's input size (128); a row's result depends
+    on that row alone."""
+    return quantize(x, (1, group))
+
+
 def quantize(weight, block: tuple[int, int], scale_dtype=jnp.float32):
     """Dense weight [o, i] -> (float8_e4m3fn weight [o, i], scales [so, si] in `scale_dtype`).
 

@@ -121,24 +121,31 @@ class Linear(nnx.Module):
         (dequantised in float32, then cast), except where `stream_config` gives knobs: then
         `pallas_kernels.stream_matmul` multiplies x in its dtype by the FP8 weight as stored, accumulating in float32
         (the Pallas kernel on the Pallas path, `runtime.kernels`; its jnp reference, which dequantises in float32
-        first, otherwise)."""
+        first, otherwise). With `runtime.fp8_matmul` W8A8 each row of x is first quantised to FP8 per group of the
+        weight block's input features (`fp8.quantize_rows`), streamed with its scales (FP8 tensor cores), or where
+        nothing streams, dequantised again and multiplied as above: the same arithmetic up to float32 sums."""
         if self.block is None:
             return linear(x, self.weight[...], runtime)
         rows = math.prod(x.shape[:-1])
+        rows_x, x_scale = x.reshape(rows, x.shape[-1]), None
+        if runtime.fp8_matmul is Fp8Matmul.W8A8:
+            rows_x, x_scale = fp8.quantize_rows(rows_x, self.block[1])
         config = self.stream_config(rows, runtime)
         if config is None:
+            if x_scale is not None:
+                x = fp8.dequantize(rows_x, x_scale, (1, self.block[1]), x.dtype).reshape(x.shape)
             return jnp.einsum("...i,oi->...o", x, self.dense_weight(x.dtype))
-        y = stream_matmul(x.reshape(rows, x.shape[-1]), self.weight[...], self.weight_scale_inv[...], block=self.block,
-                          implementation="pallas" if runtime.pallas else "reference", config=config)
+        y = stream_matmul(rows_x, self.weight[...], self.weight_scale_inv[...], block=self.block, x_scale=x_scale,
+                          implementation="pallas" if runtime.pallas else "reference", config=config, out_dtype=x.dtype)
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def stream_config(self, rows: int, runtime: Runtime) -> StreamMatmulConfig | None:
         """The streaming kernel's knobs for a call on `rows` rows if it streams, else None. It streams when the
-        weight is FP8, `runtime.row_invariant` (any rows, in 16-row tiles) or `runtime.fp8_matmul` is
-        `Fp8Matmul.STREAM` with rows <= STREAM_MAX_ROWS, there is no tensor-parallel mesh (there the weight and its
+        weight is FP8, `runtime.row_invariant` (any rows, in 16-row tiles) or `runtime.fp8_matmul` streams (`STREAM`,
+        `W8A8`) with rows <= STREAM_MAX_ROWS, there is no tensor-parallel mesh (there the weight and its
         scales are split, and XLA partitions the dequantise path; no `shard_map` of the kernel yet), and the kernel
         tiles the weight (`fitted_config`: out and in features multiples of 16)."""
-        streams = runtime.row_invariant or (runtime.fp8_matmul is Fp8Matmul.STREAM and rows <= STREAM_MAX_ROWS)
+        streams = runtime.row_invariant or (runtime.fp8_matmul.streams and rows <= STREAM_MAX_ROWS)
         if self.block is None or not streams or runtime.tp_mesh is not None:
             return None
         tile = dataclasses.replace(FP8_STREAM_KNOBS, row_tile=ROW_INVARIANT_ROW_TILE if runtime.row_invariant else None)

@@ -79,7 +79,7 @@ def test_check_can_fail():
 
 @pytest.mark.parametrize("field,value", [("block_n", 8), ("block_k", 48), ("splits", 0), ("num_warps", 3),
                                          ("num_stages", 0), ("row_tile", 8), ("row_tile", 24),
-                                         ("fp8_bits", 2)])
+                                         ("fp8_bits", 2), ("promote_k", 16)])
 def test_bad_config_names_the_value(field, value):
     with pytest.raises(ValueError, match=rf"StreamMatmulConfig\.{field}={value!r}"):
         sm.StreamMatmulConfig(**{field: value})
@@ -169,6 +169,60 @@ def test_fp8_kernel_widens_every_e4m3_value_exactly(fp8_bits, interpret):
     values = codes.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
     want = values * np.repeat(np.asarray(scale), block[0], axis=0)  # one float32 rounding per entry
     np.testing.assert_array_equal(np.asarray(got), want.T)
+
+
+# FP8 rows too (W8A8, `x_scale`): (t, n, k, out dtype, config). One row with tiles half a scale block in two splits;
+# a DDTree tree (64 + 16 rows); 17 rows (one tile of 32) with promote_k 32 in three splits; rows past one group.
+W8A8_CASES = [(1, 256, 512, "bfloat16", sm.StreamMatmulConfig(block_n=64, block_k=64, splits=2)),
+              (65, 128, 256, "float32", sm.StreamMatmulConfig(block_n=64, block_k=128)),
+              (17, 192, 384, "float32", sm.StreamMatmulConfig(block_n=64, block_k=128, splits=3, promote_k=32)),
+              (150, 64, 256, "bfloat16", sm.StreamMatmulConfig(block_n=32, block_k=64, row_tile=16))]
+
+
+def _w8a8_inputs(t, n, k, seed):
+    """FP8 rows (ml_dtypes' rounding of normal values) with scales per row and 128 features, an FP8 weight, and
+    the float64 restatement of the product of the two dequantised."""
+    _, q, scale, w64 = _fp8_inputs(t, n, k, "float32", (128, 128), seed)
+    rng = np.random.default_rng(seed + 1)
+    codes = (rng.standard_normal((t, k)) * 100).clip(-448, 448).astype(ml_dtypes.float8_e4m3fn)
+    x_scale = rng.uniform(2.0 ** -10, 2.0 ** -4, size=(t, -(-k // 128))).astype(np.float32)
+    x64 = codes.astype(np.float64) * np.repeat(x_scale.astype(np.float64), 128, axis=1)[:, :k]
+    return jnp.asarray(codes), jnp.asarray(x_scale), q, scale, x64 @ w64.T
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("t,n,k,out_dtype,config", W8A8_CASES, ids=[f"t{c[0]}-n{c[1]}-k{c[2]}-{c[3]}" for c in W8A8_CASES])
+def test_fp8_rows_match_the_dequantised_float64_product(t, n, k, out_dtype, config, interpret):
+    """FP8 rows with their scales times an FP8 weight: the float64 product of both dequantised (on a GPU the
+    blocks' partial sums come from FP8 tensor cores, which sum in fewer bits than float32: 1e-3 of the output's
+    scale), and each row's result its own (one row's scales changed moves that row alone)."""
+    x, x_scale, q, scale, want = _w8a8_inputs(t, n, k, seed=t + k)
+    got = sm.stream_matmul_pallas(x, q, scale, block=(128, 128), x_scale=x_scale, out_dtype=out_dtype,
+                                  config=config, interpret=interpret)
+    assert got.shape == (t, n) and got.dtype == jnp.dtype(out_dtype)
+    tol = 2e-2 if out_dtype == "bfloat16" else 1e-5 if interpret else 1e-3
+    scale_of_out = np.abs(want).max()
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol * scale_of_out, rtol=tol)
+    ref = sm.stream_matmul_reference(x, q, scale, block=(128, 128), x_scale=x_scale, out_dtype=out_dtype)
+    np.testing.assert_allclose(np.asarray(ref, np.float64), want, atol=tol * scale_of_out, rtol=tol)
+    moved = sm.stream_matmul_pallas(x, q, scale, block=(128, 128), x_scale=x_scale.at[t - 1, 0].multiply(2.0),
+                                    out_dtype=out_dtype, config=config, interpret=interpret)
+    np.testing.assert_array_equal(np.asarray(moved[:t - 1], np.float32), np.asarray(got[:t - 1], np.float32))
+    assert not np.allclose(np.asarray(moved[t - 1], np.float64), want[t - 1], atol=tol * scale_of_out, rtol=tol)
+
+
+def test_fp8_rows_bad_arguments_say_what_was_expected():
+    x, x_scale, q, scale, _ = _w8a8_inputs(2, 128, 256, seed=5)
+    with pytest.raises(ValueError, match=r"x_scale must be \[t, ceil\(k / bi\)\] = \(2, 2\)"):
+        sm.stream_matmul_reference(x, q, scale, block=(128, 128), x_scale=x_scale[:, :1], out_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="x_scale goes with float8_e4m3fn rows"):
+        sm.stream_matmul_reference(x, q, scale, block=(128, 128), out_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="x_scale goes with float8_e4m3fn rows"):
+        sm.stream_matmul_reference(x.astype(jnp.float32), q, scale, block=(128, 128), x_scale=x_scale)
+    with pytest.raises(ValueError, match="need an out_dtype"):
+        sm.stream_matmul_reference(x, q, scale, block=(128, 128), x_scale=x_scale)
+    with pytest.raises(ValueError, match="need a block-scaled float8_e4m3fn weight"):
+        sm.stream_matmul_reference(x, q.astype(jnp.float32), x_scale=x_scale, out_dtype=jnp.float32)
 
 
 def test_fp8_bad_scales_and_tiles_say_what_was_expected():

@@ -4,6 +4,7 @@
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
@@ -130,6 +131,31 @@ def test_fp8_linear_matches_the_dequantised_float64_product(n_in, n_out, block, 
     linear.weight_scale_inv = nnx.Param(linear.weight_scale_inv[...].at[0, 1].multiply(1.5),
                                         axes=linear.weight_scale_inv.axes)
     assert not np.allclose(np.asarray(linear(x, runtime), np.float64), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+W8A8 = Runtime(Kernels.PALLAS, fp8_matmul=Fp8Matmul.W8A8)
+
+
+@pytest.mark.parametrize("rows,runtime,streams", [
+    ((2, 3), W8A8, True),  # the kernel on FP8 rows, interpreted
+    ((2, 3), Runtime(Kernels.JAX, fp8_matmul=Fp8Matmul.W8A8), False),  # its jnp reference
+    ((1, STREAM_MAX_ROWS + 1), W8A8, False),  # a prefill's rows: quantised, dequantised again, XLA's einsum
+], ids=["w8a8", "w8a8-reference", "w8a8-many-rows"])
+def test_w8a8_linear_quantises_each_row_then_multiplies(rows, runtime, streams):
+    """Under `Fp8Matmul.W8A8` every path gives the float64 product of each row's FP8 quantisation (NumPy:
+    ml_dtypes' rounding of x / (the group's largest |x| / 448), per 32 features, the weight block's input size)
+    with the dequantised weight; not the unquantised rows' product (what "stream" gives)."""
+    linear = _fp8_linear(96, 48, (16, 32))
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((*rows, 96)), jnp.float32)
+    flat = np.asarray(x, np.float32).reshape(-1, 3, 32)
+    scales = np.abs(flat).max(axis=-1, keepdims=True) / np.float32(448)
+    quantised = (flat / scales).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * scales
+    want = _float64(linear, quantised.reshape(x.shape))
+    got = linear(x, runtime)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert _kernel_calls(lambda v: linear(v, runtime), x) == int(streams)
+    unquantised = _float64(linear, x)
+    assert not np.allclose(np.asarray(got, np.float64), unquantised, rtol=1e-3, atol=1e-3 * np.abs(want).max())
 
 
 def test_stream_knobs_fit_the_weight_and_its_blocks():
