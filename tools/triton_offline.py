@@ -166,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
         config = smm.StreamMatmulConfig(splits=1)
         fn = functools.partial(smm.stream_matmul_pallas, config=config)
         jobs.append((f"stream_matmul bf16 rows={rows}", config, fn, [x, sds((4096, 4096), jnp.bfloat16)]))
+        # FP8 rows (W8A8): Hopper's FP8 wgmma only where `pallas_kernels._fp8_dot` sets maxNumImpreciseAcc
+        fn = functools.partial(smm.stream_matmul_pallas, block=(128, 128), config=config, out_dtype=jnp.bfloat16)
+        jobs.append((f"stream_matmul w8a8 rows={rows}", config,
+                     lambda xq, w, s, xs, fn=fn: fn(xq, w, s, x_scale=xs),
+                     [sds((rows, 4096), jnp.float8_e4m3fn), sds((4096, 4096), jnp.float8_e4m3fn),
+                      sds((32, 32), jnp.float32), sds((rows, 32), jnp.float32)]))
     for t in (16, 17, 65, 128):  # the Gated DeltaNet tree rule at the Qwen3.6-27B shape (48 value heads, 16 key)
         for precision in ("default", "highest"):
             # the one-launch form
