@@ -83,7 +83,8 @@ class StreamMatmulConfig:
               float16 by Triton's, then into bfloat16's fields by integer ops. No effect otherwise.
     promote_k: with FP8 rows (`x_scale`), the most of a step's block_k inputs that Hopper's FP8 tensor cores sum in
               their own precision before the sum joins float32 (`pallas_kernels._fp8_dot`; >= 32); None: block_k,
-              one promotion a step. No effect otherwise.
+              one promotion a step; 0: no FP8 wgmma, Pallas's own dot (Triton then multiplies float16 copies of
+              both tiles with mma.sync: the same products in float32). No effect otherwise.
     """
 
     block_n: int = 64
@@ -103,8 +104,8 @@ class StreamMatmulConfig:
         if self.fp8_bits not in (0, 1) or isinstance(self.fp8_bits, bool):
             raise ValueError(f"StreamMatmulConfig.fp8_bits={self.fp8_bits!r}: must be 0 or 1")
         if self.promote_k is not None and (isinstance(self.promote_k, bool) or not isinstance(self.promote_k, int)
-                                           or self.promote_k < 32):
-            raise ValueError(f"StreamMatmulConfig.promote_k={self.promote_k!r}: must be None or an int >= 32")
+                                           or 0 < self.promote_k < 32 or self.promote_k < 0):
+            raise ValueError(f"StreamMatmulConfig.promote_k={self.promote_k!r}: must be None, 0 or an int >= 32")
 
 
 # `fp8_bits=1`: a placed e4m3 tile is the weight times 2^PLACED_EXPONENT; x comes in times 2^X_PRESCALE_EXPONENT.
@@ -184,7 +185,8 @@ def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_bloc
         for acc, start, size in zip(accs, starts, row_tiles):
             x = x_ref[pl.ds(start, size), cols]
             if fp8_rows:  # FP8 tensor cores, then the weight block's scale times each row's
-                tile = fp8_dot(w, x, promote_k)
+                tile = fp8_dot(w, x, promote_k) if promote_k else lax.dot_general(
+                    w, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
                 tile = tile * (scale * xs_ref[block_col, pl.ds(group_row + start, size)])[None, :]
             else:
                 tile = lax.dot_general(w, x, (((1,), (1,)), ((), ())), precision=precision,

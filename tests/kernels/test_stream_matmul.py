@@ -79,7 +79,7 @@ def test_check_can_fail():
 
 @pytest.mark.parametrize("field,value", [("block_n", 8), ("block_k", 48), ("splits", 0), ("num_warps", 3),
                                          ("num_stages", 0), ("row_tile", 8), ("row_tile", 24),
-                                         ("fp8_bits", 2), ("promote_k", 16)])
+                                         ("fp8_bits", 2), ("promote_k", 16), ("promote_k", -1)])
 def test_bad_config_names_the_value(field, value):
     with pytest.raises(ValueError, match=rf"StreamMatmulConfig\.{field}={value!r}"):
         sm.StreamMatmulConfig(**{field: value})
@@ -172,11 +172,13 @@ def test_fp8_kernel_widens_every_e4m3_value_exactly(fp8_bits, interpret):
 
 
 # FP8 rows too (W8A8, `x_scale`): (t, n, k, out dtype, config). One row with tiles half a scale block in two splits;
-# a DDTree tree (64 + 16 rows); 17 rows (one tile of 32) with promote_k 32 in three splits; rows past one group.
+# a DDTree tree (64 + 16 rows); 17 rows (one tile of 32) with promote_k 32 in three splits; rows past one group;
+# a DFlash block through Pallas's own dot (promote_k 0).
 W8A8_CASES = [(1, 256, 512, "bfloat16", sm.StreamMatmulConfig(block_n=64, block_k=64, splits=2)),
               (65, 128, 256, "float32", sm.StreamMatmulConfig(block_n=64, block_k=128)),
               (17, 192, 384, "float32", sm.StreamMatmulConfig(block_n=64, block_k=128, splits=3, promote_k=32)),
-              (150, 64, 256, "bfloat16", sm.StreamMatmulConfig(block_n=32, block_k=64, row_tile=16))]
+              (150, 64, 256, "bfloat16", sm.StreamMatmulConfig(block_n=32, block_k=64, row_tile=16)),
+              (16, 128, 256, "float32", sm.StreamMatmulConfig(block_n=64, block_k=128, promote_k=0))]  # Pallas's dot
 
 
 def _w8a8_inputs(t, n, k, seed):
