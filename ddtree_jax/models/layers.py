@@ -123,7 +123,8 @@ class Linear(nnx.Module):
         (the Pallas kernel on the Pallas path, `runtime.kernels`; its jnp reference, which dequantises in float32
         first, otherwise). With `runtime.fp8_matmul` W8A8 each row of x is first quantised to FP8 per group of the
         weight block's input features (`fp8.quantize_rows`), streamed with its scales (FP8 tensor cores), or where
-        nothing streams, dequantised again and multiplied as above: the same arithmetic up to float32 sums."""
+        nothing streams, dequantised again to x's dtype and multiplied as above: the same products up to that
+        rounding (none in float32) and the order of float32 sums."""
         if self.block is None:
             return linear(x, self.weight[...], runtime)
         rows = math.prod(x.shape[:-1])
