@@ -26,6 +26,7 @@ import per_call_choice  # noqa: E402
 import round_attribution  # noqa: E402
 import topk_probe  # noqa: E402
 import tp_layout  # noqa: E402
+import w8a8_check  # noqa: E402
 import trace_summary  # noqa: E402
 import with_knobs  # noqa: E402
 import with_tree_rule  # noqa: E402
@@ -144,6 +145,15 @@ def test_top2_gap_is_the_gap_of_the_next_token_logits():
     # ... and the argmax there is what greedy AR emits next.
     ar = generate(target, [prefix], DecodeOptions(mode=Mode.AR, max_new_tokens=1)).output_ids[0][0]
     assert ar == int(jnp.argmax(logits))
+
+
+def test_w8a8_check_prints_each_call_against_its_reference(capsys):
+    """The W8A8 kernel's device smoke, interpreted at small shapes: one line per promote_k and row count, and the
+    exit status says whether every call matched the reference."""
+    assert w8a8_check.main(["--n", "256", "--k", "384", "--rows", "1,17", "--promote", "0,block"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("promote_k=")]
+    assert [line.split(":")[0] for line in lines] == ["promote_k=0 rows=1", "promote_k=0 rows=17",
+                                                      "promote_k=block rows=1", "promote_k=block rows=17"]
 
 
 def test_gpu_probe_smoke_forms_agree(tmp_path):
