@@ -20,12 +20,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend.core import Primitive
 from jax.interpreters import mlir
-
-try:
-    from jax.extend.core import Primitive
-except ImportError:  # pragma: no cover - jax releases before jax.extend.core
-    from jax.core import Primitive
 
 _NT = (((1,), (1,)), ((), ()))  # a [m, k] x b [n, k]: contract both last dims
 

@@ -90,8 +90,18 @@ def resources(ir_text: str, num_warps: int, num_stages: int) -> dict:
     threads = 32 * num_warps
     per_sm = min(SMEM_PER_SM // (smem + 1024), REGS_PER_SM // (-(-regs // 8) * 8 * threads), 64 // num_warps, 32)
     return dict(smem=smem, regs=regs, spill_stack=stack, programs_per_sm=per_sm, fits=smem <= SMEM_PER_BLOCK,
-                mma="wgmma" if "wgmma" in ptx else "mma.sync" if "mma.sync" in ptx else "none",
-                conversions=len(re.findall(r"\bF2F\.", sass)))
+                mma=_mma(ptx), conversions=len(re.findall(r"\bF2F\.", sass)),
+                ptx_cvt=len(re.findall(r"\bcvt\.", ptx)))
+
+
+def _mma(ptx: str) -> str:
+    """The tensor-core instruction of a PTX text with its shape and operand types, e.g. "wgmma
+    m64n16k32.f32.e4m3.e4m3" or "mma.sync m16n8k16.row.col.f32.f16.f16.f32"; "none" without one."""
+    found = re.search(r"wgmma\.mma_async\.sync\.aligned\.(\S+?)[\s{]", ptx)
+    if found:
+        return f"wgmma {found.group(1)}"
+    found = re.search(r"mma\.sync\.aligned\.(\S+?)[\s{]", ptx)
+    return f"mma.sync {found.group(1)}" if found else "none"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,11 +177,13 @@ def main(argv: list[str] | None = None) -> int:
         fn = functools.partial(smm.stream_matmul_pallas, config=config)
         jobs.append((f"stream_matmul bf16 rows={rows}", config, fn, [x, sds((4096, 4096), jnp.bfloat16)]))
         # FP8 rows (W8A8): Hopper's FP8 wgmma only where `pallas_kernels._fp8_dot` sets maxNumImpreciseAcc
-        fn = functools.partial(smm.stream_matmul_pallas, block=(128, 128), config=config, out_dtype=jnp.bfloat16)
-        jobs.append((f"stream_matmul w8a8 rows={rows}", config,
-                     lambda xq, w, s, xs, fn=fn: fn(xq, w, s, x_scale=xs),
-                     [sds((rows, 4096), jnp.float8_e4m3fn), sds((4096, 4096), jnp.float8_e4m3fn),
-                      sds((32, 32), jnp.float32), sds((rows, 32), jnp.float32)]))
+        # (promote_k 0, Pallas's own dot: mma.sync on float16 copies)
+        for config in (smm.StreamMatmulConfig(splits=1), smm.StreamMatmulConfig(splits=1, promote_k=0)):
+            fn = functools.partial(smm.stream_matmul_pallas, block=(128, 128), config=config, out_dtype=jnp.bfloat16)
+            jobs.append((f"stream_matmul w8a8 rows={rows}", config,
+                         lambda xq, w, s, xs, fn=fn: fn(xq, w, s, x_scale=xs),
+                         [sds((rows, 4096), jnp.float8_e4m3fn), sds((4096, 4096), jnp.float8_e4m3fn),
+                          sds((32, 32), jnp.float32), sds((rows, 32), jnp.float32)]))
     for t in (16, 17, 65, 128):  # the Gated DeltaNet tree rule at the Qwen3.6-27B shape (48 value heads, 16 key)
         for precision in ("default", "highest"):
             # the one-launch form
