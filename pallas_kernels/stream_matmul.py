@@ -60,8 +60,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._fp8_dot import fp8_dot
 from pallas_kernels._dispatch import check_knobs, core_count, next_pow2, resolve_implementation, resolve_interpret
+from pallas_kernels._fp8_dot import fp8_dot
 
 
 GROUP_ROWS = 128  # the most rows one program multiplies (its accumulators: block_n x 128 float32)
@@ -104,7 +104,7 @@ class StreamMatmulConfig:
         if self.fp8_bits not in (0, 1) or isinstance(self.fp8_bits, bool):
             raise ValueError(f"StreamMatmulConfig.fp8_bits={self.fp8_bits!r}: must be 0 or 1")
         if self.promote_k is not None and (isinstance(self.promote_k, bool) or not isinstance(self.promote_k, int)
-                                           or 0 < self.promote_k < 32 or self.promote_k < 0):
+                                           or (self.promote_k != 0 and self.promote_k < 32)):
             raise ValueError(f"StreamMatmulConfig.promote_k={self.promote_k!r}: must be None, 0 or an int >= 32")
 
 
