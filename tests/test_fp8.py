@@ -217,6 +217,32 @@ def test_streamed_fp8_matmul_gives_the_dequantize_tokens(pair):
     assert max(n for row in got.acceptance_lengths for n in row) >= 2
 
 
+def test_packed_fp8_projections_stream_as_one_matmul_each(tmp_path):
+    """Blocks of 16 x 32 divide the heads (16) and the MLP halves: q|k|v and gate|up stay packed as FP8, so an AR
+    step streams four FP8 matmuls a layer (not seven) and runs the Pallas q/k-norm-and-RoPE kernel on the packed
+    output; its hidden states are the dequantise path's (kernels interpreted); an orbax copy loads the same."""
+    src = write_random_qwen3(tmp_path / "f32", seed=5, with_tokenizer=False, vocab_size=64)
+    assert convert_main(["quantize-fp8", str(src), str(tmp_path / "fp8"), "--block", "16,32"]) == 0
+    target = load_target(tmp_path / "fp8", jnp.float32)
+    cache = qwen3.create_cache(target.config, 1, 32, jnp.float32)
+    meta = ForwardMeta.step(jnp.array([3]), jnp.array([True]))
+    hidden = {}
+    for fp8_matmul in ("stream", "dequantize"):
+        runtime = DecodeOptions(kernels="pallas", fp8_matmul=fp8_matmul).runtime
+        step = lambda p, t: qwen3.forward(p, t, meta, cache, runtime=runtime).hidden  # noqa: E731
+        program = jax.make_jaxpr(step)(target, jnp.array([[5]]))
+        layers = target.config.num_layers
+        assert _stream_kernel_calls(program) == (4 * layers if fp8_matmul == "stream" else 0), fp8_matmul
+        assert _stream_kernel_calls(program, "qk_norm_rope") == layers, fp8_matmul
+        hidden[fp8_matmul] = np.asarray(jax.jit(step)(target, jnp.array([[5]])))
+    np.testing.assert_allclose(hidden["stream"], hidden["dequantize"], rtol=1e-5, atol=1e-5)
+    # An orbax copy packs the HF weights and scales back into the same held arrays.
+    assert convert_main(["hf-to-orbax", str(tmp_path / "fp8"), str(tmp_path / "orbax")]) == 0
+    again = load_target(tmp_path / "orbax", jnp.float32)
+    for name, array in target.state_flat().items():
+        assert np.asarray(again.state_flat()[name]).tobytes() == np.asarray(array).tobytes(), name
+
+
 def test_w8a8_dflash_and_ddtree_equal_its_own_ar(pair):
     """`fp8_matmul="w8a8"` (each token's activations quantised to FP8 first; the jnp path): greedy DFlash and
     DDTree give the AR tokens of the same arithmetic, with drafts accepted; its logits are not the dequantize
@@ -266,9 +292,9 @@ def test_converter_writes_the_published_layout_and_orbax_keeps_it(folders, tmp_p
 
 @pytest.mark.skipif(len(jax.devices()) < 4, reason="needs 4 (forced host) devices")
 def test_tensor_parallel_shards_scales_with_whole_blocks(tmp_path):
-    """Under tp a scale dim splits with its weight where each device's rows are whole blocks (q_proj, gate/up on
-    their rows, down on its columns) and stays replicated elsewhere (o_proj; k_proj, whose 2 KV heads do not
-    split over 4 devices, is replicated whole); either way the logits are one device's."""
+    """Under tp a scale dim splits with its weight where each device's rows are whole blocks (the packed gate|up on
+    its rows, down on its columns) and stays replicated elsewhere (o_proj; the packed q|k|v, whose 2 KV heads do
+    not split over 4 devices, is replicated whole with its scales); either way the logits are one device's."""
     from jax.sharding import PartitionSpec as P
 
     from ddtree_jax.parallel import make_parallel
@@ -277,13 +303,13 @@ def test_tensor_parallel_shards_scales_with_whole_blocks(tmp_path):
     assert convert_main(["quantize-fp8", str(src), str(tmp_path / "fp8"), "--block", "16,32"]) == 0
     single = load_target(tmp_path / "fp8", jnp.float32)
     sharded = load_target(tmp_path / "fp8", jnp.float32, parallel=make_parallel(4, "tp"))
-    specs = {n: a.sharding.spec for n, a in sharded.flat().items() if n.startswith("model.layers.0.")}
+    specs = {n: a.sharding.spec for n, a in sharded.state_flat().items() if n.startswith("model.layers.0.")}
     layer = "model.layers.0."
-    assert specs[layer + "self_attn.q_proj.weight_scale_inv"] == P("model", None)
-    assert specs[layer + "mlp.up_proj.weight_scale_inv"] == P("model", None)
+    assert specs[layer + "mlp.gate_up_proj.weight"] == P(None, None, "model", None)
+    assert specs[layer + "mlp.gate_up_proj.weight_scale_inv"] == P(None, None, "model", None)
     assert specs[layer + "mlp.down_proj.weight_scale_inv"] == P(None, "model")
-    assert specs[layer + "self_attn.k_proj.weight"] == P(None, None)  # 2 whole KV heads, 4 devices
-    assert specs[layer + "self_attn.k_proj.weight_scale_inv"] == P(None, None)
+    assert specs[layer + "self_attn.qkv_proj.weight"] == P(None, None, None, None)  # 2 whole KV heads, 4 devices
+    assert specs[layer + "self_attn.qkv_proj.weight_scale_inv"] == P(None, None, None, None)
     assert specs[layer + "self_attn.o_proj.weight"] == P(None, "model")
     assert specs[layer + "self_attn.o_proj.weight_scale_inv"] == P(None, None)
     ids = jnp.asarray(np.random.default_rng(1).integers(0, 64, size=(1, 11)))
@@ -293,8 +319,9 @@ def test_tensor_parallel_shards_scales_with_whole_blocks(tmp_path):
 
 def test_hybrid_fp8_matches_transformers(tmp_path):
     """A Qwen3.5-style hybrid through quantize-fp8 (blocks 16 x 32): the Gated DeltaNet's in_proj_a/in_proj_b,
-    A_log, dt_bias and conv1d stay float32, its other projections and the gated attention's are FP8, and the
-    prefill logits are transformers' on the dequantised weights."""
+    A_log, dt_bias and conv1d stay float32, its other projections and the gated attention's are FP8 (q|k|v and
+    gate|up packed as FP8, the blocks dividing their rows), and the prefill logits are transformers' on the
+    dequantised weights."""
     import torch
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
@@ -315,6 +342,9 @@ def test_hybrid_fp8_matches_transformers(tmp_path):
                                                                        "out_proj.weight"}
     assert dtypes["in_proj_a.weight"] == dtypes["A_log"] == dtypes["conv1d.weight"] == jnp.float32
     assert params.flat()["model.layers.3.self_attn.q_proj.weight"].dtype == jnp.float8_e4m3fn
+    held = params.state_flat()  # 16-row blocks divide every head and MLP half: q|k|v and gate|up stay packed, FP8
+    for name in ("model.layers.3.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj"):
+        assert held[name + ".weight"].dtype == jnp.float8_e4m3fn and held[name + ".weight_scale_inv"].ndim == 4, name
     model.load_state_dict(torch_dequantized(tmp_path / "fp8", (16, 32)), strict=True)
     ids = np.random.default_rng(2).integers(0, 96, size=(1, 9))
 

@@ -115,42 +115,55 @@ class Linear(nnx.Module):
         return fp8.dequantize(self.weight[...], self.weight_scale_inv[...], self.block, dtype)
 
     def __call__(self, x: jax.Array, runtime: Runtime) -> jax.Array:
-        """x [..., in] -> [..., out] in x's dtype.
-
-        A dense weight multiplies as `linear` says. XLA multiplies x by an FP8 weight's `dense_weight(x.dtype)`
-        (dequantised in float32, then cast), except where `stream_config` gives knobs: then
-        `pallas_kernels.stream_matmul` multiplies x in its dtype by the FP8 weight as stored, accumulating in float32
-        (the Pallas kernel on the Pallas path, `runtime.kernels`; its jnp reference, which dequantises in float32
-        first, otherwise). With `runtime.fp8_matmul` W8A8 each row of x is first quantised to FP8 per group of the
-        weight block's input features (`fp8.quantize_rows`), streamed with its scales (FP8 tensor cores), or where
-        nothing streams, dequantised again to x's dtype and multiplied as above: the same products up to that
-        rounding (none in float32) and the order of float32 sums."""
+        """x [..., in] -> [..., out] in x's dtype: a dense weight as `linear` multiplies, an FP8 one as
+        `fp8_linear` does."""
         if self.block is None:
             return linear(x, self.weight[...], runtime)
-        rows = math.prod(x.shape[:-1])
-        rows_x, x_scale = x.reshape(rows, x.shape[-1]), None
-        if runtime.fp8_matmul is Fp8Matmul.W8A8:
-            rows_x, x_scale = fp8.quantize_rows(rows_x, self.block[1])
-        config = self.stream_config(rows, runtime)
-        if config is None:
-            if x_scale is not None:
-                x = fp8.dequantize(rows_x, x_scale, (1, self.block[1]), x.dtype).reshape(x.shape)
-            return jnp.einsum("...i,oi->...o", x, self.dense_weight(x.dtype))
-        y = stream_matmul(rows_x, self.weight[...], self.weight_scale_inv[...], block=self.block, x_scale=x_scale,
-                          implementation="pallas" if runtime.pallas else "reference", config=config, out_dtype=x.dtype)
-        return y.reshape(*x.shape[:-1], y.shape[-1])
+        return fp8_linear(x, self.weight[...], self.weight_scale_inv[...], self.block, runtime)
 
     def stream_config(self, rows: int, runtime: Runtime) -> StreamMatmulConfig | None:
-        """The streaming kernel's knobs for a call on `rows` rows if it streams, else None. It streams when the
-        weight is FP8, `runtime.row_invariant` (any rows, in 16-row tiles) or `runtime.fp8_matmul` streams (`STREAM`,
-        `W8A8`) with rows <= STREAM_MAX_ROWS, there is no tensor-parallel mesh (there the weight and its
-        scales are split, and XLA partitions the dequantise path; no `shard_map` of the kernel yet), and the kernel
-        tiles the weight (`fitted_config`: out and in features multiples of 16)."""
-        streams = runtime.row_invariant or (runtime.fp8_matmul.streams and rows <= STREAM_MAX_ROWS)
-        if self.block is None or not streams or runtime.tp_mesh is not None:
-            return None
-        tile = dataclasses.replace(FP8_STREAM_KNOBS, row_tile=ROW_INVARIANT_ROW_TILE if runtime.row_invariant else None)
-        return fitted_config(*self.weight[...].shape, self.block, config=tile)
+        """`fp8_stream_config` for this weight (None while it is dense)."""
+        return None if self.block is None else fp8_stream_config(self.weight[...].shape, self.block, rows, runtime)
+
+
+def fp8_stream_config(weight_shape: tuple[int, int], block: tuple[int, int], rows: int,
+                      runtime: Runtime) -> StreamMatmulConfig | None:
+    """The streaming kernel's knobs for an FP8 weight [out, in] in `block`s on `rows` rows if it streams, else None.
+    It streams under `runtime.row_invariant` (any rows, in 16-row tiles) or where `runtime.fp8_matmul` streams
+    (`STREAM`, `W8A8`) with rows <= STREAM_MAX_ROWS, without a tensor-parallel mesh (there the weight and its
+    scales are split, and XLA partitions the dequantise path; no `shard_map` of the kernel yet), for a weight the
+    kernel tiles (`fitted_config`: out and in features multiples of 16)."""
+    streams = runtime.row_invariant or (runtime.fp8_matmul.streams and rows <= STREAM_MAX_ROWS)
+    if not streams or runtime.tp_mesh is not None:
+        return None
+    tile = dataclasses.replace(FP8_STREAM_KNOBS, row_tile=ROW_INVARIANT_ROW_TILE if runtime.row_invariant else None)
+    return fitted_config(*weight_shape, block, config=tile)
+
+
+def fp8_linear(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, block: tuple[int, int],
+               runtime: Runtime) -> jax.Array:
+    """x [..., in] times a block-scaled FP8 weight [out, in] (scales [ceil(out / bo), ceil(in / bi)]) transposed ->
+    [..., out] in x's dtype.
+
+    XLA multiplies x by the weight dequantised in float32, then cast to x's dtype, except where `fp8_stream_config`
+    gives knobs: then `pallas_kernels.stream_matmul` multiplies x in its dtype by the FP8 weight as stored,
+    accumulating in float32 (the Pallas kernel on the Pallas path, `runtime.kernels`; its jnp reference, which
+    dequantises in float32 first, otherwise). With `runtime.fp8_matmul` W8A8 each row of x is first quantised to
+    FP8 per group of the block's input features (`fp8.quantize_rows`), streamed with its scales (FP8 tensor cores),
+    or where nothing streams, dequantised again to x's dtype and multiplied as above: the same products up to that
+    rounding (none in float32) and the order of float32 sums."""
+    rows = math.prod(x.shape[:-1])
+    rows_x, x_scale = x.reshape(rows, x.shape[-1]), None
+    if runtime.fp8_matmul is Fp8Matmul.W8A8:
+        rows_x, x_scale = fp8.quantize_rows(rows_x, block[1])
+    config = fp8_stream_config(weight.shape, block, rows, runtime)
+    if config is None:
+        if x_scale is not None:
+            x = fp8.dequantize(rows_x, x_scale, (1, block[1]), x.dtype).reshape(x.shape)
+        return jnp.einsum("...i,oi->...o", x, fp8.dequantize(weight, scale_inv, block, x.dtype))
+    y = stream_matmul(rows_x, weight, scale_inv, block=block, x_scale=x_scale,
+                      implementation="pallas" if runtime.pallas else "reference", config=config, out_dtype=x.dtype)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def apply_fp8(module: nnx.Module, config) -> nnx.Module:
@@ -168,7 +181,9 @@ def apply_fp8(module: nnx.Module, config) -> nnx.Module:
             if len(converted) > 1:
                 raise ValueError(f"quantization_config converts some of {', '.join(names)} to FP8 but not all; "
                                  "projections of one input must agree")
-            if converted == {True}:
+            if converted == {True} and child.fp8_packs(config.fp8.block):
+                child.to_fp8(config.fp8.block)
+            elif converted == {True}:
                 child.keep_apart()
                 for part in child.parts:
                     getattr(child, part.name).to_fp8(config.fp8.block)
@@ -260,8 +275,11 @@ class PackedProjections(nnx.Module):
     R = the intermediate size, parts gate (1), up (1).
 
     Calling it returns every part's output [..., G * units_p * R] as that part's own `Linear` would (the same
-    features in the same order). FP8 parts (`keep_apart`, from `apply_fp8`) are separate `Linear`s under this
-    module, named as the parts: their block scales may straddle the groups. `ModelParams.flat` names the
+    features in the same order). FP8 (`apply_fp8`): where the scale blocks' rows divide R (`fp8_packs`: every
+    block lies inside one unit of one group, e.g. Qwen3-8B's 128-row heads and 12288-row MLP halves in 128 x 128
+    blocks) the packed weight becomes FP8 with its scales packed alike, `weight_scale_inv` [G, U, R / bo,
+    ceil(in / bi)], and still runs as one matmul; elsewhere the parts become separate `Linear`s under this module,
+    named as the parts (`keep_apart`: their scale blocks would straddle the groups). `ModelParams.flat` names the
     parameters as HF does either way.
     """
 
@@ -272,14 +290,15 @@ class PackedProjections(nnx.Module):
         # `groups` for the tp rule: G whole groups when G is ruled (so a warning counts heads, not features).
         self.weight = param(rngs, (groups, units, rows, in_features), dtype, axes, "normal",
                             groups if axes[0] is not None else None)
+        self.block = None  # (bo, bi) once the packed weight is FP8
 
     @property
     def packed(self) -> bool:
         return hasattr(self, "weight")
 
     def __call__(self, x: jax.Array, runtime: Runtime) -> tuple[jax.Array, ...]:
-        """x [..., in] -> one output [..., G * units_p * R] per part, in x's dtype. `runtime` reaches FP8 parts
-        (`Linear.__call__`); the packed weight is never FP8."""
+        """x [..., in] -> one output [..., G * units_p * R] per part, in x's dtype. `runtime` says how FP8 weights
+        multiply (`fp8_linear`)."""
         if not self.packed:
             return tuple(getattr(self, part.name)(x, runtime) for part in self.parts)
         y = self.packed_output(x, runtime)
@@ -291,29 +310,54 @@ class PackedProjections(nnx.Module):
 
     def packed_output(self, x: jax.Array, runtime: Runtime) -> jax.Array:
         """x [..., in] -> every part's output unsplit, [..., G, U, R] in x's dtype (while `packed`); the weight as
-        one [G U R, in] matrix where it streams (`dense_stream_config`)."""
+        one [G U R, in] matrix where it streams (`dense_stream_config`) or is FP8 (`fp8_linear`)."""
         weight = self.weight[...]
         g, u, r, n_in = weight.shape
+        if self.block is not None:
+            scale = self.weight_scale_inv[...]
+            y = fp8_linear(x, weight.reshape(g * u * r, n_in), scale.reshape(-1, scale.shape[-1]), self.block, runtime)
+            return y.reshape(*x.shape[:-1], g, u, r)
         if dense_stream_config((g * u * r, n_in), math.prod(x.shape[:-1]), runtime) is not None:
             return linear(x, weight.reshape(g * u * r, n_in), runtime).reshape(*x.shape[:-1], g, u, r)
         return jnp.einsum("...i,guri->...gur", x, weight.astype(x.dtype))
 
+    def fp8_packs(self, block: tuple[int, int]) -> bool:
+        """Whether FP8 blocks of `block` keep this module packed: their rows divide R, so each lies inside one unit
+        of one group (the HF scale rows of a part are then its units' rows over bo, group after group)."""
+        return self.packed and self.weight.shape[2] % block[0] == 0
+
+    def to_fp8(self, block: tuple[int, int]) -> None:
+        """Quantise the packed weight in place into FP8 blocks of `block` (`fp8_packs` must hold): the blocks the
+        parts' HF weights have, so the parts' HF scales are `unpack` of the packed ones."""
+        if not self.fp8_packs(block):
+            raise ValueError(f"FP8 blocks {tuple(block)} do not divide the packed rows ({self.weight.shape[2]})")
+        g, u, r, n_in = self.weight.shape
+        axes, groups = self.weight.axes, getattr(self.weight, "groups", None)
+        weight, scale = fp8.quantize(self.weight[...].reshape(g * u * r, n_in), block)
+        self.weight = nnx.Param(weight.reshape(g, u, r, n_in), axes=axes, groups=groups)
+        scale_axes = (*axes[:3], fp8.scale_axes(axes[3:], (n_in,), block[1:])[0])
+        self.weight_scale_inv = nnx.Param(scale.reshape(g, u, r // block[0], -1), axes=scale_axes, groups=groups)
+        self.block = tuple(block)
+
     def unpack(self, weight) -> dict[str, object]:
-        """The packed weight [G, U, R, in] (an array or a ShapeDtypeStruct) -> {part name: HF weight}."""
-        g, _, rows, n_in = weight.shape
+        """A packed [G, U, rows, last] array (an array or a ShapeDtypeStruct): the weight [G, U, R, in], or FP8
+        scales [G, U, R / bo, ceil(in / bi)] -> {part name: its HF array [G * units * rows, last]}."""
+        g, _, rows, last = weight.shape
         out, start = {}, 0
         for part in self.parts:
-            shape = (g * part.units * rows, n_in)
+            shape = (g * part.units * rows, last)
             out[part.name] = (jax.ShapeDtypeStruct(shape, weight.dtype) if isinstance(weight, jax.ShapeDtypeStruct)
                               else weight[:, start:start + part.units].reshape(shape))
             start += part.units
         return out
 
     def pack(self, weights: dict[str, object]):
-        """{part name: HF weight} (NumPy or JAX arrays) -> the packed weight [G, U, R, in]."""
-        g, _, rows, n_in = self.weight.shape
+        """{part name: HF array} (NumPy or JAX arrays; weights, or FP8 scales) -> the packed array [G, U, rows,
+        last], `unpack`'s inverse."""
+        g = self.weight.shape[0]
         xp = np if all(isinstance(w, np.ndarray) for w in weights.values()) else jnp
-        return xp.concatenate([xp.reshape(weights[part.name], (g, part.units, rows, n_in)) for part in self.parts],
+        parts = [weights[part.name] for part in self.parts]
+        return xp.concatenate([xp.reshape(w, (g, part.units, -1, w.shape[-1])) for part, w in zip(self.parts, parts)],
                               axis=1)
 
     def keep_apart(self) -> None:

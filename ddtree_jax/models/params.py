@@ -60,8 +60,8 @@ class ModelParams:
         out = {}
         for name, array in self.state_flat().items():
             if name in packed:
-                prefix, module = packed[name]
-                out.update({prefix + part + ".weight": w for part, w in module.unpack(array).items()})
+                prefix, module, suffix = packed[name]
+                out.update({prefix + part + suffix: w for part, w in module.unpack(array).items()})
             else:
                 out[renamed.get(name, name)] = array
         return dict(sorted(out.items(), key=lambda item: _path_key(item[0])))
@@ -75,9 +75,9 @@ class ModelParams:
         out = {}
         for name, hf in hf_names.items():
             if name in packed:
-                prefix, module = packed[name]
+                prefix, module, suffix = packed[name]
                 take = arrays.pop if consume else arrays.__getitem__
-                parts = {part.name: take(prefix + part.name + ".weight") for part in module.parts}
+                parts = {part.name: take(prefix + part.name + suffix) for part in module.parts}
                 out[name] = module.pack(parts)
             elif hf not in arrays:
                 raise KeyError(f"no value for {hf}")
@@ -96,9 +96,10 @@ def _path_key(name: str) -> tuple:
     return tuple((0, int(part)) if part.isdigit() else (1, part) for part in name.split("."))
 
 
-def hf_layout(params: ModelParams) -> tuple[dict[str, tuple[str, PackedProjections]], dict[str, str]]:
-    """({packed weight's name as held: (HF prefix of its parts, its module)}, {name as held: HF name} of the
-    parts that FP8 keeps apart under their packed module)."""
+def hf_layout(params: ModelParams) -> tuple[dict[str, tuple[str, PackedProjections, str]], dict[str, str]]:
+    """({packed array's name as held: (HF prefix of its parts, its module, the HF suffix: '.weight', or
+    '.weight_scale_inv' for packed FP8 scales)}, {name as held: HF name} of the parts that FP8 keeps apart under
+    their packed module)."""
     packed, renamed = {}, {}
     for path, module in nnx.iter_modules(params.module()):
         if not isinstance(module, PackedProjections):
@@ -106,7 +107,8 @@ def hf_layout(params: ModelParams) -> tuple[dict[str, tuple[str, PackedProjectio
         name = ".".join(str(p) for p in path)
         prefix = name.rpartition(".")[0] + "." if "." in name else ""
         if module.packed:
-            packed[name + ".weight"] = (prefix, module)
+            for suffix in (".weight", ".weight_scale_inv") if module.block is not None else (".weight",):
+                packed[name + suffix] = (prefix, module, suffix)
         else:
             for held in flat_variables(nnx.state(module, nnx.Param)):
                 renamed[f"{name}.{held}"] = prefix + held

@@ -62,19 +62,47 @@ def test_outputs_equal_the_separate_projections():
         np.testing.assert_allclose(np.asarray(out), x @ hf[name].T, rtol=1e-5, atol=1e-5)
 
 
-def test_fp8_keeps_the_parts_apart_and_refuses_a_split_decision():
-    """FP8 parts become separate Linears named as the HF parts (their scales may straddle groups), with the
-    packed values; a quantization_config that converts q_proj but not k_proj is refused."""
+def _fp8(block, not_converted=()):
+    return type("C", (), {"fp8": Fp8Config(block=block, not_converted=not_converted)})()
+
+
+def test_fp8_packs_where_blocks_divide_the_rows():
+    """Blocks whose rows divide R (4 x 4 here, R = D = 4): the packed weight becomes FP8 in place, and its parts
+    (`unpack` of the weight and of the packed scales) are bit for bit what each HF part's own quantisation gives;
+    one matmul then gives what the three FP8 Linears give, as they are and with the rows quantised (W8A8)."""
+    module = Attention(nnx.Rngs(0))
+    dense = module.qkv_proj.unpack(module.qkv_proj.weight[...])
+    apply_fp8(module, _fp8((4, 4)))
+    qkv = module.qkv_proj
+    assert qkv.packed and qkv.block == (4, 4) and qkv.weight[...].dtype == jnp.float8_e4m3fn
+    assert qkv.weight_scale_inv[...].shape == (N, M + 2, 1, E // 4)
+    weights, scales = qkv.unpack(qkv.weight[...]), qkv.unpack(qkv.weight_scale_inv[...])
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 3, E)), jnp.float32)
+    for runtime in (Runtime(), Runtime(Kernels.JAX, fp8_matmul=Fp8Matmul.W8A8)):
+        outs = qkv(x, runtime)
+        for part, out in zip(PARTS, outs):
+            alone = Linear(E, dense[part.name].shape[0], part.axes, dtype=jnp.float32, rngs=nnx.Rngs(0))
+            alone.weight = nnx.Param(dense[part.name], axes=part.axes)
+            alone.to_fp8((4, 4))
+            np.testing.assert_array_equal(np.asarray(weights[part.name]).view(np.uint8),
+                                          np.asarray(alone.weight[...]).view(np.uint8))
+            np.testing.assert_array_equal(np.asarray(scales[part.name]), np.asarray(alone.weight_scale_inv[...]))
+            np.testing.assert_allclose(np.asarray(out), np.asarray(alone(x, runtime)), rtol=1e-6, atol=1e-6)
+
+
+def test_fp8_keeps_the_parts_apart_where_blocks_straddle_and_refuses_a_split_decision():
+    """Blocks taller than R (8 rows, R = 4) would straddle units: the parts become separate Linears named as the
+    HF parts, with the packed values; a quantization_config that converts q_proj but not k_proj is refused."""
     module = Attention(nnx.Rngs(0))
     before = module.qkv_proj.unpack(module.qkv_proj.weight[...])
-    apply_fp8(module, type("C", (), {"fp8": Fp8Config(block=(4, 4), not_converted=())})())
+    apply_fp8(module, _fp8((8, 4)))
     assert not module.qkv_proj.packed
     q = module.qkv_proj.q_proj
-    assert q.weight[...].dtype == jnp.float8_e4m3fn and q.weight_scale_inv[...].shape == (N * M * D // 4, E // 4)
+    assert q.weight[...].dtype == jnp.float8_e4m3fn and q.weight_scale_inv[...].shape == (N * M * D // 8, E // 4)
     np.testing.assert_allclose(np.asarray(q.dense_weight(jnp.float32)), np.asarray(before["q_proj"]), rtol=0.07,
                                atol=1e-3)
     with pytest.raises(ValueError, match="converts some of q_proj, k_proj, v_proj to FP8 but not all"):
-        apply_fp8(Attention(nnx.Rngs(0)), type("C", (), {"fp8": Fp8Config(block=(4, 4), not_converted=("k_proj",))})())
+        apply_fp8(Attention(nnx.Rngs(0)), _fp8((4, 4), not_converted=("k_proj",)))
 
 
 # ---- FP8 projections: dequantised by XLA, or streamed by the Pallas matmul (`Runtime.fp8_matmul`)
