@@ -114,7 +114,7 @@ class DecodeOptions:
       weight in float32, casts it and multiplies), "stream" (`pallas_kernels.stream_matmul` reads the FP8
       weight as stored and scales its blocks' partial sums: the Pallas kernel where `kernels` is "pallas", its
       jnp reference otherwise; only on one device and for calls of at most `layers.STREAM_MAX_ROWS` rows,
-      `layers.Linear.stream_config`) or "auto" (`models.contract.resolve_fp8_matmul`: "stream" with the Pallas
+      `layers.fp8_stream_config`) or "auto" (`models.contract.resolve_fp8_matmul`: "stream" with the Pallas
       kernels on a GPU, where the FP8 projections streamed in a third of XLA's time), pinned by
       `engine.resolve_options`; or "w8a8": streamed as "stream" says, with each token's activations quantised to
       FP8 per group of 128 features first (`models.fp8.quantize_rows`; the arithmetic transformers and vLLM run

@@ -96,7 +96,7 @@ class Runtime:
              under `shard_map` on each device's heads (XLA partitions the pure-JAX path itself). None on
              one device and under data parallelism.
     fp8_matmul: `Fp8Matmul.DEQUANTIZE`, `STREAM` or `W8A8` (resolved, never "auto"): how FP8 projections
-             multiply (`layers.Linear.__call__` says where they stream); no effect on other weights.
+             multiply (`layers.fp8_linear` says where they stream); no effect on other weights.
     row_invariant: every row's arithmetic independent of the call's other rows, its row count and its place
              (issue 20), with the Pallas kernels: projections and the lm_head through the weight-streaming matmul
              in 16-row tiles (`layers.linear`, `layers.Linear`; on the H200, 2026-12-02, no row of a 16-row call
