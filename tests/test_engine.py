@@ -158,7 +158,8 @@ def test_fp8_matmul_auto_is_resolved_in_one_place_and_bad_values_are_refused():
         assert resolve_options(DecodeOptions(kernels="pallas"), None).fp8_matmul == "stream"
         assert resolve_options(DecodeOptions(kernels="jax"), None).fp8_matmul == "dequantize"
         assert DecodeOptions(kernels="pallas").runtime.fp8_matmul is Fp8Matmul.STREAM
-    with pytest.raises(ValueError, match="fp8_matmul must be one of 'auto', 'dequantize', 'stream', 'w8a8', got 'fast'"):
+    with pytest.raises(ValueError,
+                       match="fp8_matmul must be one of 'auto', 'dequantize', 'stream', 'w8a8', got 'fast'"):
         DecodeOptions(fp8_matmul="fast")
     with pytest.raises(ValueError, match="fp8_matmul"):
         resolve_fp8_matmul("fast")

@@ -193,7 +193,8 @@ def _w8a8_inputs(t, n, k, seed):
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
-@pytest.mark.parametrize("t,n,k,out_dtype,config", W8A8_CASES, ids=[f"t{c[0]}-n{c[1]}-k{c[2]}-{c[3]}" for c in W8A8_CASES])
+@pytest.mark.parametrize("t,n,k,out_dtype,config", W8A8_CASES,
+                         ids=[f"t{c[0]}-n{c[1]}-k{c[2]}-{c[3]}" for c in W8A8_CASES])
 def test_fp8_rows_match_the_dequantised_float64_product(t, n, k, out_dtype, config, interpret):
     """FP8 rows with their scales times an FP8 weight: the float64 product of both dequantised (on a GPU the
     blocks' partial sums come from FP8 tensor cores, which sum in fewer bits than float32: 1e-3 of the output's
