@@ -160,11 +160,13 @@ def test_gpu_probe_smoke_forms_agree(tmp_path):
     """Every form at one token count (5 rows: the stream kernels' row tiles at any T,
     tests/kernels/test_stream_matmul.py) agrees with the models' layout."""
     assert gpu_probe.main(["--out", str(tmp_path), "--smoke", "--repeats", "2", "--tokens", "5",
-                           "--forms", "hf,fused,io,stream,stream_fused,fp8,stream_fp8,stream_w8a8"]) == 0
+                           "--forms", "hf,fused,io,stream,stream_fused,fp8,stream_fp8,stream_w8a8,stream_fp8_fused,"
+                                      "stream_w8a8_fused"]) == 0
     report = json.loads((tmp_path / "probe.json").read_text())
     rows = [r for r in report["rows"] if r["section"] == "projections"]
     assert {r["form"].split("[")[0] for r in rows} == {"hf", "fused", "io", "stream", "stream_fused", "fp8",
-                                                      "stream_fp8", "stream_w8a8"}
+                                                      "stream_fp8", "stream_w8a8", "stream_fp8_fused",
+                                                      "stream_w8a8_fused"}
     assert {r["tokens"] for r in rows} == {5}
     hf, fp8 = (next(r for r in rows if r["form"] == f) for f in ("hf", "fp8"))
     assert fp8["weight_bytes"] < 0.6 * hf["weight_bytes"]  # one byte a weight, plus the scales

@@ -17,8 +17,10 @@ Three sections, all in one process, each number a median over repeated device-sy
    `stream_fp8` the same FP8 weights streamed as FP8 by the Pallas matmul (dequantised inside it; what they do
    with `--fp8-matmul stream --kernels pallas`, auto's choice on a GPU);
    `stream_w8a8` the same, each layer input quantised to FP8 per row and 128 features first, both operands on FP8
-   tensor cores (`--fp8-matmul w8a8`; the quantisation is timed with it). The streaming forms' knobs fit each
-   weight as the models' do (`pallas_kernels.stream_matmul.fitted_config`).
+   tensor cores (`--fp8-matmul w8a8`; the quantisation is timed with it); `stream_fp8_fused`, `stream_w8a8_fused`
+   the same on q|k|v and gate|up as one FP8 weight each (what the models run where the scale blocks divide the
+   heads: packed FP8 projections). The streaming forms' knobs fit each weight as the models' do
+   (`pallas_kernels.stream_matmul.fitted_config`).
    Each against its floor: the layers' weight bytes over the measured bandwidth.
 3. The output head alone ([151936, 4096] bf16 times T vectors, float32 logits).
 
@@ -42,7 +44,12 @@ from pathlib import Path
 
 QWEN3_8B = dict(hidden=4096, q=4096, kv=1024, mlp=12288, vocab=151936)
 FP8_BLOCK = (128, 128)  # the published checkpoints' weight_block_size
-FP8_FORMS = ("fp8", "stream_fp8", "stream_w8a8")
+FP8_FORMS = ("fp8", "stream_fp8", "stream_w8a8", "stream_fp8_fused", "stream_w8a8_fused")
+
+
+def _fused(form: str) -> bool:
+    """Whether a form multiplies q|k|v and gate|up as one weight each (as the models' packed projections do)."""
+    return form == "fused" or form.endswith("_fused")
 SMOKE = dict(hidden=64, q=64, kv=32, mlp=128, vocab=320)
 
 
@@ -52,7 +59,7 @@ def _layer_weights(shape: dict, layers: int, form: str):
 
     e, q, kv, f = shape["hidden"], shape["q"], shape["kv"], shape["mlp"]
     parts = {"q": (q, e), "k": (kv, e), "v": (kv, e), "o": (e, q), "gate": (f, e), "up": (f, e), "down": (e, f)}
-    if form == "fused":
+    if _fused(form):
         parts = {"qkv": (q + 2 * kv, e), "o": (e, q), "gate_up": (2 * f, e), "down": (e, f)}
 
     @functools.lru_cache(maxsize=None)
@@ -86,10 +93,10 @@ def _as_hf(weights, shape: dict, form: str):
     q, kv, f = shape["q"], shape["kv"], shape["mlp"]
     out = []
     for ws in weights:
-        if form == "stream":
+        if form in FP8_FORMS:
+            ws = {k: fp8.dequantize(*w, FP8_BLOCK, jnp.bfloat16) for k, w in ws.items()}
+        if form == "stream" or (form in FP8_FORMS and not _fused(form)):
             out.append(ws)
-        elif form in FP8_FORMS:
-            out.append({k: fp8.dequantize(*w, FP8_BLOCK, jnp.bfloat16) for k, w in ws.items()})
         elif form == "io":
             out.append({k: w.T for k, w in ws.items()})
         else:
@@ -115,7 +122,7 @@ def _projections(shape: dict, form: str, interpret: bool, stream_config: str = "
             return jnp.einsum("ti,io->to", x, w)
         if form == "fp8":
             return jnp.einsum("ti,oi->to", x, fp8.dequantize(*w, FP8_BLOCK, x.dtype))
-        if form in ("stream", "stream_fused", "stream_fp8", "stream_w8a8"):
+        if form.startswith("stream"):
             bn, bk, warps, stages, *extra = (int(v) for v in stream_config.split("x"))
             w, scales = w if form in FP8_FORMS else (w, None)
             block = FP8_BLOCK if form in FP8_FORMS else None
@@ -125,7 +132,7 @@ def _projections(shape: dict, form: str, interpret: bool, stream_config: str = "
                                        promote_k=extra[2] if len(extra) > 2 else None)
             config = fitted_config(*w.shape, block, knobs)
             x_scale = None
-            if form == "stream_w8a8":
+            if "w8a8" in form:
                 x, x_scale = fp8.quantize_rows(x, FP8_BLOCK[1])
             return stream_matmul_pallas(x, w, scales, block=block, x_scale=x_scale, config=config,
                                         out_dtype=jnp.bfloat16, interpret=interpret)
@@ -134,7 +141,7 @@ def _projections(shape: dict, form: str, interpret: bool, stream_config: str = "
     def layers(weights, x):
         for ws in weights:
             x = x * jax.lax.rsqrt(jnp.mean(jnp.square(x.astype(jnp.float32)), -1, keepdims=True) + 1e-6).astype(x.dtype)
-            if form in ("fused", "stream_fused"):
+            if _fused(form):
                 qkv = mm(x, ws["qkv"])
                 attn = qkv[:, :q] + jnp.tile(qkv[:, q:q + kv] + qkv[:, q + kv:], (1, q // kv))
                 x = x + mm(attn, ws["o"])
@@ -199,8 +206,8 @@ def main(argv=None) -> int:
 
     for form in args.forms.split(","):
         weights = None  # the previous form's layers go before the next are drawn
-        weights = _layer_weights(shape, layers, "fused" if form == "stream_fused" else
-                                 "hf" if form == "stream" else "fp8" if form in FP8_FORMS else form)
+        weights = _layer_weights(shape, layers,
+                                 "fused" if form == "stream_fused" else "hf" if form == "stream" else form)
         n_bytes = sum(w.nbytes for w in jax.tree.leaves(weights))  # FP8: its weights and scales
         for stream_config, t in [(c, int(v)) for c in (args.stream_configs.split(",") if form.startswith("stream")
                                                          else [""]) for v in args.tokens.split(",")]:
