@@ -56,9 +56,9 @@
 #             powers of two largest first, then the 27B FP8 rows                          -> fp8_tiles/, fp8_27b/
 #   w8a8      issue 23: the W8A8 kernel's first device run: tools/w8a8_check.py (each call against its reference,
 #             printed as it returns), the stream_matmul GPU tests, FP8 projections at 1, 16, 65 rows (W8A16 against
-#             W8A8, q|k|v and gate|up apart and packed; W8A8 with promote_k 32 and 0), the 8B FP8 rounds with
-#             --fp8-matmul stream (packed q|k|v and gate|up since 2026-12-05) and w8a8, the 27B's with w8a8
-#                       -> w8a8_probe/, w8a8_promote/, stream_qwen3-8b/, w8a8_qwen3-8b/, w8a8_qwen3.6-27b/
+#             W8A8, q|k|v and gate|up apart and packed; W8A8 with promote_k 32 and 0)  -> w8a8_probe/, w8a8_promote/
+#   w8a8_rounds  the 8B FP8 rounds with --fp8-matmul stream (packed q|k|v and gate|up since 2026-12-05) and w8a8,
+#             the 27B's with w8a8 (a call of its own)        -> stream_qwen3-8b/, w8a8_qwen3-8b/, w8a8_qwen3.6-27b/
 #   knobs_fp8_8b  the 8B FP8 rounds (streamed) with fp8_bits 0 and 1                     -> fp8_bits{0,1}/
 #   knobs_att_8b  the 8B rounds with the attention chunked and with single_pass         -> att_{multi,single}/
 #   fp8       tools/gpu_probe.py's FP8 projections (bf16, dequantised, streamed) at 1, 16 and 65 rows, then the 8B
@@ -238,6 +238,8 @@ TreeAttentionConfig as C; l.ATTENTION_CONFIG = C(single_pass=True)"
       timeout -k 5 "${FP8_PROBE_LIMIT:-100}" python3 tools/gpu_probe.py --out "$OUT/w8a8_promote" --tokens 1,65 \
         --forms stream_w8a8 --layers 12 --no-ceilings --stream-configs 64x128x4x4x1x0x32,64x128x4x4x1x0x0 \
         2>&1 | grep '^|' | grep -v lm_head
+      ;;
+    w8a8_rounds)
       for run in qwen3-8b:stream qwen3-8b:w8a8 qwen3.6-27b:w8a8; do
         shape=${run%%:*} matmul=${run##*:}
         log "$shape FP8 rounds, --fp8-matmul $matmul"
