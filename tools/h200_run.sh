@@ -243,7 +243,7 @@ TreeAttentionConfig as C; l.ATTENTION_CONFIG = C(single_pass=True)"
       for run in qwen3-8b:stream qwen3-8b:w8a8 qwen3.6-27b:w8a8; do
         shape=${run%%:*} matmul=${run##*:}
         log "$shape FP8 rounds, --fp8-matmul $matmul"
-        timeout -k 5 "${W8A8_BENCH_LIMIT:-200}" python3 -m ddtree_jax.bench --shape "$shape" --weights fp8 --budgets 15,64 \
+        timeout -k 5 "${W8A8_BENCH_LIMIT:-180}" python3 -m ddtree_jax.bench --shape "$shape" --weights fp8 --budgets 15,64 \
           --modes ar,dflash,ddtree --repeats 3 --kernels pallas --fp8-matmul "$matmul" --out "$OUT/${matmul}_$shape" \
           2>&1 | grep -v '^{"mode"' | grep '^|'
         rm -f "$OUT/${matmul}_$shape"/bench.{md,png,partial.json}
