@@ -243,6 +243,30 @@ def test_packed_fp8_projections_stream_as_one_matmul_each(tmp_path):
         assert np.asarray(again.state_flat()[name]).tobytes() == np.asarray(array).tobytes(), name
 
 
+@pytest.mark.parametrize("k", [256, 300])  # group 128 divides k (one reduction), or ends in a partial group
+def test_quantize_rows_is_each_row_groups_own_quantisation(k):
+    """Each row's groups of 128: scale = the largest |x| / 448 (1 for an all-zero group; within one float32 ulp: XLA
+    divides by a constant as a product with its reciprocal), q = x / scale rounded to nearest (ml_dtypes),
+    restated in NumPy; and the same bits as `quantize` with blocks of (1, 128)."""
+    from ddtree_jax.models import fp8
+
+    rng = np.random.default_rng(k)
+    x = (rng.standard_normal((3, k)) * rng.uniform(0.01, 100, size=(3, 1))).astype(np.float32)
+    x[1, :128] = 0
+    q, scale = fp8.quantize_rows(jnp.asarray(x), 128)
+    for r in range(3):
+        for c in range(0, k, 128):
+            group = x[r, c:c + 128]
+            got = np.float32(scale[r, c // 128])
+            want = np.abs(group).max() / np.float32(448) if np.abs(group).max() > 0 else np.float32(1)
+            assert abs(got - want) <= np.spacing(want), (r, c, got, want)
+            np.testing.assert_array_equal(np.asarray(q[r, c:c + 128]).view(np.uint8),
+                                          (group / got).astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
+    q_blocks, scale_blocks = fp8.quantize(jnp.asarray(x), (1, 128))
+    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(q_blocks).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(scale), np.asarray(scale_blocks))
+
+
 def test_w8a8_dflash_and_ddtree_equal_its_own_ar(pair):
     """`fp8_matmul="w8a8"` (each token's activations quantised to FP8 first; the jnp path): greedy DFlash and
     DDTree give the AR tokens of the same arithmetic, with drafts accepted; its logits are not the dequantize
