@@ -243,7 +243,7 @@ def test_packed_fp8_projections_stream_as_one_matmul_each(tmp_path):
         assert np.asarray(again.state_flat()[name]).tobytes() == np.asarray(array).tobytes(), name
 
 
-@pytest.mark.parametrize("k", [256, 300])  # group 128 divides k (one reduction), or ends in a partial group
+@pytest.mark.parametrize("k", [256, 300])  # group 128 divides k, or the row ends in a partial group
 def test_quantize_rows_is_each_row_groups_own_quantisation(k):
     """Each row's groups of 128: scale = the largest |x| / 448 (1 for an all-zero group; within one float32 ulp: XLA
     divides by a constant as a product with its reciprocal), q = x / scale rounded to nearest (ml_dtypes),

@@ -50,17 +50,8 @@ def quantize_rows(x, group: int):
     for an all-zero group; x / scale rounded to nearest). This is the dynamic per-token quantisation
     (`activation_scheme: "dynamic"`) that transformers and vLLM apply to activations before the published
     checkpoints' block-scaled FP8 GEMMs, with `group` the weight block's input size (128); a row's result depends
-    on that row alone. Where `group` divides k the same arithmetic is written as one reduction over the last axis
-    of [t, k / group, group] and the division by its broadcast (the shape XLA fuses as it fuses a softmax), not
-    through `quantize`'s block padding and scale expansion."""
-    t, k = x.shape
-    if k % group:
-        return quantize(x, (1, group))
-    groups = x.astype(jnp.float32).reshape(t, k // group, group)
-    amax = jnp.abs(groups).max(axis=-1, keepdims=True)
-    scale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
-    q = jnp.clip(groups / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
-    return q.reshape(t, k), scale[..., 0]
+    on that row alone."""
+    return quantize(x, (1, group))
 
 
 def quantize(weight, block: tuple[int, int], scale_dtype=jnp.float32):
