@@ -52,10 +52,12 @@ from ddtree_jax.tree import DraftTree, build_tree
 from pallas_kernels.tree_accept import tree_accept
 
 
-# Budgets up to which the Pallas kernels build the tree (`pallas_kernels.tree_build`, one program per row, its
-# candidates pruned): the whole build (the kernel top-k included, V = 151936, L = 15) took 89 / 123 us at B = 64
-# and 123-128 / 166 at B = 128 for shallow / deep trees, against 207-215 and 238-244 for XLA's builder, in one
-# H200 call (tools/topk_probe.py, 2026-12-04; docs/performance.md). Above 128 the kernel does not apply.
+# Budgets up to which the Pallas kernels take the vocabulary top-k and build the tree (`pallas_kernels.vocab_top_k`,
+# `pallas_kernels.tree_build`, one program per row, its candidates pruned): the whole build (V = 151936, L = 15)
+# took 89 / 123 us at B = 64 and 123-128 / 166 at B = 128 for shallow / deep trees, against 207-215 and 238-244 for
+# XLA's builder, in one H200 call (tools/topk_probe.py, 2026-12-04; docs/performance.md). The kernels take budgets
+# up to 512, but above 128 they are not measured on a GPU yet: there XLA's threshold top-k and builder run, as
+# before (`python tools/with_knobs.py engine:tree_kernels_up_to=512 -m ...` runs the kernels for an A/B).
 TREE_BUILD_KERNEL_UP_TO = 128
 
 # Matmul precision of a decode: "auto" (`engine.resolve_options`: "highest" for a float32 target, "default"
@@ -332,14 +334,13 @@ def propose(logits: jax.Array, last_token: jax.Array, options: DecodeOptions) ->
     under the drafter's marginals (T = B + 1 nodes), or the chain of argmaxes (DFlash: T = bs; MTP: m + 1)."""
     if options.mode is Mode.DDTREE:
         # The kernels off tp only: there the drafter's logits are split over the vocabulary and the build runs
-        # replicated, where XLA's partitioning of a Triton custom call is not checked on a GPU yet. The build
-        # kernel only where it was measured faster.
+        # replicated, where XLA's partitioning of a Triton custom call is not checked on a GPU yet. The kernels
+        # only where they were measured faster.
         runtime = options.runtime
-        kernels = runtime.pallas and runtime.tp_mesh is None
-        build_kernel = kernels and options.budget <= TREE_BUILD_KERNEL_UP_TO
+        kernels = runtime.pallas and runtime.tp_mesh is None and options.budget <= TREE_BUILD_KERNEL_UP_TO
         return build_tree(jax.nn.log_softmax(logits, axis=-1), last_token, options.budget,
                           top_k="pallas" if kernels else "auto",
-                          implementation="pallas" if build_kernel else "reference")
+                          implementation="pallas" if kernels else "reference")
     drafts = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return chain_tree(jnp.concatenate([last_token[:, None], drafts], axis=1))
 

@@ -89,7 +89,7 @@ def build_tree(log_probs: jax.Array, root_tokens: jax.Array, budget: int,
     ("auto": `default_top_k_chunk(B)`; None: one `lax.top_k`); unroll: the depth loop's `lax.scan` unrolling
     (True: none of it runs as a device loop). implementation: what builds the tree from the top-k,
     "reference" (`_build_one`, vmapped: ~116 small XLA kernels at B = 64, L = 15) or "pallas" (one launch of
-    `pallas_kernels.tree_build`, bit-identical) for B <= its MAX_BUDGET (128), `_build_one` above it;
+    `pallas_kernels.tree_build`, bit-identical) for B <= its MAX_BUDGET (512), `_build_one` above it;
     interpret: the kernels' (None: interpreted where there is no GPU); kernel_config: the build kernel's (None: its
     defaults). Every choice gives the same tree.
     Returns a DraftTree with B + 1 nodes."""

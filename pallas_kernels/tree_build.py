@@ -51,10 +51,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._counting import INT32_MIN, count_ahead, total_order_key
+from pallas_kernels._counting import INT32_MIN, count_ahead, kth_largest, total_order_key
 from pallas_kernels._dispatch import cdiv, check_knobs, next_pow2, resolve_interpret
 
-MAX_BUDGET = 128  # C = 620 candidates per depth at B = 128; larger budgets stay on the XLA builder
+MAX_BUDGET = 512  # C = 3280 candidates per depth, 4096 padded (16 per thread of 8 warps): 253 registers on sm_90
 
 _NEG_INF = float("-inf")
 
@@ -91,6 +91,12 @@ class TreeBuildConfig:
                 first: a confident drafter's deep tree at B = 64 keeps few of its 280. On the H200 deep trees
                 (V = 151936, L = 15, top-k included) took 123 against 204 us at B = 64 and 166 against 524 at
                 B = 128; shallow ones the same within the spread (tools/topk_probe.py, 2026-12-04).
+                2: only the candidates at or above the B-th best candidate score itself (`kth_largest`, a
+                32-step bisection over the candidates' keys, held in registers): the B best and their ties.
+                The bound of 1 keeps every candidate where a depth's log-probs are flat (i.i.d. logits at
+                B = 512: 2607 of 3280 at depth 2, ~10^7 compares in one program), this about B; it costs 32
+                reductions per depth, more than it saves where 1 already keeps few (B <= 128). 0: every
+                candidate.
     fuse_above: 1: the running list read once per depth, into registers: its entries' counts of candidates
                 above them ride in the first row block's pass over the candidates (one pass over them less per
                 depth, a [bp, block] tile more in it), and the candidates' counts of running entries at or above
@@ -112,19 +118,22 @@ class TreeBuildConfig:
 
     def __post_init__(self):
         check_knobs(self, pow2={"block": 16, "block_rows": 16})
+        if self.prune not in (0, 1, 2) or isinstance(self.prune, bool):
+            raise ValueError(f"TreeBuildConfig.prune={self.prune!r}: must be 0, 1 or 2")
         for name in ("fuse_above", "hoist_pairs"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"TreeBuildConfig.{name}={getattr(self, name)!r}: must be 0 or 1")
 
 
 def default_config(budget: int) -> TreeBuildConfig:
-    """The knobs for a budget B: the dataclass's defaults at every B. On the H200 no knob was faster at every
-    budget (2026-12-05, docs/performance.md): 64-row tiles (`block_rows`) took 64.4 / 69.6 / 83.8 us against 71.1 /
-    69.6 / 85.1 at V = 8192, B = 15 / 31 / 63 with deep trees, but 105.8 against 101.0 at V = 151936, B = 64, and
-    the same within 2-4% elsewhere. A function, as the other kernels have, so that `tools/with_knobs.py` can lay
-    knobs over it for an A/B in whole rounds."""
-    del budget
-    return TreeBuildConfig()
+    """The knobs for a budget B: the dataclass's defaults up to B = 128, the exact prune (`prune=2`) above. On the
+    H200 no knob was faster at every budget up to 128 (2026-12-05, docs/performance.md): 64-row tiles
+    (`block_rows`) took 64.4 / 69.6 / 83.8 us against 71.1 / 69.6 / 85.1 at V = 8192, B = 15 / 31 / 63 with deep
+    trees, but 105.8 against 101.0 at V = 151936, B = 64, and the same within 2-4% elsewhere. Above 128 nothing is
+    measured yet: `prune=2` because the bound of `prune=1` keeps nearly every candidate of a flat depth there
+    (the knob's docstring). A function, as the other kernels have, so that `tools/with_knobs.py` can lay knobs over
+    it for an A/B in whole rounds."""
+    return TreeBuildConfig(prune=2) if budget > 128 else TreeBuildConfig()
 
 
 def candidate_table(budget: int, k: int) -> np.ndarray:
@@ -178,7 +187,7 @@ def _tree_build_kernel(
     block_r: int,
     block_b: int,
     block_t: int,
-    prune: bool,
+    prune: int,
     fuse_above: bool,
     hoist_pairs: bool,
     interpret: bool,
@@ -240,10 +249,15 @@ def _tree_build_kernel(
         score = score_ref[d - 1, pair_i] + lp_ref[d, jnp.minimum(pair_j, k_ - 1)]  # left to right, as _build_one
         lex = label_ref[pair_i] * k_ + pair_j
         if prune:
-            # The B children (i, 0) all score at least the last one's (the beam is best first), so the B-th best
-            # candidate does too: the candidates below it are left out, the rest kept in (i, j) order. Places
-            # and ranks among the kept are those among all (labels only need the order).
-            kept = cand_ok & (score >= score_ref[d - 1, b_ - 1] + lp_ref[d, 0])
+            # The B-th best candidate scores at least the bound: with prune 1 the last of the B children (i, 0)
+            # (they all score at least its score: the beam is best first), with prune 2 itself. The candidates
+            # below the bound are left out, the rest kept in (i, j) order: every candidate ahead of a kept one is
+            # kept, so places and ranks among the kept are those among all (labels only need the order).
+            if prune == 2:
+                key = jnp.where(cand_ok, total_order_key(score), INT32_MIN)
+                kept = cand_ok & (key >= kth_largest(key, b_))  # C >= B real candidates: the lowest key never counts
+            else:
+                kept = cand_ok & (score >= score_ref[d - 1, b_ - 1] + lp_ref[d, 0])
             flags = kept.astype(jnp.int32)
             slot = jnp.where(kept, jnp.cumsum(flags, axis=0) - flags, cp)
             num = jnp.sum(flags)
@@ -426,7 +440,7 @@ def tree_build_pallas(top_lp, top_tok, root_tokens, *, budget: int, config: Tree
     kernel = functools.partial(
         _tree_build_kernel, budget=budget, k=k, depth_limit=depth_limit, num_pairs=num_pairs, bp=bp, cp=cp,
         tp=tp, block_c=min(config.block, cp), block_r=min(config.block_rows, cp), block_b=min(config.block, bp),
-        block_t=min(config.block, tp), prune=bool(config.prune), fuse_above=bool(config.fuse_above),
+        block_t=min(config.block, tp), prune=config.prune, fuse_above=bool(config.fuse_above),
         hoist_pairs=bool(config.hoist_pairs) and bool(config.prune),
         interpret=interpret)
 

@@ -37,15 +37,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._counting import INT32_MIN, count_ahead, from_total_order_key, total_order_key
+from pallas_kernels._counting import INT32_MIN, count_ahead, from_total_order_key, kth_largest, total_order_key
 from pallas_kernels._dispatch import cdiv, check_knobs, next_pow2, resolve_interpret
 
-MAX_K = 128  # k <= M / 4 keeps the candidate count's margin; larger k stays on the XLA paths
+MAX_K = 512  # the largest budget the tree-build kernel takes (its K = min(B, V)); M = 4 k slots at k >= 128
 ONE_LAUNCH_MAX = 16384  # entries of a row that `one_launch` holds in one program's registers (64 per thread)
 
 
@@ -138,22 +137,10 @@ def _chunk_max_kernel(x_ref, cmax_ref, *, n: int, chunk: int, segment: int, step
     lax.fori_loop(0, segment // step, body, 0)
 
 
-def _kth_largest(values, k: int):
-    """The k-th largest of an int32 vector (with multiplicity; k <= its length), by deciding its bits from the
-    top: the largest u (as an unsigned pattern of the sign-flipped key) with at least k values >= it. (Deciding
-    2 or 4 bits a step, one 2-D count each, was no faster on the H200: 2026-12-04.)"""
-    answer = jnp.int32(0)
-    for bit in range(31, -1, -1):
-        candidate = answer | jnp.int32(np.int32(np.uint32(1 << bit).view(np.int32)))
-        enough = jnp.sum((values >= (candidate ^ INT32_MIN)).astype(jnp.int32)) >= k
-        answer = jnp.where(enough, candidate, answer)
-    return answer ^ INT32_MIN
-
-
 def _threshold_kernel(cmax_ref, t_ref, *, k: int, num_chunks: int, chunks_p: int):
     """cmax_ref [chunks_p] a row's chunk maxima (past num_chunks not read) -> t_ref [1] their k-th largest."""
     maxima = plt.load(cmax_ref.at[pl.ds(0, chunks_p)], mask=jnp.arange(chunks_p) < num_chunks, other=INT32_MIN)
-    t_ref[0] = _kth_largest(maxima, k)
+    t_ref[0] = kth_largest(maxima, k)
 
 
 def _compact_kernel(x_ref, cmax_ref, *refs, n: int, k: int, num_chunks: int, chunks_p: int, chunk: int, slots: int,
@@ -173,7 +160,7 @@ def _compact_kernel(x_ref, cmax_ref, *refs, n: int, k: int, num_chunks: int, chu
         above_key_ref, above_idx_ref, tie_idx_ref, above_count_ref, tie_count_ref, t_ref = refs
         maxima = plt.load(cmax_ref.at[pl.ds(0, chunks_p)], mask=jnp.arange(chunks_p) < num_chunks,
                           other=INT32_MIN)
-        t = _kth_largest(maxima, k)
+        t = kth_largest(maxima, k)
         t_ref[0] = t
 
     def compact(s, size, carry):  # entries [s * size, (s + 1) * size) of the segment; both exclusive counts in
@@ -282,7 +269,7 @@ def _one_launch_kernel(x_ref, values_ref, indices_ref, count_ref, dense_key_ref,
     idx = jnp.arange(n_p, dtype=jnp.int32)
     ok = idx < n
     key = jnp.where(ok, total_order_key(plt.load(x_ref.at[pl.ds(0, n_p)], mask=ok, other=0.0)), INT32_MIN)
-    t = _kth_largest(key, k)  # the padding's lowest key never lifts it: n >= k real entries
+    t = kth_largest(key, k)  # the padding's lowest key never lifts it: n >= k real entries
     above, tie = ok & (key > t), ok & (key == t)
     flags = above.astype(jnp.int32) | (tie.astype(jnp.int32) << 16)  # n_p <= 2^14: both counts in one scan
     before = jnp.cumsum(flags, axis=0) - flags

@@ -176,6 +176,28 @@ def test_decode_loop_makes_no_host_transfers(pair16):
     assert int(final.step) > 3 and bool(final.done.all())  # many rounds ran inside the one call
 
 
+def test_tree_kernels_run_up_to_their_measured_budget(monkeypatch):
+    """`round.propose` with the Pallas kernels: the vocabulary top-k and tree-build kernels up to
+    `round.TREE_BUILD_KERNEL_UP_TO` (128), XLA's top-k and builder above it, though the kernels take up to 512;
+    raised (as `tools/with_knobs.py engine:tree_kernels_up_to=512` raises it), B = 200 runs the kernels too."""
+    import ddtree_jax.round as rounds
+
+    logits = jax.random.normal(jax.random.key(0), (1, 3, 4000), jnp.float32)
+    last = jnp.array([1], jnp.int32)
+
+    def kernels(budget: int) -> list[str]:
+        options = DecodeOptions(mode=Mode.DDTREE, budget=budget, kernels="pallas")
+        jaxpr = jax.make_jaxpr(lambda lg, lt: rounds.propose(lg, lt, options))(logits, last)
+        return sorted(str(eqn.params.get("name") or eqn.params.get("name_and_src_info")).split(" ")[0]
+                      for eqn, _ in equations(jaxpr) if eqn.primitive.name == "pallas_call")
+
+    pallas = ["tree_build", "vocab_top_k_chunk_max", "vocab_top_k_compact", "vocab_top_k_select"]
+    assert kernels(128) == pallas
+    assert kernels(200) == []
+    monkeypatch.setattr(rounds, "TREE_BUILD_KERNEL_UP_TO", 512)
+    assert kernels(200) == pallas
+
+
 # ---- --budget auto: each round verifies one candidate (chain, 4, 16), chosen on device; always an exact round
 
 

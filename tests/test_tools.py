@@ -379,21 +379,28 @@ def test_auto_counterfactual_rules_and_trajectory(tmp_path, capsys):
 
 
 def test_with_knobs_lays_knobs_over_each_kernels_defaults(tmp_path, monkeypatch, capsys):
-    """tools/with_knobs.py: top_k and tree_build knobs laid over their default_config at every size, seen by the
-    module or script it runs; an unknown kernel, field or a value the config refuses is one error line, exit 2."""
+    """tools/with_knobs.py: top_k and tree_build knobs laid over their default_config at every size, and the engine's
+    budget limit for the tree kernels, seen by the module or script it runs; an unknown kernel, field or a value the
+    config refuses is one error line, exit 2."""
+    import ddtree_jax.round as rounds
     from pallas_kernels import tree_build, vocab_top_k
 
     monkeypatch.setattr(vocab_top_k, "default_config", vocab_top_k.default_config)  # restored after the test
     monkeypatch.setattr(tree_build, "default_config", tree_build.default_config)
+    monkeypatch.setattr(rounds, "TREE_BUILD_KERNEL_UP_TO", rounds.TREE_BUILD_KERNEL_UP_TO)
     script = tmp_path / "probe_knobs.py"
     script.write_text(
-        "import sys\nfrom pallas_kernels import tree_build, vocab_top_k\n"
+        "import sys\nfrom pallas_kernels import tree_build, vocab_top_k\nfrom ddtree_jax import round as rounds\n"
         "print(vocab_top_k.default_config(8192).one_launch, vocab_top_k.default_config(151936).one_launch, "
-        "vocab_top_k.default_config(8192).segment, tree_build.default_config(31).block_rows, sys.argv[1:])\n")
+        "vocab_top_k.default_config(8192).segment, tree_build.default_config(31).block_rows, "
+        "tree_build.default_config(512).prune, rounds.TREE_BUILD_KERNEL_UP_TO, sys.argv[1:])\n")
     assert (vocab_top_k.default_config(8192).one_launch, tree_build.default_config(31).block_rows) == (0, 128)
-    assert with_knobs.main(["top_k:one_launch=1", "tree_build:block_rows=64", "-m", str(script), "--y"]) == 0
-    assert capsys.readouterr().out.strip() == "1 1 2048 64 ['--y']"
-    for bad in ("topk:one_launch=1", "top_k:one_lunch=1", "tree_build:block_rows=48", "top_k:skip_cold=x"):
+    assert (tree_build.default_config(31).prune, tree_build.default_config(512).prune) == (1, 2)
+    assert with_knobs.main(["top_k:one_launch=1", "tree_build:block_rows=64", "engine:tree_kernels_up_to=512",
+                            "-m", str(script), "--y"]) == 0
+    assert capsys.readouterr().out.strip() == "1 1 2048 64 2 512 ['--y']"
+    for bad in ("topk:one_launch=1", "top_k:one_lunch=1", "tree_build:block_rows=48", "top_k:skip_cold=x",
+                "engine:tree_kernels_up_to=0", "engine:up_to=512"):
         assert with_knobs.main([bad, "-m", str(script)]) == 2
         assert capsys.readouterr().err.startswith(f"error: {bad!r}")
     assert with_knobs.main(["-m", str(script)]) == 2

@@ -49,6 +49,11 @@
 #   knobs_demo  the demo pair's rounds with the attention chunked and with single_pass -> knobs_lc_{multi,single}.json
 #   topk_demo  issue 19: the vocabulary top-k's and tree build's GPU tests, then the top-k in one launch at V = 8192 and
 #             the build's 64-row tiles (V = 8192 and 151936, deep and i.i.d.) alone        -> v8k/, v152k_peak{20,0}/
+#   wide_build  issue 19: the top-k and tree-build kernels at B = 256 and 512 (2026-12-05; up to 128 before): their
+#             GPU tests, then tools/topk_probe.py at V = 151936 (i.i.d. and deep) against XLA's threshold top-k and
+#             builder, the build kernel with prune 2 (its default above 128) and 1; then the 8B DDTree rounds at
+#             B = 256, 512 with the kernels (tools/with_knobs.py engine:tree_kernels_up_to=512) and without
+#                                                       -> wide_peak{0,20}/, wide_{xla,kernels}/
 #   knobs_rounds  the demo pair's rounds (tools/loop_cost.py) and end to end (the bench, 32 prompts x 128) at the
 #             defaults and with each ';'-separated set of $KNOBS (tools/with_knobs.py items, space-separated)
 #                                                                          -> lc_{0,1,..}.json, demo_{0,1,..}/bench.json
@@ -197,6 +202,24 @@ TreeAttentionConfig as C; l.ATTENTION_CONFIG = C(single_pass=True)"
           --top-k pallas --tree-build pallas,pallas:block_rows=64 --peak "$peak" 2>&1 | grep '^|'
       done
       rm -f "$OUT"/v*/topk_probe.md
+      ;;
+    wide_build)
+      log "top-k and tree-build kernels' GPU tests (B and K up to 512)"
+      timeout -k 5 240 python3 -m pytest -q -o addopts="" -m gpu tests/kernels/test_vocab_top_k.py \
+        tests/kernels/test_tree_build.py 2>&1 | tail -3
+      for peak in 0 20; do
+        log "B = 256, 512, V = 151936, peak $peak: XLA against the kernels"
+        timeout -k 5 150 python3 tools/topk_probe.py --out "$OUT/wide_peak$peak" --vocab 151936 --budgets 256,512 \
+          --top-k threshold,pallas --tree-build reference,pallas,pallas:prune=1 --peak "$peak" 2>&1 | grep '^|'
+      done
+      rm -f "$OUT"/wide_peak*/topk_probe.md
+      for side in xla kernels; do
+        log "8B DDTree rounds at B = 256, 512, tree kernels: $side"
+        run="python3"; [ "$side" = kernels ] && run="python3 tools/with_knobs.py engine:tree_kernels_up_to=512"
+        timeout -k 5 "${WIDE_BENCH_LIMIT:-150}" $run -m ddtree_jax.bench --shape qwen3-8b --budgets 256,512 \
+          --modes ddtree --repeats 3 --kernels pallas --out "$OUT/wide_$side" 2>&1 | grep -v '^{"mode"' | grep '^|'
+        rm -f "$OUT/wide_$side"/bench.{md,png,partial.json}
+      done
       ;;
     knobs_rounds)
       IFS=';' read -ra sets <<< ";${KNOBS:?}"  # the defaults first

@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             for config in configs:
                 fn = functools.partial(tac.greedy_tokens_pallas, config=config)
                 jobs.append((f"tree_accept {jnp.dtype(dtype).name} T={t}", config, fn, acc_args))
-    for budget in (16, 64, 128):  # the tree build after the top-k, L = 15 (block 16), batch 1 and 4
+    for budget in (16, 64, 128, 256, 512):  # the tree build after the top-k, L = 15 (block 16), batch 1 and 4
         for rows in (1, 4):
             build_args = [sds((rows, 15, budget), jnp.float32), sds((rows, 15, budget), jnp.int32),
                           sds((rows,), jnp.int32)]
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             for config in configs:
                 fn = functools.partial(tbk.tree_build_pallas, budget=budget, config=config)
                 jobs.append((f"tree_build B={budget} b={rows}", config, fn, build_args))
-    for k in (16, 64, 128):  # the vocabulary top-k's three launches, 15 rows of the Qwen vocabulary
+    for k in (16, 64, 128, 256, 512):  # the vocabulary top-k's three launches, 15 rows of the Qwen vocabulary
         config = vtk.VocabTopKConfig()
         fn = functools.partial(vtk.vocab_top_k_pallas, k=k, config=config)
         for which, launch in enumerate(("chunk maxima", "compact", "select")):

@@ -3,19 +3,23 @@ committing it.
 
     python tools/with_knobs.py top_k:one_launch=1 tree_build:block_rows=64 -m ddtree_jax.bench --budgets 15,31,63 ...
     python tools/with_knobs.py tree_rule:unrolled_chain=1,value_block=32 -m tools.loop_cost ...
+    python tools/with_knobs.py engine:tree_kernels_up_to=512 -m ddtree_jax.bench --budgets 255,511 ...
 
 Each KERNEL:KNOBS names a kernel and its config's fields (integers; 0 / 1 for the booleans), laid over that
 kernel's `default_config`, which is what the engine uses when it passes no config:
 - `top_k`: `pallas_kernels.vocab_top_k.VocabTopKConfig` over `default_config(n)`, every row length;
 - `tree_build`: `pallas_kernels.tree_build.TreeBuildConfig` over `default_config(budget)`, every budget;
 - `tree_rule`: `pallas_kernels.tree_delta_rule.TreeDeltaRuleConfig` over `default_config(t)` past one block of
-  nodes (17 and more; one block keeps its own form).
+  nodes (17 and more; one block keeps its own form);
+- `engine`: the engine's own choices, `tree_kernels_up_to=N` (`ddtree_jax.round.TREE_BUILD_KERNEL_UP_TO`: the
+  budgets whose vocabulary top-k and tree build run in the Pallas kernels, e.g. 512 to time B = 256 and 512 there).
 A module path after -m may be a file's (tools/loop_cost.py): it is run as a script then.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import runpy
 import sys
 from pathlib import Path
@@ -33,6 +37,10 @@ KERNELS = {
                   lambda: [tree_delta_rule.default_config(t)
                            for t in range(tree_delta_rule.BLOCK + 1, tree_delta_rule.MAX_NODES + 1)]),
 }
+
+
+# The `engine` knobs: name -> (module, attribute), each an int.
+ENGINE = {"tree_kernels_up_to": ("ddtree_jax.round", "TREE_BUILD_KERNEL_UP_TO")}
 
 
 def parse_knobs(text: str, config_class) -> dict:
@@ -53,8 +61,13 @@ def parse_knobs(text: str, config_class) -> dict:
 
 
 def override(kernel: str, knobs: dict) -> None:
-    """Lay `knobs` over `kernel`'s default_config in this process; ValueError (or TypeError) now, from the config's
-    own checks, where they do not fit one of its default forms."""
+    """Lay `knobs` over `kernel`'s default_config in this process (`engine`: set its attributes); ValueError (or
+    TypeError) now, from the config's own checks, where they do not fit one of its default forms."""
+    if kernel == "engine":
+        for name, value in knobs.items():
+            module, attribute = ENGINE[name]
+            setattr(importlib.import_module(module), attribute, value)
+        return
     module, _, samples = KERNELS[kernel]
     for config in samples():  # fail now, not at the first trace
         dataclasses.replace(config, **knobs)
@@ -72,8 +85,13 @@ def override(kernel: str, knobs: dict) -> None:
 def parse_item(item: str) -> tuple[str, dict]:
     """'top_k:one_launch=1' -> ('top_k', {'one_launch': 1}); ValueError names an unknown kernel or bad knob."""
     kernel, sep, text = item.partition(":")
-    if not sep or kernel not in KERNELS:
-        raise ValueError(f"expected KERNEL:KNOBS with KERNEL one of {', '.join(KERNELS)}")
+    if not sep or kernel not in (*KERNELS, "engine"):
+        raise ValueError(f"expected KERNEL:KNOBS with KERNEL one of {', '.join(KERNELS)}, engine")
+    if kernel == "engine":
+        knobs = parse_knobs(text, dataclasses.make_dataclass("EngineKnobs", [(name, int) for name in ENGINE]))
+        if any(value < 1 for value in knobs.values()):
+            raise ValueError(f"{text!r}: engine knobs are positive integers")
+        return kernel, knobs
     return kernel, parse_knobs(text, KERNELS[kernel][1])
 
 

@@ -49,6 +49,11 @@ CASES = [
     Case(2, 15, 1000, 16, peak=8.0),  # deep, and stopping early on some rows
     Case(2, 2, 5, 64),  # V < B: K = V, beam slots past K at -inf, and 5 + 25 finite prefixes < B: padding nodes
     Case(1, 2, 300, 128),
+    # Above B = 128 the default prunes to the B-th best candidate itself (`prune=2`): flat log-probs (the bound of
+    # `prune=1` keeps nearly every candidate there), a deep tree, and ties at the threshold.
+    Case(1, 15, 4000, 512),
+    Case(1, 15, 4000, 512, peak=12.0),
+    Case(2, 15, 2000, 256, levels=1),
 ]
 
 
@@ -84,11 +89,20 @@ class TestTreeBuildKernel:
         assert_same_tree(got, want)
         if case.vocab < case.budget:  # the padding case has padding nodes
             assert not np.asarray(want.valid).all()
+        if not (case.peak and case.budget == 64 or case.budget > 128):
+            return
+        top = np.sort(np.asarray(lp[0, :2]), axis=-1)[:, ::-1][:, :case.budget]  # depths 1 and 2, best first
+        i, j = np.array([(i, j) for i in range(case.budget) for j in range(case.budget // (i + 1))]).T
+        score = top[0, i] + top[1, j]  # depth 2's candidates (K = B here)
+        bound = top[0, case.budget - 1] + top[1, 0]  # prune=1's: the worst of the B children (i, 0)
         if case.peak and case.budget == 64:  # the default prunes, and here not vacuously: at depth 2 at least two in
-            # five candidates lie below the bound (the worst of the B children (i, 0)) and are left out
-            top = np.sort(np.asarray(lp[0, :2]), axis=-1)[:, ::-1][:, :case.budget]  # depths 1 and 2, best first
-            i, j = np.array([(i, j) for i in range(case.budget) for j in range(case.budget // (i + 1))]).T
-            assert np.mean(top[0, i] + top[1, j] < top[0, case.budget - 1] + top[1, 0]) > 0.4
+            # five candidates lie below the bound and are left out
+            assert np.mean(score < bound) > 0.4
+        if case.budget > 128:  # prune=2 by default, not vacuously: the bound of prune=1 keeps far more than the B
+            # best; with ties, more than B candidates share the B-th best score (all kept)
+            best = np.sort(score)[::-1][case.budget - 1]
+            assert np.sum(score >= bound) > 2 * np.sum(score >= best) or case.levels
+            assert np.sum(score >= best) > case.budget if case.levels else np.sum(score >= best) == case.budget
 
     def test_a_perturbed_input_gives_another_tree(self, interpret: bool):
         """Negative control: the comparison sees a change of one log-prob (depth 1's best token made the worst),
@@ -135,6 +149,14 @@ def test_latency_knobs_give_the_same_tree(case: Case, interpret: bool):
     assert_knobs_give_the_reference_tree(case, tb.TreeBuildConfig(fuse_above=1, hoist_pairs=1), interpret)
 
 
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("case", [CASES[3], CASES[4], CASES[6]], ids=str)
+def test_exact_prune_gives_the_same_tree(case: Case, interpret: bool):
+    """`prune=2` (the candidates at or above the B-th best score, by a bisection; the default above B = 128) at
+    B = 64: the same tree on tied, deep and padded inputs (one beam slot past K at -inf, so -inf candidates)."""
+    assert_knobs_give_the_reference_tree(case, tb.TreeBuildConfig(prune=2), interpret)
+
+
 def test_budget_above_the_kernel_maximum():
     """The kernel refuses B > MAX_BUDGET naming it; build_tree keeps those on the XLA builder."""
     budget = tb.MAX_BUDGET + 1
@@ -151,6 +173,8 @@ def test_config_is_validated():
         tb.TreeBuildConfig(block=24)
     with pytest.raises(ValueError, match="block_rows=8"):
         tb.TreeBuildConfig(block_rows=8)
+    with pytest.raises(ValueError, match="TreeBuildConfig.prune=3: must be 0, 1 or 2"):
+        tb.TreeBuildConfig(prune=3)
     with pytest.raises(ValueError, match="TreeBuildConfig.fuse_above=2: must be 0 or 1"):
         tb.TreeBuildConfig(fuse_above=2)
     with pytest.raises(ValueError, match="TreeBuildConfig.hoist_pairs=-1: must be 0 or 1"):

@@ -1,8 +1,8 @@
 """The vocabulary top-k kernel against its reference, lax.top_k's order on a CPU (NumPy here): the same values (bit
 for bit, in XLA's total order of floats) and the same indices in the same order, over rows with ties within and
-across chunks, -inf, a row of only -inf, a row of one value, signed zeros, +-inf and NaN, at the engine's k (16, 64,
-128) and row lengths that are not multiples of the kernel's step; and the candidate count that tells the caller to
-fall back.
+across chunks, -inf, a row of only -inf, a row of one value, signed zeros, +-inf and NaN, at k = 16, 64, 128 and
+512 (the tree-build kernel's largest budget) and row lengths that are not multiples of the kernel's step; and the
+candidate count that tells the caller to fall back.
 
 Every test runs interpreted on CPU and compiled on a GPU (marked `gpu`, skipped without one).
 """
@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_kernels import _counting as counting
 from pallas_kernels import vocab_top_k as vtk
 
 INTERPRET = [pytest.param(True, id="interpret"), pytest.param(False, id="compiled", marks=pytest.mark.gpu)]
@@ -84,12 +85,12 @@ def test_kth_largest():
     rng.shuffle(values)
     descending = np.sort(values)[::-1]
     for k in (1, 2, 3, 40, 120, 200, len(values)):
-        assert int(jax.jit(vtk._kth_largest, static_argnums=1)(jnp.asarray(values), k)) == descending[k - 1], k
+        assert int(jax.jit(counting.kth_largest, static_argnums=1)(jnp.asarray(values), k)) == descending[k - 1], k
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
 @pytest.mark.parametrize("config", CONFIGS)
-@pytest.mark.parametrize("n,k", [(8192, 16), (5003, 64), (20000, 128)])
+@pytest.mark.parametrize("n,k", [(8192, 16), (5003, 64), (20000, 128), (30011, 512)])
 def test_equals_lax_top_k(n, k, config, interpret):
     x = rows_with_ties(n, n + k)
     values, indices, count = vtk.vocab_top_k(jnp.asarray(x), k, config=config, interpret=interpret)
@@ -132,9 +133,11 @@ def test_sizes_and_bad_arguments():
     assert vtk.kernel_sizes(151936, 64) == (512, 512)  # 297 chunks >= 4 k: the bound's margin
     assert vtk.kernel_sizes(151936, 128) == (256, 512)
     assert vtk.kernel_sizes(8192, 16) == (32, 512)
-    assert vtk.kernel_sizes(512, 16) is None and vtk.kernel_sizes(151936, 256) is None
-    with pytest.raises(ValueError, match="k=256"):
-        vtk.vocab_top_k(jnp.zeros((1, 151936)), 256, interpret=True)
+    assert vtk.kernel_sizes(151936, 256) == (128, 1024) and vtk.kernel_sizes(151936, 512) == (64, 2048)
+    assert vtk.kernel_sizes(512, 16) is None and vtk.kernel_sizes(151936, vtk.MAX_K + 1) is None
+    assert vtk.kernel_sizes(2048, 512) is None  # no more entries than the 2048 slots
+    with pytest.raises(ValueError, match=f"k={vtk.MAX_K + 1}"):
+        vtk.vocab_top_k(jnp.zeros((1, 151936)), vtk.MAX_K + 1, interpret=True)
     with pytest.raises(ValueError, match="VocabTopKConfig.step"):
         vtk.VocabTopKConfig(step=1000)
     with pytest.raises(ValueError, match="VocabTopKConfig.step=32768: must be at most 16384"):
