@@ -119,9 +119,9 @@ class DecodeOptions:
       `layers.fp8_stream_config`) or "auto" (`models.contract.resolve_fp8_matmul`: "stream" with the Pallas
       kernels on a GPU, where the FP8 projections streamed in a third of XLA's time), pinned by
       `engine.resolve_options`; or "w8a8": streamed as "stream" says, with each token's activations quantised to
-      FP8 per group of 128 features first (`models.fp8.quantize_rows`; the arithmetic transformers and vLLM run
-      the published FP8 checkpoints with on a GPU: FP8 tensor cores, other outputs than the dequantised weights'),
-      never chosen by "auto". No effect without FP8 weights.
+      FP8 per group of 128 features (`models.fp8.quantize_rows`, power-of-two scales; inside the kernel where it
+      can; the arithmetic transformers and vLLM run the published FP8 checkpoints with on a GPU: FP8 tensor cores,
+      other outputs than the dequantised weights'), never chosen by "auto". No effect without FP8 weights.
     row_invariant: every row's arithmetic independent of the call's other rows (`models.contract.Runtime`): the
       weight-streaming matmul for the projections and the lm_head, the row-invariant attention kernel, so that
       greedy speculative output is the AR output bit for bit in bf16 on dense targets without sliding windows

@@ -35,14 +35,18 @@ partial sums are scaled back with the block's scale; a power of two scales every
 round as the widened tile's do: the same bits as `fp8_bits=0` unless a product falls below float32's normal range
 (under 2^-78 in the true units).
 
-FP8 activations too (W8A8, `x_scale`): x may itself be float8_e4m3fn with float32 scales x_scale [t, ceil(k / bi)],
-one per row and input block (the per-token, per-128-feature quantisation that transformers and vLLM apply to the
-published checkpoints' activations on a GPU; `ddtree_jax/models/fp8.py` makes it). Then nothing is widened: each
-[block_n, block_k] weight tile and each row tile of x go to the tensor cores as FP8 (Hopper's FP8 wgmma), and the
-float32 tile of partial sums is scaled by the weight block's scale times each row's scale before it is added:
-sum over blocks of s_b x_s[r] (sum over the block of q_w q_x). Hopper accumulates FP8 products inside one
-instruction in fewer than float32's bits, so a block's partial sum may differ from the exact one in its last bits
-(the tests' tolerance says how far); a row's arithmetic still depends on nothing but that row.
+FP8 activations too (W8A8): x's rows quantised to float8_e4m3fn per row and input block of bi features
+(`quantize_rows`: the per-token, per-128-feature dynamic quantisation of the published checkpoints' activations,
+with power-of-two scales), either given (x float8_e4m3fn with its float32 scales `x_scale` [t, ceil(k / bi)]) or
+done inside the kernel (`quantize_x`: x in its float dtype, block_k = bi, so that each step's row tile is one
+group: its largest |x| per row, the scale from it, one multiply and one rounding per entry, the same bits as
+`quantize_rows`; no launch of its own, and the rows' [t, k] tile is small beside the weight tile every program
+streams). Then nothing is widened: each [block_n, block_k] weight tile and each row tile of FP8 x go to the
+tensor cores (Hopper's FP8 wgmma), and the float32 tile of partial sums is scaled by the weight block's scale
+times each row's scale before it is added: sum over blocks of s_b x_s[r] (sum over the block of q_w q_x). Hopper
+accumulates FP8 products inside one instruction in fewer than float32's bits, so a block's partial sum may differ
+from the exact one in its last bits (the tests' tolerance says how far); a row's arithmetic still depends on
+nothing but that row.
 
 Letters: t rows (tokens), tg rows per group, tp padded rows, k input features, n output features, s splits of k.
 `stream_matmul_reference` is the plain-jnp restatement (float32 accumulation, result in x's dtype; an FP8
@@ -65,6 +69,40 @@ from pallas_kernels._fp8_dot import fp8_dot
 
 
 GROUP_ROWS = 128  # the most rows one program multiplies (its accumulators: block_n x 128 float32)
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def fp8_row_scales(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """float32 [...] each group's largest |x| -> (scale, inverse) float32 [...]: scale the least power of two at
+    or above amax / 448 (1 for an all-zero group), inverse = 1 / scale, both exact (so that the quantisation
+    x * inverse, exact, then one rounding to float8_e4m3fn, is the same bits in XLA and inside a kernel: no
+    division, which Triton rounds approximately). Exponent and mantissa bits only: 448 = 1.75 x 2^8, so for
+    amax = 1.m x 2^e the scale is 2^(e - 8), or 2^(e - 7) where 1.m > 1.75. Every x of the group then maps into
+    [-448, 448] with the largest above 224: e4m3's relative precision is its mantissa's in every binade, so a
+    power of two loses nothing against amax / 448 above e4m3's subnormals (at most one binade of those). Works
+    on jnp arrays and inside Pallas kernels. Example: amax 448 -> 1, 449 -> 2, 1.0 -> 2^-8."""
+    bits = lax.bitcast_convert_type(amax.astype(jnp.float32), jnp.int32)
+    biased = ((bits >> 23) & 0xFF) - 8 + ((bits & 0x7FFFFF) > 0x600000).astype(jnp.int32)
+    biased = jnp.clip(biased, 1, 253)  # normal scales and inverses (a subnormal amax: 2^-126, its x still fit)
+    scale = lax.bitcast_convert_type(biased << 23, jnp.float32)
+    inverse = lax.bitcast_convert_type((254 - biased) << 23, jnp.float32)
+    zero = amax == 0
+    return jnp.where(zero, 1.0, scale), jnp.where(zero, 1.0, inverse)
+
+
+@functools.partial(jax.jit, static_argnames=("group",))
+def quantize_rows(x: jax.Array, group: int) -> tuple[jax.Array, jax.Array]:
+    """Activations [t, k] -> (float8_e4m3fn [t, k], float32 scales [t, ceil(k / group)]): each row's groups of
+    `group` features (the last one partial where group does not divide k) scaled by `fp8_row_scales` of the
+    group's largest |x|, x * inverse rounded to nearest (no clip needed: |x * inverse| <= 448, exactly). The
+    dynamic per-token quantisation the W8A8 kernel applies (`quantize_x`), with `group` the weight block's input
+    size (128); a row's result depends on that row alone. x = q * scale up to e4m3's rounding."""
+    t, k = x.shape
+    groups = -(-k // group)
+    x32 = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, groups * group - k))).reshape(t, groups, group)
+    scale, inverse = fp8_row_scales(jnp.max(jnp.abs(x32), axis=-1))
+    q = (x32 * inverse[..., None]).astype(jnp.float8_e4m3fn)
+    return q.reshape(t, groups * group)[:, :k], scale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,12 +192,14 @@ def _row_tiles(t: int, row_tile: int | None = None) -> tuple[int, ...]:
 
 
 def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_block: tuple[int, int] | None,
-            row_tiles: tuple[int, ...], fp8_bits: int, fp8_rows: bool, promote_k: int, asm: bool):
+            row_tiles: tuple[int, ...], fp8_bits: int, fp8_rows: bool, quantize_x: bool, promote_k: int, asm: bool):
     # x_ref [tg, ks] one group's rows of x, this split's k slice; w_ref [block_n, ks] weight rows; o_ref [block_n, tg] f32;
     # with FP8 weights, s_ref [so, si] all the block scales (one scalar read per step); with FP8 rows too
-    # (`fp8_rows`), xs_ref [si, tp] every row's scales, transposed so that a row tile's are one contiguous read. The
-    # rows go in `row_tiles` (tg = their sum), each with its own accumulator; every weight tile is loaded once for all.
-    if fp8_rows:
+    # (`fp8_rows`), xs_ref [si, tp] every row's scales, transposed so that a row tile's are one contiguous read; with
+    # `quantize_x` the rows come in their float dtype and each step's tile (one group: block_k = bi) is quantised
+    # here. The rows go in `row_tiles` (tg = their sum), each with its own accumulator; every weight tile is loaded
+    # once for all.
+    if fp8_rows and not quantize_x:
         s_ref, xs_ref, o_ref = refs
     else:
         s_ref, o_ref = refs if scale_block is not None else (None, *refs)
@@ -184,10 +224,16 @@ def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_bloc
         new = []
         for acc, start, size in zip(accs, starts, row_tiles):
             x = x_ref[pl.ds(start, size), cols]
+            if quantize_x:  # this tile is one group of each row: `quantize_rows`, inline
+                x32 = x.astype(jnp.float32)
+                x_scale, inverse = fp8_row_scales(jnp.max(jnp.abs(x32), axis=1))
+                x = (x32 * inverse[:, None]).astype(jnp.float8_e4m3fn)
+            elif fp8_rows:
+                x_scale = xs_ref[block_col, pl.ds(group_row + start, size)]
             if fp8_rows:  # FP8 tensor cores, then the weight block's scale times each row's
                 tile = fp8_dot(w, x, promote_k) if promote_k else lax.dot_general(
                     w, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                tile = tile * (scale * xs_ref[block_col, pl.ds(group_row + start, size)])[None, :]
+                tile = tile * (scale * x_scale)[None, :]
             else:
                 tile = lax.dot_general(w, x, (((1,), (1,)), ((), ())), precision=precision,
                                        preferred_element_type=jnp.float32)
@@ -232,14 +278,15 @@ def _splits(k: int, n_blocks: int, config: StreamMatmulConfig) -> int:
     return max(s for s in range(1, steps + 1) if steps % s == 0 and s <= want)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "config", "out_dtype", "interpret", "debug"))
+@functools.partial(jax.jit, static_argnames=("block", "quantize_x", "config", "out_dtype", "interpret", "debug"))
 def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None = None, x_scale=None,
-                         config: StreamMatmulConfig | None = None, out_dtype=None, interpret: bool = False,
-                         debug: bool = False) -> jax.Array:
-    """The Pallas kernel; arguments and result as `stream_matmul_reference`, plus the knobs."""
+                         quantize_x: bool = False, config: StreamMatmulConfig | None = None, out_dtype=None,
+                         interpret: bool = False, debug: bool = False) -> jax.Array:
+    """The Pallas kernel; arguments and result as `stream_matmul_reference`, plus the knobs (with `quantize_x`,
+    block_k must be the scale block's bi: a step's tile is one group)."""
     config = StreamMatmulConfig() if config is None else config
-    _check(x, w, scale_inv, block, x_scale, out_dtype)
-    fp8_rows = x_scale is not None
+    _check(x, w, scale_inv, block, x_scale, out_dtype, quantize_x)
+    fp8_rows = x_scale is not None or quantize_x
     t, k = x.shape
     n = w.shape[0]
     block_n = min(config.block_n, next_pow2(n))
@@ -249,6 +296,9 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
     if block is not None and (block[0] % block_n or block[1] % config.block_k):
         raise ValueError(f"FP8 scale blocks {tuple(block)}: block_n={block_n} and block_k={config.block_k} must "
                          "divide them (a tile inside one scale block)")
+    if quantize_x and config.block_k != block[1]:
+        raise ValueError(f"quantize_x: block_k={config.block_k} must be the scale block's {block[1]} input features "
+                         "(a step's tile is one group of each row)")
     groups = -(-t // GROUP_ROWS)
     row_tiles = _row_tiles(min(t, GROUP_ROWS), config.row_tile)
     tg = sum(row_tiles)  # rows per group
@@ -258,7 +308,7 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
     # The weight's dtype for x unless the weight is FP8 (then the tiles are widened to x's dtype, or x is FP8 too).
     xp = jnp.pad(x.astype(x.dtype if block is not None else w.dtype), [(0, tp - t), (0, 0)])
-    fp8_bits = config.fp8_bits if block is not None and x.dtype == jnp.bfloat16 else 0
+    fp8_bits = config.fp8_bits if block is not None and x.dtype == jnp.bfloat16 and not fp8_rows else 0
     if fp8_bits:
         xp = xp * jnp.bfloat16(2.0 ** X_PRESCALE_EXPONENT)  # exact below 2^64 (module docstring)
     in_specs = [pl.BlockSpec((tg, ks), lambda i, s, g: (g, s)),  # x rows of this group, this split's k slice
@@ -267,14 +317,14 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
     if block is not None:
         in_specs.append(pl.BlockSpec(scale_inv.shape, lambda i, s, g: (0, 0)))  # every scale (a scalar read per step)
         operands.append(scale_inv)
-    if fp8_rows:  # every row's scales, [si, tp] (padded rows' are zeros: their products are anyway)
+    if x_scale is not None:  # every row's scales, [si, tp] (padded rows' are zeros: their products are anyway)
         xs = jnp.pad(x_scale.astype(jnp.float32), [(0, tp - t), (0, 0)]).T
         in_specs.append(pl.BlockSpec(xs.shape, lambda i, s, g: (0, 0)))
         operands.append(xs)
     partial_sums = pl.pallas_call(
         functools.partial(_kernel, block_k=config.block_k, steps=ks // config.block_k, precision=precision,
                           scale_block=None if block is None else tuple(block), row_tiles=row_tiles,
-                          fp8_bits=fp8_bits, fp8_rows=fp8_rows, asm=not interpret,
+                          fp8_bits=fp8_bits, fp8_rows=fp8_rows, quantize_x=quantize_x, asm=not interpret,
                           promote_k=config.block_k if config.promote_k is None else config.promote_k),
         grid=(n // block_n, splits, groups),
         in_specs=in_specs,
@@ -292,16 +342,17 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
 
 
 def stream_matmul(x, w, scale_inv=None, *, block: tuple[int, int] | None = None, x_scale=None,
-                  implementation: str | None = None, config: StreamMatmulConfig | None = None, out_dtype=None,
-                  interpret: bool | None = None) -> jax.Array:
+                  quantize_x: bool = False, implementation: str | None = None, config: StreamMatmulConfig | None = None,
+                  out_dtype=None, interpret: bool | None = None) -> jax.Array:
     """Dispatcher: the Pallas kernel on a GPU, the reference elsewhere (see `pallas_kernels.resolve_implementation`)."""
     if resolve_implementation(implementation) == "reference":
-        return stream_matmul_reference(x, w, scale_inv, block=block, x_scale=x_scale, out_dtype=out_dtype)
-    return stream_matmul_pallas(x, w, scale_inv, block=block, x_scale=x_scale, config=config, out_dtype=out_dtype,
-                                interpret=resolve_interpret(interpret))
+        return stream_matmul_reference(x, w, scale_inv, block=block, x_scale=x_scale, quantize_x=quantize_x,
+                                       out_dtype=out_dtype)
+    return stream_matmul_pallas(x, w, scale_inv, block=block, x_scale=x_scale, quantize_x=quantize_x, config=config,
+                                out_dtype=out_dtype, interpret=resolve_interpret(interpret))
 
 
-def _check(x, w, scale_inv=None, block=None, x_scale=None, out_dtype=None):
+def _check(x, w, scale_inv=None, block=None, x_scale=None, out_dtype=None, quantize_x=False):
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x must be [t, k] and w [n, k], got {x.shape} and {w.shape}")
     if (scale_inv is None) != (block is None):
@@ -311,6 +362,11 @@ def _check(x, w, scale_inv=None, block=None, x_scale=None, out_dtype=None):
         if scale_inv.shape != want:
             raise ValueError(f"scale_inv must be [ceil(n / bo), ceil(k / bi)] = {want} for w {w.shape} and block "
                              f"{tuple(block)}, got {scale_inv.shape}")
+    if quantize_x:
+        if block is None or w.dtype != jnp.float8_e4m3fn or x.dtype == jnp.float8_e4m3fn or x_scale is not None:
+            raise ValueError(f"quantize_x quantises float rows of x (x is {x.dtype}) for a block-scaled "
+                             "float8_e4m3fn weight, without an x_scale")
+        return
     if (x_scale is not None) != (x.dtype == jnp.float8_e4m3fn):
         raise ValueError(f"x_scale goes with float8_e4m3fn rows of x and only with them (x is {x.dtype}, x_scale "
                          f"{'given' if x_scale is not None else 'None'})")
@@ -325,16 +381,19 @@ def _check(x, w, scale_inv=None, block=None, x_scale=None, out_dtype=None):
             raise ValueError("FP8 rows of x (x_scale) need an out_dtype")
 
 
-@functools.partial(jax.jit, static_argnames=("block", "out_dtype"))
+@functools.partial(jax.jit, static_argnames=("block", "quantize_x", "out_dtype"))
 def stream_matmul_reference(x, w, scale_inv=None, *, block: tuple[int, int] | None = None, x_scale=None,
-                            out_dtype=None) -> jax.Array:
+                            quantize_x: bool = False, out_dtype=None) -> jax.Array:
     """x [t, k] @ w [n, k]^T -> [t, n] in `out_dtype` (default x's dtype), accumulated in float32 (w in its HF
     [out, in] layout). With `scale_inv` [ceil(n / bo), ceil(k / bi)] and `block` (bo, bi), w is block-scaled FP8
     and is dequantised in float32 first (w[r, c] x scale_inv[r // bo, c // bi]). With `x_scale` [t, ceil(k / bi)],
     x is float8_e4m3fn too (per row and input block) and is dequantised alike (x[r, c] x x_scale[r, c // bi]);
-    `out_dtype` is then required."""
-    _check(x, w, scale_inv, block, x_scale, out_dtype)
+    `out_dtype` is then required. With `quantize_x`, x (float) is first quantised so (`quantize_rows`, groups of
+    bi), its result in x's dtype unless `out_dtype` says otherwise."""
+    _check(x, w, scale_inv, block, x_scale, out_dtype, quantize_x)
     out_dtype = x.dtype if out_dtype is None else out_dtype
+    if quantize_x:
+        x, x_scale = quantize_rows(x, block[1])
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
     if block is not None:
         scales = jnp.repeat(jnp.repeat(scale_inv.astype(jnp.float32), block[0], axis=0), block[1], axis=1)
@@ -347,4 +406,5 @@ def stream_matmul_reference(x, w, scale_inv=None, *, block: tuple[int, int] | No
                       preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-__all__ = ["StreamMatmulConfig", "fitted_config", "stream_matmul", "stream_matmul_pallas", "stream_matmul_reference"]
+__all__ = ["StreamMatmulConfig", "fitted_config", "fp8_row_scales", "quantize_rows", "stream_matmul",
+           "stream_matmul_pallas", "stream_matmul_reference"]

@@ -245,26 +245,38 @@ def test_packed_fp8_projections_stream_as_one_matmul_each(tmp_path):
 
 @pytest.mark.parametrize("k", [256, 300])  # group 128 divides k, or the row ends in a partial group
 def test_quantize_rows_is_each_row_groups_own_quantisation(k):
-    """Each row's groups of 128: scale = the largest |x| / 448 (1 for an all-zero group; within one float32 ulp: XLA
-    divides by a constant as a product with its reciprocal), q = x / scale rounded to nearest (ml_dtypes),
-    restated in NumPy; and the same bits as `quantize` with blocks of (1, 128)."""
+    """Each row's groups of 128, restated in NumPy: the scale is the least power of two p with the largest |x| <= 448 p
+    (1 for an all-zero group), q = x / p rounded to nearest (ml_dtypes; exact division by a power of two), so the
+    group's largest |x| / p lies in (224, 448]; and x = q p within e4m3's rounding (half a unit in its 3-bit mantissa)
+    wherever the code is normal."""
     from ddtree_jax.models import fp8
 
     rng = np.random.default_rng(k)
-    x = (rng.standard_normal((3, k)) * rng.uniform(0.01, 100, size=(3, 1))).astype(np.float32)
+    x = (rng.standard_normal((4, k)) * rng.uniform(0.01, 100, size=(4, 1))).astype(np.float32)
     x[1, :128] = 0
+    x[2, :128] = np.linspace(-448, 448, 128)  # the largest exactly 448: scale 1
+    x[3, 5] = 449.0  # just above: scale 2
     q, scale = fp8.quantize_rows(jnp.asarray(x), 128)
-    for r in range(3):
+    assert q.dtype == jnp.float8_e4m3fn and scale.shape == (4, -(-k // 128)) and scale.dtype == jnp.float32
+    for r in range(4):
         for c in range(0, k, 128):
-            group = x[r, c:c + 128]
-            got = np.float32(scale[r, c // 128])
-            want = np.abs(group).max() / np.float32(448) if np.abs(group).max() > 0 else np.float32(1)
-            assert abs(got - want) <= np.spacing(want), (r, c, got, want)
+            group = x[r, c:c + 128].astype(np.float64)
+            amax = np.abs(group).max()
+            if amax == 0:
+                want = 1.0
+            else:
+                j = int(np.ceil(np.log2(amax / 448)))
+                want = min(2.0 ** i for i in (j - 1, j, j + 1) if amax <= 448 * 2.0 ** i)
+            assert float(scale[r, c // 128]) == want, (r, c)
+            codes = np.asarray(q[r, c:c + 128]).astype(np.float64)
             np.testing.assert_array_equal(np.asarray(q[r, c:c + 128]).view(np.uint8),
-                                          (group / got).astype(ml_dtypes.float8_e4m3fn).view(np.uint8))
-    q_blocks, scale_blocks = fp8.quantize(jnp.asarray(x), (1, 128))
-    np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(q_blocks).view(np.uint8))
-    np.testing.assert_array_equal(np.asarray(scale), np.asarray(scale_blocks))
+                                          (group / want).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+                                          .view(np.uint8))
+            if amax > 0:
+                assert 224 < amax / want <= 448 and 224 <= np.abs(codes).max() <= 448
+                normal = np.abs(codes) >= 2.0 ** -6
+                assert np.all(np.abs(codes * want - group)[normal] <= np.abs(group)[normal] * 2.0 ** -4)
+    assert float(scale[2, 0]) == 1.0 and float(scale[3, 0]) == 2.0
 
 
 def test_w8a8_dflash_and_ddtree_equal_its_own_ar(pair):

@@ -148,25 +148,27 @@ def test_top2_gap_is_the_gap_of_the_next_token_logits():
 
 
 def test_w8a8_check_prints_each_call_against_its_reference(capsys):
-    """The W8A8 kernel's device smoke, interpreted at small shapes: one line per promote_k and row count, and the
-    exit status says whether every call matched the reference."""
+    """The W8A8 kernel's device smoke, interpreted at small shapes: two lines per promote_k and row count (the rows
+    quantised first against the reference; quantised inside the kernel against that, bit for bit), and the exit
+    status says whether every call matched."""
     assert w8a8_check.main(["--n", "256", "--k", "384", "--rows", "1,17", "--promote", "0,block"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("promote_k=")]
-    assert [line.split(":")[0] for line in lines] == ["promote_k=0 rows=1", "promote_k=0 rows=17",
-                                                      "promote_k=block rows=1", "promote_k=block rows=17"]
+    assert [line.split(":")[0] for line in lines] == [
+        f"promote_k={p} rows={r}{x}" for p in ("0", "block") for r in (1, 17) for x in ("", " quantize_x")]
+    assert all(" 0 of " in line for line in lines if "quantize_x" in line)
 
 
 def test_gpu_probe_smoke_forms_agree(tmp_path):
     """Every form at one token count (5 rows: the stream kernels' row tiles at any T,
     tests/kernels/test_stream_matmul.py) agrees with the models' layout."""
     assert gpu_probe.main(["--out", str(tmp_path), "--smoke", "--repeats", "2", "--tokens", "5",
-                           "--forms", "hf,fused,io,stream,stream_fused,fp8,stream_fp8,stream_w8a8,stream_fp8_fused,"
-                                      "stream_w8a8_fused"]) == 0
+                           "--forms", "hf,fused,io,stream,stream_fused,fp8,stream_fp8,stream_w8a8,stream_w8a8_apart,"
+                                      "stream_fp8_fused,stream_w8a8_fused"]) == 0
     report = json.loads((tmp_path / "probe.json").read_text())
     rows = [r for r in report["rows"] if r["section"] == "projections"]
     assert {r["form"].split("[")[0] for r in rows} == {"hf", "fused", "io", "stream", "stream_fused", "fp8",
-                                                      "stream_fp8", "stream_w8a8", "stream_fp8_fused",
-                                                      "stream_w8a8_fused"}
+                                                      "stream_fp8", "stream_w8a8", "stream_w8a8_apart",
+                                                      "stream_fp8_fused", "stream_w8a8_fused"}
     assert {r["tokens"] for r in rows} == {5}
     hf, fp8 = (next(r for r in rows if r["form"] == f) for f in ("hf", "fp8"))
     assert fp8["weight_bytes"] < 0.6 * hf["weight_bytes"]  # one byte a weight, plus the scales

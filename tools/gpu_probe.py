@@ -16,9 +16,11 @@ Three sections, all in one process, each number a median over repeated device-sy
    multiplied by XLA (what the models' FP8 projections do with `--fp8-matmul dequantize`);
    `stream_fp8` the same FP8 weights streamed as FP8 by the Pallas matmul (dequantised inside it; what they do
    with `--fp8-matmul stream --kernels pallas`, auto's choice on a GPU);
-   `stream_w8a8` the same, each layer input quantised to FP8 per row and 128 features first, both operands on FP8
-   tensor cores (`--fp8-matmul w8a8`; the quantisation is timed with it); `stream_fp8_fused`, `stream_w8a8_fused`
-   the same on q|k|v and gate|up as one FP8 weight each (what the models run where the scale blocks divide the
+   `stream_w8a8` the same, each layer input quantised to FP8 per row and 128 features, both operands on FP8
+   tensor cores (`--fp8-matmul w8a8`), the quantisation inside the kernel (`quantize_x`, where a step is one
+   group: what the models do); `stream_w8a8_apart` with the quantisation in XLA first (timed with it);
+   `stream_fp8_fused`, `stream_w8a8_fused`, `stream_w8a8_apart_fused` the same on q|k|v and gate|up as one FP8
+   weight each (what the models run where the scale blocks divide the
    heads: packed FP8 projections). The streaming forms' knobs fit each weight as the models' do
    (`pallas_kernels.stream_matmul.fitted_config`).
    Each against its floor: the layers' weight bytes over the measured bandwidth.
@@ -44,7 +46,8 @@ from pathlib import Path
 
 QWEN3_8B = dict(hidden=4096, q=4096, kv=1024, mlp=12288, vocab=151936)
 FP8_BLOCK = (128, 128)  # the published checkpoints' weight_block_size
-FP8_FORMS = ("fp8", "stream_fp8", "stream_w8a8", "stream_fp8_fused", "stream_w8a8_fused")
+FP8_FORMS = ("fp8", "stream_fp8", "stream_w8a8", "stream_w8a8_apart", "stream_fp8_fused", "stream_w8a8_fused",
+             "stream_w8a8_apart_fused")
 
 
 def _fused(form: str) -> bool:
@@ -131,11 +134,11 @@ def _projections(shape: dict, form: str, interpret: bool, stream_config: str = "
                                        row_tile=extra[1] if len(extra) > 1 and extra[1] else None,
                                        promote_k=extra[2] if len(extra) > 2 else None)
             config = fitted_config(*w.shape, block, knobs)
-            x_scale = None
-            if "w8a8" in form:
+            x_scale, quantize_x = None, "w8a8" in form and "apart" not in form and config.block_k == FP8_BLOCK[1]
+            if "w8a8" in form and not quantize_x:
                 x, x_scale = fp8.quantize_rows(x, FP8_BLOCK[1])
-            return stream_matmul_pallas(x, w, scales, block=block, x_scale=x_scale, config=config,
-                                        out_dtype=jnp.bfloat16, interpret=interpret)
+            return stream_matmul_pallas(x, w, scales, block=block, x_scale=x_scale, quantize_x=quantize_x,
+                                        config=config, out_dtype=jnp.bfloat16, interpret=interpret)
         return jnp.einsum("ti,oi->to", x, w)
 
     def layers(weights, x):

@@ -60,8 +60,10 @@
 #   fp8_tiles issue 23: FP8 projections at 1-65 rows with the rows in one tile of 32 or 64 (row_tile) against
 #             powers of two largest first, then the 27B FP8 rows                          -> fp8_tiles/, fp8_27b/
 #   w8a8      issue 23: the W8A8 kernel's first device run: tools/w8a8_check.py (each call against its reference,
-#             printed as it returns), the stream_matmul GPU tests, FP8 projections at 1, 16, 65 rows (W8A16 against
-#             W8A8, q|k|v and gate|up apart and packed; W8A8 with promote_k 32 and 0)  -> w8a8_probe/, w8a8_promote/
+#             printed as it returns; the rows quantised inside the kernel against quantised first, bit for bit), the
+#             stream_matmul GPU tests, FP8 projections at 1, 16, 65 rows (W8A16 against W8A8, q|k|v and gate|up apart
+#             and packed, packed with the rows quantised in XLA first; W8A8 with promote_k 32 and 0)
+#                                                                                  -> w8a8_probe/, w8a8_promote/
 #   w8a8_rounds  the 8B FP8 rounds with --fp8-matmul stream (packed q|k|v and gate|up since 2026-12-05) and w8a8,
 #             the 27B's with w8a8 (a call of its own)        -> stream_qwen3-8b/, w8a8_qwen3-8b/, w8a8_qwen3.6-27b/
 #   knobs_fp8_8b  the 8B FP8 rounds (streamed) with fp8_bits 0 and 1                     -> fp8_bits{0,1}/
@@ -255,7 +257,7 @@ TreeAttentionConfig as C; l.ATTENTION_CONFIG = C(single_pass=True)"
         2>&1 | tail -5
       log "FP8 projections: W8A16 against W8A8, apart and packed (fused)"
       timeout -k 5 "${FP8_PROBE_LIMIT:-150}" python3 tools/gpu_probe.py --out "$OUT/w8a8_probe" --tokens 1,16,65 \
-        --forms stream_fp8,stream_fp8_fused,stream_w8a8,stream_w8a8_fused --layers 12 --no-ceilings \
+        --forms stream_fp8,stream_fp8_fused,stream_w8a8,stream_w8a8_fused,stream_w8a8_apart_fused --layers 12 --no-ceilings \
         --stream-configs 64x128x4x4x1 2>&1 | grep '^|' | grep -v lm_head
       log "W8A8 projections: promote_k 32 and 0 (Pallas's dot)"
       timeout -k 5 "${FP8_PROBE_LIMIT:-100}" python3 tools/gpu_probe.py --out "$OUT/w8a8_promote" --tokens 1,65 \

@@ -184,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
                          lambda xq, w, s, xs, fn=fn: fn(xq, w, s, x_scale=xs),
                          [sds((rows, 4096), jnp.float8_e4m3fn), sds((4096, 4096), jnp.float8_e4m3fn),
                           sds((32, 32), jnp.float32), sds((rows, 32), jnp.float32)]))
+        config = smm.StreamMatmulConfig(splits=1)  # W8A8 with the bf16 rows quantised inside the kernel
+        jobs.append((f"stream_matmul w8a8 quantize_x rows={rows}", config,
+                     functools.partial(smm.stream_matmul_pallas, block=(128, 128), quantize_x=True, config=config),
+                     [x, sds((4096, 4096), jnp.float8_e4m3fn), sds((32, 32), jnp.float32)]))
     for t in (16, 17, 65, 128):  # the Gated DeltaNet tree rule at the Qwen3.6-27B shape (48 value heads, 16 key)
         for precision in ("default", "highest"):
             # the one-launch form

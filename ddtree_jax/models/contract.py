@@ -60,7 +60,7 @@ class Fp8Matmul(str, enum.Enum):
     scales each block's partial sums inside the kernel, with the activations as they are (`STREAM`: the weights
     dequantised, exactly up to float32 sums) or quantised to FP8 per token and weight block's input features
     (`W8A8`: the arithmetic transformers and vLLM run the published FP8 checkpoints with on a GPU, FP8 tensor
-    cores on both operands; `models.fp8.quantize_rows`)."""
+    cores on both operands; `models.fp8.quantize_rows`, with power-of-two scales)."""
 
     DEQUANTIZE = "dequantize"
     STREAM = "stream"

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels import stream_matmul
+
 FP8_DTYPE = jnp.float8_e4m3fn
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
@@ -44,14 +46,9 @@ def dequantize(weight, scale_inv, block: tuple[int, int], dtype):
     return (weight.astype(jnp.float32) * expand_scales(scale_inv, weight.shape, block)).astype(dtype)
 
 
-def quantize_rows(x, group: int):
-    """Activations [t, k] -> (float8_e4m3fn [t, k], float32 scales [t, ceil(k / group)]): each row's groups of
-    `group` features quantised as `quantize` quantises a weight block (scale = the group's largest |x| / 448, 1
-    for an all-zero group; x / scale rounded to nearest). This is the dynamic per-token quantisation
-    (`activation_scheme: "dynamic"`) that transformers and vLLM apply to activations before the published
-    checkpoints' block-scaled FP8 GEMMs, with `group` the weight block's input size (128); a row's result depends
-    on that row alone."""
-    return quantize(x, (1, group))
+# The W8A8 activations' quantisation (per row and group of the block's input features, power-of-two scales): the
+# rule the streaming kernel applies inside itself, defined beside it.
+quantize_rows = stream_matmul.quantize_rows
 
 
 def quantize(weight, block: tuple[int, int], scale_dtype=jnp.float32):

@@ -148,20 +148,23 @@ def fp8_linear(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, block: tup
     XLA multiplies x by the weight dequantised in float32, then cast to x's dtype, except where `fp8_stream_config`
     gives knobs: then `pallas_kernels.stream_matmul` multiplies x in its dtype by the FP8 weight as stored,
     accumulating in float32 (the Pallas kernel on the Pallas path, `runtime.kernels`; its jnp reference, which
-    dequantises in float32 first, otherwise). With `runtime.fp8_matmul` W8A8 each row of x is first quantised to
-    FP8 per group of the block's input features (`fp8.quantize_rows`), streamed with its scales (FP8 tensor cores),
-    or where nothing streams, dequantised again to x's dtype and multiplied as above: the same products up to that
+    dequantises in float32 first, otherwise). With `runtime.fp8_matmul` W8A8 each row of x is quantised to FP8 per
+    group of the block's input features (`fp8.quantize_rows`): inside the streaming kernel where its step is one
+    group (`quantize_x`: no launch of its own), else first, then streamed with its scales (FP8 tensor cores), or
+    where nothing streams, dequantised again to x's dtype and multiplied as above: the same products up to that
     rounding (none in float32) and the order of float32 sums."""
     rows = math.prod(x.shape[:-1])
     rows_x, x_scale = x.reshape(rows, x.shape[-1]), None
-    if runtime.fp8_matmul is Fp8Matmul.W8A8:
-        rows_x, x_scale = fp8.quantize_rows(rows_x, block[1])
     config = fp8_stream_config(weight.shape, block, rows, runtime)
+    w8a8 = runtime.fp8_matmul is Fp8Matmul.W8A8
+    quantize_x = w8a8 and config is not None and config.block_k == block[1]
+    if w8a8 and not quantize_x:
+        rows_x, x_scale = fp8.quantize_rows(rows_x, block[1])
     if config is None:
         if x_scale is not None:
             x = fp8.dequantize(rows_x, x_scale, (1, block[1]), x.dtype).reshape(x.shape)
         return jnp.einsum("...i,oi->...o", x, fp8.dequantize(weight, scale_inv, block, x.dtype))
-    y = stream_matmul(rows_x, weight, scale_inv, block=block, x_scale=x_scale,
+    y = stream_matmul(rows_x, weight, scale_inv, block=block, x_scale=x_scale, quantize_x=quantize_x,
                       implementation="pallas" if runtime.pallas else "reference", config=config, out_dtype=x.dtype)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 

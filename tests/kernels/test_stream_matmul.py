@@ -214,6 +214,40 @@ def test_fp8_rows_match_the_dequantised_float64_product(t, n, k, out_dtype, conf
     assert not np.allclose(np.asarray(moved[t - 1], np.float64), want[t - 1], atol=tol * scale_of_out, rtol=tol)
 
 
+# Rows quantised inside the kernel (`quantize_x`): (t, n, k, x dtype, config), every step one group (block_k = 128).
+QUANTIZE_X_CASES = [(1, 256, 512, "bfloat16", sm.StreamMatmulConfig(block_k=128, splits=2)),
+                    (65, 128, 384, "float32", sm.StreamMatmulConfig(block_n=64, block_k=128)),
+                    (17, 192, 256, "bfloat16", sm.StreamMatmulConfig(block_n=64, block_k=128, promote_k=32)),
+                    (150, 64, 256, "bfloat16", sm.StreamMatmulConfig(block_n=32, block_k=128, row_tile=16))]
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("t,n,k,x_dtype,config", QUANTIZE_X_CASES,
+                         ids=[f"t{c[0]}-n{c[1]}-k{c[2]}-{c[3]}" for c in QUANTIZE_X_CASES])
+def test_rows_quantised_inside_the_kernel_are_quantize_rows(t, n, k, x_dtype, config, interpret):
+    """`quantize_x`: the kernel quantises each step's row tile itself, bit for bit as `quantize_rows` (its FP8 rows
+    and scales given through `x_scale` to the same kernel give the same bits; rows of very different sizes, a zero
+    row, one group of a row scaled up), and the result is its reference's (rows quantised, then the float64-exact
+    product of both dequantised, within the FP8 tensor cores' summation on a GPU)."""
+    rng = np.random.default_rng(t + k)
+    x = rng.standard_normal((t, k)) * rng.uniform(0.01, 100, size=(t, 1))
+    x[0, :128] *= 1000.0
+    if t > 2:
+        x[1] = 0.0
+    x = jnp.asarray(x, x_dtype)
+    _, q, scale, _ = _fp8_inputs(t, n, k, "float32", (128, 128), seed=k)
+    got = sm.stream_matmul_pallas(x, q, scale, block=(128, 128), quantize_x=True, config=config, interpret=interpret)
+    assert got.shape == (t, n) and got.dtype == x.dtype
+    xq, xs = sm.quantize_rows(x, 128)
+    given = sm.stream_matmul_pallas(xq, q, scale, block=(128, 128), x_scale=xs, out_dtype=x.dtype, config=config,
+                                    interpret=interpret)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(given, np.float32))
+    want = np.asarray(sm.stream_matmul_reference(x, q, scale, block=(128, 128), quantize_x=True,
+                                                 out_dtype=jnp.float32), np.float64)
+    tol = 2e-2 if x_dtype == "bfloat16" else 1e-5 if interpret else 1e-3
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=tol * np.abs(want).max(), rtol=tol)
+
+
 def test_fp8_rows_bad_arguments_say_what_was_expected():
     x, x_scale, q, scale, _ = _w8a8_inputs(2, 128, 256, seed=5)
     with pytest.raises(ValueError, match=r"x_scale must be \[t, ceil\(k / bi\)\] = \(2, 2\)"):
@@ -226,6 +260,14 @@ def test_fp8_rows_bad_arguments_say_what_was_expected():
         sm.stream_matmul_reference(x, q, scale, block=(128, 128), x_scale=x_scale)
     with pytest.raises(ValueError, match="need a block-scaled float8_e4m3fn weight"):
         sm.stream_matmul_reference(x, q.astype(jnp.float32), x_scale=x_scale, out_dtype=jnp.float32)
+    dense = x.astype(jnp.float32)
+    with pytest.raises(ValueError, match="quantize_x quantises float rows of x"):
+        sm.stream_matmul_reference(x, q, scale, block=(128, 128), quantize_x=True)  # rows already FP8
+    with pytest.raises(ValueError, match="quantize_x quantises float rows of x"):
+        sm.stream_matmul_reference(dense, q, scale, block=(128, 128), x_scale=x_scale, quantize_x=True)
+    with pytest.raises(ValueError, match="quantize_x: block_k=64 must be the scale block's 128 input features"):
+        sm.stream_matmul_pallas(dense, q, scale, block=(128, 128), quantize_x=True,
+                                config=sm.StreamMatmulConfig(block_k=64), interpret=True)
 
 
 def test_fp8_bad_scales_and_tiles_say_what_was_expected():

@@ -164,24 +164,38 @@ def test_fp8_linear_matches_the_dequantised_float64_product(n_in, n_out, block, 
 W8A8 = Runtime(Kernels.PALLAS, fp8_matmul=Fp8Matmul.W8A8)
 
 
-@pytest.mark.parametrize("rows,runtime,streams", [
-    ((2, 3), W8A8, True),  # the kernel on FP8 rows, interpreted
-    ((2, 3), Runtime(Kernels.JAX, fp8_matmul=Fp8Matmul.W8A8), False),  # its jnp reference
-    ((1, STREAM_MAX_ROWS + 1), W8A8, False),  # a prefill's rows: quantised, dequantised again, XLA's einsum
-], ids=["w8a8", "w8a8-reference", "w8a8-many-rows"])
-def test_w8a8_linear_quantises_each_row_then_multiplies(rows, runtime, streams):
-    """Under `Fp8Matmul.W8A8` every path gives the float64 product of each row's FP8 quantisation (NumPy:
-    ml_dtypes' rounding of x / (the group's largest |x| / 448), per 32 features, the weight block's input size)
-    with the dequantised weight; not the unquantised rows' product (what "stream" gives)."""
-    linear = _fp8_linear(96, 48, (16, 32))
+def _quantised_rows(x: np.ndarray, group: int) -> np.ndarray:
+    """NumPy: each row's groups of `group` features quantised to FP8 and back in float64: the least power of two p
+    with the group's largest |x| <= 448 p, ml_dtypes' rounding of x / p (exact), times p."""
+    flat = np.asarray(x, np.float64).reshape(-1, x.shape[-1] // group, group)
+    amax = np.abs(flat).max(axis=-1, keepdims=True)
+    p = 2.0 ** np.ceil(np.log2(amax / 448))
+    p = np.where(amax > 448 * p, 2 * p, np.where(amax <= 224 * p, p / 2, p))  # log2's rounding, corrected exactly
+    codes = (flat / p).astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return (codes * p).reshape(x.shape)
+
+
+@pytest.mark.parametrize("block,rows,runtime,streams,outside", [
+    ((16, 32), (2, 3), W8A8, True, False),  # the kernel quantising its rows itself (a step is one group), interpreted
+    ((16, 96), (2, 3), W8A8, True, True),  # groups of 96 span three 32-feature steps: quantised first, then streamed
+    ((16, 32), (2, 3), Runtime(Kernels.JAX, fp8_matmul=Fp8Matmul.W8A8), False, False),  # its jnp reference
+    ((16, 32), (1, STREAM_MAX_ROWS + 1), W8A8, False, True),  # a prefill's rows: quantised, dequantised, XLA's einsum
+], ids=["w8a8", "w8a8-quantised-first", "w8a8-reference", "w8a8-many-rows"])
+def test_w8a8_linear_quantises_each_row_then_multiplies(block, rows, runtime, streams, outside):
+    """Under `Fp8Matmul.W8A8` every path gives the float64 product of each row's FP8 quantisation (NumPy,
+    `_quantised_rows`, per group of the weight block's input size) with the dequantised weight; not the unquantised
+    rows' product (what "stream" gives). The quantisation runs inside the kernel where a step is one group, else
+    in XLA before it (a reduction outside the kernel)."""
+    linear = _fp8_linear(96, 48, block)
     x = jnp.asarray(np.random.default_rng(3).standard_normal((*rows, 96)), jnp.float32)
-    flat = np.asarray(x, np.float32).reshape(-1, 3, 32)
-    scales = np.abs(flat).max(axis=-1, keepdims=True) / np.float32(448)
-    quantised = (flat / scales).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * scales
-    want = _float64(linear, quantised.reshape(x.shape))
+    want = _float64(linear, _quantised_rows(np.asarray(x), block[1]))
     got = linear(x, runtime)
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
     assert _kernel_calls(lambda v: linear(v, runtime), x) == int(streams)
+    if runtime is W8A8:
+        jaxpr = jax.make_jaxpr(lambda v: linear(v, runtime))(x)
+        assert any(eqn.primitive.name == "reduce_max" and "pallas_call" not in outer
+                   for eqn, outer in equations(jaxpr)) == outside
     unquantised = _float64(linear, x)
     assert not np.allclose(np.asarray(got, np.float64), unquantised, rtol=1e-3, atol=1e-3 * np.abs(want).max())
 
