@@ -13,7 +13,10 @@ TB/s for 65 (docs/performance.md). Here every row count runs the same streaming 
   multiprocessor);
 - more than GROUP_ROWS rows (a batch of trees under `Runtime.row_invariant`) go in groups of GROUP_ROWS, a grid
   axis: each group's programs stream the weight again (from L2 where its tiles are still there), and a row's
-  arithmetic is the same in every group.
+  arithmetic is the same in every group;
+- x comes in unpadded: a row tile's rows past t are masked loads of zeros (a pad before the kernel was a launch of
+  its own: its producer is mostly another Pallas kernel, into which XLA fuses nothing), and `fp8_bits`' scaling of
+  x (below) is done on the loaded tile.
 
 Block-scaled FP8 weights (the published format, `ddtree_jax/models/fp8.py`): with `scale_inv` [ceil(n / bo),
 ceil(k / bi)] and `block` (bo, bi), w is float8_e4m3fn and stays so in memory (half the bytes to stream); each
@@ -192,8 +195,10 @@ def _row_tiles(t: int, row_tile: int | None = None) -> tuple[int, ...]:
 
 
 def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_block: tuple[int, int] | None,
-            row_tiles: tuple[int, ...], fp8_bits: int, fp8_rows: bool, quantize_x: bool, promote_k: int, asm: bool):
-    # x_ref [tg, ks] one group's rows of x, this split's k slice; w_ref [block_n, ks] weight rows; o_ref [block_n, tg] f32;
+            row_tiles: tuple[int, ...], rows: int, fp8_bits: int, fp8_rows: bool, quantize_x: bool, promote_k: int,
+            asm: bool):
+    # x_ref [t, k] all of x, unpadded (`rows` = t: a row tile's rows past t are masked loads of zeros, so no pad
+    # launches before the kernel); w_ref [block_n, ks] weight rows, this split's k slice; o_ref [block_n, tg] f32;
     # with FP8 weights, s_ref [so, si] all the block scales (one scalar read per step); with FP8 rows too
     # (`fp8_rows`), xs_ref [si, tp] every row's scales, transposed so that a row tile's are one contiguous read; with
     # `quantize_x` the rows come in their float dtype and each step's tile (one group: block_k = bi) is quantised
@@ -208,7 +213,8 @@ def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_bloc
         scale_row = pl.program_id(0) * block_n // scale_block[0]
         first_col = pl.program_id(1) * steps * block_k
     starts = [sum(row_tiles[:i]) for i in range(len(row_tiles))]
-    group_row = pl.program_id(2) * sum(row_tiles) if fp8_rows else None  # this group's first row in xs_ref
+    group_row = pl.program_id(2) * sum(row_tiles)  # this group's first row in x_ref and xs_ref
+    split_col = pl.program_id(1) * steps * block_k  # this split's first column of x_ref
 
     def step(i, accs):
         cols = pl.ds(i * block_k, block_k)
@@ -223,7 +229,11 @@ def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_bloc
                 scale = scale * 2.0 ** -(PLACED_EXPONENT + X_PRESCALE_EXPONENT)
         new = []
         for acc, start, size in zip(accs, starts, row_tiles):
-            x = x_ref[pl.ds(start, size), cols]
+            row_ok = group_row + start + jnp.arange(size, dtype=jnp.int32) < rows
+            x = plt.load(x_ref.at[pl.ds(group_row + start, size), pl.ds(split_col + i * block_k, block_k)],
+                         mask=jnp.broadcast_to(row_ok[:, None], (size, block_k)), other=0.0)
+            if fp8_bits:
+                x = x * jnp.asarray(2.0 ** X_PRESCALE_EXPONENT, x.dtype)  # exact below 2^64 (module docstring)
             if quantize_x:  # this tile is one group of each row: `quantize_rows`, inline
                 x32 = x.astype(jnp.float32)
                 x_scale, inverse = fp8_row_scales(jnp.max(jnp.abs(x32), axis=1))
@@ -306,14 +316,11 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
     splits = _splits(k, n // block_n, config)
     ks = k // splits
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
-    # The weight's dtype for x unless the weight is FP8 (then the tiles are widened to x's dtype, or x is FP8 too).
-    xp = jnp.pad(x.astype(x.dtype if block is not None else w.dtype), [(0, tp - t), (0, 0)])
     fp8_bits = config.fp8_bits if block is not None and x.dtype == jnp.bfloat16 and not fp8_rows else 0
-    if fp8_bits:
-        xp = xp * jnp.bfloat16(2.0 ** X_PRESCALE_EXPONENT)  # exact below 2^64 (module docstring)
-    in_specs = [pl.BlockSpec((tg, ks), lambda i, s, g: (g, s)),  # x rows of this group, this split's k slice
+    in_specs = [pl.BlockSpec((t, k), lambda i, s, g: (0, 0)),  # all of x (each step loads its rows' tile, masked)
                 pl.BlockSpec((block_n, ks), lambda i, s, g: (i, s))]  # w rows
-    operands = [xp, w]
+    # The weight's dtype for x unless the weight is FP8 (then the tiles are widened to x's dtype, or x is FP8 too).
+    operands = [x.astype(x.dtype if block is not None else w.dtype), w]
     if block is not None:
         in_specs.append(pl.BlockSpec(scale_inv.shape, lambda i, s, g: (0, 0)))  # every scale (a scalar read per step)
         operands.append(scale_inv)
@@ -323,7 +330,7 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
         operands.append(xs)
     partial_sums = pl.pallas_call(
         functools.partial(_kernel, block_k=config.block_k, steps=ks // config.block_k, precision=precision,
-                          scale_block=None if block is None else tuple(block), row_tiles=row_tiles,
+                          scale_block=None if block is None else tuple(block), row_tiles=row_tiles, rows=t,
                           fp8_bits=fp8_bits, fp8_rows=fp8_rows, quantize_x=quantize_x, asm=not interpret,
                           promote_k=config.block_k if config.promote_k is None else config.promote_k),
         grid=(n // block_n, splits, groups),
