@@ -91,12 +91,13 @@ class TreeBuildConfig:
                 first: a confident drafter's deep tree at B = 64 keeps few of its 280. On the H200 deep trees
                 (V = 151936, L = 15, top-k included) took 123 against 204 us at B = 64 and 166 against 524 at
                 B = 128; shallow ones the same within the spread (tools/topk_probe.py, 2026-12-04).
-                2: only the candidates at or above the B-th best candidate score itself (`kth_largest`, a
-                32-step bisection over the candidates' keys, held in registers): the B best and their ties.
-                The bound of 1 keeps every candidate where a depth's log-probs are flat (i.i.d. logits at
-                B = 512: 2607 of 3280 at depth 2, ~10^7 compares in one program), this about B; it costs 32
-                reductions per depth, more than it saves where 1 already keeps few (B <= 128). 0: every
-                candidate.
+                2: as 1, and where the bound keeps more than 2 B, only the candidates at or above the B-th
+                best candidate score itself (`kth_largest`, a 32-step bisection over the candidates' keys, held
+                in registers): the B best and their ties. The bound keeps every candidate where a depth's
+                log-probs are flat (i.i.d. logits at B = 512: all 3280 at depth 2, ~10^7 compares in one
+                program; the bisection keeps 512), and few on a confident drafter's deep tree (512-1023 at
+                B = 512), where the bisection's 32 reductions would cost more than they save
+                (tools/prune_counts.py). 0: every candidate.
     fuse_above: 1: the running list read once per depth, into registers: its entries' counts of candidates
                 above them ride in the first row block's pass over the candidates (one pass over them less per
                 depth, a [bp, block] tile more in it), and the candidates' counts of running entries at or above
@@ -130,7 +131,7 @@ def default_config(budget: int) -> TreeBuildConfig:
     H200 no knob was faster at every budget up to 128 (2026-12-05, docs/performance.md): 64-row tiles
     (`block_rows`) took 64.4 / 69.6 / 83.8 us against 71.1 / 69.6 / 85.1 at V = 8192, B = 15 / 31 / 63 with deep
     trees, but 105.8 against 101.0 at V = 151936, B = 64, and the same within 2-4% elsewhere. Above 128 nothing is
-    measured yet: `prune=2` because the bound of `prune=1` keeps nearly every candidate of a flat depth there
+    measured yet: `prune=2` because the bound of `prune=1` keeps every candidate of a flat depth, 3280 at B = 512
     (the knob's docstring). A function, as the other kernels have, so that `tools/with_knobs.py` can lay knobs over
     it for an A/B in whole rounds."""
     return TreeBuildConfig(prune=2) if budget > 128 else TreeBuildConfig()
@@ -253,11 +254,15 @@ def _tree_build_kernel(
             # (they all score at least its score: the beam is best first), with prune 2 itself. The candidates
             # below the bound are left out, the rest kept in (i, j) order: every candidate ahead of a kept one is
             # kept, so places and ranks among the kept are those among all (labels only need the order).
-            if prune == 2:
-                key = jnp.where(cand_ok, total_order_key(score), INT32_MIN)
-                kept = cand_ok & (key >= kth_largest(key, b_))  # C >= B real candidates: the lowest key never counts
-            else:
-                kept = cand_ok & (score >= score_ref[d - 1, b_ - 1] + lp_ref[d, 0])
+            kept = cand_ok & (score >= score_ref[d - 1, b_ - 1] + lp_ref[d, 0])
+            if prune == 2:  # the bisection only where the bound keeps more than 2 B (a flat depth)
+                def exact(_):
+                    key = jnp.where(cand_ok, total_order_key(score), INT32_MIN)
+                    return (key >= kth_largest(key, b_)).astype(jnp.int32)  # C >= B real candidates: the lowest
+                    # key never counts
+
+                kept = cand_ok & (lax.cond(jnp.sum(kept.astype(jnp.int32)) > 2 * b_, exact,
+                                           lambda _: kept.astype(jnp.int32), None) != 0)
             flags = kept.astype(jnp.int32)
             slot = jnp.where(kept, jnp.cumsum(flags, axis=0) - flags, cp)
             num = jnp.sum(flags)

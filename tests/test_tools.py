@@ -23,6 +23,7 @@ import greedy_equality  # noqa: E402
 import invariant_layers  # noqa: E402
 import loop_cost  # noqa: E402
 import per_call_choice  # noqa: E402
+import prune_counts  # noqa: E402
 import round_attribution  # noqa: E402
 import topk_probe  # noqa: E402
 import tp_layout  # noqa: E402
@@ -378,6 +379,21 @@ def test_auto_counterfactual_rules_and_trajectory(tmp_path, capsys):
     capsys.readouterr()
     assert auto_counterfactual.main(["--costs", "4=1e-3"]) == 2
     assert capsys.readouterr().err.startswith("error: --costs '4=1e-3'")
+
+
+def test_prune_counts_against_a_direct_count(capsys):
+    """tools/prune_counts.py: on a hand-made row (B = 3, two depths) the candidates, the bound's and the B-th best's
+    counts, and the early stop, as counted by hand; and its table at a small vocabulary runs to the stop."""
+    lp = np.log(np.array([[0.5, 0.3, 0.2, 0.0], [0.3, 0.3, 0.2, 0.2], [0.9, 0.1, 0.0, 0.0]], np.float32) + 1e-30)
+    rows, stop = prune_counts.kept_per_depth(lp, 3)
+    # Candidates (i, j), (i + 1)(j + 1) <= 3: (0,0) (0,1) (0,2) (1,0) (2,0); beam .5 .3 .2; depth 2 .3 .3 .2.
+    # Products .15 .15 .1 .09 .06: the bound (the worst child (2, 0): .06) keeps all 5, the 3rd best (.1) keeps 3.
+    # The running top 3 stays depth 1's (.5 .3 .2), above depth 2's best (.15): no deeper prefix can enter.
+    assert rows[0] == (2, 5, 5, 3)
+    assert stop == 2
+    assert prune_counts.main(["--vocab", "500", "--budgets", "8", "--depths", "3", "--peak", "0"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].startswith("| peak | B | depth |") and table[-1].startswith("| 0 | 8 | stops after depth")
 
 
 def test_with_knobs_lays_knobs_over_each_kernels_defaults(tmp_path, monkeypatch, capsys):

@@ -51,9 +51,9 @@
 #             the build's 64-row tiles (V = 8192 and 151936, deep and i.i.d.) alone        -> v8k/, v152k_peak{20,0}/
 #   wide_build  issue 19: the top-k and tree-build kernels at B = 256 and 512 (2026-12-05; up to 128 before): their
 #             GPU tests, then tools/topk_probe.py at V = 151936 (i.i.d. and deep) against XLA's threshold top-k and
-#             builder, the build kernel with prune 2 (its default above 128) and 1; then the 8B DDTree rounds at
-#             B = 256, 512 with the kernels (tools/with_knobs.py engine:tree_kernels_up_to=512) and without
-#                                                       -> wide_peak{0,20}/, wide_{xla,kernels}/
+#             builder, the build kernel with prune 2 (its default above 128) and 1             -> wide_peak{0,20}/
+#   wide_rounds  prune 2 against 1 at B = 31-128 (the probe), then the 8B DDTree rounds at B = 256, 512 with the
+#             kernels (tools/with_knobs.py engine:tree_kernels_up_to=512) and without  -> prune2_peak{0,20}/, wide_{xla,kernels}/
 #   knobs_rounds  the demo pair's rounds (tools/loop_cost.py) and end to end (the bench, 32 prompts x 128) at the
 #             defaults and with each ';'-separated set of $KNOBS (tools/with_knobs.py items, space-separated)
 #                                                                          -> lc_{0,1,..}.json, demo_{0,1,..}/bench.json
@@ -207,7 +207,7 @@ TreeAttentionConfig as C; l.ATTENTION_CONFIG = C(single_pass=True)"
       ;;
     wide_build)
       log "top-k and tree-build kernels' GPU tests (B and K up to 512)"
-      timeout -k 5 240 python3 -m pytest -q -o addopts="" -m gpu tests/kernels/test_vocab_top_k.py \
+      timeout -k 5 150 python3 -m pytest -q -o addopts="" -m gpu tests/kernels/test_vocab_top_k.py \
         tests/kernels/test_tree_build.py 2>&1 | tail -3
       for peak in 0 20; do
         log "B = 256, 512, V = 151936, peak $peak: XLA against the kernels"
@@ -215,6 +215,14 @@ TreeAttentionConfig as C; l.ATTENTION_CONFIG = C(single_pass=True)"
           --top-k threshold,pallas --tree-build reference,pallas,pallas:prune=1 --peak "$peak" 2>&1 | grep '^|'
       done
       rm -f "$OUT"/wide_peak*/topk_probe.md
+      ;;
+    wide_rounds)
+      for peak in 0 20; do
+        log "B = 31, 63, 64, 128, V = 151936, peak $peak: prune 1 (the default up to 128) against 2"
+        timeout -k 5 120 python3 tools/topk_probe.py --out "$OUT/prune2_peak$peak" --vocab 151936 \
+          --budgets 31,63,64,128 --top-k pallas --tree-build pallas,pallas:prune=2 --peak "$peak" 2>&1 | grep '^|'
+      done
+      rm -f "$OUT"/prune2_peak*/topk_probe.md
       for side in xla kernels; do
         log "8B DDTree rounds at B = 256, 512, tree kernels: $side"
         run="python3"; [ "$side" = kernels ] && run="python3 tools/with_knobs.py engine:tree_kernels_up_to=512"
