@@ -16,8 +16,9 @@
 - `pallas_kernels.qk_norm_rope`: a Qwen3 attention's q|k|v split, q/k RMSNorm and RoPE (`qk_norm_rope`).
 - `pallas_kernels.stream_matmul`: a weight-streaming matmul for few rows whose arithmetic for a row does not depend
   on the other rows (dense weights: the models' `--row-invariant`, off by default, XLA's GEMMs being faster;
-  block-scaled FP8 weights: the models' `--fp8-matmul stream`, auto's choice on a GPU; FP8 rows with their scales
-  times FP8 weights on Hopper's FP8 tensor cores: `--fp8-matmul w8a8`, through `pallas_kernels._fp8_dot`).
+  block-scaled FP8 weights: the models' `--fp8-matmul stream`, auto's choice on a GPU; FP8 rows times FP8 weights
+  on Hopper's FP8 tensor cores, the rows quantised inside the kernel (`quantize_rows`' rule) or given with their
+  scales: `--fp8-matmul w8a8`, through `pallas_kernels._fp8_dot`).
 
 A dispatcher runs the kernel on a GPU and the reference elsewhere; `implementation=` or the
 environment variable DDTREE_JAX_KERNELS=pallas|reference overrides (`resolve_implementation`). Kernels

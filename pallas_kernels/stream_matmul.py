@@ -72,7 +72,6 @@ from pallas_kernels._fp8_dot import fp8_dot
 
 
 GROUP_ROWS = 128  # the most rows one program multiplies (its accumulators: block_n x 128 float32)
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
 def fp8_row_scales(amax: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -250,16 +250,16 @@ def _tree_build_kernel(
         score = score_ref[d - 1, pair_i] + lp_ref[d, jnp.minimum(pair_j, k_ - 1)]  # left to right, as _build_one
         lex = label_ref[pair_i] * k_ + pair_j
         if prune:
-            # The B-th best candidate scores at least the bound: with prune 1 the last of the B children (i, 0)
-            # (they all score at least its score: the beam is best first), with prune 2 itself. The candidates
-            # below the bound are left out, the rest kept in (i, j) order: every candidate ahead of a kept one is
-            # kept, so places and ranks among the kept are those among all (labels only need the order).
+            # The B-th best candidate scores at least the bound: the last of the B children (i, 0) (they all score
+            # at least its score: the beam is best first), or with prune 2, where that bound keeps more than 2 B (a
+            # flat depth), the B-th best itself. The candidates below the bound are left out, the rest kept in
+            # (i, j) order: every candidate ahead of a kept one is kept, so places and ranks among the kept are
+            # those among all (labels only need the order).
             kept = cand_ok & (score >= score_ref[d - 1, b_ - 1] + lp_ref[d, 0])
-            if prune == 2:  # the bisection only where the bound keeps more than 2 B (a flat depth)
-                def exact(_):
+            if prune == 2:
+                def exact(_):  # C >= B real candidates, so the padding's lowest key is never the B-th largest
                     key = jnp.where(cand_ok, total_order_key(score), INT32_MIN)
-                    return (key >= kth_largest(key, b_)).astype(jnp.int32)  # C >= B real candidates: the lowest
-                    # key never counts
+                    return (key >= kth_largest(key, b_)).astype(jnp.int32)
 
                 kept = cand_ok & (lax.cond(jnp.sum(kept.astype(jnp.int32)) > 2 * b_, exact,
                                            lambda _: kept.astype(jnp.int32), None) != 0)
