@@ -10,7 +10,7 @@ TB/s for 65 (docs/performance.md). Here every row count runs the same streaming 
   would multiply 128; 17 as one tile of 32, not 16 + 16) into float32 [block_n, tile] accumulators;
 - the `splits` partial sums are added in a fixed order outside the kernel (plain jnp), so that small
   matrices still give every streaming multiprocessor work (`splits` defaults to about two programs per
-  multiprocessor);
+  multiprocessor); with one split the kernel writes y itself ([t, n] in its dtype: no XLA epilogue);
 - more than GROUP_ROWS rows (a batch of trees under `Runtime.row_invariant`) go in groups of GROUP_ROWS, a grid
   axis: each group's programs stream the weight again (from L2 where its tiles are still there), and a row's
   arithmetic is the same in every group;
@@ -195,9 +195,10 @@ def _row_tiles(t: int, row_tile: int | None = None) -> tuple[int, ...]:
 
 def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_block: tuple[int, int] | None,
             row_tiles: tuple[int, ...], rows: int, fp8_bits: int, fp8_rows: bool, quantize_x: bool, promote_k: int,
-            asm: bool):
+            whole_out: bool, asm: bool):
     # x_ref [t, k] all of x, unpadded (`rows` = t: a row tile's rows past t are masked loads of zeros, so no pad
-    # launches before the kernel); w_ref [block_n, ks] weight rows, this split's k slice; o_ref [block_n, tg] f32;
+    # launches before the kernel); w_ref [block_n, ks] weight rows, this split's k slice; o_ref [block_n, tg] f32,
+    # this split's partial sums, or with one split (`whole_out`) o_ref [t, n] the result in its dtype;
     # with FP8 weights, s_ref [so, si] all the block scales (one scalar read per step); with FP8 rows too
     # (`fp8_rows`), xs_ref [si, tp] every row's scales, transposed so that a row tile's are one contiguous read; with
     # `quantize_x` the rows come in their float dtype and each step's tile (one group: block_k = bi) is quantised
@@ -207,8 +208,8 @@ def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_bloc
         s_ref, xs_ref, o_ref = refs
     else:
         s_ref, o_ref = refs if scale_block is not None else (None, *refs)
+    block_n = w_ref.shape[0]
     if scale_block is not None:
-        block_n = w_ref.shape[0]
         scale_row = pl.program_id(0) * block_n // scale_block[0]
         first_col = pl.program_id(1) * steps * block_k
     starts = [sum(row_tiles[:i]) for i in range(len(row_tiles))]
@@ -250,9 +251,14 @@ def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_bloc
             new.append(acc + tile)
         return tuple(new)
 
-    accs = lax.fori_loop(0, steps, step, tuple(jnp.zeros((o_ref.shape[0], size), jnp.float32) for size in row_tiles))
+    accs = lax.fori_loop(0, steps, step, tuple(jnp.zeros((block_n, size), jnp.float32) for size in row_tiles))
     for acc, start, size in zip(accs, starts, row_tiles):
-        o_ref[:, pl.ds(start, size)] = acc
+        if whole_out:  # the result itself: rows past t left out, transposed, in the output's dtype
+            row_ok = group_row + start + jnp.arange(size, dtype=jnp.int32) < rows
+            plt.store(o_ref.at[pl.ds(group_row + start, size), pl.ds(pl.program_id(0) * block_n, block_n)],
+                      acc.T.astype(o_ref.dtype), mask=jnp.broadcast_to(row_ok[:, None], (size, block_n)))
+        else:
+            o_ref[:, pl.ds(start, size)] = acc
 
 
 def fitted_config(n: int, k: int, block: tuple[int, int] | None = None,
@@ -327,24 +333,34 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
         xs = jnp.pad(x_scale.astype(jnp.float32), [(0, tp - t), (0, 0)]).T
         in_specs.append(pl.BlockSpec(xs.shape, lambda i, s, g: (0, 0)))
         operands.append(xs)
-    partial_sums = pl.pallas_call(
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    whole_out = splits == 1  # the kernel writes y itself: no XLA epilogue (sum, slice, transposition, cast)
+    if whole_out:
+        out_spec, out_shape = pl.BlockSpec((t, n), lambda i, s, g: (0, 0)), jax.ShapeDtypeStruct((t, n), out_dtype)
+    else:
+        out_spec = pl.BlockSpec((None, block_n, tg), lambda i, s, g: (s, i, g))
+        out_shape = jax.ShapeDtypeStruct((splits, n, tp), jnp.float32)
+    out = pl.pallas_call(
         functools.partial(_kernel, block_k=config.block_k, steps=ks // config.block_k, precision=precision,
                           scale_block=None if block is None else tuple(block), row_tiles=row_tiles, rows=t,
-                          fp8_bits=fp8_bits, fp8_rows=fp8_rows, quantize_x=quantize_x, asm=not interpret,
+                          fp8_bits=fp8_bits, fp8_rows=fp8_rows, quantize_x=quantize_x, whole_out=whole_out,
+                          asm=not interpret,
                           promote_k=config.block_k if config.promote_k is None else config.promote_k),
         grid=(n // block_n, splits, groups),
         in_specs=in_specs,
-        out_specs=pl.BlockSpec((None, block_n, tg), lambda i, s, g: (s, i, g)),
-        out_shape=jax.ShapeDtypeStruct((splits, n, tp), jnp.float32),
+        out_specs=out_spec,
+        out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         debug=debug,
         name="stream_matmul" if block is None else "stream_matmul_w8a8" if fp8_rows else "stream_matmul_fp8",
     )(*operands)
-    total = partial_sums[0]
+    if whole_out:
+        return out
+    total = out[0]
     for s in range(1, splits):  # a fixed order, whatever t is
-        total = total + partial_sums[s]
-    return total[:, :t].T.astype(x.dtype if out_dtype is None else out_dtype)
+        total = total + out[s]
+    return total[:, :t].T.astype(out_dtype)
 
 
 def stream_matmul(x, w, scale_inv=None, *, block: tuple[int, int] | None = None, x_scale=None,

@@ -132,7 +132,8 @@ def _projections(shape: dict, form: str, interpret: bool, stream_config: str = "
             knobs = StreamMatmulConfig(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages,
                                        fp8_bits=extra[0] if extra else 0,
                                        row_tile=extra[1] if len(extra) > 1 and extra[1] else None,
-                                       promote_k=extra[2] if len(extra) > 2 else None)
+                                       promote_k=extra[2] if len(extra) > 2 else None,
+                                       splits=extra[3] if len(extra) > 3 and extra[3] else None)
             config = fitted_config(*w.shape, block, knobs)
             x_scale, quantize_x = None, "w8a8" in form and "apart" not in form and config.block_k == FP8_BLOCK[1]
             if "w8a8" in form and not quantize_x:
@@ -174,8 +175,9 @@ def main(argv=None) -> int:
     p.add_argument("--bandwidth", type=float, default=4.25e12, help="bytes/s for the floors with --no-ceilings")
     p.add_argument("--stream-configs", default="64x128x4x4",
                    help="the streaming forms' configs, block_n x block_k x warps x stages [x fp8_bits [x row_tile [x "
-                        "promote_k]]], comma list (one row each; row_tile 0: powers of two, largest first; promote_k "
-                        "0: no FP8 wgmma, absent: block_k)")
+                        "promote_k [x splits]]]], comma list (one row each; row_tile 0: powers of two, largest first; "
+                        "promote_k 0: no FP8 wgmma, absent: block_k; splits 0 or absent: about two programs per "
+                        "multiprocessor, else that many slices of k where they divide it: 1 leaves no split sums)")
     p.add_argument("--label", default="", help="a name for this run (e.g. the XLA_FLAGS variant), in every row")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--smoke", action="store_true")

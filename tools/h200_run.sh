@@ -64,6 +64,9 @@
 #             stream_matmul GPU tests, FP8 projections at 1, 16, 65 rows (W8A16 against W8A8, q|k|v and gate|up apart
 #             and packed, packed with the rows quantised in XLA first; W8A8 with promote_k 32 and 0)
 #                                                                                  -> w8a8_probe/, w8a8_promote/
+#   w8a8_splits  issue 23: W8A8 packed projections at 1, 16, 65 rows with k in splits (now) against one split,
+#             4-8 stages (one split: no XLA sum after the kernel; block_n stays 64, below it Triton leaves FP8 wgmma)
+#                                                                                                -> w8a8_splits/
 #   w8a8_rounds  the 8B FP8 rounds with --fp8-matmul stream (packed q|k|v and gate|up since 2026-12-05) and w8a8,
 #             the 27B's with w8a8 (a call of its own)        -> stream_qwen3-8b/, w8a8_qwen3-8b/, w8a8_qwen3.6-27b/
 #   knobs_fp8_8b  the 8B FP8 rounds (streamed) with fp8_bits 0 and 1                     -> fp8_bits{0,1}/
@@ -270,6 +273,13 @@ TreeAttentionConfig as C; l.ATTENTION_CONFIG = C(single_pass=True)"
       log "W8A8 projections: promote_k 32 and 0 (Pallas's dot)"
       timeout -k 5 "${FP8_PROBE_LIMIT:-100}" python3 tools/gpu_probe.py --out "$OUT/w8a8_promote" --tokens 1,65 \
         --forms stream_w8a8 --layers 12 --no-ceilings --stream-configs 64x128x4x4x1x0x32,64x128x4x4x1x0x0 \
+        2>&1 | grep '^|' | grep -v lm_head
+      ;;
+    w8a8_splits)
+      log "W8A8 packed projections: k in splits as now, against one split (no split sums after the kernel)"
+      timeout -k 5 "${FP8_PROBE_LIMIT:-200}" python3 tools/gpu_probe.py --out "$OUT/w8a8_splits" --tokens 1,16,65 \
+        --forms stream_w8a8_fused --layers 12 --no-ceilings \
+        --stream-configs 64x128x4x4,64x128x4x4x0x0x128x1,64x128x4x6x0x0x128x1,64x128x4x8x0x0x128x1,64x128x8x6x0x0x128x1 \
         2>&1 | grep '^|' | grep -v lm_head
       ;;
     w8a8_rounds)

@@ -94,10 +94,11 @@ def test_bad_shapes_say_what_was_expected():
 
 
 # Block-scaled FP8 weights (ddtree_jax/models/fp8.py's format): (t, n, k, x dtype, block, config). One row with
-# tiles smaller than the scale blocks and two splits; a DDTree tree in float32 with tiles equal to the blocks; a
+# tiles smaller than the scale blocks and two splits; a DDTree tree in float32 with tiles equal to the blocks, in one
+# split (the kernel writes the result itself); a
 # weight whose last scale row is a partial block (rows 128..191), with three splits of one block each.
 FP8_CASES = [(1, 256, 512, "bfloat16", (128, 128), sm.StreamMatmulConfig(block_n=64, block_k=64, splits=2)),
-             (65, 128, 256, "float32", (128, 128), sm.StreamMatmulConfig(block_n=128, block_k=128)),
+             (65, 128, 256, "float32", (128, 128), sm.StreamMatmulConfig(block_n=128, block_k=128, splits=1)),
              (5, 192, 384, "bfloat16", (128, 128), sm.StreamMatmulConfig(block_n=64, block_k=128, splits=3))]
 
 
@@ -214,11 +215,13 @@ def test_fp8_rows_match_the_dequantised_float64_product(t, n, k, out_dtype, conf
     assert not np.allclose(np.asarray(moved[t - 1], np.float64), want[t - 1], atol=tol * scale_of_out, rtol=tol)
 
 
-# Rows quantised inside the kernel (`quantize_x`): (t, n, k, x dtype, config), every step one group (block_k = 128).
+# Rows quantised inside the kernel (`quantize_x`): (t, n, k, x dtype, config), every step one group (block_k = 128);
+# the last in one split (the kernel writes the result itself) over two groups of rows.
 QUANTIZE_X_CASES = [(1, 256, 512, "bfloat16", sm.StreamMatmulConfig(block_k=128, splits=2)),
                     (65, 128, 384, "float32", sm.StreamMatmulConfig(block_n=64, block_k=128)),
                     (17, 192, 256, "bfloat16", sm.StreamMatmulConfig(block_n=64, block_k=128, promote_k=32)),
-                    (150, 64, 256, "bfloat16", sm.StreamMatmulConfig(block_n=32, block_k=128, row_tile=16))]
+                    (150, 64, 256, "bfloat16", sm.StreamMatmulConfig(block_n=32, block_k=128, row_tile=16,
+                                                                     splits=1))]
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
