@@ -382,7 +382,7 @@ def test_auto_counterfactual_rules_and_trajectory(tmp_path, capsys):
 
 
 def test_prune_counts_against_a_direct_count(capsys):
-    """tools/prune_counts.py: on a hand-made row (B = 3, two depths) the candidates, the bound's and the B-th best's
+    """tools/prune_counts.py: on a hand-made row (B = 3, three depths) the candidates, the bound's and the B-th best's
     counts, and the early stop, as counted by hand; and its table at a small vocabulary runs to the stop."""
     lp = np.log(np.array([[0.5, 0.3, 0.2, 0.0], [0.3, 0.3, 0.2, 0.2], [0.9, 0.1, 0.0, 0.0]], np.float32) + 1e-30)
     rows, stop = prune_counts.kept_per_depth(lp, 3)
