@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from ddtree_jax.checkpoint import load_drafter, load_target
@@ -156,3 +157,45 @@ def test_row_invariant_ddtree_gives_the_ar_tokens_in_bf16(tmp_path):
         options = DecodeOptions(mode=mode, max_new_tokens=10, budget=64, kernels="pallas", row_invariant=True)
         outputs[mode] = generate(target, prompts, options, drafter=drafter).output_ids
     assert outputs[Mode.DDTREE] == outputs[Mode.AR]
+
+
+def test_fused_kv_write_gives_the_same_tokens_and_writes_no_cache_after_the_layers(tmp_path, monkeypatch):
+    """`layers.FUSED_KV_WRITE` (off by default): the q/k-norm-RoPE kernel writes an AR step's and a prefill's K/V
+    into the caches itself, so the step's program has no dynamic-update-slice of a cache left (it had two per
+    layer), and AR and DDTree give the same tokens, acceptance and logits bits as with the writes after the layers
+    (kernels interpreted)."""
+    import collections
+
+    from ddtree_jax import engine
+    from ddtree_jax.models import layers, qwen3
+    from ddtree_jax.models.contract import ForwardMeta
+    from jaxprs import equations
+
+    t_dir = write_random_qwen3(tmp_path / "t", seed=4, with_tokenizer=False, vocab_size=64)
+    d_dir = write_random_dflash(tmp_path / "d", tiny_qwen3_config(vocab_size=64), seed=5, block_size=4)
+    target = load_target(t_dir, jnp.float32)
+    drafter = load_drafter(d_dir, target.config, jnp.float32)
+    prompts = [[1, 2, 3, 4, 5], [3, 9]]
+    cache = qwen3.create_cache(target.config, 2, 32, jnp.float32)
+    cache = cache.__class__(k=cache.k, v=cache.v, lengths=jnp.array([3, 7], jnp.int32))
+    meta = ForwardMeta.step(jnp.array([3, 7]), jnp.array([True, True]))
+    runtime = DecodeOptions(kernels="pallas").runtime
+    step = jax.jit(lambda p, t: qwen3.forward(p, t, meta, cache, runtime=runtime))
+    outputs, steps = {}, {}
+    for fused in (False, True):
+        monkeypatch.setattr(layers, "FUSED_KV_WRITE", fused)
+        program = jax.make_jaxpr(lambda p, t: qwen3.forward(p, t, meta, cache, runtime=runtime))(target,
+                                                                                                   jnp.array([[5], [6]]))
+        updates = sum(eqn.primitive.name in ("dynamic_update_slice", "scatter") and "pallas_call" not in outer
+                      for eqn, outer in equations(program))
+        assert updates == (0 if fused else 2 * target.config.num_layers), fused
+        jax.clear_caches()  # the flag is read when tracing: every program traced afresh
+        monkeypatch.setattr(engine, "_COMPILED", collections.OrderedDict())
+        steps[fused] = step(target, jnp.array([[5], [6]]))
+        outputs[fused] = [generate(target, prompts, DecodeOptions(mode=mode, max_new_tokens=8, budget=6,
+                                                                 kernels="pallas"), drafter=drafter)
+                          for mode in (Mode.AR, Mode.DDTREE)]
+    for a, b in zip(jax.tree.leaves(steps[False]), jax.tree.leaves(steps[True])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(*outputs.values()):
+        assert a.output_ids == b.output_ids and a.acceptance_lengths == b.acceptance_lengths

@@ -64,6 +64,9 @@
 #             stream_matmul GPU tests, FP8 projections at 1, 16, 65 rows (W8A16 against W8A8, q|k|v and gate|up apart
 #             and packed, packed with the rows quantised in XLA first; W8A8 with promote_k 32 and 0)
 #                                                                                  -> w8a8_probe/, w8a8_promote/
+#   kv_write  issue 19: the AR step's K/V written into the cache by the q/k-norm-RoPE kernel (layers.FUSED_KV_WRITE,
+#             off until timed): its GPU tests and the engine's same-tokens test compiled, then the 8B rounds with
+#             the writes after the layers and fused (tools/with_knobs.py engine:fused_kv_write=1) -> kv_{after,fused}/
 #   w8a8_splits  issue 23: W8A8 packed projections at 1, 16, 65 rows with k in splits (now) against one split,
 #             4-8 stages (one split: no XLA sum after the kernel; block_n stays 64, below it Triton leaves FP8 wgmma)
 #                                                                                                -> w8a8_splits/
@@ -274,6 +277,18 @@ TreeAttentionConfig as C; l.ATTENTION_CONFIG = C(single_pass=True)"
       timeout -k 5 "${FP8_PROBE_LIMIT:-100}" python3 tools/gpu_probe.py --out "$OUT/w8a8_promote" --tokens 1,65 \
         --forms stream_w8a8 --layers 12 --no-ceilings --stream-configs 64x128x4x4x1x0x32,64x128x4x4x1x0x0 \
         2>&1 | grep '^|' | grep -v lm_head
+      ;;
+    kv_write)
+      log "q/k-norm-RoPE GPU tests, the K/V written into the cache by it: same tokens, compiled"
+      timeout -k 5 150 python3 -m pytest -q -o addopts="" -m gpu tests/kernels/test_qk_norm_rope.py 2>&1 | tail -3
+      timeout -k 5 150 python3 -m pytest -q -o addopts="" tests/test_kernels_in_engine.py -k fused_kv 2>&1 | tail -3
+      for side in after fused; do
+        log "8B rounds, K/V written $side"
+        run="python3"; [ "$side" = fused ] && run="python3 tools/with_knobs.py engine:fused_kv_write=1"
+        timeout -k 5 "${KV_BENCH_LIMIT:-130}" $run -m ddtree_jax.bench --shape qwen3-8b --budgets 15 \
+          --modes ar,dflash,ddtree --repeats 5 --kernels pallas --out "$OUT/kv_$side" 2>&1 | grep -v '^{"mode"' | grep '^|'
+        rm -f "$OUT/kv_$side"/bench.{md,png,partial.json}
+      done
       ;;
     w8a8_splits)
       log "W8A8 packed projections: k in splits as now, against one split (no split sums after the kernel)"

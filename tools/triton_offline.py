@@ -139,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
                          functools.partial(qk.qk_norm_rope_pallas, eps=1e-6),
                          [sds((rows, n, hq // n + 2, d), dtype), sds((d,), dtype), sds((d,), dtype),
                           sds((rows, d), jnp.float32), sds((rows, d), jnp.float32)]))
+            jobs.append((f"qk_norm_rope kv_write {jnp.dtype(dtype).name} rows={rows}", rn.RMSNormConfig(),
+                         functools.partial(qk.qk_norm_rope_pallas, eps=1e-6),
+                         [sds((1, rows, n, hq // n + 2, d), dtype), sds((d,), dtype), sds((d,), dtype),
+                          sds((1, rows, d), jnp.float32), sds((1, rows, d), jnp.float32),
+                          sds((1, s, n, d), dtype), sds((1, s, n, d), dtype), sds((1,), jnp.int32)]))
         configs = [tac.TreeAcceptConfig()] + ([] if args.quick or dtype == jnp.float32 else kernel_check.ACCEPT_SWEEP)
         for t in shape["accept_t"]:
             acc_args = [sds((1, t, shape["vocab"]), dtype)]

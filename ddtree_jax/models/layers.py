@@ -43,6 +43,13 @@ STREAM_MAX_ROWS = 128
 # / 2.833 with 0, and the Qwen3-8B FP8 rounds AR 5.43 ms (5.62), DFlash 6.63 (6.82), B = 64 9.49 (10.73).
 FP8_STREAM_KNOBS = StreamMatmulConfig(fp8_bits=1)
 
+# The AR step's (and a prefill's) new K/V written into the cache by the q/k-norm-RoPE kernel itself
+# (`pallas_kernels.qk_norm_rope` with the cache aliased), not by two dynamic-update-slice kernels per layer after
+# the layers (on the H200 ~0.1 ms of kernels an 8B AR step, 2026-12-02). Off until timed on a GPU: whether XLA
+# updates the aliased caches in place inside the decode loop (the attention reads them after the kernel) shows only
+# there (`python tools/with_knobs.py engine:fused_kv_write=1 -m ddtree_jax.bench ...`). The same bits either way.
+FUSED_KV_WRITE = False
+
 # The fast attention kernel's knobs (None: its defaults). `single_pass=True` (one launch, no merge) stays off: on
 # the H200 (2026-12-05) it was slower at every point timed, 7.8 against 6.3 us at S = 256, T = 1 (a demo cache)
 # and 29.7 against 9.5 at S = 2048, T = 1 (too few programs once the keys are not split into chunks).
@@ -221,17 +228,26 @@ class RMSNorm(nnx.Module):
         return self.weight[...].astype(x.dtype) * normed.astype(x.dtype)
 
 
-def project_qk_norm_rope(attn, x: jax.Array, cos: jax.Array, sin: jax.Array,
-                         runtime: Runtime) -> tuple[jax.Array, jax.Array, jax.Array]:
+def fuses_kv_write(attn, runtime: Runtime) -> bool:
+    """Whether `project_qk_norm_rope` writes the new K/V into the cache itself (`FUSED_KV_WRITE`, on the Pallas
+    path with one device and a packed projection: its kernel's path)."""
+    return FUSED_KV_WRITE and runtime.pallas and runtime.tp_mesh is None and attn.qkv_proj.packed
+
+
+def project_qk_norm_rope(attn, x: jax.Array, cos: jax.Array, sin: jax.Array, runtime: Runtime,
+                         cache: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> tuple[jax.Array, ...]:
     """Qwen3 attention's q, k, v of x [b, t, e]: the packed q|k|v projection, `attn.q_norm` / `attn.k_norm` per
     head and RoPE (cos/sin [b, t, d], the whole head) on q and k. Returns q [b, t, n*g, d], k and v [b, t, n, d].
     On the Pallas path with one device and a packed projection, one kernel after the matmul
-    (`pallas_kernels.qk_norm_rope`: XLA ran three to five); else the jnp ops of the modules."""
+    (`pallas_kernels.qk_norm_rope`: XLA ran three to five); else the jnp ops of the modules. With `cache` =
+    (k_cache, v_cache [b, s, n, d], starts [b]) where `fuses_kv_write`, the kernel also writes k and v into the
+    caches at slots [starts, starts + t) and (q, k, v, k_cache, v_cache) come back."""
     b, t, _ = x.shape
     d = attn.head_dim
     if runtime.pallas and runtime.tp_mesh is None and attn.qkv_proj.packed:
         return qk_norm_rope(attn.qkv_proj.packed_output(x, runtime), attn.q_norm.weight[...], attn.k_norm.weight[...],
-                            cos, sin, eps=attn.q_norm.eps, implementation="pallas")
+                            cos, sin, *(cache if cache is not None and FUSED_KV_WRITE else ()), eps=attn.q_norm.eps,
+                            implementation="pallas")
     q, k, v = attn.qkv_proj(x, runtime)
     q = apply_rope(attn.q_norm(q.reshape(b, t, -1, d)), cos, sin)
     k = apply_rope(attn.k_norm(k.reshape(b, t, -1, d)), cos, sin)

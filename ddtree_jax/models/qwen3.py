@@ -18,7 +18,8 @@ from ddtree_jax.cache import KVCache, PendingKV, write_pending
 from ddtree_jax.config import Qwen3Config
 from ddtree_jax.models.contract import ForwardMeta, ForwardOut, Runtime
 from ddtree_jax.models.layers import (Embedding, Linear, PackedProjections, Part, RMSNorm, SwiGLU, add_and_norm,
-                                      cached_attention, linear, project_qk_norm_rope, rope_cos_sin)
+                                      cached_attention, fuses_kv_write, linear, project_qk_norm_rope,
+                                      rope_cos_sin)
 from ddtree_jax.models.params import ModelParams, abstract_params, random_params
 
 RECURRENT = False  # attention only: the cache is a KVCache
@@ -39,14 +40,23 @@ class Attention(nnx.Module):
         self.head_dim = d
 
     def __call__(self, x, cos, sin, k_cache, v_cache, cache_lengths, meta: ForwardMeta, *,
-                 sliding_window: int | None, runtime: Runtime):
-        """x [b, t, e], cos/sin [b, t, d] -> (out [b, t, e], k_new [b, t, n, d], v_new [b, t, n, d])."""
+                 sliding_window: int | None, runtime: Runtime, write_starts: jax.Array | None = None):
+        """x [b, t, e], cos/sin [b, t, d] -> (out [b, t, e], k_new [b, t, n, d], v_new [b, t, n, d], written):
+        written None, or where `write_starts` [b] is given and `fuses_kv_write`, the caches (k, v [b, s, n, d])
+        with the new K/V written at slots [write_starts, write_starts + t) by the q/k-norm-RoPE kernel (the
+        attention then reads the committed slots from them: the caches are updated in place)."""
         b, t, _ = x.shape
         d = self.head_dim
-        q, k, v = project_qk_norm_rope(self, x, cos, sin, runtime)
+        written = None
+        if write_starts is not None and fuses_kv_write(self, runtime):
+            q, k, v, k_cache, v_cache = project_qk_norm_rope(self, x, cos, sin, runtime,
+                                                             cache=(k_cache, v_cache, write_starts))
+            written = (k_cache, v_cache)
+        else:
+            q, k, v = project_qk_norm_rope(self, x, cos, sin, runtime)
         out = cached_attention(q, k_cache, v_cache, cache_lengths, k, v, meta.new_mask, meta.positions,
                                scale=d ** -0.5, sliding_window=sliding_window, runtime=runtime)
-        return self.o_proj(out.reshape(b, t, -1), runtime), k, v
+        return self.o_proj(out.reshape(b, t, -1), runtime), k, v, written
 
 
 class DecoderLayer(nnx.Module):
@@ -101,27 +111,31 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: KV
     check_tap_layers(tap_layers, config.num_layers)
     x = model.model.embed_tokens(tokens)
     cos, sin = rope_cos_sin(meta.positions, config.rope, config.head_dim)
-    new_k, new_v, taps = [], [], {}
+    new_k, new_v, written, taps = [], [], [], {}
+    # Where the rows go in the caches (a call that writes them): `write_pending`'s slots, clamped as it clamps.
+    starts = None if meta.is_tree else jnp.minimum(cache.lengths, cache.capacity - tokens.shape[1]).astype(jnp.int32)
     delta = None  # what the previous layer's MLP adds to the stream: added by the next norm's call
     for i, layer in enumerate(model.model.layers):
         with jax.named_scope(f"layer_{i}"):
             x, h = add_and_norm(layer.input_layernorm, x, delta, runtime)
             if i - 1 in tap_layers:
                 taps[i - 1] = x
-            attn_out, k, v = layer.self_attn(h, cos, sin, cache.k[i], cache.v[i], cache.lengths, meta,
-                                             sliding_window=config.sliding_windows[i], runtime=runtime)
+            attn_out, k, v, caches = layer.self_attn(h, cos, sin, cache.k[i], cache.v[i], cache.lengths, meta,
+                                                     sliding_window=config.sliding_windows[i], runtime=runtime,
+                                                     write_starts=starts)
             x, h = add_and_norm(layer.post_attention_layernorm, x, attn_out, runtime)
             delta = layer.mlp(h, runtime)
         new_k.append(k)
         new_v.append(v)
+        written.append(caches)
     x, hidden = add_and_norm(model.model.norm, x, delta, runtime)
     if config.num_layers - 1 in tap_layers:
         taps[config.num_layers - 1] = x
     tapped = jnp.concatenate([taps[i] for i in tap_layers], axis=-1) if tap_layers else None
     if meta.is_tree:  # the round writes the nodes it keeps
         return ForwardOut(hidden=hidden, taps=tapped, cache=cache, pending=PendingKV(k=tuple(new_k), v=tuple(new_v)))
-    new_k = [write_pending(layer, rows, cache.lengths) for layer, rows in zip(cache.k, new_k)]
-    new_v = [write_pending(layer, rows, cache.lengths) for layer, rows in zip(cache.v, new_v)]
+    new_k = [w[0] if w else write_pending(layer, rows, cache.lengths) for layer, rows, w in zip(cache.k, new_k, written)]
+    new_v = [w[1] if w else write_pending(layer, rows, cache.lengths) for layer, rows, w in zip(cache.v, new_v, written)]
     return ForwardOut(hidden=hidden, taps=tapped, cache=dataclasses.replace(cache, k=tuple(new_k), v=tuple(new_v)))
 
 

@@ -3,6 +3,8 @@ prologue, interpreted on CPU and compiled on a GPU (marked `gpu`)."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import jax.numpy as jnp
 import pytest
@@ -80,3 +82,32 @@ def test_bad_shapes_say_what_was_expected():
         qk.qk_norm_rope_reference(qkv, q_w[:8], k_w, cos, sin, eps=EPS)
     with pytest.raises(ValueError, match=r"cos and sin must be"):
         qk.qk_norm_rope_reference(qkv, q_w, k_w, cos[:, :1], sin, eps=EPS)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+def test_writes_keys_and_values_into_the_cache(interpret):
+    """With the cache given, the kernel also writes each token's key and value at slot starts[row] + token (two
+    rows at different starts, one at the cache's end), the rest of the cache untouched, and returns what it
+    returns without (the reference does the same with dynamic_update_slice)."""
+    rows, n, g, d, s = (2, 3), 2, 2, 16, 11
+    qkv, q_w, k_w, cos, sin = _inputs(rows, n, g, d, "bfloat16", seed=12)
+    rng = np.random.default_rng(13)
+    k_cache = jnp.asarray(rng.standard_normal((2, s, n, d)), jnp.bfloat16)
+    v_cache = jnp.asarray(rng.standard_normal((2, s, n, d)), jnp.bfloat16)
+    starts = jnp.array([4, s - 3], jnp.int32)
+    kernel = functools.partial(qk.qk_norm_rope_pallas, eps=EPS, interpret=interpret)
+    reference = functools.partial(qk.qk_norm_rope_reference, eps=EPS)
+    for fn in (kernel, reference):
+        plain = fn(qkv, q_w, k_w, cos, sin)
+        got = fn(qkv, q_w, k_w, cos, sin, k_cache, v_cache, starts)
+        for a, b in zip(got[:3], plain):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        for cache, new, old in ((got[3], plain[1], k_cache), (got[4], plain[2], v_cache)):
+            want = np.asarray(old, np.float32).copy()
+            for r, at in enumerate(np.asarray(starts)):
+                want[r, at:at + rows[1]] = np.asarray(new[r], np.float32)
+            np.testing.assert_array_equal(np.asarray(cache, np.float32), want)
+    with pytest.raises(ValueError, match="k_cache, v_cache and starts come together"):
+        qk.qk_norm_rope_reference(qkv, q_w, k_w, cos, sin, k_cache, None, starts, eps=EPS)
+    with pytest.raises(ValueError, match=r"the caches \[b, s >= t, n, d\]"):
+        qk.qk_norm_rope_reference(qkv, q_w, k_w, cos, sin, k_cache[:, :2], v_cache[:, :2], starts, eps=EPS)
