@@ -49,15 +49,16 @@ def _norm_rope(x, x_rot, w, w_rot, cos, sin, *, eps: float, d: int, dtype):
 def _kernel(qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref, *refs, eps: float, n: int, g: int, d: int, t: int,
             s: int | None):
     # qkv_ref [n * u * d] this row's packed projection; q_ref [n * g * d], k_ref/v_ref [n * d]; cos/sin [d]; with
-    # the cache (s slots): starts_ref [b], then the caches [b * s * n * d] as inputs (aliased) and as outputs.
+    # the cache (s slots): starts_ref [b], then the caches [b * s, n * d] as inputs (aliased) and as outputs (two
+    # dims, so that Pallas takes 64-bit offsets into a large cache).
     if s is None:
         q_ref, k_ref, v_ref = refs
-        cache_base = None
+        slot = None
     else:
         starts_ref, _, _, q_ref, k_ref, v_ref, k_cache_ref, v_cache_ref = refs
         row = pl.program_id(0)
         batch_row, token = lax.div(row, jnp.int32(t)), lax.rem(row, jnp.int32(t))
-        cache_base = (batch_row * s + starts_ref[batch_row] + token) * (n * d)  # this token's slot
+        slot = batch_row * s + starts_ref[batch_row] + token  # this token's row of the caches
     u, dp = g + 2, max(16, next_pow2(d))
     half = d // 2
     col = jnp.arange(dp, dtype=jnp.int32)
@@ -81,7 +82,8 @@ def _kernel(qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref, *refs, eps: float, n: int
         out = _norm_rope(x, x_rot, w[None, :], w_rot[None, :], cos, sin, eps=eps, d=d, dtype=dtype)
         plt.store(out_ref.at[head[:, None] * d + col[None, :]], out, mask=ok)
         if cache_ref is not None:
-            plt.store(cache_ref.at[cache_base + head[:, None] * d + col[None, :]], out, mask=ok)
+            at = head[:, None] * d + col[None, :]
+            plt.store(cache_ref.at[jnp.broadcast_to(slot, at.shape), at], out, mask=ok)
 
     heads(n * g, lambda h: lax.div(h, jnp.int32(g)) * u + lax.rem(h, jnp.int32(g)), qw_ref, q_ref)
     heads(n, lambda h: h * u + g, kw_ref, k_ref, None if s is None else k_cache_ref)
@@ -92,7 +94,8 @@ def _kernel(qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref, *refs, eps: float, n: int
     v = plt.load(qkv_ref.at[(jnp.minimum(head, n - 1) * u + g + 1)[:, None] * d + col[None, :]], mask=ok, other=0)
     plt.store(v_ref.at[head[:, None] * d + col[None, :]], v, mask=ok)
     if s is not None:
-        plt.store(v_cache_ref.at[cache_base + head[:, None] * d + col[None, :]], v, mask=ok)
+        at = head[:, None] * d + col[None, :]
+        plt.store(v_cache_ref.at[jnp.broadcast_to(slot, at.shape), at], v, mask=ok)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
@@ -108,8 +111,8 @@ def qk_norm_rope_pallas(qkv, q_weight, k_weight, cos, sin, k_cache=None, v_cache
     def row(width):
         return pl.BlockSpec((None, width), lambda i: (i, 0))
 
-    def whole(size):
-        return pl.BlockSpec((size,), lambda i: (0,))
+    def whole(*shape):
+        return pl.BlockSpec(shape, lambda i: (0,) * len(shape))
 
     in_specs = [row(n * u * d), whole(d), whole(d), row(d), row(d)]
     out_specs = [row(n * g * d), row(n * d), row(n * d)]
@@ -119,11 +122,11 @@ def qk_norm_rope_pallas(qkv, q_weight, k_weight, cos, sin, k_cache=None, v_cache
                 sin.reshape(r, d).astype(jnp.float32)]
     b, s = (k_cache.shape[0], k_cache.shape[1]) if cached else (None, None)
     if cached:
-        size = k_cache.size
-        in_specs += [whole(b), whole(size), whole(size)]
-        out_specs += [whole(size), whole(size)]
-        out_shape += [jax.ShapeDtypeStruct((size,), k_cache.dtype)] * 2
-        operands += [starts.astype(jnp.int32), k_cache.reshape(size), v_cache.reshape(size)]
+        rows = (b * s, n * d)
+        in_specs += [whole(b), whole(*rows), whole(*rows)]
+        out_specs += [whole(*rows), whole(*rows)]
+        out_shape += [jax.ShapeDtypeStruct(rows, k_cache.dtype)] * 2
+        operands += [starts.astype(jnp.int32), k_cache.reshape(rows), v_cache.reshape(rows)]
     outs = pl.pallas_call(
         functools.partial(_kernel, eps=float(eps), n=n, g=g, d=d, t=lead[-1] if cached else 1, s=s),
         grid=(r,),
