@@ -246,8 +246,7 @@ def project_qk_norm_rope(attn, x: jax.Array, cos: jax.Array, sin: jax.Array, run
     d = attn.head_dim
     if runtime.pallas and runtime.tp_mesh is None and attn.qkv_proj.packed:
         return qk_norm_rope(attn.qkv_proj.packed_output(x, runtime), attn.q_norm.weight[...], attn.k_norm.weight[...],
-                            cos, sin, *(cache if cache is not None and FUSED_KV_WRITE else ()), eps=attn.q_norm.eps,
-                            implementation="pallas")
+                            cos, sin, *(cache or ()), eps=attn.q_norm.eps, implementation="pallas")
     q, k, v = attn.qkv_proj(x, runtime)
     q = apply_rope(attn.q_norm(q.reshape(b, t, -1, d)), cos, sin)
     k = apply_rope(attn.k_norm(k.reshape(b, t, -1, d)), cos, sin)
