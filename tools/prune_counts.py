@@ -22,9 +22,11 @@ def kept_per_depth(log_probs, budget: int):
     None). prune 2 keeps the latter where the former exceeds 2 B, else the former."""
     import numpy as np
 
+    from ddtree_jax.tree import candidate_pairs
+
     top = -np.sort(-np.asarray(log_probs, np.float32), axis=-1)[:, :budget]  # [L, K] best first
     k = top.shape[1]
-    i, j = np.array([(i, j) for i in range(budget) for j in range(min(k, budget // (i + 1)))]).T
+    i, j = candidate_pairs(budget, k)
     beam = np.full(budget, -np.inf, np.float32)
     beam[:k] = top[0]
     running = beam.copy()  # the running top B, best first
