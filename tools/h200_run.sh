@@ -68,7 +68,8 @@
 #             off until timed): its GPU tests and the engine's same-tokens test compiled, then the 8B rounds with
 #             the writes after the layers and fused (tools/with_knobs.py engine:fused_kv_write=1) -> kv_{after,fused}/
 #   w8a8_splits  issue 23: W8A8 packed projections at 1, 16, 65 rows with k in splits (now) against one split,
-#             4-8 stages (one split: no XLA sum after the kernel; block_n stays 64, below it Triton leaves FP8 wgmma)
+#             4-8 stages (one split: no XLA sum after the kernel), 64 weight rows a program and 32 or 16 (twice or
+#             four times the programs; below 64 Triton leaves FP8 wgmma for mma.sync on f16 copies)
 #                                                                                                -> w8a8_splits/
 #   w8a8_rounds  the 8B FP8 rounds with --fp8-matmul stream (packed q|k|v and gate|up since 2026-12-05) and w8a8,
 #             the 27B's with w8a8 (a call of its own)        -> stream_qwen3-8b/, w8a8_qwen3-8b/, w8a8_qwen3.6-27b/
@@ -294,7 +295,7 @@ TreeAttentionConfig as C; l.ATTENTION_CONFIG = C(single_pass=True)"
       log "W8A8 packed projections: k in splits as now, against one split (no split sums after the kernel)"
       timeout -k 5 "${FP8_PROBE_LIMIT:-200}" python3 tools/gpu_probe.py --out "$OUT/w8a8_splits" --tokens 1,16,65 \
         --forms stream_w8a8_fused --layers 12 --no-ceilings \
-        --stream-configs 64x128x4x4,64x128x4x4x0x0x128x1,64x128x4x6x0x0x128x1,64x128x4x8x0x0x128x1,64x128x8x6x0x0x128x1 \
+        --stream-configs 64x128x4x4,64x128x4x4x0x0x128x1,64x128x4x8x0x0x128x1,32x128x4x4x0x0x128x1,32x128x4x8x0x0x128x1,16x128x4x4x0x0x128x1 \
         2>&1 | grep '^|' | grep -v lm_head
       ;;
     w8a8_rounds)
