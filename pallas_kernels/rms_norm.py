@@ -13,7 +13,12 @@ Two scalings (HF's):
 - "zero_centered" (`Qwen3_5RMSNorm`): y = (s / rms(s) * (1 + w)).astype(dtype), all in float32.
 with rms(s) = sqrt(mean(s^2) + eps) over the row, in float32.
 
-Letters: r rows (batch x tokens), e features (the row), ep = e padded to a power of two (masked loads).
+delta may also come as a streamed projection's partial sums over its k splits, not yet added
+(`pallas_kernels.stream_matmul.SplitSums`, [s, rp, e] float32 with rp >= r): each program adds its row's s
+partials in split order in float32 and rounds once to x's dtype, as `SplitSums.total` does (the same bits),
+so that no launch between the projection and this kernel sums them.
+
+Letters: r rows (batch x tokens), e features (the row), ep = e padded to a power of two (masked loads), s splits.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._dispatch import check_knobs, next_pow2, resolve_implementation, resolve_interpret
+from pallas_kernels.stream_matmul import SplitSums
 
 KINDS = ("qwen3", "zero_centered")
 
@@ -51,7 +57,7 @@ def _scale(s, w, *, eps: float, width: int, kind: str, dtype):
     return (s * rms_inv * (1.0 + w.astype(jnp.float32))).astype(dtype)
 
 
-def _kernel(*refs, eps: float, width: int, padded: int, kind: str, has_delta: bool):
+def _kernel(*refs, eps: float, width: int, padded: int, kind: str, has_delta: bool, delta_splits: int):
     if has_delta:
         x_ref, delta_ref, w_ref, s_ref, y_ref = refs
     else:
@@ -61,7 +67,15 @@ def _kernel(*refs, eps: float, width: int, padded: int, kind: str, has_delta: bo
     x = plt.load(x_ref.at[pl.ds(0, padded)], mask=ok, other=0)
     dtype = x.dtype
     if has_delta:
-        delta = plt.load(delta_ref.at[pl.ds(0, padded)], mask=ok, other=0)
+        if delta_splits:  # delta_ref [s, e]: this row's partial sums, added in split order (`SplitSums.total`)
+            parts = [plt.load(delta_ref.at[jnp.int32(s), pl.ds(0, padded)], mask=ok, other=0)
+                     for s in range(delta_splits)]
+            delta = parts[0]
+            for part in parts[1:]:
+                delta = delta + part
+            delta = delta.astype(dtype)
+        else:
+            delta = plt.load(delta_ref.at[pl.ds(0, padded)], mask=ok, other=0)
         x = (x.astype(jnp.float32) + delta.astype(jnp.float32)).astype(dtype)  # the add in x's dtype, as jnp's
         plt.store(s_ref.at[pl.ds(0, padded)], x, mask=ok)
     w = plt.load(w_ref.at[pl.ds(0, padded)], mask=ok, other=0)
@@ -80,18 +94,22 @@ def add_rms_norm_pallas(x, delta, weight, *, eps: float, kind: str = "qwen3", co
     r = rows.shape[0]
     has_delta = delta is not None
     row_spec = pl.BlockSpec((None, e), lambda i: (i, 0))
-    inputs = [rows] + ([delta.reshape(r, e).astype(x.dtype)] if has_delta else []) + [weight]
+    delta_splits = delta.partials.shape[0] if isinstance(delta, SplitSums) else 0
+    if delta_splits:
+        delta_in, delta_spec = delta.partials, pl.BlockSpec((delta_splits, None, e), lambda i: (0, i, 0))
+    elif has_delta:
+        delta_in, delta_spec = delta.reshape(r, e).astype(x.dtype), row_spec
     outs = pl.pallas_call(
         functools.partial(_kernel, eps=float(eps), width=e, padded=max(16, next_pow2(e)), kind=kind,
-                          has_delta=has_delta),
+                          has_delta=has_delta, delta_splits=delta_splits),
         grid=(r,),
-        in_specs=[row_spec] * (2 if has_delta else 1) + [pl.BlockSpec((e,), lambda i: (0,))],
+        in_specs=[row_spec] + ([delta_spec] if has_delta else []) + [pl.BlockSpec((e,), lambda i: (0,))],
         out_specs=[row_spec] * (2 if has_delta else 1),
         out_shape=[jax.ShapeDtypeStruct((r, e), x.dtype)] * (2 if has_delta else 1),
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="add_rms_norm",
-    )(*inputs)
+    )(rows, *([delta_in] if has_delta else []), weight)
     if has_delta:
         return outs[0].reshape(shape), outs[1].reshape(shape)
     return x, outs[0].reshape(shape)
@@ -99,10 +117,12 @@ def add_rms_norm_pallas(x, delta, weight, *, eps: float, kind: str = "qwen3", co
 
 @functools.partial(jax.jit, static_argnames=("eps", "kind"))
 def add_rms_norm_reference(x, delta, weight, *, eps: float, kind: str = "qwen3") -> tuple[jax.Array, jax.Array]:
-    """x [..., e] the residual stream, delta [..., e] what a block adds to it (None: nothing), weight [e].
-    Returns (s, y): s = x + delta in x's dtype (x itself when delta is None) and y = the RMSNorm of s (`kind`,
+    """x [..., e] the residual stream, delta [..., e] what a block adds to it (None: nothing; or its unsummed
+    `SplitSums` [s, rp, e], rp >= the rows of x), weight [e]. Returns (s, y): s = x + delta in x's dtype (x itself when delta is None) and y = the RMSNorm of s (`kind`,
     the module docstring), in x's dtype."""
     _check(x, delta, weight, kind)
+    if isinstance(delta, SplitSums):
+        delta = delta.total(x.size // x.shape[-1], x.dtype).reshape(x.shape)
     s = x if delta is None else x + delta.astype(x.dtype)
     s32 = s.astype(jnp.float32)
     rms_inv = lax.rsqrt(jnp.mean(s32 * s32, axis=-1, keepdims=True) + eps)
@@ -125,7 +145,13 @@ def _check(x, delta, weight, kind):
         raise ValueError(f"kind={kind!r}: expected one of {', '.join(KINDS)}")
     if x.ndim < 1 or weight.shape != (x.shape[-1],):
         raise ValueError(f"x must be [..., e] and weight [e], got {x.shape} and {weight.shape}")
-    if delta is not None and delta.shape != x.shape:
+    if isinstance(delta, SplitSums):
+        parts = delta.partials
+        if parts.ndim != 3 or parts.shape[1] < x.size // max(x.shape[-1], 1) or parts.shape[2] != x.shape[-1] \
+                or parts.dtype != jnp.float32:
+            raise ValueError(f"delta's partial sums must be float32 [s, rows >= {x.size // max(x.shape[-1], 1)}, "
+                             f"{x.shape[-1]}], got {parts.dtype} {parts.shape}")
+    elif delta is not None and delta.shape != x.shape:
         raise ValueError(f"delta must have x's shape {x.shape}, got {delta.shape}")
 
 

@@ -8,9 +8,11 @@ TB/s for 65 (docs/performance.md). Here every row count runs the same streaming 
   `block_k` steps (Triton pipelines the loads `num_stages` deep), multiplying each [block_n, block_k]
   weight tile by x^T's rows in power-of-two tiles >= 16 (65 rows as 64 + 16: padding to one power of two
   would multiply 128; 17 as one tile of 32, not 16 + 16) into float32 [block_n, tile] accumulators;
-- the `splits` partial sums are added in a fixed order outside the kernel (plain jnp), so that small
+- the `splits` partial sums are added in a fixed order outside the kernel (`SplitSums.total`), so that small
   matrices still give every streaming multiprocessor work (`splits` defaults to about two programs per
-  multiprocessor); with one split the kernel writes y itself ([t, n] in its dtype: no XLA epilogue);
+  multiprocessor); or, with `sum_splits=False`, handed on unsummed (`SplitSums`) to a consumer that adds them in
+  the same order (`pallas_kernels.rms_norm`: the residual add after o_proj and down_proj), so that no launch
+  sums them; with one split the kernel writes y itself ([t, n] in its dtype: no XLA epilogue);
 - more than GROUP_ROWS rows (a batch of trees under `Runtime.row_invariant`) go in groups of GROUP_ROWS, a grid
   axis: each group's programs stream the weight again (from L2 where its tiles are still there), and a row's
   arithmetic is the same in every group;
@@ -193,11 +195,29 @@ def _row_tiles(t: int, row_tile: int | None = None) -> tuple[int, ...]:
     return tuple(tiles)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SplitSums:
+    """A streamed product's partial sums over the `splits` slices of k, not yet added: partials [s, tp, n] float32
+    (row r of the product is the sum over s of partials[s, r]; rows past the call's t are zeros). `total` adds
+    them as the kernel's own epilogue does: in split order, in float32, then one rounding to the dtype; a consumer
+    that adds them itself in that order gets the same bits."""
+
+    partials: jax.Array
+
+    def total(self, rows: int, dtype) -> jax.Array:
+        """The product's first `rows` rows [rows, n] in `dtype`."""
+        total = self.partials[0]
+        for s in range(1, self.partials.shape[0]):  # a fixed order, whatever t is
+            total = total + self.partials[s]
+        return total[:rows].astype(dtype)
+
+
 def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_block: tuple[int, int] | None,
             row_tiles: tuple[int, ...], rows: int, fp8_bits: int, fp8_rows: bool, quantize_x: bool, promote_k: int,
             whole_out: bool, asm: bool):
     # x_ref [t, k] all of x, unpadded (`rows` = t: a row tile's rows past t are masked loads of zeros, so no pad
-    # launches before the kernel); w_ref [block_n, ks] weight rows, this split's k slice; o_ref [block_n, tg] f32,
+    # launches before the kernel); w_ref [block_n, ks] weight rows, this split's k slice; o_ref [tg, block_n] f32,
     # this split's partial sums, or with one split (`whole_out`) o_ref [t, n] the result in its dtype;
     # with FP8 weights, s_ref [so, si] all the block scales (one scalar read per step); with FP8 rows too
     # (`fp8_rows`), xs_ref [si, tp] every row's scales, transposed so that a row tile's are one contiguous read; with
@@ -258,7 +278,7 @@ def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_bloc
             plt.store(o_ref.at[pl.ds(group_row + start, size), pl.ds(pl.program_id(0) * block_n, block_n)],
                       acc.T.astype(o_ref.dtype), mask=jnp.broadcast_to(row_ok[:, None], (size, block_n)))
         else:
-            o_ref[:, pl.ds(start, size)] = acc
+            o_ref[pl.ds(start, size), :] = acc.T
 
 
 def fitted_config(n: int, k: int, block: tuple[int, int] | None = None,
@@ -293,12 +313,15 @@ def _splits(k: int, n_blocks: int, config: StreamMatmulConfig) -> int:
     return max(s for s in range(1, steps + 1) if steps % s == 0 and s <= want)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "quantize_x", "config", "out_dtype", "interpret", "debug"))
+@functools.partial(jax.jit, static_argnames=("block", "quantize_x", "config", "out_dtype", "sum_splits", "interpret",
+                                             "debug"))
 def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None = None, x_scale=None,
                          quantize_x: bool = False, config: StreamMatmulConfig | None = None, out_dtype=None,
-                         interpret: bool = False, debug: bool = False) -> jax.Array:
+                         sum_splits: bool = True, interpret: bool = False,
+                         debug: bool = False) -> jax.Array | SplitSums:
     """The Pallas kernel; arguments and result as `stream_matmul_reference`, plus the knobs (with `quantize_x`,
-    block_k must be the scale block's bi: a step's tile is one group)."""
+    block_k must be the scale block's bi: a step's tile is one group). With `sum_splits=False` and more than one
+    split, the partial sums come back unsummed (`SplitSums`; their `total(t, out_dtype)` is the result)."""
     config = StreamMatmulConfig() if config is None else config
     _check(x, w, scale_inv, block, x_scale, out_dtype, quantize_x)
     fp8_rows = x_scale is not None or quantize_x
@@ -338,8 +361,8 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
     if whole_out:
         out_spec, out_shape = pl.BlockSpec((t, n), lambda i, s, g: (0, 0)), jax.ShapeDtypeStruct((t, n), out_dtype)
     else:
-        out_spec = pl.BlockSpec((None, block_n, tg), lambda i, s, g: (s, i, g))
-        out_shape = jax.ShapeDtypeStruct((splits, n, tp), jnp.float32)
+        out_spec = pl.BlockSpec((None, tg, block_n), lambda i, s, g: (s, g, i))
+        out_shape = jax.ShapeDtypeStruct((splits, tp, n), jnp.float32)
     out = pl.pallas_call(
         functools.partial(_kernel, block_k=config.block_k, steps=ks // config.block_k, precision=precision,
                           scale_block=None if block is None else tuple(block), row_tiles=row_tiles, rows=t,
@@ -357,21 +380,19 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
     )(*operands)
     if whole_out:
         return out
-    total = out[0]
-    for s in range(1, splits):  # a fixed order, whatever t is
-        total = total + out[s]
-    return total[:, :t].T.astype(out_dtype)
+    return SplitSums(out) if not sum_splits else SplitSums(out).total(t, out_dtype)
 
 
 def stream_matmul(x, w, scale_inv=None, *, block: tuple[int, int] | None = None, x_scale=None,
                   quantize_x: bool = False, implementation: str | None = None, config: StreamMatmulConfig | None = None,
-                  out_dtype=None, interpret: bool | None = None) -> jax.Array:
-    """Dispatcher: the Pallas kernel on a GPU, the reference elsewhere (see `pallas_kernels.resolve_implementation`)."""
+                  out_dtype=None, sum_splits: bool = True, interpret: bool | None = None) -> jax.Array | SplitSums:
+    """Dispatcher: the Pallas kernel on a GPU, the reference elsewhere (see `pallas_kernels.resolve_implementation`;
+    the reference always returns the summed product)."""
     if resolve_implementation(implementation) == "reference":
         return stream_matmul_reference(x, w, scale_inv, block=block, x_scale=x_scale, quantize_x=quantize_x,
                                        out_dtype=out_dtype)
     return stream_matmul_pallas(x, w, scale_inv, block=block, x_scale=x_scale, quantize_x=quantize_x, config=config,
-                                out_dtype=out_dtype, interpret=resolve_interpret(interpret))
+                                out_dtype=out_dtype, sum_splits=sum_splits, interpret=resolve_interpret(interpret))
 
 
 def _check(x, w, scale_inv=None, block=None, x_scale=None, out_dtype=None, quantize_x=False):
@@ -428,5 +449,5 @@ def stream_matmul_reference(x, w, scale_inv=None, *, block: tuple[int, int] | No
                       preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-__all__ = ["StreamMatmulConfig", "fitted_config", "fp8_row_scales", "quantize_rows", "stream_matmul",
+__all__ = ["SplitSums", "StreamMatmulConfig", "fitted_config", "fp8_row_scales", "quantize_rows", "stream_matmul",
            "stream_matmul_pallas", "stream_matmul_reference"]

@@ -117,9 +117,9 @@ def draft_hidden(params: ModelParams, target: ModelParams, block_tokens: jax.Arr
             out = cached_attention(q, cache.k[i], cache.v[i], cache.lengths, k, v,
                                    block_mask(b, bs, config.layer_causal[i]), positions,
                                    scale=d ** -0.5, sliding_window=config.layer_windows[i], runtime=runtime)
-            attn_out = attn.o_proj(out.reshape(b, bs, -1), runtime)
+            attn_out = attn.o_proj(out.reshape(b, bs, -1), runtime, split_sums=True)
             h, x = add_and_norm(layer.post_attention_layernorm, h, attn_out, runtime)
-            delta = layer.mlp(x, runtime)
+            delta = layer.mlp(x, runtime, split_sums=True)
     return add_and_norm(model.norm, h, delta, runtime)[1]
 
 

@@ -22,7 +22,7 @@ from ddtree_jax.models import fp8
 from ddtree_jax.models.contract import Fp8Matmul, Runtime
 from pallas_kernels.qk_norm_rope import qk_norm_rope
 from pallas_kernels.rms_norm import add_rms_norm
-from pallas_kernels.stream_matmul import StreamMatmulConfig, fitted_config, stream_matmul
+from pallas_kernels.stream_matmul import SplitSums, StreamMatmulConfig, fitted_config, stream_matmul
 from pallas_kernels.tree_attention import ROW_INVARIANT_CONFIG, TreeAttentionConfig, tree_attention
 
 from ddtree_jax.config import RopeConfig
@@ -50,6 +50,14 @@ FP8_STREAM_KNOBS = StreamMatmulConfig(fp8_bits=1)
 # there (`python tools/with_knobs.py engine:fused_kv_write=1 -m ddtree_jax.bench ...`). The same bits either way.
 FUSED_KV_WRITE = False
 
+# o_proj's and down_proj's streamed partial sums over k (the kernel's splits: 2-4 at the Qwen3-8B shape) added by
+# the residual-add + RMSNorm kernel after them (`pallas_kernels.rms_norm` with a `SplitSums` delta), not by an XLA
+# fusion of their own between the two kernels: two launches fewer per layer wherever those projections stream (FP8
+# weights, `Runtime.row_invariant`). The same bits either way (the same float32 adds in the same order, one
+# rounding). Off until timed on a GPU: at one row a single program of the norm kernel then reads the s partial
+# rows in float32 (`python tools/with_knobs.py engine:split_sums_in_norm=1 -m ddtree_jax.bench ...`).
+SPLIT_SUMS_IN_NORM = False
+
 # The fast attention kernel's knobs (None: its defaults). `single_pass=True` (one launch, no merge) stays off: on
 # the H200 (2026-12-05) it was slower at every point timed, 7.8 against 6.3 us at S = 256, T = 1 (a demo cache)
 # and 29.7 against 9.5 at S = 2048, T = 1 (too few programs once the keys are not split into chunks).
@@ -69,17 +77,20 @@ def dense_stream_config(weight_shape: tuple[int, int], rows: int, runtime: Runti
     return fitted_config(*weight_shape, config=StreamMatmulConfig(row_tile=ROW_INVARIANT_ROW_TILE))
 
 
-def linear(x: jax.Array, weight: jax.Array, runtime: Runtime, *, out_dtype=None) -> jax.Array:
+def linear(x: jax.Array, weight: jax.Array, runtime: Runtime, *, out_dtype=None,
+           split_sums: bool = False) -> jax.Array | SplitSums:
     """x [..., in] times a dense weight [out, in] (HF layout) transposed -> [..., out] in `out_dtype` (default x's
     dtype). XLA's GEMM, or where `dense_stream_config` gives knobs `pallas_kernels.stream_matmul` (the Pallas kernel
-    on the Pallas path, its jnp reference otherwise), accumulating in float32."""
+    on the Pallas path, its jnp reference otherwise), accumulating in float32. `split_sums`: the caller takes the
+    kernel's partial sums unsummed (`SplitSums`, for `add_and_norm`) where `SPLIT_SUMS_IN_NORM` lets it."""
     rows = math.prod(x.shape[:-1])
     config = dense_stream_config(weight.shape, rows, runtime)
     if config is None:
         return jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype), preferred_element_type=out_dtype)
     y = stream_matmul(x.reshape(rows, x.shape[-1]), weight.astype(x.dtype), config=config, out_dtype=out_dtype,
-                      implementation="pallas" if runtime.pallas else "reference")
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+                      implementation="pallas" if runtime.pallas else "reference",
+                      sum_splits=not (split_sums and SPLIT_SUMS_IN_NORM))
+    return y if isinstance(y, SplitSums) else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, axes: tuple[str | None, ...], init: str,
@@ -121,12 +132,12 @@ class Linear(nnx.Module):
             return self.weight[...].astype(dtype)
         return fp8.dequantize(self.weight[...], self.weight_scale_inv[...], self.block, dtype)
 
-    def __call__(self, x: jax.Array, runtime: Runtime) -> jax.Array:
+    def __call__(self, x: jax.Array, runtime: Runtime, *, split_sums: bool = False) -> jax.Array | SplitSums:
         """x [..., in] -> [..., out] in x's dtype: a dense weight as `linear` multiplies, an FP8 one as
-        `fp8_linear` does."""
+        `fp8_linear` does (`split_sums`: theirs, for a result that goes straight to `add_and_norm`)."""
         if self.block is None:
-            return linear(x, self.weight[...], runtime)
-        return fp8_linear(x, self.weight[...], self.weight_scale_inv[...], self.block, runtime)
+            return linear(x, self.weight[...], runtime, split_sums=split_sums)
+        return fp8_linear(x, self.weight[...], self.weight_scale_inv[...], self.block, runtime, split_sums=split_sums)
 
     def stream_config(self, rows: int, runtime: Runtime) -> StreamMatmulConfig | None:
         """`fp8_stream_config` for this weight (None while it is dense)."""
@@ -148,7 +159,7 @@ def fp8_stream_config(weight_shape: tuple[int, int], block: tuple[int, int], row
 
 
 def fp8_linear(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, block: tuple[int, int],
-               runtime: Runtime) -> jax.Array:
+               runtime: Runtime, *, split_sums: bool = False) -> jax.Array | SplitSums:
     """x [..., in] times a block-scaled FP8 weight [out, in] (scales [ceil(out / bo), ceil(in / bi)]) transposed ->
     [..., out] in x's dtype.
 
@@ -159,7 +170,7 @@ def fp8_linear(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, block: tup
     group of the block's input features (`fp8.quantize_rows`): inside the streaming kernel where its step is one
     group (`quantize_x`: no launch of its own), else first, then streamed with its scales (FP8 tensor cores), or
     where nothing streams, dequantised again to x's dtype and multiplied as above: the same products up to that
-    rounding (none in float32) and the order of float32 sums."""
+    rounding (none in float32) and the order of float32 sums. `split_sums`: as `linear`'s."""
     rows = math.prod(x.shape[:-1])
     rows_x, x_scale = x.reshape(rows, x.shape[-1]), None
     config = fp8_stream_config(weight.shape, block, rows, runtime)
@@ -172,8 +183,9 @@ def fp8_linear(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, block: tup
             x = fp8.dequantize(rows_x, x_scale, (1, block[1]), x.dtype).reshape(x.shape)
         return jnp.einsum("...i,oi->...o", x, fp8.dequantize(weight, scale_inv, block, x.dtype))
     y = stream_matmul(rows_x, weight, scale_inv, block=block, x_scale=x_scale, quantize_x=quantize_x,
-                      implementation="pallas" if runtime.pallas else "reference", config=config, out_dtype=x.dtype)
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+                      implementation="pallas" if runtime.pallas else "reference", config=config, out_dtype=x.dtype,
+                      sum_splits=not (split_sums and SPLIT_SUMS_IN_NORM))
+    return y if isinstance(y, SplitSums) else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def apply_fp8(module: nnx.Module, config) -> nnx.Module:
@@ -253,11 +265,15 @@ def project_qk_norm_rope(attn, x: jax.Array, cos: jax.Array, sin: jax.Array, run
     return q, k, v.reshape(b, t, -1, d)
 
 
-def add_and_norm(norm, x: jax.Array, delta: jax.Array | None, runtime: Runtime) -> tuple[jax.Array, jax.Array]:
+def add_and_norm(norm, x: jax.Array, delta: jax.Array | SplitSums | None,
+                 runtime: Runtime) -> tuple[jax.Array, jax.Array]:
     """The residual stream after a block and the next norm of it: (s, norm(s)) with s = x + delta (x when delta is
-    None), x/delta [..., e]. `norm` is an RMSNorm module with `kind`, `eps` and `weight`. On the Pallas path one
-    kernel (`pallas_kernels.rms_norm`: XLA ran two or three per norm), replicated under tensor parallelism (the
-    stream is); else the jnp ops of `x + delta` and `norm`."""
+    None), x/delta [..., e] (delta also a projection's unsummed `SplitSums`, `linear`'s `split_sums`). `norm` is an
+    RMSNorm module with `kind`, `eps` and `weight`. On the Pallas path one kernel (`pallas_kernels.rms_norm`: XLA
+    ran two or three per norm; it adds a `SplitSums` itself), replicated under tensor parallelism (the stream is);
+    else the jnp ops of `x + delta` and `norm`."""
+    if isinstance(delta, SplitSums) and (not runtime.pallas or runtime.tp_mesh is not None):
+        delta = delta.total(math.prod(x.shape[:-1]), x.dtype).reshape(x.shape)
     if not runtime.pallas:
         s = x if delta is None else x + delta
         return s, norm(s)
@@ -398,9 +414,10 @@ class SwiGLU(nnx.Module):
                                               dtype=dtype, rngs=rngs)
         self.down_proj = Linear(intermediate, hidden, ("embed", "mlp"), dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, runtime: Runtime) -> jax.Array:
+    def __call__(self, x: jax.Array, runtime: Runtime, *, split_sums: bool = False) -> jax.Array | SplitSums:
+        """x [..., e] -> [..., e] (`split_sums`: `Linear`'s, for a result that goes straight to `add_and_norm`)."""
         gate, up = self.gate_up_proj(x, runtime)
-        return self.down_proj(jax.nn.silu(gate) * up, runtime)
+        return self.down_proj(jax.nn.silu(gate) * up, runtime, split_sums=split_sums)
 
 
 def rope_cos_sin(positions: jax.Array, rope: RopeConfig, rotary_dim: int) -> tuple[jax.Array, jax.Array]:

@@ -3,6 +3,8 @@ on CPU and compiled on a GPU (marked `gpu`)."""
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -82,3 +84,32 @@ def test_dispatcher_and_bad_input():
         rn.RMSNormConfig(num_warps=3)
     s, _ = jax.jit(lambda a: rn.add_rms_norm(a, None, weight, eps=EPS, implementation="reference"))(x)
     np.testing.assert_array_equal(np.asarray(s), np.asarray(x))  # nothing added: the stream passes through
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("rows,e,dtype,splits", [((1, 1), 256, "bfloat16", 3), ((1, 5), 96, "float32", 2)],
+                         ids=["ar-bf16-3", "r5-f32-2"])
+def test_split_sums_give_the_summed_delta_bits(rows, e, dtype, splits, interpret):
+    """delta as a projection's unsummed partial sums (`SplitSums` [s, rp, e] float32, rp past the rows): the kernel
+    and the reference give the bits of the delta summed in split order in float32 (NumPy) and rounded once."""
+    from pallas_kernels.stream_matmul import SplitSums
+
+    x, _, weight = _inputs(rows, e, dtype, seed=7)
+    r = int(np.prod(rows))
+    rng = np.random.default_rng(8)
+    partials = rng.standard_normal((splits, r + 11, e)).astype(np.float32)
+    summed = partials[0].copy()
+    for part in partials[1:]:
+        summed = summed + part  # float32 adds, in split order
+    delta = jnp.asarray(summed[:r].reshape(*rows, e)).astype(dtype)
+    for norm in (functools.partial(rn.add_rms_norm_pallas, interpret=interpret), rn.add_rms_norm_reference):
+        want = norm(x, delta, weight, eps=EPS)
+        for a, b in zip(norm(x, SplitSums(jnp.asarray(partials)), weight, eps=EPS), want):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    # Negative controls: three splits added in another order, or a split left out, differ in the sums' bits.
+    if splits >= 3:
+        reordered = jnp.asarray(partials[[1, 2, 0]])
+        assert not np.array_equal(np.asarray(SplitSums(reordered).total(r, jnp.float32)), summed[:r])
+    assert not np.array_equal(np.asarray(SplitSums(jnp.asarray(partials[1:])).total(r, jnp.float32)), summed[:r])
+    with pytest.raises(ValueError, match="partial sums must be float32"):
+        rn.add_rms_norm_reference(x, SplitSums(jnp.asarray(partials[:, :r - 1 if r > 1 else 0])), weight, eps=EPS)
