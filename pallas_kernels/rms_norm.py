@@ -122,7 +122,7 @@ def add_rms_norm_reference(x, delta, weight, *, eps: float, kind: str = "qwen3")
     the module docstring), in x's dtype."""
     _check(x, delta, weight, kind)
     if isinstance(delta, SplitSums):
-        delta = delta.total(x.size // x.shape[-1], x.dtype).reshape(x.shape)
+        delta = delta.total(x.size // x.shape[-1]).reshape(x.shape)
     s = x if delta is None else x + delta.astype(x.dtype)
     s32 = s.astype(jnp.float32)
     rms_inv = lax.rsqrt(jnp.mean(s32 * s32, axis=-1, keepdims=True) + eps)
@@ -148,9 +148,10 @@ def _check(x, delta, weight, kind):
     if isinstance(delta, SplitSums):
         parts = delta.partials
         if parts.ndim != 3 or parts.shape[1] < x.size // max(x.shape[-1], 1) or parts.shape[2] != x.shape[-1] \
-                or parts.dtype != jnp.float32:
+                or parts.dtype != jnp.float32 or delta.dtype != x.dtype:
             raise ValueError(f"delta's partial sums must be float32 [s, rows >= {x.size // max(x.shape[-1], 1)}, "
-                             f"{x.shape[-1]}], got {parts.dtype} {parts.shape}")
+                             f"{x.shape[-1]}] rounded to x's {x.dtype}, got {parts.dtype} {parts.shape} rounded "
+                             f"to {delta.dtype}")
     elif delta is not None and delta.shape != x.shape:
         raise ValueError(f"delta must have x's shape {x.shape}, got {delta.shape}")
 

@@ -195,22 +195,25 @@ def _row_tiles(t: int, row_tile: int | None = None) -> tuple[int, ...]:
     return tuple(tiles)
 
 
-@jax.tree_util.register_dataclass
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["partials"], meta_fields=["dtype", "features"])
 @dataclasses.dataclass(frozen=True)
 class SplitSums:
     """A streamed product's partial sums over the `splits` slices of k, not yet added: partials [s, tp, n] float32
-    (row r of the product is the sum over s of partials[s, r]; rows past the call's t are zeros). `total` adds
-    them as the kernel's own epilogue does: in split order, in float32, then one rounding to the dtype; a consumer
-    that adds them itself in that order gets the same bits."""
+    (row r of the product is the sum over s of partials[s, r]; rows past the call's t are zeros), the product's
+    `dtype`, and `features`, the shape a row's n features stand for ((n,), or e.g. (heads, units, d) for a packed
+    projection). `total` adds them as the kernel's own epilogue does: in split order, in float32, then one rounding
+    to the dtype; a consumer that adds them itself in that order gets the same bits."""
 
     partials: jax.Array
+    dtype: object
+    features: tuple[int, ...]
 
-    def total(self, rows: int, dtype) -> jax.Array:
-        """The product's first `rows` rows [rows, n] in `dtype`."""
+    def total(self, rows: int) -> jax.Array:
+        """The product's first `rows` rows, [rows, *features] in its dtype."""
         total = self.partials[0]
         for s in range(1, self.partials.shape[0]):  # a fixed order, whatever t is
             total = total + self.partials[s]
-        return total[:rows].astype(dtype)
+        return total[:rows].astype(self.dtype).reshape(rows, *self.features)
 
 
 def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_block: tuple[int, int] | None,
@@ -380,7 +383,8 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
     )(*operands)
     if whole_out:
         return out
-    return SplitSums(out) if not sum_splits else SplitSums(out).total(t, out_dtype)
+    parts = SplitSums(out, jnp.dtype(out_dtype), (n,))
+    return parts if not sum_splits else parts.total(t)
 
 
 def stream_matmul(x, w, scale_inv=None, *, block: tuple[int, int] | None = None, x_scale=None,

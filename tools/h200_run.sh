@@ -71,6 +71,10 @@
 #             4-8 stages (one split: no XLA sum after the kernel), 64 weight rows a program and 32 or 16 (twice or
 #             four times the programs; below 64 Triton leaves FP8 wgmma for mma.sync on f16 copies)
 #                                                                                                -> w8a8_splits/
+#   split_sums  the streamed projections' k-split sums added by the q/k-norm-RoPE and add + RMSNorm kernels
+#             (`layers.SPLIT_SUMS_IN_NEXT_KERNEL`, off until timed): their GPU tests, then the 8B FP8 W8A8 rounds
+#             with the sums in XLA and in the next kernels (tools/with_knobs.py engine:split_sums_in_next_kernel=1)
+#                                                                                         -> split_sums{0,1}/
 #   w8a8_rounds  the 8B FP8 rounds with --fp8-matmul stream (packed q|k|v and gate|up since 2026-12-05) and w8a8,
 #             the 27B's with w8a8 (a call of its own)        -> stream_qwen3-8b/, w8a8_qwen3-8b/, w8a8_qwen3.6-27b/
 #   knobs_fp8_8b  the 8B FP8 rounds (streamed) with fp8_bits 0 and 1                     -> fp8_bits{0,1}/
@@ -289,6 +293,18 @@ TreeAttentionConfig as C; l.ATTENTION_CONFIG = C(single_pass=True)"
         timeout -k 5 "${KV_BENCH_LIMIT:-130}" $run -m ddtree_jax.bench --shape qwen3-8b --budgets 15 \
           --modes ar,dflash,ddtree --repeats 5 --kernels pallas --out "$OUT/kv_$side" 2>&1 | grep -v '^{"mode"' | grep '^|'
         rm -f "$OUT/kv_$side"/bench.{md,png,partial.json}
+      done
+      ;;
+    split_sums)
+      log "GPU tests of the kernels that add the streamed split sums (rms_norm, qk_norm_rope, stream_matmul)"
+      timeout -k 5 150 python3 -m pytest -q -o addopts="" -m gpu tests/kernels/test_rms_norm.py \
+        tests/kernels/test_qk_norm_rope.py tests/kernels/test_stream_matmul.py 2>&1 | tail -3
+      for knob in 0 1; do
+        log "8B FP8 W8A8 rounds, split sums added by the next kernels: $knob"
+        timeout -k 5 "${SPLIT_SUMS_LIMIT:-150}" python3 tools/with_knobs.py engine:split_sums_in_next_kernel=$knob \
+          -m ddtree_jax.bench --shape qwen3-8b --weights fp8 --fp8-matmul w8a8 --budgets 15 --modes ar,dflash,ddtree \
+          --repeats 5 --kernels pallas --out "$OUT/split_sums$knob" 2>&1 | grep -v '^{"mode"' | grep '^|'
+        rm -f "$OUT/split_sums$knob"/bench.{md,png,partial.json}
       done
       ;;
     w8a8_splits)

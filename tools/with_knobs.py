@@ -14,7 +14,8 @@ kernel's `default_config`, which is what the engine uses when it passes no confi
 - `engine`: the engine's own choices, `tree_kernels_up_to=N` (`ddtree_jax.round.TREE_BUILD_KERNEL_UP_TO`: the
   budgets whose vocabulary top-k and tree build run in the Pallas kernels, e.g. 512 to time B = 256 and 512 there)
   `fused_kv_write=1` (`ddtree_jax.models.layers.FUSED_KV_WRITE`: the q/k-norm-RoPE kernel writes the K/V) and
-  `split_sums_in_norm=1` (`...layers.SPLIT_SUMS_IN_NORM`: o_proj's and down_proj's k-split sums added by the norm).
+  `split_sums_in_next_kernel=1` (`...layers.SPLIT_SUMS_IN_NEXT_KERNEL`: the streamed projections' k-split sums
+  added by the q/k-norm-RoPE and add + RMSNorm kernels after them).
 A module path after -m may be a file's (tools/loop_cost.py): it is run as a script then.
 """
 
@@ -44,7 +45,7 @@ KERNELS = {
 # The `engine` knobs: name -> (module, attribute), each an int.
 ENGINE = {"tree_kernels_up_to": ("ddtree_jax.round", "TREE_BUILD_KERNEL_UP_TO"),
           "fused_kv_write": ("ddtree_jax.models.layers", "FUSED_KV_WRITE"),
-          "split_sums_in_norm": ("ddtree_jax.models.layers", "SPLIT_SUMS_IN_NORM")}
+          "split_sums_in_next_kernel": ("ddtree_jax.models.layers", "SPLIT_SUMS_IN_NEXT_KERNEL")}
 
 
 def parse_knobs(text: str, config_class) -> dict:

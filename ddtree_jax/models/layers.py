@@ -50,13 +50,14 @@ FP8_STREAM_KNOBS = StreamMatmulConfig(fp8_bits=1)
 # there (`python tools/with_knobs.py engine:fused_kv_write=1 -m ddtree_jax.bench ...`). The same bits either way.
 FUSED_KV_WRITE = False
 
-# o_proj's and down_proj's streamed partial sums over k (the kernel's splits: 2-4 at the Qwen3-8B shape) added by
-# the residual-add + RMSNorm kernel after them (`pallas_kernels.rms_norm` with a `SplitSums` delta), not by an XLA
-# fusion of their own between the two kernels: two launches fewer per layer wherever those projections stream (FP8
-# weights, `Runtime.row_invariant`). The same bits either way (the same float32 adds in the same order, one
-# rounding). Off until timed on a GPU: at one row a single program of the norm kernel then reads the s partial
-# rows in float32 (`python tools/with_knobs.py engine:split_sums_in_norm=1 -m ddtree_jax.bench ...`).
-SPLIT_SUMS_IN_NORM = False
+# The streamed partial sums over k (the kernel's splits: 2-4 at the Qwen3-8B shape) of q|k|v, o_proj and down_proj
+# (and the hybrid's out_proj) added by the kernels after them (`pallas_kernels.qk_norm_rope`; the residual add +
+# RMSNorm, `pallas_kernels.rms_norm`; each given a `SplitSums`), not by an XLA fusion of their own between two
+# kernels: three launches fewer per layer wherever those projections stream (FP8 weights, `Runtime.row_invariant`).
+# The same bits either way (the same float32 adds in the same order, one rounding). Off until timed on a GPU: at one
+# row a single program of the norm kernel then reads the s partial rows in float32 (`python tools/with_knobs.py
+# engine:split_sums_in_next_kernel=1 -m ddtree_jax.bench ...`).
+SPLIT_SUMS_IN_NEXT_KERNEL = False
 
 # The fast attention kernel's knobs (None: its defaults). `single_pass=True` (one launch, no merge) stays off: on
 # the H200 (2026-12-05) it was slower at every point timed, 7.8 against 6.3 us at S = 256, T = 1 (a demo cache)
@@ -82,14 +83,14 @@ def linear(x: jax.Array, weight: jax.Array, runtime: Runtime, *, out_dtype=None,
     """x [..., in] times a dense weight [out, in] (HF layout) transposed -> [..., out] in `out_dtype` (default x's
     dtype). XLA's GEMM, or where `dense_stream_config` gives knobs `pallas_kernels.stream_matmul` (the Pallas kernel
     on the Pallas path, its jnp reference otherwise), accumulating in float32. `split_sums`: the caller takes the
-    kernel's partial sums unsummed (`SplitSums`, for `add_and_norm`) where `SPLIT_SUMS_IN_NORM` lets it."""
+    kernel's partial sums unsummed (`SplitSums`, for `add_and_norm`) where `SPLIT_SUMS_IN_NEXT_KERNEL` lets it."""
     rows = math.prod(x.shape[:-1])
     config = dense_stream_config(weight.shape, rows, runtime)
     if config is None:
         return jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype), preferred_element_type=out_dtype)
     y = stream_matmul(x.reshape(rows, x.shape[-1]), weight.astype(x.dtype), config=config, out_dtype=out_dtype,
                       implementation="pallas" if runtime.pallas else "reference",
-                      sum_splits=not (split_sums and SPLIT_SUMS_IN_NORM))
+                      sum_splits=not (split_sums and SPLIT_SUMS_IN_NEXT_KERNEL))
     return y if isinstance(y, SplitSums) else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -184,7 +185,7 @@ def fp8_linear(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, block: tup
         return jnp.einsum("...i,oi->...o", x, fp8.dequantize(weight, scale_inv, block, x.dtype))
     y = stream_matmul(rows_x, weight, scale_inv, block=block, x_scale=x_scale, quantize_x=quantize_x,
                       implementation="pallas" if runtime.pallas else "reference", config=config, out_dtype=x.dtype,
-                      sum_splits=not (split_sums and SPLIT_SUMS_IN_NORM))
+                      sum_splits=not (split_sums and SPLIT_SUMS_IN_NEXT_KERNEL))
     return y if isinstance(y, SplitSums) else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -257,8 +258,9 @@ def project_qk_norm_rope(attn, x: jax.Array, cos: jax.Array, sin: jax.Array, run
     b, t, _ = x.shape
     d = attn.head_dim
     if runtime.pallas and runtime.tp_mesh is None and attn.qkv_proj.packed:
-        return qk_norm_rope(attn.qkv_proj.packed_output(x, runtime), attn.q_norm.weight[...], attn.k_norm.weight[...],
-                            cos, sin, *(cache or ()), eps=attn.q_norm.eps, implementation="pallas")
+        return qk_norm_rope(attn.qkv_proj.packed_output(x, runtime, split_sums=True), attn.q_norm.weight[...],
+                            attn.k_norm.weight[...], cos, sin, *(cache or ()), eps=attn.q_norm.eps,
+                            implementation="pallas")
     q, k, v = attn.qkv_proj(x, runtime)
     q = apply_rope(attn.q_norm(q.reshape(b, t, -1, d)), cos, sin)
     k = apply_rope(attn.k_norm(k.reshape(b, t, -1, d)), cos, sin)
@@ -273,7 +275,7 @@ def add_and_norm(norm, x: jax.Array, delta: jax.Array | SplitSums | None,
     ran two or three per norm; it adds a `SplitSums` itself), replicated under tensor parallelism (the stream is);
     else the jnp ops of `x + delta` and `norm`."""
     if isinstance(delta, SplitSums) and (not runtime.pallas or runtime.tp_mesh is not None):
-        delta = delta.total(math.prod(x.shape[:-1]), x.dtype).reshape(x.shape)
+        delta = delta.total(math.prod(x.shape[:-1])).reshape(x.shape)
     if not runtime.pallas:
         s = x if delta is None else x + delta
         return s, norm(s)
@@ -342,18 +344,23 @@ class PackedProjections(nnx.Module):
             start += part.units
         return tuple(outs)
 
-    def packed_output(self, x: jax.Array, runtime: Runtime) -> jax.Array:
+    def packed_output(self, x: jax.Array, runtime: Runtime, *, split_sums: bool = False) -> jax.Array | SplitSums:
         """x [..., in] -> every part's output unsplit, [..., G, U, R] in x's dtype (while `packed`); the weight as
-        one [G U R, in] matrix where it streams (`dense_stream_config`) or is FP8 (`fp8_linear`)."""
+        one [G U R, in] matrix where it streams (`dense_stream_config`) or is FP8 (`fp8_linear`). `split_sums`:
+        `linear`'s (a `SplitSums` with features (G, U, R), for `qk_norm_rope`)."""
         weight = self.weight[...]
         g, u, r, n_in = weight.shape
         if self.block is not None:
             scale = self.weight_scale_inv[...]
-            y = fp8_linear(x, weight.reshape(g * u * r, n_in), scale.reshape(-1, scale.shape[-1]), self.block, runtime)
-            return y.reshape(*x.shape[:-1], g, u, r)
-        if dense_stream_config((g * u * r, n_in), math.prod(x.shape[:-1]), runtime) is not None:
-            return linear(x, weight.reshape(g * u * r, n_in), runtime).reshape(*x.shape[:-1], g, u, r)
-        return jnp.einsum("...i,guri->...gur", x, weight.astype(x.dtype))
+            y = fp8_linear(x, weight.reshape(g * u * r, n_in), scale.reshape(-1, scale.shape[-1]), self.block, runtime,
+                           split_sums=split_sums)
+        elif dense_stream_config((g * u * r, n_in), math.prod(x.shape[:-1]), runtime) is not None:
+            y = linear(x, weight.reshape(g * u * r, n_in), runtime, split_sums=split_sums)
+        else:
+            return jnp.einsum("...i,guri->...gur", x, weight.astype(x.dtype))
+        if isinstance(y, SplitSums):
+            return dataclasses.replace(y, features=(g, u, r))
+        return y.reshape(*x.shape[:-1], g, u, r)
 
     def fp8_packs(self, block: tuple[int, int]) -> bool:
         """Whether FP8 blocks of `block` keep this module packed: their rows divide R, so each lies inside one unit

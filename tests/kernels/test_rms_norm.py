@@ -104,12 +104,15 @@ def test_split_sums_give_the_summed_delta_bits(rows, e, dtype, splits, interpret
     delta = jnp.asarray(summed[:r].reshape(*rows, e)).astype(dtype)
     for norm in (functools.partial(rn.add_rms_norm_pallas, interpret=interpret), rn.add_rms_norm_reference):
         want = norm(x, delta, weight, eps=EPS)
-        for a, b in zip(norm(x, SplitSums(jnp.asarray(partials)), weight, eps=EPS), want):
+        for a, b in zip(norm(x, SplitSums(jnp.asarray(partials), x.dtype, (e,)), weight, eps=EPS), want):
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
     # Negative controls: three splits added in another order, or a split left out, differ in the sums' bits.
     if splits >= 3:
         reordered = jnp.asarray(partials[[1, 2, 0]])
-        assert not np.array_equal(np.asarray(SplitSums(reordered).total(r, jnp.float32)), summed[:r])
-    assert not np.array_equal(np.asarray(SplitSums(jnp.asarray(partials[1:])).total(r, jnp.float32)), summed[:r])
+        assert not np.array_equal(np.asarray(SplitSums(reordered, jnp.float32, (e,)).total(r)), summed[:r])
+    assert not np.array_equal(np.asarray(SplitSums(jnp.asarray(partials[1:]), jnp.float32, (e,)).total(r)),
+                              summed[:r])
     with pytest.raises(ValueError, match="partial sums must be float32"):
-        rn.add_rms_norm_reference(x, SplitSums(jnp.asarray(partials[:, :r - 1 if r > 1 else 0])), weight, eps=EPS)
+        rn.add_rms_norm_reference(x, SplitSums(jnp.asarray(partials[:, :r - 1]), x.dtype, (e,)), weight, eps=EPS)
+    with pytest.raises(ValueError, match="partial sums must be float32"):  # rounded to another dtype than x's
+        rn.add_rms_norm_reference(x, SplitSums(jnp.asarray(partials), jnp.dtype(jnp.float16), (e,)), weight, eps=EPS)
