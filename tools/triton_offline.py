@@ -139,6 +139,18 @@ def main(argv: list[str] | None = None) -> int:
                          functools.partial(qk.qk_norm_rope_pallas, eps=1e-6),
                          [sds((rows, n, hq // n + 2, d), dtype), sds((d,), dtype), sds((d,), dtype),
                           sds((rows, d), jnp.float32), sds((rows, d), jnp.float32)]))
+            if dtype == jnp.bfloat16:  # the streamed projections' k-split sums added here (4 and 2 splits)
+                features = (n, hq // n + 2, d)
+                jobs.append((f"add_rms_norm split_sums rows={rows}", rn.RMSNormConfig(),
+                             functools.partial(rn.add_rms_norm_pallas, eps=1e-6),
+                             [sds((rows, 4096), dtype), smm.SplitSums(sds((4, rows + 15, 4096), jnp.float32),
+                                                                       jnp.dtype(dtype), (4096,)),
+                              sds((4096,), dtype)]))
+                jobs.append((f"qk_norm_rope split_sums rows={rows}", rn.RMSNormConfig(),
+                             functools.partial(qk.qk_norm_rope_pallas, eps=1e-6),
+                             [smm.SplitSums(sds((2, rows + 15, n * features[1] * d), jnp.float32), jnp.dtype(dtype),
+                                            features), sds((d,), dtype), sds((d,), dtype),
+                              sds((rows, d), jnp.float32), sds((rows, d), jnp.float32)]))
             jobs.append((f"qk_norm_rope kv_write {jnp.dtype(dtype).name} rows={rows}", rn.RMSNormConfig(),
                          functools.partial(qk.qk_norm_rope_pallas, eps=1e-6),
                          [sds((1, rows, n, hq // n + 2, d), dtype), sds((d,), dtype), sds((d,), dtype),
@@ -192,6 +204,11 @@ def main(argv: list[str] | None = None) -> int:
         config = smm.StreamMatmulConfig(splits=1)  # W8A8 with the bf16 rows quantised inside the kernel
         jobs.append((f"stream_matmul w8a8 quantize_x rows={rows}", config,
                      functools.partial(smm.stream_matmul_pallas, block=(128, 128), quantize_x=True, config=config),
+                     [x, sds((4096, 4096), jnp.float8_e4m3fn), sds((32, 32), jnp.float32)]))
+        config = smm.StreamMatmulConfig(splits=4)  # k in 4 splits, the partial sums stored [s, tp, n] (transposed)
+        jobs.append((f"stream_matmul w8a8 quantize_x splits=4 rows={rows}", config,
+                     functools.partial(smm.stream_matmul_pallas, block=(128, 128), quantize_x=True, config=config,
+                                       sum_splits=False),
                      [x, sds((4096, 4096), jnp.float8_e4m3fn), sds((32, 32), jnp.float32)]))
     for t in (16, 17, 65, 128):  # the Gated DeltaNet tree rule at the Qwen3.6-27B shape (48 value heads, 16 key)
         for precision in ("default", "highest"):
