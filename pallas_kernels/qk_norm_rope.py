@@ -56,9 +56,9 @@ def _norm_rope(x, x_rot, w, w_rot, cos, sin, *, eps: float, d: int, dtype):
 def _kernel(qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref, *refs, eps: float, n: int, g: int, d: int, t: int,
             s: int | None, splits: int, split_stride: int):
     # qkv_ref [n * u * d] this row's packed projection, or with `splits` its partial sums, all rows' flat
-    # ([splits * tp * n * u * d], split i at i * split_stride); q_ref [n * g * d], k_ref/v_ref [n * d]; cos/sin [d]; with
-    # the cache (s slots): starts_ref [b], then the caches [b * s, n * d] as inputs (aliased) and as outputs (two
-    # dims, so that Pallas takes 64-bit offsets into a large cache).
+    # ([splits * tp * n * u * d], split i at i * split_stride); q_ref [n * g * d], k_ref/v_ref [n * d]; cos/sin
+    # [d]; with the cache (s slots): starts_ref [b], then the caches [b * s, n * d] as inputs (aliased) and as
+    # outputs (two dims, so that Pallas takes 64-bit offsets into a large cache).
     if s is None:
         q_ref, k_ref, v_ref = refs
         slot = None
@@ -169,11 +169,11 @@ def qk_norm_rope_pallas(qkv, q_weight, k_weight, cos, sin, k_cache=None, v_cache
 def qk_norm_rope_reference(qkv, q_weight, k_weight, cos, sin, k_cache=None, v_cache=None, starts=None, *,
                            eps: float) -> tuple[jax.Array, ...]:
     """qkv [..., n, g + 2, d] the packed projection of some tokens (per KV head: g query heads, the key, the
-    value), or its unsummed `SplitSums` (features (n, g + 2, d); `...` then cos's); q_weight/k_weight [d] the q_norm/k_norm weights; cos/sin [..., d] float32 per token (neox halves,
-    `models.layers.rope_cos_sin`). Returns q [..., n * g, d] and k [..., n, d], RMS-normed and rotated, and
-    v [..., n, d], in qkv's dtype. With k_cache, v_cache [b, s, n, d] and starts [b] int32 (qkv then [b, t, n,
-    g + 2, d], starts[r] + t <= s), also the caches with every row's t keys and values written at slots
-    [starts[r], starts[r] + t): (q, k, v, k_cache, v_cache)."""
+    value), or its unsummed `SplitSums` (features (n, g + 2, d); `...` then cos's); q_weight/k_weight [d] the
+    q_norm/k_norm weights; cos/sin [..., d] float32 per token (neox halves, `models.layers.rope_cos_sin`). Returns q
+    [..., n * g, d] and k [..., n, d], RMS-normed and rotated, and v [..., n, d], in qkv's dtype. With k_cache,
+    v_cache [b, s, n, d] and starts [b] int32 (qkv then [b, t, n, g + 2, d], starts[r] + t <= s), also the caches
+    with every row's t keys and values written at slots [starts[r], starts[r] + t): (q, k, v, k_cache, v_cache)."""
     _check(qkv, q_weight, k_weight, cos, sin, k_cache, v_cache, starts)
     if isinstance(qkv, SplitSums):
         qkv = qkv.total(math.prod(cos.shape[:-1])).reshape(*cos.shape[:-1], *qkv.features)

@@ -118,8 +118,8 @@ def add_rms_norm_pallas(x, delta, weight, *, eps: float, kind: str = "qwen3", co
 @functools.partial(jax.jit, static_argnames=("eps", "kind"))
 def add_rms_norm_reference(x, delta, weight, *, eps: float, kind: str = "qwen3") -> tuple[jax.Array, jax.Array]:
     """x [..., e] the residual stream, delta [..., e] what a block adds to it (None: nothing; or its unsummed
-    `SplitSums` [s, rp, e], rp >= the rows of x), weight [e]. Returns (s, y): s = x + delta in x's dtype (x itself when delta is None) and y = the RMSNorm of s (`kind`,
-    the module docstring), in x's dtype."""
+    `SplitSums` [s, rp, e], rp >= the rows of x), weight [e]. Returns (s, y): s = x + delta in x's dtype (x itself
+    when delta is None) and y = the RMSNorm of s (`kind`, the module docstring), in x's dtype."""
     _check(x, delta, weight, kind)
     if isinstance(delta, SplitSums):
         delta = delta.total(x.size // x.shape[-1]).reshape(x.shape)
