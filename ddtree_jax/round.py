@@ -52,13 +52,18 @@ from ddtree_jax.tree import DraftTree, build_tree
 from pallas_kernels.tree_accept import tree_accept
 
 
-# Budgets up to which the Pallas kernels take the vocabulary top-k and build the tree (`pallas_kernels.vocab_top_k`,
-# `pallas_kernels.tree_build`, one program per row, its candidates pruned): the whole build (V = 151936, L = 15)
-# took 89 / 123 us at B = 64 and 123-128 / 166 at B = 128 for shallow / deep trees, against 207-215 and 238-244 for
-# XLA's builder, in one H200 call (tools/topk_probe.py, 2026-12-04; docs/performance.md). The kernels take budgets
-# up to 512, but above 128 they are not measured on a GPU yet: there XLA's threshold top-k and builder run, as
-# before (`python tools/with_knobs.py engine:tree_kernels_up_to=512 -m ...` runs the kernels for an A/B).
+# Budgets up to which the Pallas kernel builds the tree (`pallas_kernels.tree_build`, one program per row, its
+# candidates pruned): the whole build (V = 151936, L = 15) took 89 / 123 us at B = 64 and 123-128 / 166 at B = 128
+# for shallow / deep trees, against 207-215 and 238-244 for XLA's builder, in one H200 call (tools/topk_probe.py,
+# 2026-12-04; docs/performance.md). It takes budgets up to 512, but above 128 a deep tree's 15 depths of B^2-sized
+# candidate sets cost more than XLA's builder: on an H100 (2026-12-05) with the top-k kernel before both, 314 / 834
+# us against 253 / 362 at B = 256 / 512 for deep trees (105 / 235 against 236 / 346 for shallow ones), so XLA's
+# builder runs there (`python tools/with_knobs.py engine:tree_kernels_up_to=512 -m ...` runs the kernel).
 TREE_BUILD_KERNEL_UP_TO = 128
+# Budgets up to which the Pallas kernel takes the vocabulary top-k (`pallas_kernels.vocab_top_k`, lax.top_k's
+# bits): at every K measured it beat XLA's threshold top-k (H100, 2026-12-05: 82 / 120 us against 132 / 160 at
+# K = 256 / 512; H200, 2026-12-02: 83 against 115 us at 64).
+VOCAB_TOP_K_KERNEL_UP_TO = 512
 
 # Matmul precision of a decode: "auto" (`engine.resolve_options`: "highest" for a float32 target, "default"
 # otherwise), or one of JAX's names, applied to every dot of target and drafter (`at_matmul_precision`).
@@ -337,10 +342,11 @@ def propose(logits: jax.Array, last_token: jax.Array, options: DecodeOptions) ->
         # replicated, where XLA's partitioning of a Triton custom call is not checked on a GPU yet. The kernels
         # only where they were measured faster.
         runtime = options.runtime
-        kernels = runtime.pallas and runtime.tp_mesh is None and options.budget <= TREE_BUILD_KERNEL_UP_TO
+        kernels = runtime.pallas and runtime.tp_mesh is None
         return build_tree(jax.nn.log_softmax(logits, axis=-1), last_token, options.budget,
-                          top_k="pallas" if kernels else "auto",
-                          implementation="pallas" if kernels else "reference")
+                          top_k="pallas" if kernels and options.budget <= VOCAB_TOP_K_KERNEL_UP_TO else "auto",
+                          implementation="pallas" if kernels and options.budget <= TREE_BUILD_KERNEL_UP_TO
+                          else "reference")
     drafts = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     return chain_tree(jnp.concatenate([last_token[:, None], drafts], axis=1))
 

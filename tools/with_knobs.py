@@ -12,7 +12,8 @@ kernel's `default_config`, which is what the engine uses when it passes no confi
 - `tree_rule`: `pallas_kernels.tree_delta_rule.TreeDeltaRuleConfig` over `default_config(t)` past one block of
   nodes (17 and more; one block keeps its own form);
 - `engine`: the engine's own choices, `tree_kernels_up_to=N` (`ddtree_jax.round.TREE_BUILD_KERNEL_UP_TO`: the
-  budgets whose vocabulary top-k and tree build run in the Pallas kernels, e.g. 512 to time B = 256 and 512 there)
+  budgets whose tree build runs in the Pallas kernel, e.g. 512 to time B = 256 and 512 there), `top_k_kernel_up_to=N`
+  (`...round.VOCAB_TOP_K_KERNEL_UP_TO`: the budgets whose vocabulary top-k runs in the Pallas kernel),
   `fused_kv_write=1` (`ddtree_jax.models.layers.FUSED_KV_WRITE`: the q/k-norm-RoPE kernel writes the K/V) and
   `split_sums_in_next_kernel=1` (`...layers.SPLIT_SUMS_IN_NEXT_KERNEL`: the streamed projections' k-split sums
   added by the q/k-norm-RoPE and add + RMSNorm kernels after them).
@@ -44,6 +45,7 @@ KERNELS = {
 
 # The `engine` knobs: name -> (module, attribute), each an int.
 ENGINE = {"tree_kernels_up_to": ("ddtree_jax.round", "TREE_BUILD_KERNEL_UP_TO"),
+          "top_k_kernel_up_to": ("ddtree_jax.round", "VOCAB_TOP_K_KERNEL_UP_TO"),
           "fused_kv_write": ("ddtree_jax.models.layers", "FUSED_KV_WRITE"),
           "split_sums_in_next_kernel": ("ddtree_jax.models.layers", "SPLIT_SUMS_IN_NEXT_KERNEL")}
 
