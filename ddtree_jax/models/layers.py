@@ -54,9 +54,10 @@ FUSED_KV_WRITE = False
 # (and the hybrid's out_proj) added by the kernels after them (`pallas_kernels.qk_norm_rope`; the residual add +
 # RMSNorm, `pallas_kernels.rms_norm`; each given a `SplitSums`), not by an XLA fusion of their own between two
 # kernels: three launches fewer per layer wherever those projections stream (FP8 weights, `Runtime.row_invariant`).
-# The same bits either way (the same float32 adds in the same order, one rounding). Off until timed on a GPU: at one
-# row a single program of the norm kernel then reads the s partial rows in float32 (`python tools/with_knobs.py
-# engine:split_sums_in_next_kernel=1 -m ddtree_jax.bench ...`).
+# The same bits either way (the same float32 adds in the same order, one rounding). Off: on an H100 (2026-12-05) the
+# 8B FP8 W8A8 AR step took 4.38-4.44 ms off and 3.43-4.48 on in alternating runs (median 4.36): no gain that
+# repeats (at one row a single program of the norm kernel reads the s partial rows in float32); the H200 has not
+# timed it (`python tools/with_knobs.py engine:split_sums_in_next_kernel=1 -m ddtree_jax.bench ...`).
 SPLIT_SUMS_IN_NEXT_KERNEL = False
 
 # The fast attention kernel's knobs (None: its defaults). `single_pass=True` (one launch, no merge) stays off: on
