@@ -11,8 +11,9 @@ TB/s for 65 (docs/performance.md). Here every row count runs the same streaming 
 - the `splits` partial sums are added in a fixed order outside the kernel (`SplitSums.total`), so that small
   matrices still give every streaming multiprocessor work (`splits` defaults to about two programs per
   multiprocessor); or, with `sum_splits=False`, handed on unsummed (`SplitSums`) to a consumer that adds them in
-  the same order (`pallas_kernels.rms_norm`: the residual add after o_proj and down_proj), so that no launch
-  sums them; with one split the kernel writes y itself ([t, n] in its dtype: no XLA epilogue);
+  the same order (`pallas_kernels.qk_norm_rope` after q|k|v, `pallas_kernels.rms_norm`'s residual add after
+  o_proj and down_proj), so that no launch sums them; with one split the kernel writes y itself ([t, n] in its
+  dtype: no XLA epilogue);
 - more than GROUP_ROWS rows (a batch of trees under `Runtime.row_invariant`) go in groups of GROUP_ROWS, a grid
   axis: each group's programs stream the weight again (from L2 where its tiles are still there), and a row's
   arithmetic is the same in every group;
