@@ -84,7 +84,8 @@ def linear(x: jax.Array, weight: jax.Array, runtime: Runtime, *, out_dtype=None,
     """x [..., in] times a dense weight [out, in] (HF layout) transposed -> [..., out] in `out_dtype` (default x's
     dtype). XLA's GEMM, or where `dense_stream_config` gives knobs `pallas_kernels.stream_matmul` (the Pallas kernel
     on the Pallas path, its jnp reference otherwise), accumulating in float32. `split_sums`: the caller takes the
-    kernel's partial sums unsummed (`SplitSums`, for `add_and_norm`) where `SPLIT_SUMS_IN_NEXT_KERNEL` lets it."""
+    kernel's partial sums unsummed (`SplitSums`, for `add_and_norm` or `qk_norm_rope`) where
+    `SPLIT_SUMS_IN_NEXT_KERNEL` lets it."""
     rows = math.prod(x.shape[:-1])
     config = dense_stream_config(weight.shape, rows, runtime)
     if config is None:
