@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._dispatch import next_pow2, resolve_implementation, resolve_interpret
-from pallas_kernels.stream_matmul import SplitSums
+from pallas_kernels.stream_matmul import SplitSums, sum_in_split_order
 
 
 def _norm_rope(x, x_rot, w, w_rot, cos, sin, *, eps: float, d: int, dtype):
@@ -82,10 +82,8 @@ def _kernel(qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref, *refs, eps: float, n: int
         if not splits:
             return plt.load(qkv_ref.at[at], mask=mask, other=0)
         at = pl.program_id(0) * (n * u * d) + at
-        total = plt.load(qkv_ref.at[at], mask=mask, other=0.0)
-        for i in range(1, splits):  # split order, float32, one rounding: `SplitSums.total`
-            total = total + plt.load(qkv_ref.at[i * split_stride + at], mask=mask, other=0.0)
-        return total.astype(dtype)
+        return sum_in_split_order([plt.load(qkv_ref.at[i * split_stride + at], mask=mask, other=0.0)
+                                   for i in range(splits)]).astype(dtype)  # float32, one rounding
 
     def heads(count, unit_of, weight_ref, out_ref, cache_ref=None):
         hp = max(2, next_pow2(count))

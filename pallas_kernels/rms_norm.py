@@ -33,7 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._dispatch import check_knobs, next_pow2, resolve_implementation, resolve_interpret
-from pallas_kernels.stream_matmul import SplitSums
+from pallas_kernels.stream_matmul import SplitSums, sum_in_split_order
 
 KINDS = ("qwen3", "zero_centered")
 
@@ -68,12 +68,8 @@ def _kernel(*refs, eps: float, width: int, padded: int, kind: str, has_delta: bo
     dtype = x.dtype
     if has_delta:
         if delta_splits:  # delta_ref [s, e]: this row's partial sums, added in split order (`SplitSums.total`)
-            parts = [plt.load(delta_ref.at[jnp.int32(s), pl.ds(0, padded)], mask=ok, other=0)
-                     for s in range(delta_splits)]
-            delta = parts[0]
-            for part in parts[1:]:
-                delta = delta + part
-            delta = delta.astype(dtype)
+            delta = sum_in_split_order([plt.load(delta_ref.at[jnp.int32(s), pl.ds(0, padded)], mask=ok, other=0)
+                                        for s in range(delta_splits)]).astype(dtype)
         else:
             delta = plt.load(delta_ref.at[pl.ds(0, padded)], mask=ok, other=0)
         x = (x.astype(jnp.float32) + delta.astype(jnp.float32)).astype(dtype)  # the add in x's dtype, as jnp's

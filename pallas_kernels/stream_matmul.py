@@ -196,6 +196,15 @@ def _row_tiles(t: int, row_tile: int | None = None) -> tuple[int, ...]:
     return tuple(tiles)
 
 
+def sum_in_split_order(parts):
+    """The split partial sums `parts` (a sequence of float32 arrays, split 0 first) added left to right: the one
+    order the kernel's epilogue and every consumer of `SplitSums` use, so that they give the same bits."""
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["partials"], meta_fields=["dtype", "features"])
 @dataclasses.dataclass(frozen=True)
 class SplitSums:
@@ -211,9 +220,7 @@ class SplitSums:
 
     def total(self, rows: int) -> jax.Array:
         """The product's first `rows` rows, [rows, *features] in its dtype."""
-        total = self.partials[0]
-        for s in range(1, self.partials.shape[0]):  # a fixed order, whatever t is
-            total = total + self.partials[s]
+        total = sum_in_split_order([self.partials[s] for s in range(self.partials.shape[0])])  # whatever t is
         return total[:rows].astype(self.dtype).reshape(rows, *self.features)
 
 
@@ -455,4 +462,4 @@ def stream_matmul_reference(x, w, scale_inv=None, *, block: tuple[int, int] | No
 
 
 __all__ = ["SplitSums", "StreamMatmulConfig", "fitted_config", "fp8_row_scales", "quantize_rows", "stream_matmul",
-           "stream_matmul_pallas", "stream_matmul_reference"]
+           "stream_matmul_pallas", "stream_matmul_reference", "sum_in_split_order"]
