@@ -102,11 +102,12 @@ class TreeBuildConfig:
                 above them ride in the first row block's pass over the candidates (one pass over them less per
                 depth, a [bp, block] tile more in it), and the candidates' counts of running entries at or above
                 them compare with it in one [block_rows, bp] tile; 0: a pass of their own after the places, and
-                the list read from memory in `block`-wide steps (not yet measured on a GPU: the knob is for that).
+                the list read from memory in `block`-wide steps.
     hoist_pairs: 1 (with prune): the candidate table loaded once, before the depth loop, and each kept candidate's
                 pair (i, j) compacted with it: each depth's gathers start from registers and the places' from the
-                compacted pairs, two dependent loads fewer per depth; 0: the table read at every depth (not yet
-                measured on a GPU either).
+                compacted pairs, two dependent loads fewer per depth; 0: the table read at every depth.
+                Both off: on the H200 neither won across budgets (both: 16% faster at B = 31 on deep trees, 4-7%
+                slower at B = 63 and 64; 2026-12-05, docs/performance.md).
     """
 
     block: int = 32
