@@ -160,7 +160,7 @@ def test_row_invariant_ddtree_gives_the_ar_tokens_in_bf16(tmp_path):
 
 
 def test_fused_kv_write_gives_the_same_tokens_and_writes_no_cache_after_the_layers(tmp_path, monkeypatch):
-    """`layers.FUSED_KV_WRITE` (off by default): the q/k-norm-RoPE kernel writes an AR step's and a prefill's K/V
+    """`layers.FUSED_KV_WRITE` (on by default): the q/k-norm-RoPE kernel writes an AR step's and a prefill's K/V
     into the caches itself, so the step's program has no dynamic-update-slice of a cache left (it had two per
     layer), and AR and DDTree give the same tokens, acceptance and logits bits as with the writes after the layers
     (kernels interpreted)."""

@@ -45,10 +45,12 @@ FP8_STREAM_KNOBS = StreamMatmulConfig(fp8_bits=1)
 
 # The AR step's (and a prefill's) new K/V written into the cache by the q/k-norm-RoPE kernel itself
 # (`pallas_kernels.qk_norm_rope` with the cache aliased), not by two dynamic-update-slice kernels per layer after
-# the layers (on the H200 ~0.1 ms of kernels an 8B AR step, 2026-12-02). Off until timed on a GPU: whether XLA
-# updates the aliased caches in place inside the decode loop (the attention reads them after the kernel) shows only
-# there (`python tools/with_knobs.py engine:fused_kv_write=1 -m ddtree_jax.bench ...`). The same bits either way.
-FUSED_KV_WRITE = False
+# the layers (on the H200 ~0.1 ms of kernels an 8B AR step, 2026-12-02). The same bits either way. On: on an H100
+# (2026-12-05, alternating on one machine, `python tools/with_knobs.py engine:fused_kv_write=1 -m ddtree_jax.bench
+# --shape qwen3-8b --kernels pallas ...` against the plain bench) the bf16 8B AR step took 6.16-6.19 ms against
+# 6.28-6.29 (four and three runs), DFlash and DDTree B = 15 rounds 0.3-0.4% less: XLA updates the aliased caches
+# in place inside the decode loop.
+FUSED_KV_WRITE = True
 
 # The streamed partial sums over k (the kernel's splits: 2-4 at the Qwen3-8B shape) of q|k|v, o_proj and down_proj
 # (and the hybrid's out_proj) added by the kernels after them (`pallas_kernels.qk_norm_rope`; the residual add +
