@@ -65,8 +65,9 @@
 #             and packed, packed with the rows quantised in XLA first; W8A8 with promote_k 32 and 0)
 #                                                                                  -> w8a8_probe/, w8a8_promote/
 #   kv_write  issue 19: the AR step's K/V written into the cache by the q/k-norm-RoPE kernel (layers.FUSED_KV_WRITE,
-#             off until timed): its GPU tests and the engine's same-tokens test compiled, then the 8B rounds with
-#             the writes after the layers and fused (tools/with_knobs.py engine:fused_kv_write=1) -> kv_{after,fused}/
+#             on since an H100 A/B, 2026-12-05): its GPU tests and the engine's same-tokens test compiled, then the 8B
+#             rounds with the writes after the layers and fused (tools/with_knobs.py engine:fused_kv_write=0|1)
+#                                                                                              -> kv_{after,fused}/
 #   w8a8_splits  issue 23: W8A8 packed projections at 1, 16, 65 rows with k in splits (now) against one split,
 #             4-8 stages (one split: no XLA sum after the kernel), 64 weight rows a program and 32 or 16 (twice or
 #             four times the programs; below 64 Triton leaves FP8 wgmma for mma.sync on f16 copies)
@@ -289,7 +290,7 @@ TreeAttentionConfig as C; l.ATTENTION_CONFIG = C(single_pass=True)"
       timeout -k 5 150 python3 -m pytest -q -o addopts="" tests/test_kernels_in_engine.py -k fused_kv 2>&1 | tail -3
       for side in after fused; do
         log "8B rounds, K/V written $side"
-        run="python3"; [ "$side" = fused ] && run="python3 tools/with_knobs.py engine:fused_kv_write=1"
+        run="python3 tools/with_knobs.py engine:fused_kv_write=$([ "$side" = fused ] && echo 1 || echo 0)"
         timeout -k 5 "${KV_BENCH_LIMIT:-130}" $run -m ddtree_jax.bench --shape qwen3-8b --budgets 15 \
           --modes ar,dflash,ddtree --repeats 5 --kernels pallas --out "$OUT/kv_$side" 2>&1 | grep -v '^{"mode"' | grep '^|'
         rm -f "$OUT/kv_$side"/bench.{md,png,partial.json}

@@ -14,9 +14,9 @@ kernel's `default_config`, which is what the engine uses when it passes no confi
 - `engine`: the engine's own choices, `tree_kernels_up_to=N` (`ddtree_jax.round.TREE_BUILD_KERNEL_UP_TO`: the
   budgets whose tree build runs in the Pallas kernel, e.g. 512 to time B = 256 and 512 there), `top_k_kernel_up_to=N`
   (`...round.VOCAB_TOP_K_KERNEL_UP_TO`: the budgets whose vocabulary top-k runs in the Pallas kernel),
-  `fused_kv_write=1` (`ddtree_jax.models.layers.FUSED_KV_WRITE`: the q/k-norm-RoPE kernel writes the K/V) and
-  `split_sums_in_next_kernel=1` (`...layers.SPLIT_SUMS_IN_NEXT_KERNEL`: the streamed projections' k-split sums
-  added by the q/k-norm-RoPE and add + RMSNorm kernels after them).
+  and the switches (0 / 1) `fused_kv_write` (`ddtree_jax.models.layers.FUSED_KV_WRITE`: the q/k-norm-RoPE kernel
+  writes the K/V; on by default) and `split_sums_in_next_kernel` (`...layers.SPLIT_SUMS_IN_NEXT_KERNEL`: the
+  streamed projections' k-split sums added by the q/k-norm-RoPE and add + RMSNorm kernels after them; off).
 A module path after -m may be a file's (tools/loop_cost.py): it is run as a script then.
 """
 
@@ -43,11 +43,11 @@ KERNELS = {
 }
 
 
-# The `engine` knobs: name -> (module, attribute), each an int.
-ENGINE = {"tree_kernels_up_to": ("ddtree_jax.round", "TREE_BUILD_KERNEL_UP_TO"),
-          "top_k_kernel_up_to": ("ddtree_jax.round", "VOCAB_TOP_K_KERNEL_UP_TO"),
-          "fused_kv_write": ("ddtree_jax.models.layers", "FUSED_KV_WRITE"),
-          "split_sums_in_next_kernel": ("ddtree_jax.models.layers", "SPLIT_SUMS_IN_NEXT_KERNEL")}
+# The `engine` knobs: name -> (module, attribute, type): budget limits (positive ints) and switches (bools).
+ENGINE = {"tree_kernels_up_to": ("ddtree_jax.round", "TREE_BUILD_KERNEL_UP_TO", int),
+          "top_k_kernel_up_to": ("ddtree_jax.round", "VOCAB_TOP_K_KERNEL_UP_TO", int),
+          "fused_kv_write": ("ddtree_jax.models.layers", "FUSED_KV_WRITE", bool),
+          "split_sums_in_next_kernel": ("ddtree_jax.models.layers", "SPLIT_SUMS_IN_NEXT_KERNEL", bool)}
 
 
 def parse_knobs(text: str, config_class) -> dict:
@@ -72,7 +72,7 @@ def override(kernel: str, knobs: dict) -> None:
     TypeError) now, from the config's own checks, where they do not fit one of its default forms."""
     if kernel == "engine":
         for name, value in knobs.items():
-            module, attribute = ENGINE[name]
+            module, attribute, _ = ENGINE[name]
             setattr(importlib.import_module(module), attribute, value)
         return
     module, _, samples = KERNELS[kernel]
@@ -96,8 +96,13 @@ def parse_item(item: str) -> tuple[str, dict]:
         raise ValueError(f"expected KERNEL:KNOBS with KERNEL one of {', '.join(KERNELS)}, engine")
     if kernel == "engine":
         knobs = parse_knobs(text, dataclasses.make_dataclass("EngineKnobs", [(name, int) for name in ENGINE]))
-        if any(value < 1 for value in knobs.values()):
-            raise ValueError(f"{text!r}: engine knobs are positive integers")
+        for name, value in knobs.items():
+            if ENGINE[name][2] is bool:
+                if value not in (0, 1):
+                    raise ValueError(f"{name}={value}: a switch, 0 or 1")
+                knobs[name] = bool(value)
+            elif value < 1:
+                raise ValueError(f"{name}={value}: a budget limit, a positive integer")
         return kernel, knobs
     return kernel, parse_knobs(text, KERNELS[kernel][1])
 
