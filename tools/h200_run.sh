@@ -76,6 +76,10 @@
 #             (`layers.SPLIT_SUMS_IN_NEXT_KERNEL`, off until timed): their GPU tests, then the 8B FP8 W8A8 rounds
 #             with the sums in XLA and in the next kernels (tools/with_knobs.py engine:split_sums_in_next_kernel=1)
 #                                                                                         -> split_sums{0,1}/
+#   goals     both issues' goal figures in one call ($GOALS_S, 560 s; each part skipped or cut to what is left): the W8A8 smoke (tools/w8a8_check.py), the 8B FP8 W8A8 and
+#             bf16 rounds (AR, DFlash, DDTree 15, 64), the build at B = 64 / 512 (deep and i.i.d. logits, XLA against
+#             the kernels), the K/V-write A/B (bf16 AR, alternating), W8A16 AR, the 8B DDTree rounds at B = 256 / 512
+#                                                               -> w8a8_check.txt, goals.tar (goals/NAME/bench.json), build/
 #   w8a8_rounds  the 8B FP8 rounds with --fp8-matmul stream (packed q|k|v and gate|up since 2026-12-05) and w8a8,
 #             the 27B's with w8a8 (a call of its own)        -> stream_qwen3-8b/, w8a8_qwen3-8b/, w8a8_qwen3.6-27b/
 #   knobs_fp8_8b  the 8B FP8 rounds (streamed) with fp8_bits 0 and 1                     -> fp8_bits{0,1}/
@@ -315,6 +319,43 @@ TreeAttentionConfig as C; l.ATTENTION_CONFIG = C(single_pass=True)"
         --forms stream_w8a8_fused --layers 12 --no-ceilings \
         --stream-configs 64x128x4x4,64x128x4x4x0x0x128x1,64x128x4x8x0x0x128x1,32x128x4x4x0x0x128x1,32x128x4x8x0x0x128x1,16x128x4x4x0x0x128x1 \
         2>&1 | grep '^|' | grep -v lm_head
+      ;;
+    goals)
+      goals_end=$(( $(date +%s) + ${GOALS_S:-560} ))  # every part clamped to what is left of the call, or skipped
+      log "W8A8 smoke"
+      timeout -k 5 60 python3 tools/w8a8_check.py --promote block 2>&1 | grep -v Warn | tail -12 > "$OUT/w8a8_check.txt"
+      tail -3 "$OUT/w8a8_check.txt"
+      goal_bench() {  # name, limit, python3 arguments...
+        local name=$1 lim=$2 left=$(( goals_end - $(date +%s) )); shift 2
+        [ "$left" -lt 40 ] && { log "skip $name"; return; }
+        [ "$lim" -gt $(( left - 5 )) ] && lim=$(( left - 5 ))
+        log "$name"
+        timeout -k 5 "$lim" python3 "$@" --out "$OUT/goals/$name" 2>&1 | grep -v '^{"mode"' \
+          | grep -E '^\| (ar|dflash|ddtree)|rror'
+        rm -f "$OUT/goals/$name"/bench.{md,png,partial.json}
+      }
+      goal_bench w8a8 150 -m ddtree_jax.bench --shape qwen3-8b --weights fp8 --fp8-matmul w8a8 --budgets 15,64 \
+        --modes ar,dflash,ddtree --repeats 5 --kernels pallas
+      goal_bench bf16 150 -m ddtree_jax.bench --shape qwen3-8b --budgets 15,64 --modes ar,dflash,ddtree --repeats 5 \
+        --kernels pallas
+      for peak in 20 0; do
+        [ $(( goals_end - $(date +%s) )) -lt 100 ] && { log "skip build, peak $peak"; continue; }
+        log "build B = 64, 512, peak $peak"
+        timeout -k 5 100 python3 tools/topk_probe.py --out "$OUT/build/peak$peak" --vocab 151936 --budgets 64,512 \
+          --top-k threshold,pallas --tree-build reference,pallas --peak "$peak" 2>&1 | grep -E '^\||rror'
+        rm -f "$OUT/build/peak$peak/topk_probe.md"
+      done
+      i=0
+      for kv in 0 1 0 1; do
+        i=$((i + 1))
+        goal_bench "kv${i}_$kv" 60 tools/with_knobs.py engine:fused_kv_write=$kv -m ddtree_jax.bench --shape qwen3-8b \
+          --modes ar --repeats 10 --kernels pallas
+      done
+      goal_bench stream 70 -m ddtree_jax.bench --shape qwen3-8b --weights fp8 --fp8-matmul stream --modes ar \
+        --repeats 5 --kernels pallas
+      goal_bench wide 150 -m ddtree_jax.bench --shape qwen3-8b --budgets 256,512 --modes ddtree --repeats 3 \
+        --kernels pallas
+      (cd "$OUT" && tar cf goals.tar goals && rm -rf goals)
       ;;
     w8a8_rounds)
       for run in qwen3-8b:stream qwen3-8b:w8a8 qwen3.6-27b:w8a8; do
