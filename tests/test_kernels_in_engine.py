@@ -199,3 +199,51 @@ def test_fused_kv_write_gives_the_same_tokens_and_writes_no_cache_after_the_laye
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     for a, b in zip(*outputs.values()):
         assert a.output_ids == b.output_ids and a.acceptance_lengths == b.acceptance_lengths
+
+
+def test_dense_stream_max_rows_streams_small_calls_projections_not_the_lm_head(tmp_path, monkeypatch):
+    """`layers.DENSE_STREAM_MAX_ROWS` (0 by default): at 1, an AR step's dense projections (q|k|v, o, gate|up and
+    down: four a layer) run the streaming kernel and the lm_head does not; a call of two rows and the default run
+    none. The step's hidden states stay within float32 rounding of XLA's GEMMs, and greedy AR and DDTree give the
+    default's tokens and acceptance (kernels interpreted)."""
+    import collections
+
+    from ddtree_jax import engine
+    from ddtree_jax.models import layers, qwen3
+    from ddtree_jax.models.contract import ForwardMeta
+    from jaxprs import equations
+
+    t_dir = write_random_qwen3(tmp_path / "t", seed=4, with_tokenizer=False, vocab_size=64)
+    d_dir = write_random_dflash(tmp_path / "d", tiny_qwen3_config(vocab_size=64), seed=5, block_size=4)
+    target = load_target(t_dir, jnp.float32)
+    drafter = load_drafter(d_dir, target.config, jnp.float32)
+    cache = qwen3.create_cache(target.config, 1, 32, jnp.float32)
+    cache = cache.__class__(k=cache.k, v=cache.v, lengths=jnp.array([3], jnp.int32))
+    runtime = DecodeOptions(kernels="pallas").runtime
+
+    def streams(tokens):
+        rows = tokens.shape[1]
+        meta = ForwardMeta.step(jnp.array([3]), jnp.array([True])) if rows == 1 else ForwardMeta.prompt(
+            jnp.array([rows]), rows)
+        program = jax.make_jaxpr(lambda p, t: qwen3.logits(p, qwen3.forward(p, t, meta, cache, runtime=runtime).hidden,
+                                                           runtime))(target, tokens)
+        return sum(eqn.primitive.name == "pallas_call" and "stream_matmul" in
+                   str(eqn.params.get("name") or eqn.params.get("name_and_src_info")) for eqn, _ in equations(program))
+
+    meta = ForwardMeta.step(jnp.array([3]), jnp.array([True]))
+    step = lambda p, t: qwen3.forward(p, t, meta, cache, runtime=runtime).hidden  # noqa: E731
+    hidden, outputs = {}, {}
+    for max_rows in (0, 1):
+        monkeypatch.setattr(layers, "DENSE_STREAM_MAX_ROWS", max_rows)
+        assert streams(jnp.array([[5]])) == 4 * target.config.num_layers * max_rows, max_rows
+        assert streams(jnp.array([[5, 6]])) == 0, max_rows
+        jax.clear_caches()  # the knob is read when tracing: every program traced afresh
+        monkeypatch.setattr(engine, "_COMPILED", collections.OrderedDict())
+        hidden[max_rows] = np.asarray(jax.jit(step)(target, jnp.array([[5]])))
+        outputs[max_rows] = [generate(target, [[1, 2, 3, 4, 5], [3, 9]], DecodeOptions(
+            mode=mode, max_new_tokens=8, budget=6, kernels="pallas"), drafter=drafter) for mode in (Mode.AR, Mode.DDTREE)]
+    assert not np.array_equal(hidden[0], hidden[1])  # another GEMM: the sums in another order
+    np.testing.assert_allclose(hidden[1], hidden[0], rtol=1e-5, atol=1e-5)
+    for a, b in zip(outputs[0], outputs[1]):
+        assert a.output_ids == b.output_ids and a.acceptance_lengths == b.acceptance_lengths
+    assert outputs[1][0].output_ids == outputs[1][1].output_ids  # DDTree gives AR's tokens

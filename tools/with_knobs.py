@@ -14,6 +14,8 @@ kernel's `default_config`, which is what the engine uses when it passes no confi
 - `engine`: the engine's own choices, `tree_kernels_up_to=N` (`ddtree_jax.round.TREE_BUILD_KERNEL_UP_TO`: the
   budgets whose tree build runs in the Pallas kernel, e.g. 512 to time B = 256 and 512 there), `top_k_kernel_up_to=N`
   (`...round.VOCAB_TOP_K_KERNEL_UP_TO`: the budgets whose vocabulary top-k runs in the Pallas kernel),
+  `dense_stream_max_rows=N` (`ddtree_jax.models.layers.DENSE_STREAM_MAX_ROWS`: bf16 projections of calls of at most N
+  rows through the streaming kernel),
   and the switches (0 / 1) `fused_kv_write` (`ddtree_jax.models.layers.FUSED_KV_WRITE`: the q/k-norm-RoPE kernel
   writes the K/V; on by default) and `split_sums_in_next_kernel` (`...layers.SPLIT_SUMS_IN_NEXT_KERNEL`: the
   streamed projections' k-split sums added by the q/k-norm-RoPE and add + RMSNorm kernels after them; off).
@@ -46,6 +48,7 @@ KERNELS = {
 # The `engine` knobs: name -> (module, attribute, type): budget limits (positive ints) and switches (bools).
 ENGINE = {"tree_kernels_up_to": ("ddtree_jax.round", "TREE_BUILD_KERNEL_UP_TO", int),
           "top_k_kernel_up_to": ("ddtree_jax.round", "VOCAB_TOP_K_KERNEL_UP_TO", int),
+          "dense_stream_max_rows": ("ddtree_jax.models.layers", "DENSE_STREAM_MAX_ROWS", int),
           "fused_kv_write": ("ddtree_jax.models.layers", "FUSED_KV_WRITE", bool),
           "split_sums_in_next_kernel": ("ddtree_jax.models.layers", "SPLIT_SUMS_IN_NEXT_KERNEL", bool)}
 

@@ -71,25 +71,38 @@ ATTENTION_CONFIG: TreeAttentionConfig | None = None
 # every row count, where power-of-two tiles would multiply 64 of 65 rows with wgmma and a lone row with mma.sync.
 ROW_INVARIANT_ROW_TILE = 16
 
+# Dense (bf16) decoder projections of calls of at most this many rows through the streaming kernel on the Pallas
+# path (one device), not XLA's GEMM; 0: none. An AR step's 36 x 4 XLA GEMMs split k and sum the slices in 108 reduce
+# kernels of their own (0.15 ms of kernels on an H100, 2026-12-05, and a launch gap each); streamed, the sums go to
+# the next kernel with `SPLIT_SUMS_IN_NEXT_KERNEL` or stay one XLA add each. At one row the kernel streamed the 8B
+# projections in 4.07 ms against XLA's 4.18 (H200, 2026-12-01, before fp8 work changed it). Off until timed in
+# whole rounds (`python tools/with_knobs.py engine:dense_stream_max_rows=1 -m ddtree_jax.bench ...`). The lm_head
+# stays XLA's (at the bandwidth ceiling on the H100) except under `Runtime.row_invariant`.
+DENSE_STREAM_MAX_ROWS = 0
 
-def dense_stream_config(weight_shape: tuple[int, int], rows: int, runtime: Runtime) -> StreamMatmulConfig | None:
+
+def dense_stream_config(weight_shape: tuple[int, int], rows: int, runtime: Runtime, *,
+                        lm_head: bool = False) -> StreamMatmulConfig | None:
     """The streaming kernel's knobs for a dense [out, in] weight on `rows` rows if it streams, else None: under
-    `Runtime.row_invariant` (any number of rows; never with a tensor-parallel mesh, which `Runtime` refuses), for
-    a weight the kernel tiles (`fitted_config`: out and in features multiples of 16)."""
-    if not runtime.row_invariant:
+    `Runtime.row_invariant` (any number of rows, the lm_head too; never with a tensor-parallel mesh, which `Runtime`
+    refuses), or, not the lm_head, for at most `DENSE_STREAM_MAX_ROWS` rows on the Pallas path without a
+    tensor-parallel mesh; for a weight the kernel tiles (`fitted_config`: out and in features multiples of 16)."""
+    if runtime.row_invariant:
+        return fitted_config(*weight_shape, config=StreamMatmulConfig(row_tile=ROW_INVARIANT_ROW_TILE))
+    if lm_head or rows > DENSE_STREAM_MAX_ROWS or not runtime.pallas or runtime.tp_mesh is not None:
         return None
-    return fitted_config(*weight_shape, config=StreamMatmulConfig(row_tile=ROW_INVARIANT_ROW_TILE))
+    return fitted_config(*weight_shape)
 
 
 def linear(x: jax.Array, weight: jax.Array, runtime: Runtime, *, out_dtype=None,
-           split_sums: bool = False) -> jax.Array | SplitSums:
+           split_sums: bool = False, lm_head: bool = False) -> jax.Array | SplitSums:
     """x [..., in] times a dense weight [out, in] (HF layout) transposed -> [..., out] in `out_dtype` (default x's
     dtype). XLA's GEMM, or where `dense_stream_config` gives knobs `pallas_kernels.stream_matmul` (the Pallas kernel
     on the Pallas path, its jnp reference otherwise), accumulating in float32. `split_sums`: the caller takes the
     kernel's partial sums unsummed (`SplitSums`, for `add_and_norm` or `qk_norm_rope`) where
-    `SPLIT_SUMS_IN_NEXT_KERNEL` lets it."""
+    `SPLIT_SUMS_IN_NEXT_KERNEL` lets it. `lm_head`: the weight is the vocabulary projection (`dense_stream_config`)."""
     rows = math.prod(x.shape[:-1])
-    config = dense_stream_config(weight.shape, rows, runtime)
+    config = dense_stream_config(weight.shape, rows, runtime, lm_head=lm_head)
     if config is None:
         return jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype), preferred_element_type=out_dtype)
     y = stream_matmul(x.reshape(rows, x.shape[-1]), weight.astype(x.dtype), config=config, out_dtype=out_dtype,

@@ -153,4 +153,4 @@ def logits(params: ModelParams, hidden: jax.Array, runtime: Runtime = Runtime())
         weight = model.model.embed_tokens.weight[...].astype(hidden.dtype)
     else:
         weight = model.lm_head.dense_weight(hidden.dtype)
-    return linear(hidden, weight, runtime, out_dtype=jnp.float32)
+    return linear(hidden, weight, runtime, out_dtype=jnp.float32, lm_head=True)
