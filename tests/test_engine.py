@@ -169,13 +169,16 @@ def test_fp8_matmul_auto_is_resolved_in_one_place_and_bad_values_are_refused():
     assert tuple(flag.choices) == FP8_MATMUL_CHOICES and flag.default == "auto"
 
 
-def test_row_invariant_reaches_every_projection_and_the_attention(random_target):
+def test_row_invariant_reaches_every_projection_and_the_attention(random_target, monkeypatch):
     """`row_invariant=True` reaches the models' Runtime: an AR step's forward holds one streaming kernel per
     projection (q|k|v, o, gate|up, down: 4 per layer) and its logits one more, and its attention is the
-    row-invariant kernel; without it (the negative control) none streams and the attention is the fast kernel. It
-    needs the Pallas kernels, and the CLI flag maps onto it."""
+    row-invariant kernel; without it (the negative control, small calls' dense streaming off) none streams and the
+    attention is the fast kernel. It needs the Pallas kernels, and the CLI flag maps onto it."""
     from ddtree_jax.cli import add_matmul_args
+    from ddtree_jax.models import layers as model_layers
     from ddtree_jax.models import qwen3
+
+    monkeypatch.setattr(model_layers, "DENSE_STREAM_MAX_ROWS", 0)  # what streams below is row_invariant's alone
     from ddtree_jax.models.contract import ForwardMeta
     from ddtree_jax.round import prefill as round_prefill
     from jaxprs import equations

@@ -202,10 +202,10 @@ def test_fused_kv_write_gives_the_same_tokens_and_writes_no_cache_after_the_laye
 
 
 def test_dense_stream_max_rows_streams_small_calls_projections_not_the_lm_head(tmp_path, monkeypatch):
-    """`layers.DENSE_STREAM_MAX_ROWS` (0 by default): at 1, an AR step's dense projections (q|k|v, o, gate|up and
-    down: four a layer) run the streaming kernel and the lm_head does not; a call of two rows and the default run
-    none. The step's hidden states stay within float32 rounding of XLA's GEMMs, and greedy AR and DDTree give the
-    default's tokens and acceptance (kernels interpreted)."""
+    """`layers.DENSE_STREAM_MAX_ROWS` (32 by default): at 1, an AR step's dense projections (q|k|v, o, gate|up and
+    down: four a layer) run the streaming kernel and the lm_head does not; a call of two rows at 1, and any call at 0,
+    run none. The step's hidden states stay within float32 rounding of XLA's GEMMs, and greedy AR and DDTree give
+    the tokens and acceptance of XLA's GEMMs (kernels interpreted)."""
     import collections
 
     from ddtree_jax import engine

@@ -80,9 +80,9 @@
 #             bf16 rounds (AR, DFlash, DDTree 15, 64), the build at B = 64 / 512 (deep and i.i.d. logits, XLA against
 #             the kernels), the K/V-write A/B (bf16 AR, alternating), W8A16 AR, the 8B DDTree rounds at B = 256 / 512
 #                                                               -> w8a8_check.txt, goals.tar (goals/NAME/bench.json), build/
-#   dense_stream  the bf16 8B rounds (AR, DFlash, DDTree 15) with the dense projections of small calls streamed
-#             (layers.DENSE_STREAM_MAX_ROWS 1 and 16, off until timed), with and without the split sums in the next
-#             kernels, between two default runs (ten repeats each; ~240 s)        -> dense_stream.tar (NAME/bench.json)
+#   dense_stream  the bf16 8B rounds (AR, DFlash, DDTree 15, 31) with the dense projections of small calls streamed
+#             (layers.DENSE_STREAM_MAX_ROWS: 32, the default since 2026-12-05, and 16), and with the split sums in the
+#             next kernels, between two runs without (0; ten repeats each; ~200 s)   -> dense_stream.tar (N/bench.json)
 #   w8a8_rounds  the 8B FP8 rounds with --fp8-matmul stream (packed q|k|v and gate|up since 2026-12-05) and w8a8,
 #             the 27B's with w8a8 (a call of its own)        -> stream_qwen3-8b/, w8a8_qwen3-8b/, w8a8_qwen3.6-27b/
 #   knobs_fp8_8b  the 8B FP8 rounds (streamed) with fp8_bits 0 and 1                     -> fp8_bits{0,1}/
@@ -362,12 +362,12 @@ TreeAttentionConfig as C; l.ATTENTION_CONFIG = C(single_pass=True)"
       ;;
     dense_stream)
       i=0
-      for knobs in "" "dense_stream_max_rows=1" "dense_stream_max_rows=1,split_sums_in_next_kernel=1" \
-                   "dense_stream_max_rows=16" "dense_stream_max_rows=16,split_sums_in_next_kernel=1" ""; do
+      for knobs in "dense_stream_max_rows=0" "" "dense_stream_max_rows=16" "split_sums_in_next_kernel=1" \
+                   "dense_stream_max_rows=0"; do
         i=$((i + 1))
         log "8B bf16 rounds, engine knobs '${knobs:-defaults}'"
         run="python3 -m"; [ -n "$knobs" ] && run="python3 tools/with_knobs.py engine:$knobs -m"
-        timeout -k 5 "${DENSE_STREAM_LIMIT:-70}" $run ddtree_jax.bench --shape qwen3-8b --budgets 15 \
+        timeout -k 5 "${DENSE_STREAM_LIMIT:-70}" $run ddtree_jax.bench --shape qwen3-8b --budgets 15,31 \
           --modes ar,dflash,ddtree --repeats 10 --kernels pallas --out "$OUT/dense_stream/$i" 2>&1 \
           | grep -E '^\| (ar|dflash|ddtree)|rror'
         rm -f "$OUT/dense_stream/$i"/bench.{md,png,partial.json}

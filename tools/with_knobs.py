@@ -15,7 +15,7 @@ kernel's `default_config`, which is what the engine uses when it passes no confi
   budgets whose tree build runs in the Pallas kernel, e.g. 512 to time B = 256 and 512 there), `top_k_kernel_up_to=N`
   (`...round.VOCAB_TOP_K_KERNEL_UP_TO`: the budgets whose vocabulary top-k runs in the Pallas kernel),
   `dense_stream_max_rows=N` (`ddtree_jax.models.layers.DENSE_STREAM_MAX_ROWS`: bf16 projections of calls of at most N
-  rows through the streaming kernel),
+  rows through the streaming kernel; 0: none),
   and the switches (0 / 1) `fused_kv_write` (`ddtree_jax.models.layers.FUSED_KV_WRITE`: the q/k-norm-RoPE kernel
   writes the K/V; on by default) and `split_sums_in_next_kernel` (`...layers.SPLIT_SUMS_IN_NEXT_KERNEL`: the
   streamed projections' k-split sums added by the q/k-norm-RoPE and add + RMSNorm kernels after them; off).
@@ -45,10 +45,10 @@ KERNELS = {
 }
 
 
-# The `engine` knobs: name -> (module, attribute, type): budget limits (positive ints) and switches (bools).
-ENGINE = {"tree_kernels_up_to": ("ddtree_jax.round", "TREE_BUILD_KERNEL_UP_TO", int),
-          "top_k_kernel_up_to": ("ddtree_jax.round", "VOCAB_TOP_K_KERNEL_UP_TO", int),
-          "dense_stream_max_rows": ("ddtree_jax.models.layers", "DENSE_STREAM_MAX_ROWS", int),
+# The `engine` knobs: name -> (module, attribute, kind): limits (ints, kind = the least value) and switches (bool).
+ENGINE = {"tree_kernels_up_to": ("ddtree_jax.round", "TREE_BUILD_KERNEL_UP_TO", 1),
+          "top_k_kernel_up_to": ("ddtree_jax.round", "VOCAB_TOP_K_KERNEL_UP_TO", 1),
+          "dense_stream_max_rows": ("ddtree_jax.models.layers", "DENSE_STREAM_MAX_ROWS", 0),
           "fused_kv_write": ("ddtree_jax.models.layers", "FUSED_KV_WRITE", bool),
           "split_sums_in_next_kernel": ("ddtree_jax.models.layers", "SPLIT_SUMS_IN_NEXT_KERNEL", bool)}
 
@@ -100,12 +100,13 @@ def parse_item(item: str) -> tuple[str, dict]:
     if kernel == "engine":
         knobs = parse_knobs(text, dataclasses.make_dataclass("EngineKnobs", [(name, int) for name in ENGINE]))
         for name, value in knobs.items():
-            if ENGINE[name][2] is bool:
+            kind = ENGINE[name][2]
+            if kind is bool:
                 if value not in (0, 1):
                     raise ValueError(f"{name}={value}: a switch, 0 or 1")
                 knobs[name] = bool(value)
-            elif value < 1:
-                raise ValueError(f"{name}={value}: a budget limit, a positive integer")
+            elif value < kind:
+                raise ValueError(f"{name}={value}: a limit, at least {kind}")
         return kernel, knobs
     return kernel, parse_knobs(text, KERNELS[kernel][1])
 

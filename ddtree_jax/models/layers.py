@@ -71,14 +71,14 @@ ATTENTION_CONFIG: TreeAttentionConfig | None = None
 # every row count, where power-of-two tiles would multiply 64 of 65 rows with wgmma and a lone row with mma.sync.
 ROW_INVARIANT_ROW_TILE = 16
 
-# Dense (bf16) decoder projections of calls of at most this many rows through the streaming kernel on the Pallas
-# path (one device), not XLA's GEMM; 0: none. An AR step's 36 x 4 XLA GEMMs split k and sum the slices in 108 reduce
-# kernels of their own (0.15 ms of kernels on an H100, 2026-12-05, and a launch gap each); streamed, the sums go to
-# the next kernel with `SPLIT_SUMS_IN_NEXT_KERNEL` or stay one XLA add each. At one row the kernel streamed the 8B
-# projections in 4.07 ms against XLA's 4.18 (H200, 2026-12-01, before fp8 work changed it). Off until timed in
-# whole rounds (`python tools/with_knobs.py engine:dense_stream_max_rows=1 -m ddtree_jax.bench ...`). The lm_head
-# stays XLA's (at the bandwidth ceiling on the H100) except under `Runtime.row_invariant`.
-DENSE_STREAM_MAX_ROWS = 0
+# Dense (bf16) projections of calls of at most this many rows through the streaming kernel on the Pallas path (one
+# device), not XLA's GEMMs; 0: none. The lm_head stays XLA's (at the bandwidth ceiling) except under
+# `Runtime.row_invariant`. On the H200 (2026-12-05, bf16 Qwen3-8B shape, `python tools/with_knobs.py
+# engine:dense_stream_max_rows=N -m ddtree_jax.bench --shape qwen3-8b --kernels pallas ...` between default runs on
+# one machine) 16 and 32 rows took DFlash rounds (the drafter's block and the 16-row verify) 5.96-6.09 ms against
+# 6.33-6.43, DDTree B = 15 6.08-6.13 against 6.26-6.35 and B = 31 6.35-6.41 against 6.49-6.53; the AR step the same
+# within the spread (4.62-4.68 against 4.65-4.73); 64 rows were slower (B = 63: 7.09-7.15 against 6.71).
+DENSE_STREAM_MAX_ROWS = 32
 
 
 def dense_stream_config(weight_shape: tuple[int, int], rows: int, runtime: Runtime, *,

@@ -11,7 +11,8 @@ from flax import nnx
 
 from ddtree_jax.config import Fp8Config
 from ddtree_jax.models.contract import Fp8Matmul, Kernels, Runtime
-from ddtree_jax.models.layers import STREAM_MAX_ROWS, Linear, PackedProjections, Part, apply_fp8, linear
+from ddtree_jax.models.layers import (DENSE_STREAM_MAX_ROWS, STREAM_MAX_ROWS, Linear, PackedProjections, Part, apply_fp8,
+                                     linear)
 from jaxprs import equations
 from pallas_kernels.stream_matmul import StreamMatmulConfig, fitted_config
 
@@ -215,9 +216,11 @@ DENSE_STREAM = Runtime(Kernels.PALLAS, row_invariant=True)
 
 @pytest.mark.parametrize("rows,runtime,streams", [
     ((2, 3), DENSE_STREAM, True),
-    ((2, 3), Runtime(Kernels.PALLAS), False),  # the default: XLA's GEMM
+    ((2, 3), Runtime(Kernels.PALLAS), True),  # a small call: streamed by default (`DENSE_STREAM_MAX_ROWS`)
+    ((1, DENSE_STREAM_MAX_ROWS + 1), Runtime(Kernels.PALLAS), False),  # a larger one: XLA's GEMM
+    ((2, 3), Runtime(Kernels.JAX), False),  # no Pallas kernels: XLA's GEMM
     ((1, STREAM_MAX_ROWS + 1), DENSE_STREAM, True),  # more rows than one group: still streamed, in two groups
-], ids=["stream", "xla", "stream-many-rows"])
+], ids=["stream", "small-call", "xla-many-rows", "xla-jax-kernels", "stream-many-rows"])
 def test_dense_projections_stream_where_chosen(rows, runtime, streams):
     """A dense Linear, a packed q|k|v and float32 logits (`linear(..., out_dtype)`) give the float64 product on every
     path, and the streaming kernel runs exactly where `dense_stream_config` says (one pallas_call per projection)."""
