@@ -202,10 +202,11 @@ def test_fused_kv_write_gives_the_same_tokens_and_writes_no_cache_after_the_laye
 
 
 def test_dense_stream_max_rows_streams_small_calls_projections_not_the_lm_head(tmp_path, monkeypatch):
-    """`layers.DENSE_STREAM_MAX_ROWS` (32 by default): at 1, an AR step's dense projections (q|k|v, o, gate|up and
-    down: four a layer) run the streaming kernel and the lm_head does not; a call of two rows at 1, and any call at 0,
-    run none. The step's hidden states stay within float32 rounding of XLA's GEMMs, and greedy AR and DDTree give
-    the tokens and acceptance of XLA's GEMMs (kernels interpreted)."""
+    """`layers.DENSE_STREAM_MAX_ROWS` (32 by default; weights of `DENSE_STREAM_MIN_BYTES`, lowered here to this
+    model's): at 1, an AR step's dense projections (q|k|v, o, gate|up and down: four a layer) run the streaming kernel
+    and the lm_head does not; a call of two rows at 1, and any call at 0, run none. The step's hidden states stay
+    within float32 rounding of XLA's GEMMs, and greedy AR and DDTree give the tokens and acceptance of XLA's GEMMs
+    (kernels interpreted)."""
     import collections
 
     from ddtree_jax import engine
@@ -233,6 +234,7 @@ def test_dense_stream_max_rows_streams_small_calls_projections_not_the_lm_head(t
     meta = ForwardMeta.step(jnp.array([3]), jnp.array([True]))
     step = lambda p, t: qwen3.forward(p, t, meta, cache, runtime=runtime).hidden  # noqa: E731
     hidden, outputs = {}, {}
+    monkeypatch.setattr(layers, "DENSE_STREAM_MIN_BYTES", 0)
     for max_rows in (0, 1):
         monkeypatch.setattr(layers, "DENSE_STREAM_MAX_ROWS", max_rows)
         assert streams(jnp.array([[5]])) == 4 * target.config.num_layers * max_rows, max_rows

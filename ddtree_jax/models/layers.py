@@ -79,17 +79,23 @@ ROW_INVARIANT_ROW_TILE = 16
 # 6.33-6.43, DDTree B = 15 6.08-6.13 against 6.26-6.35 and B = 31 6.35-6.41 against 6.49-6.53; the AR step the same
 # within the spread (4.62-4.68 against 4.65-4.73); 64 rows were slower (B = 63: 7.09-7.15 against 6.71).
 DENSE_STREAM_MAX_ROWS = 32
+# ... and only weights of at least this many bytes: the streaming is timed on weights of 32-168 MB (the 8B's
+# projections and its drafter's); small ones (the demo pair's, a hybrid's per-head gates) keep XLA's GEMM, untimed
+# streamed, where a launch's latency and the split sums' add would dominate.
+DENSE_STREAM_MIN_BYTES = 16 << 20
 
 
-def dense_stream_config(weight_shape: tuple[int, int], rows: int, runtime: Runtime, *,
+def dense_stream_config(weight_shape: tuple[int, int], rows: int, runtime: Runtime, *, dtype=jnp.bfloat16,
                         lm_head: bool = False) -> StreamMatmulConfig | None:
     """The streaming kernel's knobs for a dense [out, in] weight on `rows` rows if it streams, else None: under
     `Runtime.row_invariant` (any number of rows, the lm_head too; never with a tensor-parallel mesh, which `Runtime`
     refuses), or, not the lm_head, for at most `DENSE_STREAM_MAX_ROWS` rows on the Pallas path without a
-    tensor-parallel mesh; for a weight the kernel tiles (`fitted_config`: out and in features multiples of 16)."""
+    tensor-parallel mesh and a weight of at least `DENSE_STREAM_MIN_BYTES` (in `dtype`, what the kernel reads); for
+    a weight the kernel tiles (`fitted_config`: out and in features multiples of 16)."""
     if runtime.row_invariant:
         return fitted_config(*weight_shape, config=StreamMatmulConfig(row_tile=ROW_INVARIANT_ROW_TILE))
-    if lm_head or rows > DENSE_STREAM_MAX_ROWS or not runtime.pallas or runtime.tp_mesh is not None:
+    if (lm_head or rows > DENSE_STREAM_MAX_ROWS or not runtime.pallas or runtime.tp_mesh is not None
+            or math.prod(weight_shape) * jnp.dtype(dtype).itemsize < DENSE_STREAM_MIN_BYTES):
         return None
     return fitted_config(*weight_shape)
 
@@ -102,7 +108,7 @@ def linear(x: jax.Array, weight: jax.Array, runtime: Runtime, *, out_dtype=None,
     kernel's partial sums unsummed (`SplitSums`, for `add_and_norm` or `qk_norm_rope`) where
     `SPLIT_SUMS_IN_NEXT_KERNEL` lets it. `lm_head`: the weight is the vocabulary projection (`dense_stream_config`)."""
     rows = math.prod(x.shape[:-1])
-    config = dense_stream_config(weight.shape, rows, runtime, lm_head=lm_head)
+    config = dense_stream_config(weight.shape, rows, runtime, dtype=x.dtype, lm_head=lm_head)
     if config is None:
         return jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype), preferred_element_type=out_dtype)
     y = stream_matmul(x.reshape(rows, x.shape[-1]), weight.astype(x.dtype), config=config, out_dtype=out_dtype,
@@ -371,7 +377,7 @@ class PackedProjections(nnx.Module):
             scale = self.weight_scale_inv[...]
             y = fp8_linear(x, weight.reshape(g * u * r, n_in), scale.reshape(-1, scale.shape[-1]), self.block, runtime,
                            split_sums=split_sums)
-        elif dense_stream_config((g * u * r, n_in), math.prod(x.shape[:-1]), runtime) is not None:
+        elif dense_stream_config((g * u * r, n_in), math.prod(x.shape[:-1]), runtime, dtype=x.dtype) is not None:
             y = linear(x, weight.reshape(g * u * r, n_in), runtime, split_sums=split_sums)
         else:
             return jnp.einsum("...i,guri->...gur", x, weight.astype(x.dtype))

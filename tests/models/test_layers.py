@@ -214,16 +214,21 @@ def test_stream_knobs_fit_the_weight_and_its_blocks():
 DENSE_STREAM = Runtime(Kernels.PALLAS, row_invariant=True)
 
 
-@pytest.mark.parametrize("rows,runtime,streams", [
-    ((2, 3), DENSE_STREAM, True),
-    ((2, 3), Runtime(Kernels.PALLAS), True),  # a small call: streamed by default (`DENSE_STREAM_MAX_ROWS`)
-    ((1, DENSE_STREAM_MAX_ROWS + 1), Runtime(Kernels.PALLAS), False),  # a larger one: XLA's GEMM
-    ((2, 3), Runtime(Kernels.JAX), False),  # no Pallas kernels: XLA's GEMM
-    ((1, STREAM_MAX_ROWS + 1), DENSE_STREAM, True),  # more rows than one group: still streamed, in two groups
-], ids=["stream", "small-call", "xla-many-rows", "xla-jax-kernels", "stream-many-rows"])
-def test_dense_projections_stream_where_chosen(rows, runtime, streams):
+@pytest.mark.parametrize("rows,runtime,min_bytes,streams", [
+    ((2, 3), DENSE_STREAM, None, True),
+    ((2, 3), Runtime(Kernels.PALLAS), 0, True),  # a small call: streamed (`DENSE_STREAM_MAX_ROWS`) ...
+    ((2, 3), Runtime(Kernels.PALLAS), None, False),  # ... of a large enough weight (`DENSE_STREAM_MIN_BYTES`)
+    ((1, DENSE_STREAM_MAX_ROWS + 1), Runtime(Kernels.PALLAS), 0, False),  # a larger call: XLA's GEMM
+    ((2, 3), Runtime(Kernels.JAX), 0, False),  # no Pallas kernels: XLA's GEMM
+    ((1, STREAM_MAX_ROWS + 1), DENSE_STREAM, None, True),  # more rows than one group: still streamed, in two groups
+], ids=["stream", "small-call", "xla-small-weight", "xla-many-rows", "xla-jax-kernels", "stream-many-rows"])
+def test_dense_projections_stream_where_chosen(rows, runtime, min_bytes, streams, monkeypatch):
     """A dense Linear, a packed q|k|v and float32 logits (`linear(..., out_dtype)`) give the float64 product on every
     path, and the streaming kernel runs exactly where `dense_stream_config` says (one pallas_call per projection)."""
+    from ddtree_jax.models import layers
+
+    if min_bytes is not None:  # these weights are a few KiB: below the default, so the small-call cases lower it
+        monkeypatch.setattr(layers, "DENSE_STREAM_MIN_BYTES", min_bytes)
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal((*rows, 32)), jnp.float32)
     dense = Linear(32, 48, ("embed", "mlp"), dtype=jnp.float32, rngs=nnx.Rngs(0))
