@@ -177,11 +177,11 @@ def test_row_invariant_reaches_every_projection_and_the_attention(random_target,
     from ddtree_jax.cli import add_matmul_args
     from ddtree_jax.models import layers as model_layers
     from ddtree_jax.models import qwen3
-
-    monkeypatch.setattr(model_layers, "DENSE_STREAM_MAX_ROWS", 0)  # what streams below is row_invariant's alone
     from ddtree_jax.models.contract import ForwardMeta
     from ddtree_jax.round import prefill as round_prefill
     from jaxprs import equations
+
+    monkeypatch.setattr(model_layers, "DENSE_STREAM_MAX_ROWS", 0)  # what streams below is row_invariant's alone
 
     params = load_target(random_target, jnp.float32)
     layers = params.config.num_layers
