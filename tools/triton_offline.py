@@ -38,6 +38,8 @@ from pallas_kernels import stream_matmul as smm  # noqa: E402
 from pallas_kernels import tree_build as tbk  # noqa: E402
 from pallas_kernels import tree_delta_rule as tdr  # noqa: E402
 from pallas_kernels import vocab_top_k as vtk  # noqa: E402
+from ddtree_jax.models import layers  # noqa: E402
+from ddtree_jax.models.contract import Kernels, Runtime  # noqa: E402
 
 SMEM_PER_SM = 233472  # bytes on sm_90 (228 KiB); one block may take up to 227 KiB; 1 KiB is reserved per block
 SMEM_PER_BLOCK = 232448
@@ -92,6 +94,34 @@ def resources(ir_text: str, num_warps: int, num_stages: int) -> dict:
     return dict(smem=smem, regs=regs, spill_stack=stack, programs_per_sm=per_sm, fits=smem <= SMEM_PER_BLOCK,
                 mma=_mma(ptx), conversions=len(re.findall(r"\bF2F\.", sass)),
                 ptx_cvt=len(re.findall(r"\bcvt\.", ptx)))
+
+
+def dense_streamed_weights(shape_names) -> list[tuple[str, tuple[int, int]]]:
+    """(shape name, [out, in]) of every distinct dense projection of the named shapes' targets and drafters that a call
+    of few rows streams (`layers.dense_stream_config`: not the lm_head, weights of `DENSE_STREAM_MIN_BYTES` and more)."""
+    from flax import nnx
+
+    from ddtree_jax import shapes
+    from ddtree_jax.config import parse_dflash, parse_target
+    from ddtree_jax.models import dflash, qwen3, qwen3_5
+
+    found = []
+    for name in shape_names:
+        target_raw, drafter_raw = shapes.shape_configs(name)
+        target, drafter = parse_target(target_raw), parse_dflash(drafter_raw)
+        family = qwen3 if target.__class__.__name__ == "Qwen3Config" else qwen3_5
+        weights = set()
+        for module in (nnx.eval_shape(lambda: family.build(target)(nnx.Rngs(0))),
+                       nnx.eval_shape(lambda: dflash.build(drafter, target.hidden_size)(nnx.Rngs(0)))):
+            for path, child in nnx.iter_modules(module):
+                if isinstance(child, layers.PackedProjections) and child.packed:
+                    g, u, r, n_in = child.weight.shape
+                    weights.add((g * u * r, n_in))
+                elif isinstance(child, layers.Linear) and path[-1] != "lm_head":
+                    weights.add(tuple(child.weight.shape))
+        found += [(name, w) for w in sorted(weights)
+                  if layers.dense_stream_config(w, 1, Runtime(Kernels.PALLAS)) is not None]
+    return found
 
 
 def _mma(ptx: str) -> str:
@@ -210,6 +240,12 @@ def main(argv: list[str] | None = None) -> int:
                      functools.partial(smm.stream_matmul_pallas, block=(128, 128), quantize_x=True, config=config,
                                        sum_splits=False),
                      [x, sds((4096, 4096), jnp.float8_e4m3fn), sds((32, 32), jnp.float32)]))
+    for label, w in dense_streamed_weights(("qwen3-8b", "qwen3.6-27b")):  # small calls' bf16 projections, as streamed
+        for rows in (1, 17, 32):
+            config = layers.dense_stream_config(w, rows, Runtime(Kernels.PALLAS))
+            jobs.append((f"stream_matmul dense {label} {w[0]}x{w[1]} rows={rows}", config,
+                         functools.partial(smm.stream_matmul_pallas, config=config),
+                         [sds((rows, w[1]), jnp.bfloat16), sds(w, jnp.bfloat16)]))
     for t in (16, 17, 65, 128):  # the Gated DeltaNet tree rule at the Qwen3.6-27B shape (48 value heads, 16 key)
         for precision in ("default", "highest"):
             # the one-launch form
