@@ -23,3 +23,14 @@ def equations(jaxpr, skip=None, outer: tuple[str, ...] = ()):
         yield eqn, outer
         for sub in sub_jaxprs(eqn):
             yield from equations(sub, skip, outer + (eqn.primitive.name,))
+
+
+def pallas_call_names(jaxpr) -> list[str]:
+    """The kernel name of every `pallas_call` in `jaxpr` and the jaxprs nested in it, in order (e.g. "stream_matmul",
+    "tree_build")."""
+    names = []
+    for eqn, _ in equations(jaxpr):
+        if eqn.primitive.name == "pallas_call":
+            info = eqn.params.get("name") or eqn.params.get("name_and_src_info")
+            names.append(getattr(info, "name", None) or str(info).split(" ")[0])
+    return names

@@ -20,7 +20,7 @@ from ddtree_jax.models import dflash, qwen3
 from ddtree_jax.random_checkpoint import tiny_qwen3_config, write_random_dflash, write_random_qwen3
 from ddtree_jax.sampling import SamplingConfig
 from conftest import YARN_ROPE_SCALING
-from jaxprs import equations
+from jaxprs import equations, pallas_call_names
 from test_dflash_decoding import PROMPTS, _eos_inside_an_accepted_round, chi2_pvalue, sampling_pair
 from test_tree import heap_tree
 
@@ -189,8 +189,7 @@ def test_tree_kernels_run_up_to_their_measured_budget(monkeypatch):
     def kernels(budget: int) -> list[str]:
         options = DecodeOptions(mode=Mode.DDTREE, budget=budget, kernels="pallas")
         jaxpr = jax.make_jaxpr(lambda lg, lt: rounds.propose(lg, lt, options))(logits, last)
-        return sorted(str(eqn.params.get("name") or eqn.params.get("name_and_src_info")).split(" ")[0]
-                      for eqn, _ in equations(jaxpr) if eqn.primitive.name == "pallas_call")
+        return sorted(pallas_call_names(jaxpr))
 
     top_k = ["vocab_top_k_chunk_max", "vocab_top_k_compact", "vocab_top_k_select"]
     assert kernels(128) == ["tree_build", *top_k]

@@ -179,7 +179,7 @@ def test_row_invariant_reaches_every_projection_and_the_attention(random_target,
     from ddtree_jax.models import qwen3
     from ddtree_jax.models.contract import ForwardMeta
     from ddtree_jax.round import prefill as round_prefill
-    from jaxprs import equations
+    from jaxprs import pallas_call_names
 
     monkeypatch.setattr(model_layers, "DENSE_STREAM_MAX_ROWS", 0)  # what streams below is row_invariant's alone
 
@@ -190,8 +190,7 @@ def test_row_invariant_reaches_every_projection_and_the_attention(random_target,
 
     def kernels(fn) -> dict:
         jaxpr = jax.make_jaxpr(fn)(params, jnp.array([[5]]))
-        names = [str(eqn.params.get("name") or eqn.params.get("name_and_src_info")) for eqn, _ in equations(jaxpr)
-                 if eqn.primitive.name == "pallas_call"]
+        names = pallas_call_names(jaxpr)
         return {kind: sum(n.startswith(kind) for n in names)
                 for kind in ("stream_matmul", "tree_attention_row_invariant")}
 

@@ -189,10 +189,9 @@ def test_dflash_and_ddtree_on_fp8_equal_ar(pair):
 
 def _stream_kernel_calls(jaxpr, name: str = "stream_matmul_fp8") -> int:
     """How many FP8 streaming-matmul kernels (`pallas_call`s named `name`) a program holds."""
-    from jaxprs import equations
+    from jaxprs import pallas_call_names
 
-    return sum(eqn.primitive.name == "pallas_call" and name in
-               str(eqn.params.get("name") or eqn.params.get("name_and_src_info")) for eqn, _ in equations(jaxpr))
+    return sum(name in kernel for kernel in pallas_call_names(jaxpr))
 
 
 def test_streamed_fp8_matmul_gives_the_dequantize_tokens(pair):

@@ -76,9 +76,10 @@
 #             (`layers.SPLIT_SUMS_IN_NEXT_KERNEL`, off until timed): their GPU tests, then the 8B FP8 W8A8 rounds
 #             with the sums in XLA and in the next kernels (tools/with_knobs.py engine:split_sums_in_next_kernel=1)
 #                                                                                         -> split_sums{0,1}/
-#   goals     both issues' goal figures in one call ($GOALS_S, 560 s; each part skipped or cut to what is left): the W8A8 smoke (tools/w8a8_check.py), the 8B FP8 W8A8 and
-#             bf16 rounds (AR, DFlash, DDTree 15, 64), the build at B = 64 / 512 (deep and i.i.d. logits, XLA against
-#             the kernels), the K/V-write A/B (bf16 AR, alternating), W8A16 AR, the 8B DDTree rounds at B = 256 / 512
+#   goals     both issues' goal figures in one call ($GOALS_S, 560 s; each part skipped or cut to what is left): the
+#             W8A8 smoke (tools/w8a8_check.py), the 8B FP8 W8A8 and bf16 rounds (AR, DFlash, DDTree 15, 64), the build
+#             at B = 64 / 512 (deep and i.i.d. logits, XLA against the kernels), the K/V-write A/B (bf16 AR,
+#             alternating), W8A16 AR, the 8B DDTree rounds at B = 256 / 512
 #                                                               -> w8a8_check.txt, goals.tar (goals/NAME/bench.json), build/
 #   dense_stream  the bf16 8B rounds (AR, DFlash, DDTree 15, 31) with the dense projections of small calls streamed
 #             (layers.DENSE_STREAM_MAX_ROWS: 32, the default since 2026-12-05, and 16), and with the split sums in the

@@ -103,13 +103,13 @@ def dense_streamed_weights(shape_names) -> list[tuple[str, tuple[int, int]]]:
 
     from ddtree_jax import shapes
     from ddtree_jax.config import parse_dflash, parse_target
-    from ddtree_jax.models import dflash, qwen3, qwen3_5
+    from ddtree_jax.models import dflash, target_family
 
     found = []
     for name in shape_names:
         target_raw, drafter_raw = shapes.shape_configs(name)
         target, drafter = parse_target(target_raw), parse_dflash(drafter_raw)
-        family = qwen3 if target.__class__.__name__ == "Qwen3Config" else qwen3_5
+        family = target_family(target)
         weights = set()
         for module in (nnx.eval_shape(lambda: family.build(target)(nnx.Rngs(0))),
                        nnx.eval_shape(lambda: dflash.build(drafter, target.hidden_size)(nnx.Rngs(0)))):

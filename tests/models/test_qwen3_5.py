@@ -432,7 +432,7 @@ def test_tree_verify_takes_the_tree_rule_kernel_on_the_pallas_path(kernels, t, u
 
     from ddtree_jax.models.contract import Runtime
     from ddtree_jax.random_checkpoint import tiny_qwen3_5_config
-    from jaxprs import equations
+    from jaxprs import pallas_call_names
 
     config = parse_qwen3_5(tiny_qwen3_5_config())
     layer = qwen3_5.GatedDeltaNet(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
@@ -443,7 +443,6 @@ def test_tree_verify_takes_the_tree_rule_kernel_on_the_pallas_path(kernels, t, u
     visible = jnp.tril(jnp.ones((1, t, t), bool))
     jaxpr = jax.make_jaxpr(lambda x: layer(x, state, jnp.array([t]), parents, jnp.arange(t)[None], visible,
                                            runtime=Runtime(kernels))[0])(jnp.zeros((1, t, config.hidden_size)))
-    names = [eqn.params.get("name") or getattr(eqn.params.get("name_and_src_info"), "name", None)
-             for eqn, _ in equations(jaxpr) if eqn.primitive.name == "pallas_call"]
+    names = pallas_call_names(jaxpr)
     # One launch ("tree_delta_rule") for one block of nodes, two ("_tiles", "_chain") past it.
     assert any(str(name).startswith("tree_delta_rule") for name in names) == uses_kernel, names
