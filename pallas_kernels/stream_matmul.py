@@ -196,6 +196,15 @@ def _row_tiles(t: int, row_tile: int | None = None) -> tuple[int, ...]:
     return tuple(tiles)
 
 
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """SwiGLU's silu(gate) * up, elementwise in the inputs' dtype: silu in float32 then rounded to that dtype, the
+    product in float32 then rounded (as PyTorch's bfloat16 ops round, and no rounding in float32). The one form of
+    the Qwen MLP's activation, inside the streaming kernel's epilogue (`glu`) and outside it."""
+    g = gate.astype(jnp.float32)
+    silu = (g * (1.0 / (1.0 + jnp.exp(-g)))).astype(gate.dtype)
+    return (silu.astype(jnp.float32) * up.astype(jnp.float32)).astype(gate.dtype)
+
+
 def sum_in_split_order(parts):
     """The split partial sums `parts` (a sequence of float32 arrays, split 0 first) added left to right: the one
     order the kernel's epilogue and every consumer of `SplitSums` use, so that they give the same bits."""
@@ -226,7 +235,7 @@ class SplitSums:
 
 def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_block: tuple[int, int] | None,
             row_tiles: tuple[int, ...], rows: int, fp8_bits: int, fp8_rows: bool, quantize_x: bool, promote_k: int,
-            whole_out: bool, asm: bool):
+            whole_out: bool, asm: bool, glu_rows: int | None):
     # x_ref [t, k] all of x, unpadded (`rows` = t: a row tile's rows past t are masked loads of zeros, so no pad
     # launches before the kernel); w_ref [block_n, ks] weight rows, this split's k slice; o_ref [tg, block_n] f32,
     # this split's partial sums, or with one split (`whole_out`) o_ref [t, n] the result in its dtype;
@@ -234,14 +243,17 @@ def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_bloc
     # (`fp8_rows`), xs_ref [si, tp] every row's scales, transposed so that a row tile's are one contiguous read; with
     # `quantize_x` the rows come in their float dtype and each step's tile (one group: block_k = bi) is quantised
     # here. The rows go in `row_tiles` (tg = their sum), each with its own accumulator; every weight tile is loaded
-    # once for all.
+    # once for all. With `glu_rows` = m (SwiGLU, one split), a second weight ref holds the up rows (gate row + m)
+    # of this program's gate rows, and the epilogue writes silu(gate) * up.
+    w_refs = (w_ref, refs[0]) if glu_rows else (w_ref,)
+    refs = refs[1:] if glu_rows else refs
     if fp8_rows and not quantize_x:
         s_ref, xs_ref, o_ref = refs
     else:
         s_ref, o_ref = refs if scale_block is not None else (None, *refs)
     block_n = w_ref.shape[0]
     if scale_block is not None:
-        scale_row = pl.program_id(0) * block_n // scale_block[0]
+        scale_rows = [(j * (glu_rows or 0) + pl.program_id(0) * block_n) // scale_block[0] for j in range(len(w_refs))]
         first_col = pl.program_id(1) * steps * block_k
     starts = [sum(row_tiles[:i]) for i in range(len(row_tiles))]
     group_row = pl.program_id(2) * sum(row_tiles)  # this group's first row in x_ref and xs_ref
@@ -249,17 +261,19 @@ def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_bloc
 
     def step(i, accs):
         cols = pl.ds(i * block_k, block_k)
-        w = w_ref[:, cols]  # FP8 rows: FP8 as it is; FP8 widened in registers once for every row tile; else as it is
-        if not fp8_rows:
-            w = _fp8_tile_as_bf16(w, asm) if fp8_bits else w.astype(x_ref.dtype)
-        scale = None
-        if scale_block is not None:
-            block_col = (first_col + i * block_k) // scale_block[1]
-            scale = s_ref[scale_row, block_col].astype(jnp.float32)
-            if fp8_bits:
-                scale = scale * 2.0 ** -(PLACED_EXPONENT + X_PRESCALE_EXPONENT)
+        ws, scales = [], []
+        for j, ref in enumerate(w_refs):
+            w = ref[:, cols]  # FP8 rows: FP8 as it is; FP8 widened in registers once for every row tile; else as it is
+            ws.append(w if fp8_rows else _fp8_tile_as_bf16(w, asm) if fp8_bits else w.astype(x_ref.dtype))
+            scale = None
+            if scale_block is not None:
+                block_col = (first_col + i * block_k) // scale_block[1]
+                scale = s_ref[scale_rows[j], block_col].astype(jnp.float32)
+                if fp8_bits:
+                    scale = scale * 2.0 ** -(PLACED_EXPONENT + X_PRESCALE_EXPONENT)
+            scales.append(scale)
         new = []
-        for acc, start, size in zip(accs, starts, row_tiles):
+        for r, (start, size) in enumerate(zip(starts, row_tiles)):
             row_ok = group_row + start + jnp.arange(size, dtype=jnp.int32) < rows
             x = plt.load(x_ref.at[pl.ds(group_row + start, size), pl.ds(split_col + i * block_k, block_k)],
                          mask=jnp.broadcast_to(row_ok[:, None], (size, block_k)), other=0.0)
@@ -271,23 +285,29 @@ def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_bloc
                 x = (x32 * inverse[:, None]).astype(jnp.float8_e4m3fn)
             elif fp8_rows:
                 x_scale = xs_ref[block_col, pl.ds(group_row + start, size)]
-            if fp8_rows:  # FP8 tensor cores, then the weight block's scale times each row's
-                tile = fp8_dot(w, x, promote_k) if promote_k else lax.dot_general(
-                    w, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                tile = tile * (scale * x_scale)[None, :]
-            else:
-                tile = lax.dot_general(w, x, (((1,), (1,)), ((), ())), precision=precision,
-                                       preferred_element_type=jnp.float32)
-                tile = tile if scale is None else tile * scale
-            new.append(acc + tile)
+            for j, (w, scale) in enumerate(zip(ws, scales)):
+                if fp8_rows:  # FP8 tensor cores, then the weight block's scale times each row's
+                    tile = fp8_dot(w, x, promote_k) if promote_k else lax.dot_general(
+                        w, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                    tile = tile * (scale * x_scale)[None, :]
+                else:
+                    tile = lax.dot_general(w, x, (((1,), (1,)), ((), ())), precision=precision,
+                                           preferred_element_type=jnp.float32)
+                    tile = tile if scale is None else tile * scale
+                new.append(accs[r * len(ws) + j] + tile)
         return tuple(new)
 
-    accs = lax.fori_loop(0, steps, step, tuple(jnp.zeros((block_n, size), jnp.float32) for size in row_tiles))
-    for acc, start, size in zip(accs, starts, row_tiles):
+    accs = lax.fori_loop(0, steps, step, tuple(jnp.zeros((block_n, size), jnp.float32)
+                                               for size in row_tiles for _ in w_refs))
+    for r, (start, size) in enumerate(zip(starts, row_tiles)):
+        acc = accs[r * len(w_refs)]
         if whole_out:  # the result itself: rows past t left out, transposed, in the output's dtype
+            y = acc.T.astype(o_ref.dtype)
+            if glu_rows:
+                y = swiglu(y, accs[r * 2 + 1].T.astype(o_ref.dtype))
             row_ok = group_row + start + jnp.arange(size, dtype=jnp.int32) < rows
             plt.store(o_ref.at[pl.ds(group_row + start, size), pl.ds(pl.program_id(0) * block_n, block_n)],
-                      acc.T.astype(o_ref.dtype), mask=jnp.broadcast_to(row_ok[:, None], (size, block_n)))
+                      y, mask=jnp.broadcast_to(row_ok[:, None], (size, block_n)))
         else:
             o_ref[pl.ds(start, size), :] = acc.T
 
@@ -324,27 +344,33 @@ def _splits(k: int, n_blocks: int, config: StreamMatmulConfig) -> int:
     return max(s for s in range(1, steps + 1) if steps % s == 0 and s <= want)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "quantize_x", "config", "out_dtype", "sum_splits", "interpret",
-                                             "debug"))
+@functools.partial(jax.jit, static_argnames=("block", "quantize_x", "config", "out_dtype", "sum_splits", "glu",
+                                             "interpret", "debug"))
 def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None = None, x_scale=None,
                          quantize_x: bool = False, config: StreamMatmulConfig | None = None, out_dtype=None,
-                         sum_splits: bool = True, interpret: bool = False,
+                         sum_splits: bool = True, glu: bool = False, interpret: bool = False,
                          debug: bool = False) -> jax.Array | SplitSums:
     """The Pallas kernel; arguments and result as `stream_matmul_reference`, plus the knobs (with `quantize_x`,
     block_k must be the scale block's bi: a step's tile is one group). With `sum_splits=False` and more than one
-    split, the partial sums come back unsummed (`SplitSums`; their `total(t, out_dtype)` is the result)."""
+    split, the partial sums come back unsummed (`SplitSums`; their `total(t, out_dtype)` is the result). With `glu`
+    and one split, each program streams its gate rows and the same up rows (block_n must divide m = n / 2) and
+    writes `swiglu` of the two products: no launch after the kernel; with more splits the sums and `swiglu` follow
+    in XLA."""
     config = StreamMatmulConfig() if config is None else config
-    _check(x, w, scale_inv, block, x_scale, out_dtype, quantize_x)
+    _check(x, w, scale_inv, block, x_scale, out_dtype, quantize_x, glu)
+    if glu and not sum_splits:
+        raise ValueError("glu gives the activation of summed products: sum_splits must stay True")
     fp8_rows = x_scale is not None or quantize_x
     t, k = x.shape
-    n = w.shape[0]
+    n = w.shape[0] // 2 if glu else w.shape[0]  # the output features (glu: m, the gate rows)
     block_n = min(config.block_n, next_pow2(n))
     if n % block_n or k % config.block_k:
-        raise ValueError(f"w [n, k] = {w.shape}: n must divide by block_n={block_n} and k by "
+        raise ValueError(f"w [n, k] = {w.shape}: {'n / 2' if glu else 'n'} must divide by block_n={block_n} and k by "
                          f"block_k={config.block_k}")
-    if block is not None and (block[0] % block_n or block[1] % config.block_k):
+    if block is not None and (block[0] % block_n or block[1] % config.block_k or (glu and n % block[0])):
         raise ValueError(f"FP8 scale blocks {tuple(block)}: block_n={block_n} and block_k={config.block_k} must "
-                         "divide them (a tile inside one scale block)")
+                         "divide them (a tile inside one scale block)"
+                         + (f", and they must divide m = {n} (glu: the up rows start a block)" if glu else ""))
     if quantize_x and config.block_k != block[1]:
         raise ValueError(f"quantize_x: block_k={config.block_k} must be the scale block's {block[1]} input features "
                          "(a step's tile is one group of each row)")
@@ -356,10 +382,18 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
     ks = k // splits
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
     fp8_bits = config.fp8_bits if block is not None and x.dtype == jnp.bfloat16 and not fp8_rows else 0
+    fused_glu = glu and splits == 1
+    if glu and not fused_glu:  # the partial sums of gate|up, summed in XLA, then the activation
+        y = stream_matmul_pallas(x, w, scale_inv, block=block, x_scale=x_scale, quantize_x=quantize_x, config=config,
+                                 out_dtype=out_dtype, interpret=interpret, debug=debug)
+        return swiglu(y[:, :n], y[:, n:])
     in_specs = [pl.BlockSpec((t, k), lambda i, s, g: (0, 0)),  # all of x (each step loads its rows' tile, masked)
                 pl.BlockSpec((block_n, ks), lambda i, s, g: (i, s))]  # w rows
     # The weight's dtype for x unless the weight is FP8 (then the tiles are widened to x's dtype, or x is FP8 too).
     operands = [x.astype(x.dtype if block is not None else w.dtype), w]
+    if fused_glu:  # the same weight again: the up rows of this program's gate rows
+        in_specs.append(pl.BlockSpec((block_n, ks), lambda i, s, g: (i + n // block_n, s)))
+        operands.append(w)
     if block is not None:
         in_specs.append(pl.BlockSpec(scale_inv.shape, lambda i, s, g: (0, 0)))  # every scale (a scalar read per step)
         operands.append(scale_inv)
@@ -378,7 +412,7 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
         functools.partial(_kernel, block_k=config.block_k, steps=ks // config.block_k, precision=precision,
                           scale_block=None if block is None else tuple(block), row_tiles=row_tiles, rows=t,
                           fp8_bits=fp8_bits, fp8_rows=fp8_rows, quantize_x=quantize_x, whole_out=whole_out,
-                          asm=not interpret,
+                          asm=not interpret, glu_rows=n if fused_glu else None,
                           promote_k=config.block_k if config.promote_k is None else config.promote_k),
         grid=(n // block_n, splits, groups),
         in_specs=in_specs,
@@ -387,7 +421,8 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         debug=debug,
-        name="stream_matmul" if block is None else "stream_matmul_w8a8" if fp8_rows else "stream_matmul_fp8",
+        name=("stream_matmul" if block is None else "stream_matmul_w8a8" if fp8_rows else "stream_matmul_fp8")
+        + ("_glu" if fused_glu else ""),
     )(*operands)
     if whole_out:
         return out
@@ -397,19 +432,23 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
 
 def stream_matmul(x, w, scale_inv=None, *, block: tuple[int, int] | None = None, x_scale=None,
                   quantize_x: bool = False, implementation: str | None = None, config: StreamMatmulConfig | None = None,
-                  out_dtype=None, sum_splits: bool = True, interpret: bool | None = None) -> jax.Array | SplitSums:
+                  out_dtype=None, sum_splits: bool = True, glu: bool = False,
+                  interpret: bool | None = None) -> jax.Array | SplitSums:
     """Dispatcher: the Pallas kernel on a GPU, the reference elsewhere (see `pallas_kernels.resolve_implementation`;
     the reference always returns the summed product)."""
     if resolve_implementation(implementation) == "reference":
         return stream_matmul_reference(x, w, scale_inv, block=block, x_scale=x_scale, quantize_x=quantize_x,
-                                       out_dtype=out_dtype)
+                                       out_dtype=out_dtype, glu=glu)
     return stream_matmul_pallas(x, w, scale_inv, block=block, x_scale=x_scale, quantize_x=quantize_x, config=config,
-                                out_dtype=out_dtype, sum_splits=sum_splits, interpret=resolve_interpret(interpret))
+                                out_dtype=out_dtype, sum_splits=sum_splits, glu=glu,
+                                interpret=resolve_interpret(interpret))
 
 
-def _check(x, w, scale_inv=None, block=None, x_scale=None, out_dtype=None, quantize_x=False):
+def _check(x, w, scale_inv=None, block=None, x_scale=None, out_dtype=None, quantize_x=False, glu=False):
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x must be [t, k] and w [n, k], got {x.shape} and {w.shape}")
+    if glu and w.shape[0] % 2:
+        raise ValueError(f"glu: w must be gate|up, [2 m, k], got {w.shape}")
     if (scale_inv is None) != (block is None):
         raise ValueError("an FP8 weight needs both scale_inv and block; a dense one neither")
     if block is not None:
@@ -436,16 +475,21 @@ def _check(x, w, scale_inv=None, block=None, x_scale=None, out_dtype=None, quant
             raise ValueError("FP8 rows of x (x_scale) need an out_dtype")
 
 
-@functools.partial(jax.jit, static_argnames=("block", "quantize_x", "out_dtype"))
+@functools.partial(jax.jit, static_argnames=("block", "quantize_x", "out_dtype", "glu"))
 def stream_matmul_reference(x, w, scale_inv=None, *, block: tuple[int, int] | None = None, x_scale=None,
-                            quantize_x: bool = False, out_dtype=None) -> jax.Array:
+                            quantize_x: bool = False, out_dtype=None, glu: bool = False) -> jax.Array:
     """x [t, k] @ w [n, k]^T -> [t, n] in `out_dtype` (default x's dtype), accumulated in float32 (w in its HF
     [out, in] layout). With `scale_inv` [ceil(n / bo), ceil(k / bi)] and `block` (bo, bi), w is block-scaled FP8
     and is dequantised in float32 first (w[r, c] x scale_inv[r // bo, c // bi]). With `x_scale` [t, ceil(k / bi)],
     x is float8_e4m3fn too (per row and input block) and is dequantised alike (x[r, c] x x_scale[r, c // bi]);
     `out_dtype` is then required. With `quantize_x`, x (float) is first quantised so (`quantize_rows`, groups of
-    bi), its result in x's dtype unless `out_dtype` says otherwise."""
-    _check(x, w, scale_inv, block, x_scale, out_dtype, quantize_x)
+    bi), its result in x's dtype unless `out_dtype` says otherwise. With `glu`, w is gate|up [2 m, k] and the
+    result [t, m] is `swiglu` of the product's two halves."""
+    _check(x, w, scale_inv, block, x_scale, out_dtype, quantize_x, glu)
+    if glu:
+        y = stream_matmul_reference(x, w, scale_inv, block=block, x_scale=x_scale, quantize_x=quantize_x,
+                                    out_dtype=out_dtype)
+        return swiglu(y[:, :w.shape[0] // 2], y[:, w.shape[0] // 2:])
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if quantize_x:
         x, x_scale = quantize_rows(x, block[1])
@@ -462,4 +506,4 @@ def stream_matmul_reference(x, w, scale_inv=None, *, block: tuple[int, int] | No
 
 
 __all__ = ["SplitSums", "StreamMatmulConfig", "fitted_config", "fp8_row_scales", "quantize_rows", "stream_matmul",
-           "stream_matmul_pallas", "stream_matmul_reference", "sum_in_split_order"]
+           "stream_matmul_pallas", "stream_matmul_reference", "sum_in_split_order", "swiglu"]

@@ -204,7 +204,8 @@ def test_fused_kv_write_gives_the_same_tokens_and_writes_no_cache_after_the_laye
 def test_dense_stream_max_rows_streams_small_calls_projections_not_the_lm_head(tmp_path, monkeypatch):
     """`layers.DENSE_STREAM_MAX_ROWS` (32 by default; weights of `DENSE_STREAM_MIN_BYTES`, lowered here to this
     model's): at 1, an AR step's dense projections (q|k|v, o, gate|up and down: four a layer) run the streaming kernel
-    and the lm_head does not; a call of two rows at 1, and any call at 0, run none. The step's hidden states stay
+    and the lm_head does not (gate|up with the SwiGLU in its epilogue: one split at this size); a call of two rows
+    at 1, and any call at 0, run none. The step's hidden states stay
     within float32 rounding of XLA's GEMMs, and greedy AR and DDTree give the tokens and acceptance of XLA's GEMMs
     (kernels interpreted)."""
     import collections
@@ -228,7 +229,10 @@ def test_dense_stream_max_rows_streams_small_calls_projections_not_the_lm_head(t
             jnp.array([rows]), rows)
         program = jax.make_jaxpr(lambda p, t: qwen3.logits(p, qwen3.forward(p, t, meta, cache, runtime=runtime).hidden,
                                                            runtime))(target, tokens)
-        return sum("stream_matmul" in kernel for kernel in pallas_call_names(program))
+        names = pallas_call_names(program)
+        glu = sum(kernel.startswith("stream_matmul") and kernel.endswith("_glu") for kernel in names)
+        assert glu == (target.config.num_layers if rows <= layers.DENSE_STREAM_MAX_ROWS else 0), names
+        return sum("stream_matmul" in kernel for kernel in names)
 
     meta = ForwardMeta.step(jnp.array([3]), jnp.array([True]))
     step = lambda p, t: qwen3.forward(p, t, meta, cache, runtime=runtime).hidden  # noqa: E731

@@ -11,6 +11,8 @@ kernel's `default_config`, which is what the engine uses when it passes no confi
 - `tree_build`: `pallas_kernels.tree_build.TreeBuildConfig` over `default_config(budget)`, every budget;
 - `tree_rule`: `pallas_kernels.tree_delta_rule.TreeDeltaRuleConfig` over `default_config(t)` past one block of
   nodes (17 and more; one block keeps its own form);
+- `dense_stream`: `pallas_kernels.stream_matmul.StreamMatmulConfig` over `ddtree_jax.models.layers.DENSE_STREAM_KNOBS`,
+  the knobs of the dense projections that stream (`dense_stream:block_n=16,splits=1`: one split, no sums after);
 - `engine`: the engine's own choices, `tree_kernels_up_to=N` (`ddtree_jax.round.TREE_BUILD_KERNEL_UP_TO`: the
   budgets whose tree build runs in the Pallas kernel, e.g. 512 to time B = 256 and 512 there), `top_k_kernel_up_to=N`
   (`...round.VOCAB_TOP_K_KERNEL_UP_TO`: the budgets whose vocabulary top-k runs in the Pallas kernel),
@@ -32,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pallas_kernels import tree_build, tree_delta_rule, vocab_top_k  # noqa: E402
+from pallas_kernels import stream_matmul, tree_build, tree_delta_rule, vocab_top_k  # noqa: E402
 
 # kernel -> (module holding default_config, its config class, the config's samples to validate knobs against)
 KERNELS = {
@@ -42,6 +44,7 @@ KERNELS = {
     "tree_rule": (tree_delta_rule, tree_delta_rule.TreeDeltaRuleConfig,
                   lambda: [tree_delta_rule.default_config(t)
                            for t in range(tree_delta_rule.BLOCK + 1, tree_delta_rule.MAX_NODES + 1)]),
+    "dense_stream": (None, stream_matmul.StreamMatmulConfig, None),  # a module attribute, not a default_config
 }
 
 
@@ -77,6 +80,11 @@ def override(kernel: str, knobs: dict) -> None:
         for name, value in knobs.items():
             module, attribute, _ = ENGINE[name]
             setattr(importlib.import_module(module), attribute, value)
+        return
+    if kernel == "dense_stream":
+        from ddtree_jax.models import layers
+
+        layers.DENSE_STREAM_KNOBS = dataclasses.replace(layers.DENSE_STREAM_KNOBS, **knobs)
         return
     module, _, samples = KERNELS[kernel]
     for config in samples():  # fail now, not at the first trace

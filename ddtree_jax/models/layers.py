@@ -22,7 +22,7 @@ from ddtree_jax.models import fp8
 from ddtree_jax.models.contract import Fp8Matmul, Runtime
 from pallas_kernels.qk_norm_rope import qk_norm_rope
 from pallas_kernels.rms_norm import add_rms_norm
-from pallas_kernels.stream_matmul import SplitSums, StreamMatmulConfig, fitted_config, stream_matmul
+from pallas_kernels.stream_matmul import SplitSums, StreamMatmulConfig, fitted_config, stream_matmul, swiglu
 from pallas_kernels.tree_attention import ROW_INVARIANT_CONFIG, TreeAttentionConfig, tree_attention
 
 from ddtree_jax.config import RopeConfig
@@ -83,37 +83,44 @@ DENSE_STREAM_MAX_ROWS = 32
 # projections and its drafter's); small ones (the demo pair's, a hybrid's per-head gates) keep XLA's GEMM, untimed
 # streamed, where a launch's latency and the split sums' add would dominate.
 DENSE_STREAM_MIN_BYTES = 16 << 20
+# ... with these knobs (tiles fitted to each weight by `fitted_config`).
+DENSE_STREAM_KNOBS = StreamMatmulConfig()
 
 
 def dense_stream_config(weight_shape: tuple[int, int], rows: int, runtime: Runtime, *, dtype=jnp.bfloat16,
-                        lm_head: bool = False) -> StreamMatmulConfig | None:
+                        lm_head: bool = False, glu: bool = False) -> StreamMatmulConfig | None:
     """The streaming kernel's knobs for a dense [out, in] weight on `rows` rows if it streams, else None: under
     `Runtime.row_invariant` (any number of rows, the lm_head too; never with a tensor-parallel mesh, which `Runtime`
     refuses), or, not the lm_head, for at most `DENSE_STREAM_MAX_ROWS` rows on the Pallas path without a
     tensor-parallel mesh and a weight of at least `DENSE_STREAM_MIN_BYTES` (in `dtype`, what the kernel reads); for
-    a weight the kernel tiles (`fitted_config`: out and in features multiples of 16)."""
+    a weight the kernel tiles (`fitted_config`: out and in features multiples of 16; `glu`: the weight is gate|up,
+    tiled by its halves)."""
+    n, k = weight_shape[0] // 2 if glu else weight_shape[0], weight_shape[1]
     if runtime.row_invariant:
-        return fitted_config(*weight_shape, config=StreamMatmulConfig(row_tile=ROW_INVARIANT_ROW_TILE))
+        return fitted_config(n, k, config=StreamMatmulConfig(row_tile=ROW_INVARIANT_ROW_TILE))
     if (lm_head or rows > DENSE_STREAM_MAX_ROWS or not runtime.pallas or runtime.tp_mesh is not None
             or math.prod(weight_shape) * jnp.dtype(dtype).itemsize < DENSE_STREAM_MIN_BYTES):
         return None
-    return fitted_config(*weight_shape)
+    return fitted_config(n, k, config=DENSE_STREAM_KNOBS)
 
 
 def linear(x: jax.Array, weight: jax.Array, runtime: Runtime, *, out_dtype=None,
-           split_sums: bool = False, lm_head: bool = False) -> jax.Array | SplitSums:
+           split_sums: bool = False, lm_head: bool = False, glu: bool = False) -> jax.Array | SplitSums:
     """x [..., in] times a dense weight [out, in] (HF layout) transposed -> [..., out] in `out_dtype` (default x's
     dtype). XLA's GEMM, or where `dense_stream_config` gives knobs `pallas_kernels.stream_matmul` (the Pallas kernel
     on the Pallas path, its jnp reference otherwise), accumulating in float32. `split_sums`: the caller takes the
     kernel's partial sums unsummed (`SplitSums`, for `add_and_norm` or `qk_norm_rope`) where
-    `SPLIT_SUMS_IN_NEXT_KERNEL` lets it. `lm_head`: the weight is the vocabulary projection (`dense_stream_config`)."""
+    `SPLIT_SUMS_IN_NEXT_KERNEL` lets it. `lm_head`: the weight is the vocabulary projection (`dense_stream_config`).
+    `glu`: the weight is SwiGLU's gate|up [2 m, in] and the result `swiglu` of the two halves, [..., m] (streamed:
+    in the kernel's epilogue)."""
     rows = math.prod(x.shape[:-1])
-    config = dense_stream_config(weight.shape, rows, runtime, dtype=x.dtype, lm_head=lm_head)
+    config = dense_stream_config(weight.shape, rows, runtime, dtype=x.dtype, lm_head=lm_head, glu=glu)
     if config is None:
-        return jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype), preferred_element_type=out_dtype)
+        y = jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype), preferred_element_type=out_dtype)
+        return swiglu(*jnp.split(y, 2, axis=-1)) if glu else y
     y = stream_matmul(x.reshape(rows, x.shape[-1]), weight.astype(x.dtype), config=config, out_dtype=out_dtype,
                       implementation="pallas" if runtime.pallas else "reference",
-                      sum_splits=not (split_sums and SPLIT_SUMS_IN_NEXT_KERNEL))
+                      sum_splits=not (split_sums and SPLIT_SUMS_IN_NEXT_KERNEL) or glu, glu=glu)
     return y if isinstance(y, SplitSums) else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -169,23 +176,23 @@ class Linear(nnx.Module):
 
 
 def fp8_stream_config(weight_shape: tuple[int, int], block: tuple[int, int], rows: int,
-                      runtime: Runtime) -> StreamMatmulConfig | None:
+                      runtime: Runtime, *, glu: bool = False) -> StreamMatmulConfig | None:
     """The streaming kernel's knobs for an FP8 weight [out, in] in `block`s on `rows` rows if it streams, else None.
     It streams under `runtime.row_invariant` (any rows, in 16-row tiles) or where `runtime.fp8_matmul` streams
     (`STREAM`, `W8A8`) with rows <= STREAM_MAX_ROWS, without a tensor-parallel mesh (there the weight and its
     scales are split, and XLA partitions the dequantise path; no `shard_map` of the kernel yet), for a weight the
-    kernel tiles (`fitted_config`: out and in features multiples of 16)."""
+    kernel tiles (`fitted_config`: out and in features multiples of 16; `glu`: gate|up, tiled by its halves)."""
     streams = runtime.row_invariant or (runtime.fp8_matmul.streams and rows <= STREAM_MAX_ROWS)
     if not streams or runtime.tp_mesh is not None:
         return None
     tile = dataclasses.replace(FP8_STREAM_KNOBS, row_tile=ROW_INVARIANT_ROW_TILE if runtime.row_invariant else None)
-    return fitted_config(*weight_shape, block, config=tile)
+    return fitted_config(weight_shape[0] // 2 if glu else weight_shape[0], weight_shape[1], block, config=tile)
 
 
 def fp8_linear(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, block: tuple[int, int],
-               runtime: Runtime, *, split_sums: bool = False) -> jax.Array | SplitSums:
+               runtime: Runtime, *, split_sums: bool = False, glu: bool = False) -> jax.Array | SplitSums:
     """x [..., in] times a block-scaled FP8 weight [out, in] (scales [ceil(out / bo), ceil(in / bi)]) transposed ->
-    [..., out] in x's dtype.
+    [..., out] in x's dtype (`glu`: gate|up, `linear`'s).
 
     XLA multiplies x by the weight dequantised in float32, then cast to x's dtype, except where `fp8_stream_config`
     gives knobs: then `pallas_kernels.stream_matmul` multiplies x in its dtype by the FP8 weight as stored,
@@ -197,7 +204,7 @@ def fp8_linear(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, block: tup
     rounding (none in float32) and the order of float32 sums. `split_sums`: as `linear`'s."""
     rows = math.prod(x.shape[:-1])
     rows_x, x_scale = x.reshape(rows, x.shape[-1]), None
-    config = fp8_stream_config(weight.shape, block, rows, runtime)
+    config = fp8_stream_config(weight.shape, block, rows, runtime, glu=glu)
     w8a8 = runtime.fp8_matmul is Fp8Matmul.W8A8
     quantize_x = w8a8 and config is not None and config.block_k == block[1]
     if w8a8 and not quantize_x:
@@ -205,10 +212,11 @@ def fp8_linear(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, block: tup
     if config is None:
         if x_scale is not None:
             x = fp8.dequantize(rows_x, x_scale, (1, block[1]), x.dtype).reshape(x.shape)
-        return jnp.einsum("...i,oi->...o", x, fp8.dequantize(weight, scale_inv, block, x.dtype))
+        y = jnp.einsum("...i,oi->...o", x, fp8.dequantize(weight, scale_inv, block, x.dtype))
+        return swiglu(*jnp.split(y, 2, axis=-1)) if glu else y
     y = stream_matmul(rows_x, weight, scale_inv, block=block, x_scale=x_scale, quantize_x=quantize_x,
                       implementation="pallas" if runtime.pallas else "reference", config=config, out_dtype=x.dtype,
-                      sum_splits=not (split_sums and SPLIT_SUMS_IN_NEXT_KERNEL))
+                      sum_splits=not (split_sums and SPLIT_SUMS_IN_NEXT_KERNEL) or glu, glu=glu)
     return y if isinstance(y, SplitSums) else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -385,6 +393,19 @@ class PackedProjections(nnx.Module):
             return dataclasses.replace(y, features=(g, u, r))
         return y.reshape(*x.shape[:-1], g, u, r)
 
+    def swiglu_output(self, x: jax.Array, runtime: Runtime) -> jax.Array:
+        """`swiglu(gate, up)` of a projection of two parts (SwiGLU's gate|up), [..., R] in x's dtype: in the
+        streaming kernel's epilogue where the packed weight streams (`linear` / `fp8_linear` with `glu`), else after
+        the parts' outputs."""
+        if self.packed and self.weight.shape[:2] == (1, 2):
+            weight = self.weight[...].reshape(-1, self.weight.shape[-1])
+            if self.block is not None:
+                scale = self.weight_scale_inv[...]
+                return fp8_linear(x, weight, scale.reshape(-1, scale.shape[-1]), self.block, runtime, glu=True)
+            if dense_stream_config(weight.shape, math.prod(x.shape[:-1]), runtime, dtype=x.dtype, glu=True):
+                return linear(x, weight, runtime, glu=True)
+        return swiglu(*self(x, runtime))
+
     def fp8_packs(self, block: tuple[int, int]) -> bool:
         """Whether FP8 blocks of `block` keep this module packed: their rows divide R, so each lies inside one unit
         of one group (the HF scale rows of a part are then its units' rows over bo, group after group)."""
@@ -436,7 +457,7 @@ class PackedProjections(nnx.Module):
 
 
 class SwiGLU(nnx.Module):
-    """Qwen MLP: down(silu(gate(x)) * up(x)), gate|up packed (`PackedProjections`)."""
+    """Qwen MLP: down(silu(gate(x)) * up(x)) (`swiglu`), gate|up packed (`PackedProjections`)."""
 
     def __init__(self, hidden: int, intermediate: int, *, dtype, rngs):
         parts = (Part("gate_proj", 1, ("mlp", "embed")), Part("up_proj", 1, ("mlp", "embed")))
@@ -446,8 +467,7 @@ class SwiGLU(nnx.Module):
 
     def __call__(self, x: jax.Array, runtime: Runtime, *, split_sums: bool = False) -> jax.Array | SplitSums:
         """x [..., e] -> [..., e] (`split_sums`: `Linear`'s, for a result that goes straight to `add_and_norm`)."""
-        gate, up = self.gate_up_proj(x, runtime)
-        return self.down_proj(jax.nn.silu(gate) * up, runtime, split_sums=split_sums)
+        return self.down_proj(self.gate_up_proj.swiglu_output(x, runtime), runtime, split_sums=split_sums)
 
 
 def rope_cos_sin(positions: jax.Array, rope: RopeConfig, rotary_dim: int) -> tuple[jax.Array, jax.Array]:

@@ -298,3 +298,73 @@ def test_fp8_bad_scales_and_tiles_say_what_was_expected():
     with pytest.raises(ValueError, match="must divide them"):
         sm.stream_matmul_pallas(x, q, scale, block=(128, 128), config=sm.StreamMatmulConfig(block_k=256),
                                 interpret=True)
+
+
+# (t, m, k, dtype, block, config): SwiGLU's gate|up [2 m, k] streamed with the activation in the kernel's epilogue
+# (one split) or after the split sums (two): dense float32 (AR) and bf16 (a DFlash block), FP8 weights (rows in two
+# tiles), W8A8 with the rows quantised inside the kernel.
+GLU_CASES = [(1, 64, 256, "float32", None, sm.StreamMatmulConfig(block_n=32, block_k=64, splits=1)),
+             (16, 64, 256, "bfloat16", None, sm.StreamMatmulConfig(block_n=16, block_k=64, splits=1)),
+             (5, 64, 256, "bfloat16", None, sm.StreamMatmulConfig(block_n=32, block_k=64, splits=2)),
+             (17, 128, 256, "bfloat16", (128, 128), sm.StreamMatmulConfig(block_n=64, block_k=128, splits=1)),
+             ("w8a8", 128, 256, "bfloat16", (128, 128), sm.StreamMatmulConfig(block_n=64, block_k=128, splits=1))]
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("t,m,k,dtype,block,config", GLU_CASES,
+                         ids=[f"t{c[0]}-m{c[1]}-{c[3]}-{'fp8' if c[4] else 'dense'}-s{c[5].splits}" for c in GLU_CASES])
+def test_glu_is_swiglu_of_the_two_products(t, m, k, dtype, block, config, interpret):
+    """`glu`: silu(x @ gate^T) * (x @ up^T) of a packed gate|up weight, against float64 NumPy; fused (one split,
+    a kernel of its own name) it is `swiglu` of the kernel's own two products bit for bit where interpreted (the
+    same float32 accumulators; compiled, Triton's exp may round the silu's last bit otherwise)."""
+    import jax
+
+    from jaxprs import pallas_call_names
+
+    w8a8 = t == "w8a8"
+    t = 3 if w8a8 else t
+    if block is None:
+        x, w = _inputs(t, 2 * m, k, dtype, seed=t + m)
+        scale, w64, kw = None, np.asarray(w, np.float64), {}
+    else:
+        x, w, scale, w64 = _fp8_inputs(t, 2 * m, k, dtype, block, seed=t + m)
+        kw = {"block": block, "quantize_x": w8a8}
+    call = jax.jit(lambda x, w, scale, glu: sm.stream_matmul_pallas(x, w, scale, config=config, glu=glu,
+                                                                     interpret=interpret, **kw), static_argnums=3)
+    got = call(x, w, scale, True)
+    assert got.shape == (t, m) and got.dtype == jnp.dtype(dtype)
+    names = pallas_call_names(jax.make_jaxpr(call, static_argnums=3)(x, w, scale, True))
+    assert any(name.endswith("_glu") for name in names) == (config.splits == 1), names
+    both = call(x, w, scale, False)
+    assert both.shape == (t, 2 * m)
+    unfused = sm.swiglu(both[:, :m], both[:, m:])
+    if interpret:
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(unfused, np.float32))
+    ref = sm.stream_matmul_reference(x, w, scale, glu=True, **kw)
+    xq = np.asarray(x, np.float64)
+    if w8a8:  # the rows as the kernel quantises them
+        q, s = sm.quantize_rows(x, block[1])
+        xq = np.asarray(q, np.float64) * np.repeat(np.asarray(s, np.float64), block[1], axis=1)[:, :k]
+    y = xq @ w64.T
+    want = y[:, :m] / (1 + np.exp(-y[:, :m])) * y[:, m:]
+    tol = 1e-5 if dtype == "float32" else 3e-2
+    for value in (got, ref, unfused):
+        np.testing.assert_allclose(np.asarray(value, np.float64), want, atol=tol * np.abs(want).max(), rtol=tol)
+    # Negative control: gate and up swapped is another function.
+    swapped = call(x, jnp.concatenate([w[m:], w[:m]]), scale if scale is None else jnp.concatenate(
+        [scale[scale.shape[0] // 2:], scale[:scale.shape[0] // 2]]), True)
+    assert not np.allclose(np.asarray(swapped, np.float64), want, atol=tol * np.abs(want).max(), rtol=tol)
+
+
+def test_swiglu_rounds_like_torch_bfloat16():
+    """`swiglu` in bf16: silu computed in float32 and rounded, then the product rounded (PyTorch's bf16 ops), from a
+    float64 restatement of those two roundings."""
+    rng = np.random.default_rng(3)
+    gate = jnp.asarray(rng.standard_normal(4096) * 4, jnp.float32).astype(jnp.bfloat16)
+    up = jnp.asarray(rng.standard_normal(4096), jnp.float32).astype(jnp.bfloat16)
+    g, u = np.asarray(gate, np.float64), np.asarray(up, np.float64)
+    silu = np.asarray(jnp.asarray(g / (1 + np.exp(-g)), jnp.float32).astype(jnp.bfloat16), np.float64)
+    want = np.asarray(jnp.asarray(silu * u, jnp.float32).astype(jnp.bfloat16), np.float32)
+    got = np.asarray(sm.swiglu(gate, up), np.float32)
+    assert (got != want).mean() < 0.01  # float32 exp against float64's: a rare last bit before a rounding
+    np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-3)
