@@ -16,6 +16,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.commit_rows import commit_rows
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -88,14 +90,21 @@ class PendingKV:
     v: tuple[jax.Array, ...]
 
 
-def commit_pending(cache: KVCache, pending: PendingKV, counts: jax.Array, path: jax.Array | None = None) -> KVCache:
+def commit_pending(cache: KVCache, pending: PendingKV, counts: jax.Array, path: jax.Array | None = None, *,
+                   one_launch: bool = False) -> KVCache:
     """Write the kept nodes' K/V into slots `[length, length + P)` of every row and commit `counts[r]` of them.
 
     counts [b] int. path: [b, P] int32 node indices by depth, root first (a tree's accepted path, padded with
     its deepest node): node path[r, i] goes to slot `lengths[r] + i`; None: a chain, whose nodes are in order,
     all T written (slots past a row's count are free again). Example: length 5, path [0 2 5], count 3 -> the
-    K/V of nodes 0, 2, 5 land in slots 5, 6, 7.
+    K/V of nodes 0, 2, 5 land in slots 5, 6, 7. `one_launch`: every layer's K and V by one Pallas kernel
+    (`pallas_kernels.commit_rows`: the same arrays), not a gather-and-write per array.
     """
+    if one_launch:
+        layers = len(cache.k)
+        written = commit_rows(cache.k + cache.v, pending.k + pending.v, cache.lengths, path, implementation="pallas")
+        return KVCache(k=written[:layers], v=written[layers:], lengths=cache.lengths + counts.astype(jnp.int32))
+
     def write(layer, nodes):
         if path is not None:
             nodes = jnp.take_along_axis(nodes, path[:, :, None, None], axis=1)  # [b, P, n, d]

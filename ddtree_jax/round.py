@@ -64,6 +64,11 @@ TREE_BUILD_KERNEL_UP_TO = 128
 # bits): at every K measured it beat XLA's threshold top-k (H100, 2026-12-05: 82 / 120 us against 132 / 160 at
 # K = 256 / 512; H200, 2026-12-02: 83 against 115 us at 64).
 VOCAB_TOP_K_KERNEL_UP_TO = 512
+# The round's kept K/V written into every layer's cache by one Pallas kernel (`pallas_kernels.commit_rows`) on the
+# Pallas path with one device, not one dynamic-update-slice kernel per layer and array (72 at the Qwen3-8B shape,
+# ~0.13 ms of a DFlash or DDTree round on the H200, 2026-12-05). Off until a device run times it
+# (`python tools/with_knobs.py engine:commit_rows_kernel=1 -m ddtree_jax.bench ...`).
+COMMIT_ROWS_KERNEL = False
 
 # Matmul precision of a decode: "auto" (`engine.resolve_options`: "highest" for a float32 target, "default"
 # otherwise), or one of JAX's names, applied to every dot of target and drafter (`at_matmul_precision`).
@@ -389,11 +394,12 @@ def commit(drafter: ModelParams, target: ModelParams, out: ForwardOut, acc: Acce
     `counts` of them (`mtp.ingest`; `target` gives the embedding)."""
     hybrid = out.nodes is not None
     target_kv = out.cache.kv if hybrid else out.cache
+    one_launch = COMMIT_ROWS_KERNEL and options.runtime.pallas and options.runtime.tp_mesh is None
     if options.mode is Mode.DDTREE:
-        target_kv = kv.commit_pending(target_kv, out.pending, counts, acc.path)
+        target_kv = kv.commit_pending(target_kv, out.pending, counts, acc.path, one_launch=one_launch)
         taps = jnp.take_along_axis(out.taps, acc.path[:, :, None], axis=1)
     else:  # a chain's path is 0, 1, 2, ...: its nodes are in order
-        target_kv, taps = kv.commit_pending(target_kv, out.pending, counts), out.taps
+        target_kv, taps = kv.commit_pending(target_kv, out.pending, counts, one_launch=one_launch), out.taps
     cache = target_kv
     if hybrid:
         cache = kv.HybridCache(kv=target_kv, recurrent=tuple(kv.commit_recurrent(r, n, acc.path, counts)

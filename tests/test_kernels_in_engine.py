@@ -201,10 +201,44 @@ def test_fused_kv_write_gives_the_same_tokens_and_writes_no_cache_after_the_laye
         assert a.output_ids == b.output_ids and a.acceptance_lengths == b.acceptance_lengths
 
 
+def test_commit_rows_kernel_gives_the_same_tokens(tmp_path, monkeypatch):
+    """`round.COMMIT_ROWS_KERNEL`: a round's kept K/V written into every layer's K and V cache by one kernel
+    (`pallas_kernels.commit_rows`, interpreted) give DFlash and DDTree (two prompts: a batch of two rows, a chain
+    and accepted paths: a 16-token vocabulary, where random drafts agree) the tokens and acceptance of a write per
+    array; the kernel takes all 2 L arrays."""
+    import collections
+
+    from ddtree_jax import engine
+    from ddtree_jax import round as rounds
+    from pallas_kernels import commit_rows as cr
+
+    t_dir = write_random_qwen3(tmp_path / "t", seed=2, with_tokenizer=False, vocab_size=16)
+    d_dir = write_random_dflash(tmp_path / "d", tiny_qwen3_config(vocab_size=16), seed=3)
+    target = load_target(t_dir, jnp.float32)
+    drafter = load_drafter(d_dir, target.config, jnp.float32)
+    launches, kernel = [], cr.commit_rows_pallas
+    monkeypatch.setattr(cr, "commit_rows_pallas", lambda caches, *a, **k: launches.append(len(caches))
+                        or kernel(caches, *a, **k))
+    outputs = {}
+    for one_launch in (False, True):
+        monkeypatch.setattr(rounds, "COMMIT_ROWS_KERNEL", one_launch)
+        jax.clear_caches()  # the flag is read when tracing: every program traced afresh
+        monkeypatch.setattr(engine, "_COMPILED", collections.OrderedDict())
+        outputs[one_launch] = [generate(target, [[1, 2, 3, 4, 5, 6, 7], [3, 9]], DecodeOptions(
+            mode=mode, max_new_tokens=40, budget=16, kernels="pallas"), drafter=drafter)
+            for mode in (Mode.DFLASH, Mode.DDTREE)]
+        assert (launches and set(launches) == {2 * target.config.num_layers}) if one_launch else not launches
+    for a, b in zip(*outputs.values()):
+        assert a.output_ids == b.output_ids and a.acceptance_lengths == b.acceptance_lengths
+    for result in outputs[True]:  # paths past the root kept, in both modes
+        assert max(max(lengths) for lengths in result.acceptance_lengths) > 1
+
+
 def test_dense_stream_max_rows_streams_small_calls_projections_not_the_lm_head(tmp_path, monkeypatch):
     """`layers.DENSE_STREAM_MAX_ROWS` (32 by default; weights of `DENSE_STREAM_MIN_BYTES`, lowered here to this
     model's): at 1, an AR step's dense projections (q|k|v, o, gate|up and down: four a layer) run the streaming kernel
-    and the lm_head does not (gate|up with the SwiGLU in its epilogue: one split at this size); a call of two rows
+    and the lm_head does not (gate|up with `GLU_IN_EPILOGUE` the SwiGLU in its epilogue: one split at this size); a
+    call of two rows
     at 1, and any call at 0, run none. The step's hidden states stay
     within float32 rounding of XLA's GEMMs, and greedy AR and DDTree give the tokens and acceptance of XLA's GEMMs
     (kernels interpreted)."""
@@ -238,6 +272,7 @@ def test_dense_stream_max_rows_streams_small_calls_projections_not_the_lm_head(t
     step = lambda p, t: qwen3.forward(p, t, meta, cache, runtime=runtime).hidden  # noqa: E731
     hidden, outputs = {}, {}
     monkeypatch.setattr(layers, "DENSE_STREAM_MIN_BYTES", 0)
+    monkeypatch.setattr(layers, "GLU_IN_EPILOGUE", True)
     for max_rows in (0, 1):
         monkeypatch.setattr(layers, "DENSE_STREAM_MAX_ROWS", max_rows)
         assert streams(jnp.array([[5]])) == 4 * target.config.num_layers * max_rows, max_rows

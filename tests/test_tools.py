@@ -426,6 +426,7 @@ def test_with_knobs_lays_knobs_over_each_kernels_defaults(tmp_path, monkeypatch,
     assert with_knobs.main(["engine:fused_kv_write=0", "-m", str(script)]) == 0  # a switch that is on by default
     assert capsys.readouterr().out.strip().split()[-4] == "False"
     assert with_knobs.parse_item("engine:dense_stream_max_rows=0") == ("engine", {"dense_stream_max_rows": 0})
+    assert with_knobs.parse_item("engine:commit_rows_kernel=1") == ("engine", {"commit_rows_kernel": True})
     for bad in ("topk:one_launch=1", "top_k:one_lunch=1", "tree_build:block_rows=48", "top_k:skip_cold=x",
                 "engine:tree_kernels_up_to=0", "engine:up_to=512", "engine:fused_kv_write=2",
                 "dense_stream:block_n=24"):

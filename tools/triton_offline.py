@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import types
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
@@ -30,6 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import kernel_check  # noqa: E402
+from pallas_kernels import commit_rows as cr  # noqa: E402
 from pallas_kernels import tree_accept as tac  # noqa: E402
 from pallas_kernels import tree_attention as ta  # noqa: E402
 from pallas_kernels import qk_norm_rope as qk  # noqa: E402
@@ -246,6 +248,17 @@ def main(argv: list[str] | None = None) -> int:
             jobs.append((f"stream_matmul dense {label} {w[0]}x{w[1]} rows={rows}", config,
                          functools.partial(smm.stream_matmul_pallas, config=config),
                          [sds((rows, w[1]), jnp.bfloat16), sds(w, jnp.bfloat16)]))
+            glu = layers.dense_stream_config(w, rows, Runtime(Kernels.PALLAS), glu=True)
+            if w[0] % 2 == 0 and glu is not None:  # as if gate|up: SwiGLU in the epilogue where one split
+                jobs.append((f"stream_matmul dense glu {label} {w[0]}x{w[1]} rows={rows}", glu,
+                             functools.partial(smm.stream_matmul_pallas, config=glu, glu=True),
+                             [sds((rows, w[1]), jnp.bfloat16), sds(w, jnp.bfloat16)]))
+    arrays = 72  # every layer's K and V at the Qwen3-8B shape: a round's kept rows in one launch
+    commit = types.SimpleNamespace(num_warps=1, num_stages=1)
+    jobs.append((f"commit_rows arrays={arrays} P=16", commit,
+                 lambda *a: cr.commit_rows_pallas(a[:arrays], a[arrays:2 * arrays], a[-2], a[-1]),
+                 [sds((1, s, n, d), jnp.bfloat16)] * arrays + [sds((1, 65, n, d), jnp.bfloat16)] * arrays
+                 + [sds((1,), jnp.int32), sds((1, 16), jnp.int32)]))
     for t in (16, 17, 65, 128):  # the Gated DeltaNet tree rule at the Qwen3.6-27B shape (48 value heads, 16 key)
         for precision in ("default", "highest"):
             # the one-launch form

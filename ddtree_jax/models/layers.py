@@ -86,6 +86,12 @@ DENSE_STREAM_MIN_BYTES = 16 << 20
 # ... with these knobs (tiles fitted to each weight by `fitted_config`).
 DENSE_STREAM_KNOBS = StreamMatmulConfig()
 
+# SwiGLU's silu(gate) * up computed in the epilogue of a streamed gate|up projection (`stream_matmul`'s `glu`: each
+# program streams its gate rows and the same up rows, one split), not by an XLA kernel of its own after it (36 a
+# step at the Qwen3-8B shape, ~0.06 ms of the H200's AR step and 0.09 of a DFlash round, 2026-12-05 traces). Off
+# until a device run times it (`python tools/with_knobs.py engine:glu_in_epilogue=1 -m ddtree_jax.bench ...`).
+GLU_IN_EPILOGUE = False
+
 
 def dense_stream_config(weight_shape: tuple[int, int], rows: int, runtime: Runtime, *, dtype=jnp.bfloat16,
                         lm_head: bool = False, glu: bool = False) -> StreamMatmulConfig | None:
@@ -397,7 +403,7 @@ class PackedProjections(nnx.Module):
         """`swiglu(gate, up)` of a projection of two parts (SwiGLU's gate|up), [..., R] in x's dtype: in the
         streaming kernel's epilogue where the packed weight streams (`linear` / `fp8_linear` with `glu`), else after
         the parts' outputs."""
-        if self.packed and self.weight.shape[:2] == (1, 2):
+        if GLU_IN_EPILOGUE and self.packed and self.weight.shape[:2] == (1, 2):
             weight = self.weight[...].reshape(-1, self.weight.shape[-1])
             if self.block is not None:
                 scale = self.weight_scale_inv[...]
