@@ -66,9 +66,11 @@ TREE_BUILD_KERNEL_UP_TO = 128
 VOCAB_TOP_K_KERNEL_UP_TO = 512
 # The round's kept K/V written into every layer's cache by one Pallas kernel (`pallas_kernels.commit_rows`) on the
 # Pallas path with one device, not one dynamic-update-slice kernel per layer and array (72 at the Qwen3-8B shape,
-# ~0.13 ms of a DFlash or DDTree round on the H200, 2026-12-05). Off until a device run times it
-# (`python tools/with_knobs.py engine:commit_rows_kernel=1 -m ddtree_jax.bench ...`).
-COMMIT_ROWS_KERNEL = False
+# ~0.13 ms of a DFlash or DDTree round on the H200, 2026-12-05 traces). On: on an H100 (2026-12-05, two calls,
+# `python tools/with_knobs.py engine:commit_rows_kernel=1 -m ddtree_jax.bench --shape qwen3-8b ...` between plain
+# runs) the bf16 8B DFlash round took 7.90-7.96 ms against 7.98-8.05, DDTree B = 15 7.86-8.04 against 7.98-8.05,
+# B = 64 8.68 against 8.76 (twice).
+COMMIT_ROWS_KERNEL = True
 
 # Matmul precision of a decode: "auto" (`engine.resolve_options`: "highest" for a float32 target, "default"
 # otherwise), or one of JAX's names, applied to every dot of target and drafter (`at_matmul_precision`).

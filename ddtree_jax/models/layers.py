@@ -88,8 +88,11 @@ DENSE_STREAM_KNOBS = StreamMatmulConfig()
 
 # SwiGLU's silu(gate) * up computed in the epilogue of a streamed gate|up projection (`stream_matmul`'s `glu`: each
 # program streams its gate rows and the same up rows, one split), not by an XLA kernel of its own after it (36 a
-# step at the Qwen3-8B shape, ~0.06 ms of the H200's AR step and 0.09 of a DFlash round, 2026-12-05 traces). Off
-# until a device run times it (`python tools/with_knobs.py engine:glu_in_epilogue=1 -m ddtree_jax.bench ...`).
+# step at the Qwen3-8B shape, ~0.06 ms of the H200's AR step and 0.09 of a DFlash round, 2026-12-05 traces). Off: on
+# an H100 (2026-12-05, `python tools/with_knobs.py engine:glu_in_epilogue=1 -m ddtree_jax.bench --shape qwen3-8b
+# ...` between plain runs) full-height tiles (64 gate and 64 up rows a program) took the bf16 8B DFlash round to
+# 8.32 ms against 7.98-8.05, and half-height ones (`_glu_tiles`) 7.87-7.97 against 7.93-7.96 (AR 6.20-6.28 against
+# 6.12-6.28): no gain beyond the spread.
 GLU_IN_EPILOGUE = False
 
 
@@ -103,11 +106,18 @@ def dense_stream_config(weight_shape: tuple[int, int], rows: int, runtime: Runti
     tiled by its halves)."""
     n, k = weight_shape[0] // 2 if glu else weight_shape[0], weight_shape[1]
     if runtime.row_invariant:
-        return fitted_config(n, k, config=StreamMatmulConfig(row_tile=ROW_INVARIANT_ROW_TILE))
+        return fitted_config(n, k, config=_glu_tiles(StreamMatmulConfig(row_tile=ROW_INVARIANT_ROW_TILE), glu))
     if (lm_head or rows > DENSE_STREAM_MAX_ROWS or not runtime.pallas or runtime.tp_mesh is not None
             or math.prod(weight_shape) * jnp.dtype(dtype).itemsize < DENSE_STREAM_MIN_BYTES):
         return None
-    return fitted_config(n, k, config=DENSE_STREAM_KNOBS)
+    return fitted_config(n, k, config=_glu_tiles(DENSE_STREAM_KNOBS, glu))
+
+
+def _glu_tiles(config: StreamMatmulConfig, glu: bool) -> StreamMatmulConfig:
+    """With `glu` a program streams block_n gate rows and as many up rows: half the tile's rows of each (at least
+    16), so that it streams the bytes of one plain program (twice the tiles in shared memory ran slower on an H100,
+    2026-12-05)."""
+    return dataclasses.replace(config, block_n=max(16, config.block_n // 2)) if glu else config
 
 
 def linear(x: jax.Array, weight: jax.Array, runtime: Runtime, *, out_dtype=None,
@@ -192,7 +202,8 @@ def fp8_stream_config(weight_shape: tuple[int, int], block: tuple[int, int], row
     if not streams or runtime.tp_mesh is not None:
         return None
     tile = dataclasses.replace(FP8_STREAM_KNOBS, row_tile=ROW_INVARIANT_ROW_TILE if runtime.row_invariant else None)
-    return fitted_config(weight_shape[0] // 2 if glu else weight_shape[0], weight_shape[1], block, config=tile)
+    return fitted_config(weight_shape[0] // 2 if glu else weight_shape[0], weight_shape[1], block,
+                         config=_glu_tiles(tile, glu))
 
 
 def fp8_linear(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, block: tuple[int, int],
