@@ -354,8 +354,8 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
     block_k must be the scale block's bi: a step's tile is one group). With `sum_splits=False` and more than one
     split, the partial sums come back unsummed (`SplitSums`; their `total(t, out_dtype)` is the result). With `glu`
     and one split, each program streams its gate rows and the same up rows (block_n must divide m = n / 2) and
-    writes `swiglu` of the two products: no launch after the kernel; with more splits, or FP8 rows, the product's
-    kernel, then `swiglu` in XLA."""
+    writes `swiglu` of the two products: no launch after the kernel; with more splits the sums and `swiglu` follow
+    in XLA."""
     config = StreamMatmulConfig() if config is None else config
     _check(x, w, scale_inv, block, x_scale, out_dtype, quantize_x, glu)
     if glu and not sum_splits:
@@ -382,9 +382,7 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
     ks = k // splits
     precision = lax.Precision.HIGHEST if x.dtype == jnp.float32 else lax.Precision.DEFAULT
     fp8_bits = config.fp8_bits if block is not None and x.dtype == jnp.bfloat16 and not fp8_rows else 0
-    # Not with FP8 rows: compiled on an H100 (2026-12-05) one output of 384 of the W8A8 test case came out 16% off
-    # (two FP8 wgmma a step on one quantised row tile; not understood), where the plain kernel matches.
-    fused_glu = glu and splits == 1 and not fp8_rows
+    fused_glu = glu and splits == 1
     if glu and not fused_glu:  # the partial sums of gate|up, summed in XLA, then the activation
         y = stream_matmul_pallas(x, w, scale_inv, block=block, x_scale=x_scale, quantize_x=quantize_x, config=config,
                                  out_dtype=out_dtype, interpret=interpret, debug=debug)

@@ -315,8 +315,8 @@ GLU_CASES = [(1, 64, 256, "float32", None, sm.StreamMatmulConfig(block_n=32, blo
                          ids=[f"t{c[0]}-m{c[1]}-{c[3]}-{'fp8' if c[4] else 'dense'}-s{c[5].splits}" for c in GLU_CASES])
 def test_glu_is_swiglu_of_the_two_products(t, m, k, dtype, block, config, interpret):
     """`glu`: silu(x @ gate^T) * (x @ up^T) of a packed gate|up weight, against float64 NumPy; fused (one split,
-    not W8A8: a kernel of its own name) it is `swiglu` of the kernel's own two products bit for bit where
-    interpreted (the same float32 accumulators; compiled, Triton's exp may round the silu's last bit otherwise)."""
+    a kernel of its own name) it is `swiglu` of the kernel's own two products bit for bit where interpreted (the
+    same float32 accumulators; compiled, Triton's exp may round the silu's last bit otherwise)."""
     import jax
 
     from jaxprs import pallas_call_names
@@ -334,7 +334,7 @@ def test_glu_is_swiglu_of_the_two_products(t, m, k, dtype, block, config, interp
     got = call(x, w, scale, True)
     assert got.shape == (t, m) and got.dtype == jnp.dtype(dtype)
     names = pallas_call_names(jax.make_jaxpr(call, static_argnums=3)(x, w, scale, True))
-    assert any(name.endswith("_glu") for name in names) == (config.splits == 1 and not w8a8), names
+    assert any(name.endswith("_glu") for name in names) == (config.splits == 1), names
     both = call(x, w, scale, False)
     assert both.shape == (t, 2 * m)
     unfused = sm.swiglu(both[:, :m], both[:, m:])
@@ -346,14 +346,20 @@ def test_glu_is_swiglu_of_the_two_products(t, m, k, dtype, block, config, interp
         q, s = sm.quantize_rows(x, block[1])
         xq = np.asarray(q, np.float64) * np.repeat(np.asarray(s, np.float64), block[1], axis=1)[:, :k]
     y = xq @ w64.T
-    want = y[:, :m] / (1 + np.exp(-y[:, :m])) * y[:, m:]
-    tol = 1e-5 if dtype == "float32" else 3e-2
+    g, u = y[:, :m], y[:, m:]
+    silu = g / (1 + np.exp(-g))
+    want = silu * u
+    # What the plain product tests accept of each product (float32: 1e-5 of its largest; bf16 and FP8: 2e-2, W8A8's
+    # Hopper FP8 accumulation included), carried through silu(g) * u (|silu'| < 1.1), plus the bf16 roundings.
+    product_error = (1e-5 if dtype == "float32" else 2e-2) * np.abs(y).max()
+    bound = product_error * (1.1 * np.abs(u) + np.abs(silu)) + (1e-5 if dtype == "float32" else 1e-2) * np.abs(want)
     for value in (got, ref, unfused):
-        np.testing.assert_allclose(np.asarray(value, np.float64), want, atol=tol * np.abs(want).max(), rtol=tol)
+        error = np.abs(np.asarray(value, np.float64) - want)
+        assert np.all(error <= bound), (np.unravel_index(np.argmax(error - bound), want.shape), error.max())
     # Negative control: gate and up swapped is another function.
     swapped = call(x, jnp.concatenate([w[m:], w[:m]]), scale if scale is None else jnp.concatenate(
         [scale[scale.shape[0] // 2:], scale[:scale.shape[0] // 2]]), True)
-    assert not np.allclose(np.asarray(swapped, np.float64), want, atol=tol * np.abs(want).max(), rtol=tol)
+    assert not np.all(np.abs(np.asarray(swapped, np.float64) - want) <= bound)
 
 
 def test_swiglu_rounds_like_torch_bfloat16():
