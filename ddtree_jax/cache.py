@@ -90,6 +90,27 @@ class PendingKV:
     v: tuple[jax.Array, ...]
 
 
+def write_layers(cache: KVCache, k_rows, v_rows, path: jax.Array | None = None, *,
+                 one_launch: bool = False) -> KVCache:
+    """Every layer's new K/V rows (k_rows, v_rows: per layer [b, T, n, d]) written into slots `[length, length +
+    P)` of every row; lengths unchanged. path: [b, P] int32 node indices (a tree's accepted path, padded with its
+    deepest node): node path[r, i] goes to slot `lengths[r] + i`; None: all T rows in order. `one_launch`: every
+    layer's K and V by one Pallas kernel (`pallas_kernels.commit_rows`: the same arrays), not a gather-and-write per
+    array."""
+    if one_launch:
+        layers, dtype = len(cache.k), cache.k[0].dtype
+        rows = tuple(r.astype(dtype) for r in (*k_rows, *v_rows))
+        written = commit_rows(cache.k + cache.v, rows, cache.lengths, path, implementation="pallas")
+        return KVCache(k=written[:layers], v=written[layers:], lengths=cache.lengths)
+
+    def write(layer, nodes):
+        if path is not None:
+            nodes = jnp.take_along_axis(nodes, path[:, :, None, None], axis=1)  # [b, P, n, d]
+        return write_pending(layer, nodes, cache.lengths)
+
+    return KVCache(k=tuple(map(write, cache.k, k_rows)), v=tuple(map(write, cache.v, v_rows)), lengths=cache.lengths)
+
+
 def commit_pending(cache: KVCache, pending: PendingKV, counts: jax.Array, path: jax.Array | None = None, *,
                    one_launch: bool = False) -> KVCache:
     """Write the kept nodes' K/V into slots `[length, length + P)` of every row and commit `counts[r]` of them.
@@ -97,21 +118,9 @@ def commit_pending(cache: KVCache, pending: PendingKV, counts: jax.Array, path: 
     counts [b] int. path: [b, P] int32 node indices by depth, root first (a tree's accepted path, padded with
     its deepest node): node path[r, i] goes to slot `lengths[r] + i`; None: a chain, whose nodes are in order,
     all T written (slots past a row's count are free again). Example: length 5, path [0 2 5], count 3 -> the
-    K/V of nodes 0, 2, 5 land in slots 5, 6, 7. `one_launch`: every layer's K and V by one Pallas kernel
-    (`pallas_kernels.commit_rows`: the same arrays), not a gather-and-write per array.
+    K/V of nodes 0, 2, 5 land in slots 5, 6, 7. `one_launch`: `write_layers`'.
     """
-    if one_launch:
-        layers = len(cache.k)
-        written = commit_rows(cache.k + cache.v, pending.k + pending.v, cache.lengths, path, implementation="pallas")
-        return KVCache(k=written[:layers], v=written[layers:], lengths=cache.lengths + counts.astype(jnp.int32))
-
-    def write(layer, nodes):
-        if path is not None:
-            nodes = jnp.take_along_axis(nodes, path[:, :, None, None], axis=1)  # [b, P, n, d]
-        return write_pending(layer, nodes, cache.lengths)
-
-    return KVCache(k=tuple(map(write, cache.k, pending.k)), v=tuple(map(write, cache.v, pending.v)),
-                   lengths=cache.lengths + counts.astype(jnp.int32))
+    return advance(write_layers(cache, pending.k, pending.v, path, one_launch=one_launch), counts)
 
 
 @jax.tree_util.register_dataclass

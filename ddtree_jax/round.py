@@ -66,7 +66,8 @@ TREE_BUILD_KERNEL_UP_TO = 128
 VOCAB_TOP_K_KERNEL_UP_TO = 512
 # The round's kept K/V written into every layer's cache by one Pallas kernel (`pallas_kernels.commit_rows`) on the
 # Pallas path with one device, not one dynamic-update-slice kernel per layer and array (72 at the Qwen3-8B shape,
-# ~0.13 ms of a DFlash or DDTree round on the H200, 2026-12-05 traces). On: on an H100 (2026-12-05, two calls,
+# ~0.13 ms of a DFlash or DDTree round on the H200, 2026-12-05 traces); the drafter's new context K/V likewise
+# (one more launch instead of two per drafter layer: since the evening's timings, not yet timed). On: on an H100 (2026-12-05, two calls,
 # `python tools/with_knobs.py engine:commit_rows_kernel=1 -m ddtree_jax.bench --shape qwen3-8b ...` between plain
 # runs) the bf16 8B DFlash round took 7.90-7.96 ms against 7.98-8.05, DDTree B = 15 7.86-8.04 against 7.98-8.05,
 # B = 64 8.68 against 8.76 (twice).
@@ -409,7 +410,7 @@ def commit(drafter: ModelParams, target: ModelParams, out: ForwardOut, acc: Acce
     if options.mode is Mode.MTP:
         draft_cache = mtp.ingest(drafter, target, acc.tokens, out.hidden, counts, draft_cache, options.runtime)
     else:
-        draft_cache = dflash.ingest_context(drafter, taps, counts, draft_cache, options.runtime)
+        draft_cache = dflash.ingest_context(drafter, taps, counts, draft_cache, options.runtime, one_launch=one_launch)
     return constrain_cache(cache, options.parallel), constrain_cache(draft_cache, options.parallel)
 
 

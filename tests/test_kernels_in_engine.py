@@ -203,9 +203,9 @@ def test_fused_kv_write_gives_the_same_tokens_and_writes_no_cache_after_the_laye
 
 def test_commit_rows_kernel_gives_the_same_tokens(tmp_path, monkeypatch):
     """`round.COMMIT_ROWS_KERNEL`: a round's kept K/V written into every layer's K and V cache by one kernel
-    (`pallas_kernels.commit_rows`, interpreted) give DFlash and DDTree (two prompts: a batch of two rows, a chain
-    and accepted paths: a 16-token vocabulary, where random drafts agree) the tokens and acceptance of a write per
-    array; the kernel takes all 2 L arrays."""
+    (`pallas_kernels.commit_rows`, interpreted), and the drafter's new context K/V by another, give DFlash and
+    DDTree (two prompts: a batch of two rows, a chain and accepted paths: a 16-token vocabulary, where random drafts
+    agree) the tokens and acceptance of a write per array; each launch takes all 2 L arrays of its model."""
     import collections
 
     from ddtree_jax import engine
@@ -227,7 +227,9 @@ def test_commit_rows_kernel_gives_the_same_tokens(tmp_path, monkeypatch):
         outputs[one_launch] = [generate(target, [[1, 2, 3, 4, 5, 6, 7], [3, 9]], DecodeOptions(
             mode=mode, max_new_tokens=40, budget=16, kernels="pallas"), drafter=drafter)
             for mode in (Mode.DFLASH, Mode.DDTREE)]
-        assert (launches and set(launches) == {2 * target.config.num_layers}) if one_launch else not launches
+        # one for the target's K/V, one for the drafter's new context rows
+        want = {2 * target.config.num_layers, 2 * drafter.config.num_layers}
+        assert (launches and set(launches) == want) if one_launch else not launches
     for a, b in zip(*outputs.values()):
         assert a.output_ids == b.output_ids and a.acceptance_lengths == b.acceptance_lengths
     for result in outputs[True]:  # paths past the root kept, in both modes

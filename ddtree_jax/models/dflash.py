@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from ddtree_jax.cache import KVCache, advance, write_pending
+from ddtree_jax.cache import KVCache, advance, write_layers
 from ddtree_jax.config import DFlashConfig
 from ddtree_jax.models import qwen3
 from ddtree_jax.models.contract import Runtime
@@ -61,7 +61,7 @@ def create_cache(config: DFlashConfig, batch: int, capacity: int, dtype) -> KVCa
 
 
 def ingest_context(params: ModelParams, taps: jax.Array, counts: jax.Array, cache: KVCache,
-                   runtime: Runtime = Runtime()) -> KVCache:
+                   runtime: Runtime = Runtime(), *, one_launch: bool = False) -> KVCache:
     """Project new context rows into every layer's K/V and commit them.
 
     Args:
@@ -69,6 +69,7 @@ def ingest_context(params: ModelParams, taps: jax.Array, counts: jax.Array, cach
               row r holds `counts[r]` valid rows at positions `cache.lengths[r] + i`.
       counts: [b] int.
       runtime: the static choices of the call (`models.contract.Runtime`); here only FP8 projections read it.
+      one_launch: the K/V written by one kernel for every layer (`cache.write_layers`).
     Returns the cache with `counts[r]` more context rows per row.
     """
     config: DFlashConfig = params.config
@@ -84,9 +85,9 @@ def ingest_context(params: ModelParams, taps: jax.Array, counts: jax.Array, cach
         _, k, v = attn.qkv_proj(ctx, runtime)
         k = attn.k_norm(k.reshape(b, c, -1, config.head_dim))
         v = v.reshape(b, c, -1, config.head_dim)
-        new_k.append(write_pending(cache.k[i], apply_rope(k, cos, sin), cache.lengths))
-        new_v.append(write_pending(cache.v[i], v, cache.lengths))
-    return advance(KVCache(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths), counts)
+        new_k.append(apply_rope(k, cos, sin))
+        new_v.append(v)
+    return advance(write_layers(cache, new_k, new_v, one_launch=one_launch), counts)
 
 
 def block_mask(batch: int, block_size: int, causal: bool) -> jax.Array:
