@@ -116,8 +116,12 @@ class StreamMatmulConfig:
 
     block_n:  weight rows per program; a power of two >= 16.
     block_k:  input features per step; a power of two >= 16.
-    splits:   slices of the k axis (each its own program); None: enough for about two programs per streaming
-              multiprocessor, among the divisors of k / block_k.
+    splits:   slices of the k axis (each its own program); None: chosen among the divisors of k / block_k
+              (`balance`).
+    balance:  how None splits are chosen: 0 about two programs per streaming multiprocessor; 1 the programs
+              spread most evenly over the multiprocessors (the most even whole waves, within 3%; nearest two per
+              multiprocessor among those): e.g. 80 weight blocks (a [5120, k] weight) in 8 splits (640 programs,
+              5 waves of 132 less 20) where 0 takes 2 (160: 28 multiprocessors stream twice what the rest do).
     num_warps, num_stages: Triton's warps per program and software-pipelining depth.
     row_tile: None: the rows in tiles that are powers of two >= 16, largest first (65 rows as 64 + 16); a power of
               two >= 16: every tile that many rows, so that every row count multiplies with one mma shape (Triton
@@ -138,9 +142,12 @@ class StreamMatmulConfig:
     row_tile: int | None = None
     fp8_bits: int = 0
     promote_k: int | None = None
+    balance: int = 0
 
     def __post_init__(self):
         check_knobs(self, pow2={"block_n": 16, "block_k": 16}, optional_counts=("splits",))
+        if self.balance not in (0, 1) or isinstance(self.balance, bool):
+            raise ValueError(f"StreamMatmulConfig.balance={self.balance!r}: must be 0 or 1")
         if self.row_tile is not None and (isinstance(self.row_tile, bool) or not isinstance(self.row_tile, int)
                                           or self.row_tile < 16 or self.row_tile & (self.row_tile - 1)):
             raise ValueError(f"StreamMatmulConfig.row_tile={self.row_tile!r}: must be None or a power of two >= 16")
@@ -339,9 +346,19 @@ def _splits(k: int, n_blocks: int, config: StreamMatmulConfig) -> int:
         if k % (config.splits * config.block_k):
             raise ValueError(f"k={k} does not divide into splits={config.splits} x block_k={config.block_k}")
         return config.splits
-    steps = k // config.block_k
-    want = max(1, round(2 * core_count() / n_blocks))
-    return max(s for s in range(1, steps + 1) if steps % s == 0 and s <= want)
+    steps, cores = k // config.block_k, core_count()
+    divisors = [s for s in range(1, steps + 1) if steps % s == 0]
+    if not config.balance:
+        want = max(1, round(2 * cores / n_blocks))
+        return max(s for s in divisors if s <= want)
+    divisors = [s for s in divisors if s == 1 or steps // s >= 2]  # two steps a program at least: a pipeline
+
+    def evenness(s):  # the programs over the multiprocessors' whole waves (1: every multiprocessor alike)
+        programs = n_blocks * s
+        return programs / (cores * -(-programs // cores))
+
+    best = max(map(evenness, divisors))
+    return min((s for s in divisors if evenness(s) >= best - 0.03), key=lambda s: (abs(n_blocks * s - 2 * cores), s))
 
 
 @functools.partial(jax.jit, static_argnames=("block", "quantize_x", "config", "out_dtype", "sum_splits", "glu",

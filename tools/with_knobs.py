@@ -11,8 +11,9 @@ kernel's `default_config`, which is what the engine uses when it passes no confi
 - `tree_build`: `pallas_kernels.tree_build.TreeBuildConfig` over `default_config(budget)`, every budget;
 - `tree_rule`: `pallas_kernels.tree_delta_rule.TreeDeltaRuleConfig` over `default_config(t)` past one block of
   nodes (17 and more; one block keeps its own form);
-- `dense_stream`: `pallas_kernels.stream_matmul.StreamMatmulConfig` over `ddtree_jax.models.layers.DENSE_STREAM_KNOBS`,
-  the knobs of the dense projections that stream (`dense_stream:block_n=16,splits=1`: one split, no sums after);
+- `dense_stream`, `fp8_stream`: `pallas_kernels.stream_matmul.StreamMatmulConfig` over
+  `ddtree_jax.models.layers.DENSE_STREAM_KNOBS` / `FP8_STREAM_KNOBS`, the knobs of the dense and FP8 projections
+  that stream (`dense_stream:balance=1`: k split so the programs spread evenly over the multiprocessors);
 - `engine`: the engine's own choices, `tree_kernels_up_to=N` (`ddtree_jax.round.TREE_BUILD_KERNEL_UP_TO`: the
   budgets whose tree build runs in the Pallas kernel, e.g. 512 to time B = 256 and 512 there), `top_k_kernel_up_to=N`
   (`...round.VOCAB_TOP_K_KERNEL_UP_TO`: the budgets whose vocabulary top-k runs in the Pallas kernel),
@@ -46,8 +47,11 @@ KERNELS = {
     "tree_rule": (tree_delta_rule, tree_delta_rule.TreeDeltaRuleConfig,
                   lambda: [tree_delta_rule.default_config(t)
                            for t in range(tree_delta_rule.BLOCK + 1, tree_delta_rule.MAX_NODES + 1)]),
-    "dense_stream": (None, stream_matmul.StreamMatmulConfig, None),  # a module attribute, not a default_config
+    "dense_stream": (None, stream_matmul.StreamMatmulConfig, None),  # module attributes (STREAM_KNOBS), not
+    "fp8_stream": (None, stream_matmul.StreamMatmulConfig, None),    # a default_config
 }
+# The streaming kernel's knobs the models read, by kernel name: attributes of ddtree_jax.models.layers.
+STREAM_KNOBS = {"dense_stream": "DENSE_STREAM_KNOBS", "fp8_stream": "FP8_STREAM_KNOBS"}
 
 
 # The `engine` knobs: name -> (module, attribute, kind): limits (ints, kind = the least value) and switches (bool).
@@ -85,10 +89,11 @@ def override(kernel: str, knobs: dict) -> None:
             module, attribute, _ = ENGINE[name]
             setattr(importlib.import_module(module), attribute, value)
         return
-    if kernel == "dense_stream":
+    if kernel in STREAM_KNOBS:
         from ddtree_jax.models import layers
 
-        layers.DENSE_STREAM_KNOBS = dataclasses.replace(layers.DENSE_STREAM_KNOBS, **knobs)
+        name = STREAM_KNOBS[kernel]
+        setattr(layers, name, dataclasses.replace(getattr(layers, name), **knobs))
         return
     module, _, samples = KERNELS[kernel]
     for config in samples():  # fail now, not at the first trace

@@ -83,7 +83,9 @@ DENSE_STREAM_MAX_ROWS = 32
 # projections and its drafter's); small ones (the demo pair's, a hybrid's per-head gates) keep XLA's GEMM, untimed
 # streamed, where a launch's latency and the split sums' add would dominate.
 DENSE_STREAM_MIN_BYTES = 16 << 20
-# ... with these knobs (tiles fitted to each weight by `fitted_config`).
+# ... with these knobs (tiles fitted to each weight by `fitted_config`). `balance=1` (k split so that the programs
+# spread evenly over the multiprocessors: e.g. the 27B's down_proj in 8 splits, not 2) is not yet timed:
+# `python tools/with_knobs.py dense_stream:balance=1 -m ddtree_jax.bench ...` (`fp8_stream:...` for FP8's).
 DENSE_STREAM_KNOBS = StreamMatmulConfig()
 
 # SwiGLU's silu(gate) * up computed in the epilogue of a streamed gate|up projection (`stream_matmul`'s `glu`: each
