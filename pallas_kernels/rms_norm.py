@@ -33,9 +33,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._dispatch import check_knobs, next_pow2, resolve_implementation, resolve_interpret
+from pallas_kernels._rms import KINDS, rms_inverse, scale_rows
 from pallas_kernels.stream_matmul import SplitSums, sum_in_split_order
-
-KINDS = ("qwen3", "zero_centered")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,10 +50,7 @@ class RMSNormConfig:
 
 def _scale(s, w, *, eps: float, width: int, kind: str, dtype):
     """The normalisation of float32 rows s [..., e] (padding entries 0) by weight w [e]; result in `dtype`."""
-    rms_inv = lax.rsqrt(jnp.sum(s * s, axis=-1, keepdims=True) / width + eps)
-    if kind == "qwen3":
-        return (w.astype(dtype) * (s * rms_inv).astype(dtype)).astype(dtype)
-    return (s * rms_inv * (1.0 + w.astype(jnp.float32))).astype(dtype)
+    return scale_rows(s, rms_inverse(s, eps=eps, width=width), w, kind=kind, dtype=dtype)
 
 
 def _kernel(*refs, eps: float, width: int, padded: int, kind: str, has_delta: bool, delta_splits: int):

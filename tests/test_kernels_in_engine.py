@@ -289,3 +289,42 @@ def test_dense_stream_max_rows_streams_small_calls_projections_not_the_lm_head(t
     for a, b in zip(outputs[0], outputs[1]):
         assert a.output_ids == b.output_ids and a.acceptance_lengths == b.acceptance_lengths
     assert outputs[1][0].output_ids == outputs[1][1].output_ids  # DDTree gives AR's tokens
+
+
+def test_norm_in_projection_leaves_the_norms_to_the_streamed_projections(tmp_path, monkeypatch):
+    """`layers.NORM_IN_PROJECTION`: where q|k|v and gate|up stream (an AR step here, their weights of any size), the
+    RMSNorms before them are applied by the streaming kernel as it loads its rows, so the step runs one norm kernel
+    (the final norm) instead of two a layer plus one; its hidden states stay within float32 rounding (the sum of
+    squares in XLA's order) and greedy AR and DDTree (whose drafter's 4-row block defers its norms alike) give the
+    same tokens and acceptance (kernels interpreted)."""
+    import collections
+
+    from ddtree_jax import engine
+    from ddtree_jax.models import layers, qwen3
+    from ddtree_jax.models.contract import ForwardMeta
+    from jaxprs import pallas_call_names
+
+    t_dir = write_random_qwen3(tmp_path / "t", seed=4, with_tokenizer=False, vocab_size=64)
+    d_dir = write_random_dflash(tmp_path / "d", tiny_qwen3_config(vocab_size=64), seed=5, block_size=4)
+    target = load_target(t_dir, jnp.float32)
+    drafter = load_drafter(d_dir, target.config, jnp.float32)
+    cache = qwen3.create_cache(target.config, 1, 32, jnp.float32)
+    cache = cache.__class__(k=cache.k, v=cache.v, lengths=jnp.array([3], jnp.int32))
+    runtime = DecodeOptions(kernels="pallas").runtime
+    meta = ForwardMeta.step(jnp.array([3]), jnp.array([True]))
+    step = lambda p, t: qwen3.forward(p, t, meta, cache, runtime=runtime).hidden  # noqa: E731
+    monkeypatch.setattr(layers, "DENSE_STREAM_MIN_BYTES", 0)
+    hidden, outputs = {}, {}
+    for on in (False, True):
+        monkeypatch.setattr(layers, "NORM_IN_PROJECTION", on)
+        jax.clear_caches()  # the flag is read when tracing: every program traced afresh
+        monkeypatch.setattr(engine, "_COMPILED", collections.OrderedDict())
+        names = pallas_call_names(jax.make_jaxpr(step)(target, jnp.array([[5]])))
+        norms = sum(name.startswith("add_rms_norm") for name in names)
+        assert norms == (1 if on else 2 * target.config.num_layers + 1), (on, names)
+        hidden[on] = np.asarray(jax.jit(step)(target, jnp.array([[5]])))
+        outputs[on] = [generate(target, [[1, 2, 3, 4, 5], [3, 9]], DecodeOptions(
+            mode=mode, max_new_tokens=8, budget=6, kernels="pallas"), drafter=drafter) for mode in (Mode.AR, Mode.DDTREE)]
+    np.testing.assert_allclose(hidden[True], hidden[False], rtol=1e-5, atol=1e-5)
+    for a, b in zip(outputs[False], outputs[True]):
+        assert a.output_ids == b.output_ids and a.acceptance_lengths == b.acceptance_lengths

@@ -253,6 +253,14 @@ def main(argv: list[str] | None = None) -> int:
                 jobs.append((f"stream_matmul dense glu {label} {w[0]}x{w[1]} rows={rows}", glu,
                              functools.partial(smm.stream_matmul_pallas, config=glu, glu=True),
                              [sds((rows, w[1]), jnp.bfloat16), sds(w, jnp.bfloat16)]))
+    for rows in (1, 16):  # an RMSNorm applied to the rows as they load (`norm`), the 8B's q|k|v and gate|up
+        for w in ((6144, 4096), (24576, 4096)):
+            config = layers.dense_stream_config(w, rows, Runtime(Kernels.PALLAS))
+            jobs.append((f"stream_matmul dense norm {w[0]}x{w[1]} rows={rows}", config,
+                         lambda x, w_, inv, nw, config=config: smm.stream_matmul_pallas(x, w_, config=config,
+                                                                                          norm=(inv, nw)),
+                         [sds((rows, w[1]), jnp.bfloat16), sds(w, jnp.bfloat16), sds((rows,), jnp.float32),
+                          sds((w[1],), jnp.bfloat16)]))
     arrays = 72  # every layer's K and V at the Qwen3-8B shape: a round's kept rows in one launch
     commit = types.SimpleNamespace(num_warps=1, num_stages=1)
     jobs.append((f"commit_rows arrays={arrays} P=16", commit,

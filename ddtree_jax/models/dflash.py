@@ -113,13 +113,13 @@ def draft_hidden(params: ModelParams, target: ModelParams, block_tokens: jax.Arr
     for i, layer in enumerate(model.layers):
         with jax.named_scope(f"draft_layer_{i}"):
             attn = layer.self_attn
-            h, x = add_and_norm(layer.input_layernorm, h, delta, runtime)
+            h, x = add_and_norm(layer.input_layernorm, h, delta, runtime, into=attn.qkv_proj)
             q, k, v = project_qk_norm_rope(attn, x, cos, sin, runtime)
             out = cached_attention(q, cache.k[i], cache.v[i], cache.lengths, k, v,
                                    block_mask(b, bs, config.layer_causal[i]), positions,
                                    scale=d ** -0.5, sliding_window=config.layer_windows[i], runtime=runtime)
             attn_out = attn.o_proj(out.reshape(b, bs, -1), runtime, split_sums=True)
-            h, x = add_and_norm(layer.post_attention_layernorm, h, attn_out, runtime)
+            h, x = add_and_norm(layer.post_attention_layernorm, h, attn_out, runtime, into=layer.mlp.gate_up_proj)
             delta = layer.mlp(x, runtime, split_sums=True)
     return add_and_norm(model.norm, h, delta, runtime)[1]
 

@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 
 from ddtree_jax.models import fp8
 from ddtree_jax.models.contract import Fp8Matmul, Runtime
+from pallas_kernels._rms import rms_inverse, scale_rows
 from pallas_kernels.qk_norm_rope import qk_norm_rope
 from pallas_kernels.rms_norm import add_rms_norm
 from pallas_kernels.stream_matmul import SplitSums, StreamMatmulConfig, fitted_config, stream_matmul, swiglu
@@ -98,6 +99,52 @@ DENSE_STREAM_KNOBS = StreamMatmulConfig()
 GLU_IN_EPILOGUE = False
 
 
+# An RMSNorm whose output goes only into a projection that streams (q|k|v after input_layernorm, gate|up after
+# post_attention_layernorm; `add_and_norm`'s `into`) left for that projection to apply as it loads its rows
+# (`NormedRows`, `stream_matmul`'s `norm`): the residual add and each row's inverse RMS in XLA, where the sum of
+# the streamed projection's k splits already runs, and no norm kernel of its own (72 launches an 8B AR step, ~0.15
+# ms of the H200's 4.74, 2026-12-05 traces). Off until a device run times it (`python tools/with_knobs.py
+# engine:norm_in_projection=1 -m ddtree_jax.bench ...`).
+NORM_IN_PROJECTION = False
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["rows", "inv", "weight"], meta_fields=["kind"])
+@dataclasses.dataclass(frozen=True)
+class NormedRows:
+    """An RMSNorm's output not yet computed: rows [..., e] (the residual stream), inv [...] float32 each row's
+    inverse RMS, the norm's weight [e] and `kind` (`pallas_kernels._rms.scale_rows`). A projection that streams
+    normalises the rows as it loads them; anything else takes `materialize()`, the norm's output [..., e]."""
+
+    rows: jax.Array
+    inv: jax.Array
+    weight: jax.Array
+    kind: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.rows.shape
+
+    @property
+    def dtype(self):
+        return self.rows.dtype
+
+    def materialize(self) -> jax.Array:
+        return scale_rows(self.rows.astype(jnp.float32), self.inv[..., None], self.weight, kind=self.kind,
+                          dtype=self.rows.dtype)
+
+
+def _rows_and_norm(x, streams: bool) -> tuple[jax.Array, NormedRows | None]:
+    """A projection's input as (rows, the norm it still owes them): `NormedRows` stay deferred only where the
+    projection streams."""
+    if not isinstance(x, NormedRows):
+        return x, None
+    return (x.rows, x) if streams else (x.materialize(), None)
+
+
+def _norm_operands(norm: NormedRows | None, rows: int) -> dict:
+    return {} if norm is None else {"norm": (norm.inv.reshape(rows), norm.weight), "norm_kind": norm.kind}
+
+
 def dense_stream_config(weight_shape: tuple[int, int], rows: int, runtime: Runtime, *, dtype=jnp.bfloat16,
                         lm_head: bool = False, glu: bool = False) -> StreamMatmulConfig | None:
     """The streaming kernel's knobs for a dense [out, in] weight on `rows` rows if it streams, else None: under
@@ -130,15 +177,17 @@ def linear(x: jax.Array, weight: jax.Array, runtime: Runtime, *, out_dtype=None,
     kernel's partial sums unsummed (`SplitSums`, for `add_and_norm` or `qk_norm_rope`) where
     `SPLIT_SUMS_IN_NEXT_KERNEL` lets it. `lm_head`: the weight is the vocabulary projection (`dense_stream_config`).
     `glu`: the weight is SwiGLU's gate|up [2 m, in] and the result `swiglu` of the two halves, [..., m] (streamed:
-    in the kernel's epilogue)."""
+    in the kernel's epilogue). x may be `NormedRows` (normalised as the kernel loads them where it streams)."""
     rows = math.prod(x.shape[:-1])
     config = dense_stream_config(weight.shape, rows, runtime, dtype=x.dtype, lm_head=lm_head, glu=glu)
+    x, norm = _rows_and_norm(x, config is not None)
     if config is None:
         y = jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype), preferred_element_type=out_dtype)
         return swiglu(*jnp.split(y, 2, axis=-1)) if glu else y
     y = stream_matmul(x.reshape(rows, x.shape[-1]), weight.astype(x.dtype), config=config, out_dtype=out_dtype,
                       implementation="pallas" if runtime.pallas else "reference",
-                      sum_splits=not (split_sums and SPLIT_SUMS_IN_NEXT_KERNEL) or glu, glu=glu)
+                      sum_splits=not (split_sums and SPLIT_SUMS_IN_NEXT_KERNEL) or glu, glu=glu,
+                      **_norm_operands(norm, rows))
     return y if isinstance(y, SplitSums) else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -222,10 +271,11 @@ def fp8_linear(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, block: tup
     where nothing streams, dequantised again to x's dtype and multiplied as above: the same products up to that
     rounding (none in float32) and the order of float32 sums. `split_sums`: as `linear`'s."""
     rows = math.prod(x.shape[:-1])
-    rows_x, x_scale = x.reshape(rows, x.shape[-1]), None
     config = fp8_stream_config(weight.shape, block, rows, runtime, glu=glu)
     w8a8 = runtime.fp8_matmul is Fp8Matmul.W8A8
     quantize_x = w8a8 and config is not None and config.block_k == block[1]
+    x, norm = _rows_and_norm(x, config is not None and quantize_x == w8a8)  # rows quantised first: normalised first
+    rows_x, x_scale = x.reshape(rows, x.shape[-1]), None
     if w8a8 and not quantize_x:
         rows_x, x_scale = fp8.quantize_rows(rows_x, block[1])
     if config is None:
@@ -235,7 +285,8 @@ def fp8_linear(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, block: tup
         return swiglu(*jnp.split(y, 2, axis=-1)) if glu else y
     y = stream_matmul(rows_x, weight, scale_inv, block=block, x_scale=x_scale, quantize_x=quantize_x,
                       implementation="pallas" if runtime.pallas else "reference", config=config, out_dtype=x.dtype,
-                      sum_splits=not (split_sums and SPLIT_SUMS_IN_NEXT_KERNEL) or glu, glu=glu)
+                      sum_splits=not (split_sums and SPLIT_SUMS_IN_NEXT_KERNEL) or glu, glu=glu,
+                      **_norm_operands(norm, rows))
     return y if isinstance(y, SplitSums) else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -317,15 +368,23 @@ def project_qk_norm_rope(attn, x: jax.Array, cos: jax.Array, sin: jax.Array, run
     return q, k, v.reshape(b, t, -1, d)
 
 
-def add_and_norm(norm, x: jax.Array, delta: jax.Array | SplitSums | None,
-                 runtime: Runtime) -> tuple[jax.Array, jax.Array]:
+def add_and_norm(norm, x: jax.Array, delta: jax.Array | SplitSums | None, runtime: Runtime,
+                 into: "PackedProjections | None" = None) -> tuple[jax.Array, jax.Array | NormedRows]:
     """The residual stream after a block and the next norm of it: (s, norm(s)) with s = x + delta (x when delta is
     None), x/delta [..., e] (delta also a projection's unsummed `SplitSums`, `linear`'s `split_sums`). `norm` is an
     RMSNorm module with `kind`, `eps` and `weight`. On the Pallas path one kernel (`pallas_kernels.rms_norm`: XLA
     ran two or three per norm; it adds a `SplitSums` itself), replicated under tensor parallelism (the stream is);
-    else the jnp ops of `x + delta` and `norm`."""
+    else the jnp ops of `x + delta` and `norm`. `into`: the projection that alone takes norm(s); where it streams
+    and `NORM_IN_PROJECTION` is on, norm(s) comes back as `NormedRows` (s and each row's inverse RMS, from XLA's
+    add) for that projection to apply as it loads s."""
+    rows = math.prod(x.shape[:-1])
+    if NORM_IN_PROJECTION and into is not None and runtime.pallas and into.streams(rows, runtime, x.dtype):
+        delta = delta.total(rows).reshape(x.shape) if isinstance(delta, SplitSums) else delta
+        s = x if delta is None else x + delta.astype(x.dtype)
+        inv = rms_inverse(s.astype(jnp.float32), eps=norm.eps, width=x.shape[-1])[..., 0]
+        return s, NormedRows(s, inv, norm.weight[...], norm.kind)
     if isinstance(delta, SplitSums) and (not runtime.pallas or runtime.tp_mesh is not None):
-        delta = delta.total(math.prod(x.shape[:-1])).reshape(x.shape)
+        delta = delta.total(rows).reshape(x.shape)
     if not runtime.pallas:
         s = x if delta is None else x + delta
         return s, norm(s)
@@ -386,6 +445,7 @@ class PackedProjections(nnx.Module):
         """x [..., in] -> one output [..., G * units_p * R] per part, in x's dtype. `runtime` says how FP8 weights
         multiply (`fp8_linear`)."""
         if not self.packed:
+            x = x.materialize() if isinstance(x, NormedRows) else x  # one norm for all the parts
             return tuple(getattr(self, part.name)(x, runtime) for part in self.parts)
         y = self.packed_output(x, runtime)
         outs, start = [], 0
@@ -397,7 +457,7 @@ class PackedProjections(nnx.Module):
     def packed_output(self, x: jax.Array, runtime: Runtime, *, split_sums: bool = False) -> jax.Array | SplitSums:
         """x [..., in] -> every part's output unsplit, [..., G, U, R] in x's dtype (while `packed`); the weight as
         one [G U R, in] matrix where it streams (`dense_stream_config`) or is FP8 (`fp8_linear`). `split_sums`:
-        `linear`'s (a `SplitSums` with features (G, U, R), for `qk_norm_rope`)."""
+        `linear`'s (a `SplitSums` with features (G, U, R), for `qk_norm_rope`). x may be `NormedRows`."""
         weight = self.weight[...]
         g, u, r, n_in = weight.shape
         if self.block is not None:
@@ -407,6 +467,7 @@ class PackedProjections(nnx.Module):
         elif dense_stream_config((g * u * r, n_in), math.prod(x.shape[:-1]), runtime, dtype=x.dtype) is not None:
             y = linear(x, weight.reshape(g * u * r, n_in), runtime, split_sums=split_sums)
         else:
+            x = x.materialize() if isinstance(x, NormedRows) else x
             return jnp.einsum("...i,guri->...gur", x, weight.astype(x.dtype))
         if isinstance(y, SplitSums):
             return dataclasses.replace(y, features=(g, u, r))
@@ -424,6 +485,15 @@ class PackedProjections(nnx.Module):
             if dense_stream_config(weight.shape, math.prod(x.shape[:-1]), runtime, dtype=x.dtype, glu=True):
                 return linear(x, weight, runtime, glu=True)
         return swiglu(*self(x, runtime))
+
+    def streams(self, rows: int, runtime: Runtime, dtype) -> bool:
+        """Whether a call of `rows` rows multiplies the packed weight in the streaming kernel (`packed_output`)."""
+        if not self.packed:
+            return False
+        g, u, r, n_in = self.weight.shape
+        if self.block is not None:
+            return fp8_stream_config((g * u * r, n_in), self.block, rows, runtime) is not None
+        return dense_stream_config((g * u * r, n_in), rows, runtime, dtype=dtype) is not None
 
     def fp8_packs(self, block: tuple[int, int]) -> bool:
         """Whether FP8 blocks of `block` keep this module packed: their rows divide R, so each lies inside one unit

@@ -117,13 +117,13 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: KV
     delta = None  # what the previous layer's MLP adds to the stream: added by the next norm's call
     for i, layer in enumerate(model.model.layers):
         with jax.named_scope(f"layer_{i}"):
-            x, h = add_and_norm(layer.input_layernorm, x, delta, runtime)
+            x, h = add_and_norm(layer.input_layernorm, x, delta, runtime, into=layer.self_attn.qkv_proj)
             if i - 1 in tap_layers:
                 taps[i - 1] = x
             attn_out, k, v, caches = layer.self_attn(h, cos, sin, cache.k[i], cache.v[i], cache.lengths, meta,
                                                      sliding_window=config.sliding_windows[i], runtime=runtime,
                                                      write_starts=starts)
-            x, h = add_and_norm(layer.post_attention_layernorm, x, attn_out, runtime)
+            x, h = add_and_norm(layer.post_attention_layernorm, x, attn_out, runtime, into=layer.mlp.gate_up_proj)
             delta = layer.mlp(h, runtime, split_sums=True)
         new_k.append(k)
         new_v.append(v)

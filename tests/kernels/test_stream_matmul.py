@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import ml_dtypes
 import numpy as np
@@ -398,3 +399,43 @@ def test_swiglu_rounds_like_torch_bfloat16():
     got = np.asarray(sm.swiglu(gate, up), np.float32)
     assert (got != want).mean() < 0.01  # float32 exp against float64's: a rare last bit before a rounding
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-3)
+
+
+# (t, n, k, dtype, kind, config): an AR row and 17 rows (two row tiles' worth of padding), both RMSNorm scalings,
+# one split and two, the SwiGLU epilogue on normalised rows.
+NORM_CASES = [(1, 64, 256, "bfloat16", "qwen3", sm.StreamMatmulConfig(block_n=32, block_k=64, splits=2), False),
+              (17, 64, 128, "float32", "zero_centered", sm.StreamMatmulConfig(block_n=16, block_k=64, splits=1),
+               False),
+              (3, 64, 128, "bfloat16", "qwen3", sm.StreamMatmulConfig(block_n=16, block_k=64, splits=1), True)]
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("t,n,k,dtype,kind,config,glu", NORM_CASES,
+                         ids=[f"t{c[0]}-{c[3]}-{c[4]}-s{c[5].splits}{'-glu' if c[6] else ''}" for c in NORM_CASES])
+def test_rows_normalised_as_they_load(t, n, k, dtype, kind, config, glu, interpret):
+    """`norm` = (each row's inverse RMS, the norm weight): the product of the RMSNorm'd rows, the same bits as the
+    kernel given rows normalised first by `_rms.scale_rows` (the same tiles' products), and near a float64 NumPy
+    statement of HF's norm (the product's tolerance); a wrong inverse shows."""
+    from pallas_kernels._rms import rms_inverse, scale_rows
+
+    rng = np.random.default_rng(t + k)
+    x, w = _inputs(t, n, k, dtype, seed=t * k)
+    x = (x.astype(jnp.float32) * 3.0 + 0.5).astype(dtype)  # rows far from unit RMS
+    weight = jnp.asarray(1.0 + 0.3 * rng.standard_normal(k), jnp.float32).astype(dtype)
+    x32 = x.astype(jnp.float32)
+    inv = rms_inverse(x32, eps=1e-6, width=k)[:, 0]
+    normed = scale_rows(x32, inv[:, None], weight, kind=kind, dtype=x.dtype)
+    call = functools.partial(sm.stream_matmul_pallas, config=config, glu=glu, interpret=interpret)
+    got = call(x, w, norm=(inv, weight), norm_kind=kind)
+    if interpret:
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(call(normed, w), np.float32))
+    x64 = np.asarray(x, np.float64)
+    h = x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + 1e-6)
+    h = h * (np.asarray(weight, np.float64) if kind == "qwen3" else 1 + np.asarray(weight, np.float64))
+    y = h @ np.asarray(w, np.float64).T
+    want = y[:, :n // 2] / (1 + np.exp(-y[:, :n // 2])) * y[:, n // 2:] if glu else y
+    tol = 1e-5 if dtype == "float32" else 3e-2
+    for value in (got, sm.stream_matmul_reference(x, w, norm=(inv, weight), norm_kind=kind, glu=glu)):
+        np.testing.assert_allclose(np.asarray(value, np.float64), want, atol=tol * np.abs(want).max(), rtol=tol)
+    wrong = call(x, w, norm=(inv * 1.1, weight), norm_kind=kind)
+    assert not np.allclose(np.asarray(wrong, np.float64), want, atol=tol * np.abs(want).max(), rtol=tol)
