@@ -84,6 +84,8 @@
 #   dense_stream  the bf16 8B rounds (AR, DFlash, DDTree 15, 31) with the dense projections of small calls streamed
 #             (layers.DENSE_STREAM_MAX_ROWS: 32, the default since 2026-12-05, and 16), and with the split sums in the
 #             next kernels, between two runs without (0; ten repeats each; ~200 s)   -> dense_stream.tar (N/bench.json)
+#   knobs_bench  the bench ($AB_SHAPE, $AB_MODES, $AB_BUDGETS, $AB_ARGS) with each ';'-separated set of $KNOBS
+#             (tools/with_knobs.py items) alternating with the defaults, $KNOBS_ROUNDS times    -> knobs_bench.tar
 #   w8a8_rounds  the 8B FP8 rounds with --fp8-matmul stream (packed q|k|v and gate|up since 2026-12-05) and w8a8,
 #             the 27B's with w8a8 (a call of its own)        -> stream_qwen3-8b/, w8a8_qwen3-8b/, w8a8_qwen3.6-27b/
 #   knobs_fp8_8b  the 8B FP8 rounds (streamed) with fp8_bits 0 and 1                     -> fp8_bits{0,1}/
@@ -360,6 +362,26 @@ TreeAttentionConfig as C; l.ATTENTION_CONFIG = C(single_pass=True)"
       goal_bench wide 150 -m ddtree_jax.bench --shape qwen3-8b --budgets 256,512 --modes ddtree --repeats 3 \
         --kernels pallas
       (cd "$OUT" && tar cf goals.tar goals && rm -rf goals)
+      ;;
+    knobs_bench)
+      # Each ';'-separated set of $KNOBS (tools/with_knobs.py items, space-separated) against the defaults, alternating
+      # $KNOBS_ROUNDS times (default 2: defaults, set 1, set 2 ..., defaults, set 1 ...), the bench at $AB_SHAPE
+      # ($AB_MODES, $AB_BUDGETS, $AB_REPEATS, $AB_ARGS e.g. "--weights fp8 --fp8-matmul w8a8"); each run within
+      # $KNOBS_LIMIT s (a cold 27B compile needs ~240 for its first)
+      IFS=';' read -ra sets <<< ";${KNOBS:?}"
+      for round in $(seq "${KNOBS_ROUNDS:-2}"); do
+        for i in "${!sets[@]}"; do
+          run="python3 -m"; [ -n "${sets[$i]}" ] && run="python3 tools/with_knobs.py ${sets[$i]} -m"
+          log "${AB_SHAPE:-qwen3-8b} rounds, knobs '${sets[$i]:-defaults}' (round $round)"
+          # shellcheck disable=SC2086
+          timeout -k 5 "${KNOBS_LIMIT:-90}" $run ddtree_jax.bench --shape "${AB_SHAPE:-qwen3-8b}" \
+            --budgets "${AB_BUDGETS:-15,64}" --modes "${AB_MODES:-ar,dflash,ddtree}" --repeats "${AB_REPEATS:-5}" \
+            --kernels pallas ${AB_ARGS:-} --out "$OUT/knobs_bench/${round}_$i" 2>&1 | grep -E '^\| (ar|dflash|ddtree)|rror'
+          mkdir -p "$OUT/knobs_bench/${round}_$i" && echo "${sets[$i]}" > "$OUT/knobs_bench/${round}_$i/knobs.txt"
+          rm -f "$OUT/knobs_bench/${round}_$i"/bench.{md,png,partial.json}
+        done
+      done
+      (cd "$OUT" && tar cf knobs_bench.tar knobs_bench && rm -rf knobs_bench)
       ;;
     dense_stream)
       i=0
