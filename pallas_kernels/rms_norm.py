@@ -148,4 +148,5 @@ def _check(x, delta, weight, kind):
         raise ValueError(f"delta must have x's shape {x.shape}, got {delta.shape}")
 
 
-__all__ = ["KINDS", "RMSNormConfig", "add_rms_norm", "add_rms_norm_pallas", "add_rms_norm_reference"]
+__all__ = ["KINDS", "RMSNormConfig", "add_rms_norm", "add_rms_norm_pallas", "add_rms_norm_reference", "rms_inverse",
+           "scale_rows"]

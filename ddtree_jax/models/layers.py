@@ -20,9 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 from ddtree_jax.models import fp8
 from ddtree_jax.models.contract import Fp8Matmul, Runtime
-from pallas_kernels._rms import rms_inverse, scale_rows
 from pallas_kernels.qk_norm_rope import qk_norm_rope
-from pallas_kernels.rms_norm import add_rms_norm
+from pallas_kernels.rms_norm import add_rms_norm, rms_inverse, scale_rows
 from pallas_kernels.stream_matmul import SplitSums, StreamMatmulConfig, fitted_config, stream_matmul, swiglu
 from pallas_kernels.tree_attention import ROW_INVARIANT_CONFIG, TreeAttentionConfig, tree_attention
 
@@ -112,7 +111,7 @@ NORM_IN_PROJECTION = False
 @dataclasses.dataclass(frozen=True)
 class NormedRows:
     """An RMSNorm's output not yet computed: rows [..., e] (the residual stream), inv [...] float32 each row's
-    inverse RMS, the norm's weight [e] and `kind` (`pallas_kernels._rms.scale_rows`). A projection that streams
+    inverse RMS, the norm's weight [e] and `kind` (`pallas_kernels.rms_norm.scale_rows`). A projection that streams
     normalises the rows as it loads them; anything else takes `materialize()`, the norm's output [..., e]."""
 
     rows: jax.Array
