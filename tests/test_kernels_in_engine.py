@@ -236,20 +236,11 @@ def test_commit_rows_kernel_gives_the_same_tokens(tmp_path, monkeypatch):
         assert max(max(lengths) for lengths in result.acceptance_lengths) > 1
 
 
-def test_dense_stream_max_rows_streams_small_calls_projections_not_the_lm_head(tmp_path, monkeypatch):
-    """`layers.DENSE_STREAM_MAX_ROWS` (32 by default; weights of `DENSE_STREAM_MIN_BYTES`, lowered here to this
-    model's): at 1, an AR step's dense projections (q|k|v, o, gate|up and down: four a layer) run the streaming kernel
-    and the lm_head does not (gate|up with `GLU_IN_EPILOGUE` the SwiGLU in its epilogue: one split at this size); a
-    call of two rows
-    at 1, and any call at 0, run none. The step's hidden states stay
-    within float32 rounding of XLA's GEMMs, and greedy AR and DDTree give the tokens and acceptance of XLA's GEMMs
-    (kernels interpreted)."""
-    import collections
-
-    from ddtree_jax import engine
-    from ddtree_jax.models import layers, qwen3
+def _pair_and_ar_step(tmp_path):
+    """A random target (vocabulary 64) and drafter (block 4), a one-row cache at length 3, the Pallas runtime and
+    the target's AR step on it (params, tokens [1, 1] -> hidden): (target, drafter, cache, runtime, step)."""
+    from ddtree_jax.models import qwen3
     from ddtree_jax.models.contract import ForwardMeta
-    from jaxprs import pallas_call_names
 
     t_dir = write_random_qwen3(tmp_path / "t", seed=4, with_tokenizer=False, vocab_size=64)
     d_dir = write_random_dflash(tmp_path / "d", tiny_qwen3_config(vocab_size=64), seed=5, block_size=4)
@@ -258,6 +249,24 @@ def test_dense_stream_max_rows_streams_small_calls_projections_not_the_lm_head(t
     cache = qwen3.create_cache(target.config, 1, 32, jnp.float32)
     cache = cache.__class__(k=cache.k, v=cache.v, lengths=jnp.array([3], jnp.int32))
     runtime = DecodeOptions(kernels="pallas").runtime
+    meta = ForwardMeta.step(jnp.array([3]), jnp.array([True]))
+    return target, drafter, cache, runtime, lambda p, t: qwen3.forward(p, t, meta, cache, runtime=runtime).hidden
+
+
+def test_dense_stream_max_rows_streams_small_calls_projections_not_the_lm_head(tmp_path, monkeypatch):
+    """`layers.DENSE_STREAM_MAX_ROWS` (32 by default; weights of `DENSE_STREAM_MIN_BYTES`, lowered here to this
+    model's): at 1, an AR step's dense projections (q|k|v, o, gate|up and down: four a layer) run the streaming kernel
+    and the lm_head does not (gate|up with `GLU_IN_EPILOGUE` the SwiGLU in its epilogue: one split at this size); a
+    call of two rows at 1, and any call at 0, run none. The step's hidden states stay within float32 rounding of XLA's
+    GEMMs, and greedy AR and DDTree give the tokens and acceptance of XLA's GEMMs (kernels interpreted)."""
+    import collections
+
+    from ddtree_jax import engine
+    from ddtree_jax.models import layers, qwen3
+    from ddtree_jax.models.contract import ForwardMeta
+    from jaxprs import pallas_call_names
+
+    target, drafter, cache, runtime, step = _pair_and_ar_step(tmp_path)
 
     def streams(tokens):
         rows = tokens.shape[1]
@@ -270,8 +279,6 @@ def test_dense_stream_max_rows_streams_small_calls_projections_not_the_lm_head(t
         assert glu == (target.config.num_layers if rows <= layers.DENSE_STREAM_MAX_ROWS else 0), names
         return sum("stream_matmul" in kernel for kernel in names)
 
-    meta = ForwardMeta.step(jnp.array([3]), jnp.array([True]))
-    step = lambda p, t: qwen3.forward(p, t, meta, cache, runtime=runtime).hidden  # noqa: E731
     hidden, outputs = {}, {}
     monkeypatch.setattr(layers, "DENSE_STREAM_MIN_BYTES", 0)
     monkeypatch.setattr(layers, "GLU_IN_EPILOGUE", True)
@@ -300,19 +307,10 @@ def test_norm_in_projection_leaves_the_norms_to_the_streamed_projections(tmp_pat
     import collections
 
     from ddtree_jax import engine
-    from ddtree_jax.models import layers, qwen3
-    from ddtree_jax.models.contract import ForwardMeta
+    from ddtree_jax.models import layers
     from jaxprs import pallas_call_names
 
-    t_dir = write_random_qwen3(tmp_path / "t", seed=4, with_tokenizer=False, vocab_size=64)
-    d_dir = write_random_dflash(tmp_path / "d", tiny_qwen3_config(vocab_size=64), seed=5, block_size=4)
-    target = load_target(t_dir, jnp.float32)
-    drafter = load_drafter(d_dir, target.config, jnp.float32)
-    cache = qwen3.create_cache(target.config, 1, 32, jnp.float32)
-    cache = cache.__class__(k=cache.k, v=cache.v, lengths=jnp.array([3], jnp.int32))
-    runtime = DecodeOptions(kernels="pallas").runtime
-    meta = ForwardMeta.step(jnp.array([3]), jnp.array([True]))
-    step = lambda p, t: qwen3.forward(p, t, meta, cache, runtime=runtime).hidden  # noqa: E731
+    target, drafter, _, _, step = _pair_and_ar_step(tmp_path)
     monkeypatch.setattr(layers, "DENSE_STREAM_MIN_BYTES", 0)
     hidden, outputs = {}, {}
     for on in (False, True):
