@@ -7,6 +7,7 @@ import functools
 
 import ml_dtypes
 import numpy as np
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -424,7 +425,7 @@ def test_rows_normalised_as_they_load(t, n, k, dtype, kind, config, glu, interpr
     weight = jnp.asarray(1.0 + 0.3 * rng.standard_normal(k), jnp.float32).astype(dtype)
     x32 = x.astype(jnp.float32)
     inv = rms_inverse(x32, eps=1e-6, width=k)[:, 0]
-    normed = scale_rows(x32, inv[:, None], weight, kind=kind, dtype=x.dtype)
+    normed = jax.jit(functools.partial(scale_rows, kind=kind, dtype=x.dtype))(x32, inv[:, None], weight)  # as run
     call = functools.partial(sm.stream_matmul_pallas, config=config, glu=glu, interpret=interpret)
     got = call(x, w, norm=(inv, weight), norm_kind=kind)
     if interpret:
@@ -439,3 +440,31 @@ def test_rows_normalised_as_they_load(t, n, k, dtype, kind, config, glu, interpr
         np.testing.assert_allclose(np.asarray(value, np.float64), want, atol=tol * np.abs(want).max(), rtol=tol)
     wrong = call(x, w, norm=(inv * 1.1, weight), norm_kind=kind)
     assert not np.allclose(np.asarray(wrong, np.float64), want, atol=tol * np.abs(want).max(), rtol=tol)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("quantize_x", [False, True], ids=["w8a16", "w8a8"])
+def test_fp8_weights_take_normalised_rows(quantize_x, interpret):
+    """`norm` with FP8 weights, W8A16 (bf16 rows) and W8A8 (the normalised rows quantised inside the kernel): the
+    same bits as the kernel given the rows `_rms.scale_rows` normalised first (W8A16), or within W8A8's accepted
+    error: interpreted, XLA drops the normalised rows' bf16 rounding before the FP8 quantisation (a float32 ->
+    bf16 -> float32 round trip, which it may elide), so some rows quantise from other values than bf16's."""
+    from pallas_kernels._rms import rms_inverse, scale_rows
+
+    t, n, k = 3, 128, 256
+    x, q, scale, _ = _fp8_inputs(t, n, k, "bfloat16", (128, 128), seed=9)
+    weight = jnp.asarray(1.0 + 0.3 * np.random.default_rng(9).standard_normal(k), jnp.float32).astype(jnp.bfloat16)
+    inv = rms_inverse(x.astype(jnp.float32), eps=1e-6, width=k)[:, 0]
+    # Under jit, as the kernel runs: XLA may keep a fused product in float32 past an eager op's bf16 rounding.
+    normed = jax.jit(functools.partial(scale_rows, kind="qwen3", dtype=x.dtype))(x.astype(jnp.float32),
+                                                                              inv[:, None], weight)
+    call = functools.partial(sm.stream_matmul_pallas, block=(128, 128), quantize_x=quantize_x,
+                             config=sm.StreamMatmulConfig(block_k=128, splits=1), interpret=interpret)
+    got = np.asarray(call(x, q, scale, norm=(inv, weight)), np.float32)
+    want = np.asarray(call(normed, q, scale), np.float32)
+    if quantize_x:
+        np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max(), rtol=2e-2)
+        assert not np.allclose(np.asarray(call(x, q, scale), np.float32), want, atol=2e-2 * np.abs(want).max(),
+                               rtol=2e-2)  # the rows unnormalised are another product
+    else:
+        np.testing.assert_array_equal(got, want)
