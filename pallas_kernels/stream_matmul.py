@@ -19,7 +19,10 @@ TB/s for 65 (docs/performance.md). Here every row count runs the same streaming 
   arithmetic is the same in every group;
 - x comes in unpadded: a row tile's rows past t are masked loads of zeros (a pad before the kernel was a launch of
   its own: its producer is mostly another Pallas kernel, into which XLA fuses nothing), and `fp8_bits`' scaling of
-  x (below) is done on the loaded tile.
+  x (below) is done on the loaded tile;
+- with `norm` (each row's inverse RMS and a norm weight) the loaded tile is RMS-normalised first (`_rms.scale_rows`:
+  the norm before the projection, with no launch of its own); with `glu` (w the packed gate|up [2 m, k], one
+  split) each program streams its gate rows and the same up rows and writes `swiglu(gate, up)` [t, m].
 
 Block-scaled FP8 weights (the published format, `ddtree_jax/models/fp8.py`): with `scale_inv` [ceil(n / bo),
 ceil(k / bi)] and `block` (bo, bi), w is float8_e4m3fn and stays so in memory (half the bytes to stream); each
