@@ -271,6 +271,10 @@ def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_bloc
         first_col = pl.program_id(1) * steps * block_k
     starts = [sum(row_tiles[:i]) for i in range(len(row_tiles))]
     group_row = pl.program_id(2) * sum(row_tiles)  # this group's first row in x_ref and xs_ref
+    if norm_kind is not None:  # each row tile's inverse RMS, once for every step
+        invs = [plt.load(inv_ref.at[pl.ds(group_row + start, size)],
+                         mask=group_row + start + jnp.arange(size, dtype=jnp.int32) < rows, other=0.0)
+                for start, size in zip(starts, row_tiles)]
     split_col = pl.program_id(1) * steps * block_k  # this split's first column of x_ref
 
     def step(i, accs):
@@ -292,9 +296,8 @@ def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_bloc
             x = plt.load(x_ref.at[pl.ds(group_row + start, size), pl.ds(split_col + i * block_k, block_k)],
                          mask=jnp.broadcast_to(row_ok[:, None], (size, block_k)), other=0.0)
             if norm_kind is not None:  # RMSNorm of the loaded tile: `_rms.scale_rows`, as the norm kernel does
-                inv = plt.load(inv_ref.at[pl.ds(group_row + start, size)], mask=row_ok, other=0.0)
-                x = scale_rows(x.astype(jnp.float32), inv[:, None], nw_ref[pl.ds(split_col + i * block_k, block_k)],
-                               kind=norm_kind, dtype=x_ref.dtype)
+                x = scale_rows(x.astype(jnp.float32), invs[r][:, None],
+                               nw_ref[pl.ds(split_col + i * block_k, block_k)], kind=norm_kind, dtype=x_ref.dtype)
             if fp8_bits:
                 x = x * jnp.asarray(2.0 ** X_PRESCALE_EXPONENT, x.dtype)  # exact below 2^64 (module docstring)
             if quantize_x:  # this tile is one group of each row: `quantize_rows`, inline
@@ -482,8 +485,8 @@ def _check(x, w, scale_inv=None, block=None, x_scale=None, out_dtype=None, quant
         raise ValueError(f"x must be [t, k] and w [n, k], got {x.shape} and {w.shape}")
     if norm is not None:
         if x.dtype == jnp.float8_e4m3fn or norm[0].shape != (x.shape[0],) or norm[1].shape != (x.shape[1],):
-            raise ValueError(f"norm: (inverse RMS [t] = [{x.shape[0]}], weight [k] = [{x.shape[1]}]) of float rows, got "
-                             f"{norm[0].shape}, {norm[1].shape} for {x.dtype} rows")
+            raise ValueError(f"norm: (inverse RMS [t] = [{x.shape[0]}], weight [k] = [{x.shape[1]}]) of float rows, "
+                             f"got {norm[0].shape}, {norm[1].shape} for {x.dtype} rows")
         if norm_kind not in KINDS:
             raise ValueError(f"norm_kind={norm_kind!r}: expected one of {', '.join(KINDS)}")
     if glu and w.shape[0] % 2:

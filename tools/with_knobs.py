@@ -23,8 +23,8 @@ kernel's `default_config`, which is what the engine uses when it passes no confi
   writes the K/V; on by default), `commit_rows_kernel` (`ddtree_jax.round.COMMIT_ROWS_KERNEL`: a round's kept K/V
   written by one kernel for every layer; on), `glu_in_epilogue` (`...layers.GLU_IN_EPILOGUE`: SwiGLU in a streamed
   gate|up projection's epilogue; off), `norm_in_projection` (`...layers.NORM_IN_PROJECTION`: an RMSNorm applied by
-  the streamed projection after it as it loads its rows; off) and `split_sums_in_next_kernel` (`...layers.SPLIT_SUMS_IN_NEXT_KERNEL`: the
-  streamed projections' k-split sums added by the q/k-norm-RoPE and add + RMSNorm kernels after them; off).
+  the streamed projection after it as it loads its rows; off) and `split_sums_in_next_kernel`
+  (`...layers.SPLIT_SUMS_IN_NEXT_KERNEL`: the streamed projections' k-split sums added by the q/k-norm-RoPE and add + RMSNorm kernels after them; off).
 A module path after -m may be a file's (tools/loop_cost.py): it is run as a script then.
 """
 

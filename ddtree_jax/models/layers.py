@@ -463,7 +463,7 @@ class PackedProjections(nnx.Module):
             scale = self.weight_scale_inv[...]
             y = fp8_linear(x, weight.reshape(g * u * r, n_in), scale.reshape(-1, scale.shape[-1]), self.block, runtime,
                            split_sums=split_sums)
-        elif dense_stream_config((g * u * r, n_in), math.prod(x.shape[:-1]), runtime, dtype=x.dtype) is not None:
+        elif self.streams(math.prod(x.shape[:-1]), runtime, x.dtype):
             y = linear(x, weight.reshape(g * u * r, n_in), runtime, split_sums=split_sums)
         else:
             x = x.materialize() if isinstance(x, NormedRows) else x
