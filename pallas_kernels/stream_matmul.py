@@ -136,6 +136,12 @@ class StreamMatmulConfig:
               their own precision before the sum joins float32 (`pallas_kernels._fp8_dot`; >= 32); None: block_k,
               one promotion a step; 0: no FP8 wgmma, Pallas's own dot (Triton then multiplies float16 copies of
               both tiles with mma.sync: the same products in float32). No effect otherwise.
+    prefetch: 1: a step's small operands (an FP8 weight block's scale, FP8 rows' scales, the norm weight's tile) are
+              loaded one step ahead and carried into the next step. Triton's pipeliner copies the weight and row
+              tiles ahead asynchronously (cp.async) but not these: each is a synchronous global load inside the
+              loop (a scalar, or under 4 bytes a thread: too narrow for cp.async; the PTX of the sm_90 build,
+              tools/triton_offline.py), whose latency every step waits out before its scaling. 0: loaded in the
+              step that uses them. The same values either way: the same bits.
     """
 
     block_n: int = 64
@@ -147,11 +153,13 @@ class StreamMatmulConfig:
     fp8_bits: int = 0
     promote_k: int | None = None
     balance: int = 0
+    prefetch: int = 0
 
     def __post_init__(self):
         check_knobs(self, pow2={"block_n": 16, "block_k": 16}, optional_counts=("splits",))
-        if self.balance not in (0, 1) or isinstance(self.balance, bool):
-            raise ValueError(f"StreamMatmulConfig.balance={self.balance!r}: must be 0 or 1")
+        for knob in ("balance", "prefetch"):
+            if getattr(self, knob) not in (0, 1) or isinstance(getattr(self, knob), bool):
+                raise ValueError(f"StreamMatmulConfig.{knob}={getattr(self, knob)!r}: must be 0 or 1")
         if self.row_tile is not None and (isinstance(self.row_tile, bool) or not isinstance(self.row_tile, int)
                                           or self.row_tile < 16 or self.row_tile & (self.row_tile - 1)):
             raise ValueError(f"StreamMatmulConfig.row_tile={self.row_tile!r}: must be None or a power of two >= 16")
@@ -246,7 +254,7 @@ class SplitSums:
 
 def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_block: tuple[int, int] | None,
             row_tiles: tuple[int, ...], rows: int, fp8_bits: int, fp8_rows: bool, quantize_x: bool, promote_k: int,
-            whole_out: bool, asm: bool, glu_rows: int | None, norm_kind: str | None):
+            whole_out: bool, asm: bool, glu_rows: int | None, norm_kind: str | None, prefetch: int):
     # x_ref [t, k] all of x, unpadded (`rows` = t: a row tile's rows past t are masked loads of zeros, so no pad
     # launches before the kernel); w_ref [block_n, ks] weight rows, this split's k slice; o_ref [tg, block_n] f32,
     # this split's partial sums, or with one split (`whole_out`) o_ref [t, n] the result in its dtype;
@@ -277,27 +285,38 @@ def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_bloc
                 for start, size in zip(starts, row_tiles)]
     split_col = pl.program_id(1) * steps * block_k  # this split's first column of x_ref
 
-    def step(i, accs):
+    def small_operands(i):  # step i's scales and norm-weight tile: (weight scales per w_ref, row scales per tile, nw)
+        scales, row_scales, nw = (), (), None
+        if scale_block is not None:
+            block_col = (first_col + i * block_k) // scale_block[1]
+            scales = tuple(s_ref[row, block_col].astype(jnp.float32) for row in weight_scale_rows)
+            if fp8_rows and not quantize_x:
+                row_scales = tuple(xs_ref[block_col, pl.ds(group_row + start, size)]
+                                   for start, size in zip(starts, row_tiles))
+        if norm_kind is not None:
+            nw = nw_ref[pl.ds(split_col + i * block_k, block_k)]
+        return scales, row_scales, nw
+
+    def step(i, carry):
+        accs, ahead = carry
+        if prefetch:  # this step's were loaded by the step before; load the next step's now (the last: again)
+            (scales, row_scales, nw), ahead = ahead, small_operands(jnp.minimum(i + 1, steps - 1))
+        else:
+            scales, row_scales, nw = small_operands(i)
         cols = pl.ds(i * block_k, block_k)
-        ws, scales = [], []
-        for j, ref in enumerate(w_refs):
+        ws = []
+        for ref in w_refs:
             w = ref[:, cols]  # FP8 rows: FP8 as it is; FP8 widened in registers once for every row tile; else as it is
             ws.append(w if fp8_rows else _fp8_tile_as_bf16(w, asm) if fp8_bits else w.astype(x_ref.dtype))
-            scale = None
-            if scale_block is not None:
-                block_col = (first_col + i * block_k) // scale_block[1]
-                scale = s_ref[weight_scale_rows[j], block_col].astype(jnp.float32)
-                if fp8_bits:
-                    scale = scale * 2.0 ** -(PLACED_EXPONENT + X_PRESCALE_EXPONENT)
-            scales.append(scale)
+        if fp8_bits:
+            scales = tuple(scale * 2.0 ** -(PLACED_EXPONENT + X_PRESCALE_EXPONENT) for scale in scales)
         new = []
         for r, (start, size) in enumerate(zip(starts, row_tiles)):
             row_ok = group_row + start + jnp.arange(size, dtype=jnp.int32) < rows
             x = plt.load(x_ref.at[pl.ds(group_row + start, size), pl.ds(split_col + i * block_k, block_k)],
                          mask=jnp.broadcast_to(row_ok[:, None], (size, block_k)), other=0.0)
             if norm_kind is not None:  # RMSNorm of the loaded tile: `_rms.scale_rows`, as the norm kernel does
-                x = scale_rows(x.astype(jnp.float32), invs[r][:, None],
-                               nw_ref[pl.ds(split_col + i * block_k, block_k)], kind=norm_kind, dtype=x_ref.dtype)
+                x = scale_rows(x.astype(jnp.float32), invs[r][:, None], nw, kind=norm_kind, dtype=x_ref.dtype)
             if fp8_bits:
                 x = x * jnp.asarray(2.0 ** X_PRESCALE_EXPONENT, x.dtype)  # exact below 2^64 (module docstring)
             if quantize_x:  # this tile is one group of each row: `quantize_rows`, inline
@@ -305,8 +324,9 @@ def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_bloc
                 x_scale, inverse = fp8_row_scales(jnp.max(jnp.abs(x32), axis=1))
                 x = (x32 * inverse[:, None]).astype(jnp.float8_e4m3fn)
             elif fp8_rows:
-                x_scale = xs_ref[block_col, pl.ds(group_row + start, size)]
-            for j, (w, scale) in enumerate(zip(ws, scales)):
+                x_scale = row_scales[r]
+            for j, w in enumerate(ws):
+                scale = scales[j] if scales else None
                 if fp8_rows:  # FP8 tensor cores, then the weight block's scale times each row's
                     tile = fp8_dot(w, x, promote_k) if promote_k else lax.dot_general(
                         w, x, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
@@ -316,10 +336,10 @@ def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_bloc
                                            preferred_element_type=jnp.float32)
                     tile = tile if scale is None else tile * scale
                 new.append(accs[r * len(ws) + j] + tile)
-        return tuple(new)
+        return tuple(new), ahead
 
-    accs = lax.fori_loop(0, steps, step, tuple(jnp.zeros((block_n, size), jnp.float32)
-                                               for size in row_tiles for _ in w_refs))
+    zeros = tuple(jnp.zeros((block_n, size), jnp.float32) for size in row_tiles for _ in w_refs)
+    accs, _ = lax.fori_loop(0, steps, step, (zeros, small_operands(0) if prefetch else ()))
     for r, (start, size) in enumerate(zip(starts, row_tiles)):
         acc = accs[r * len(w_refs)]
         if whole_out:  # the result itself: rows past t left out, transposed, in the output's dtype
@@ -447,7 +467,7 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
                           scale_block=None if block is None else tuple(block), row_tiles=row_tiles, rows=t,
                           fp8_bits=fp8_bits, fp8_rows=fp8_rows, quantize_x=quantize_x, whole_out=whole_out,
                           asm=not interpret, glu_rows=n if fused_glu else None,
-                          norm_kind=None if norm is None else norm_kind,
+                          norm_kind=None if norm is None else norm_kind, prefetch=config.prefetch,
                           promote_k=config.block_k if config.promote_k is None else config.promote_k),
         grid=(n // block_n, splits, groups),
         in_specs=in_specs,

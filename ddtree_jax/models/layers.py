@@ -41,7 +41,11 @@ STREAM_MAX_ROWS = 128
 # widens without F2F conversions (`pallas_kernels.stream_matmul`'s docstring), the same bits as 0: on the H200
 # (2026-12-05) 12 layers' FP8 projections took 1.384 / 1.323 / 2.461 ms at 1 / 16 / 65 rows against 1.528 / 1.542
 # / 2.833 with 0, and the Qwen3-8B FP8 rounds AR 5.43 ms (5.62), DFlash 6.63 (6.82), B = 64 9.49 (10.73).
-FP8_STREAM_KNOBS = StreamMatmulConfig(fp8_bits=1)
+# `prefetch=1` loads each step's block scales a step ahead (the same bits): on the H200 (2026-12-05 night, four
+# alternating pairs over two calls, `python tools/with_knobs.py fp8_stream:prefetch=1 -m ddtree_jax.bench --shape
+# qwen3-8b --weights fp8 --fp8-matmul w8a8 ...`) the W8A8 AR step 3.48-3.63 ms (mean 3.57) against 3.58-3.74
+# (3.65), DFlash 4.78-4.93 (4.86) against 4.89-5.04 (4.94): ~2%, at the edge of the runs' ~1% spread.
+FP8_STREAM_KNOBS = StreamMatmulConfig(fp8_bits=1, prefetch=1)
 
 # The AR step's (and a prefill's) new K/V written into the cache by the q/k-norm-RoPE kernel itself
 # (`pallas_kernels.qk_norm_rope` with the cache aliased), not by two dynamic-update-slice kernels per layer after
@@ -59,7 +63,9 @@ FUSED_KV_WRITE = True
 # The same bits either way (the same float32 adds in the same order, one rounding). Off: on an H100 (2026-12-05) the
 # 8B FP8 W8A8 AR step took 4.38-4.44 ms off and 3.43-4.48 on in alternating runs (median 4.36): no gain that
 # repeats (at one row a single program of the norm kernel reads the s partial rows in float32); the H200 has not
-# timed it (`python tools/with_knobs.py engine:split_sums_in_next_kernel=1 -m ddtree_jax.bench ...`).
+# timed it (`python tools/with_knobs.py engine:split_sums_in_next_kernel=1 -m ddtree_jax.bench ...`). On the H200
+# with bf16 weights (2026-12-05 night, one run beside the defaults) the same: AR 4.74 ms against 4.73, DFlash 6.01
+# against 6.06, B = 64 6.64 against 6.68 (the 108 sum launches gone, the consumers slower by as much).
 SPLIT_SUMS_IN_NEXT_KERNEL = False
 
 # The fast attention kernel's knobs (None: its defaults). `single_pass=True` (one launch, no merge) stays off: on
@@ -81,11 +87,17 @@ ROW_INVARIANT_ROW_TILE = 16
 DENSE_STREAM_MAX_ROWS = 32
 # ... and only weights of at least this many bytes: the streaming is timed on weights of 32-168 MB (the 8B's
 # projections and its drafter's); small ones (the demo pair's, a hybrid's per-head gates) keep XLA's GEMM, untimed
-# streamed, where a launch's latency and the split sums' add would dominate.
+# streamed, where a launch's latency and the split sums' add would dominate. At the Qwen3.6-27B shape the DFlash
+# round was slower streamed in both pairs of runs taken (H200, 2026-12-05: 18.48 ms against 17.81 off; that night
+# 18.17 against 17.69, `python tools/with_knobs.py engine:dense_stream_max_rows=0 -m ddtree_jax.bench --shape
+# qwen3.6-27b --modes dflash ...`); not yet changed for it: which of its weights lose is not measured (its
+# 5120-row weights run 160 programs, 1.2 waves of 132 multiprocessors; `balance=1` below did not mend it).
 DENSE_STREAM_MIN_BYTES = 16 << 20
 # ... with these knobs (tiles fitted to each weight by `fitted_config`). `balance=1` (k split so that the programs
-# spread evenly over the multiprocessors: e.g. the 27B's down_proj in 8 splits, not 2) is not yet timed:
-# `python tools/with_knobs.py dense_stream:balance=1 -m ddtree_jax.bench ...` (`fp8_stream:...` for FP8's).
+# spread evenly over the multiprocessors: e.g. the 27B's down_proj in 8 splits, not 2) stays off: on the H200
+# (2026-12-05 night, `python tools/with_knobs.py dense_stream:balance=1 -m ddtree_jax.bench ...`) the 8B AR step
+# 4.74 ms against 4.73, DFlash 6.07 against 6.06, B = 64 6.59 against 6.68 (one run each), and the 27B's DFlash
+# round slower, 18.77 against 18.17 (its 16-row gate|up then in 4 splits: partial sums of 34816 features).
 DENSE_STREAM_KNOBS = StreamMatmulConfig()
 
 # SwiGLU's silu(gate) * up computed in the epilogue of a streamed gate|up projection (`stream_matmul`'s `glu`: each
@@ -102,8 +114,12 @@ GLU_IN_EPILOGUE = False
 # post_attention_layernorm; `add_and_norm`'s `into`) left for that projection to apply as it loads its rows
 # (`NormedRows`, `stream_matmul`'s `norm`): the residual add and each row's inverse RMS in XLA, where the sum of
 # the streamed projection's k splits already runs, and no norm kernel of its own (72 launches an 8B AR step, ~0.15
-# ms of the H200's 4.74, 2026-12-05 traces). Off until a device run times it (`python tools/with_knobs.py
-# engine:norm_in_projection=1 -m ddtree_jax.bench ...`).
+# ms of the H200's 4.74, 2026-12-05 traces). Off: slower on the H200 (2026-12-05 night, `python tools/with_knobs.py
+# engine:norm_in_projection=1 -m ddtree_jax.bench --shape qwen3-8b ...`): AR 5.32 ms against 4.73, DFlash 6.69
+# against 6.06; with the norm weight's tile loaded a step ahead (`dense_stream:prefetch=1`) AR 5.14-5.16 against
+# 4.73-4.75. Traced, per layer: XLA's add + inverse RMS became three kernels (3.6 us against the sum and norm
+# kernels' 3.3) and the streamed gate|up took 55.6-57.4 us against 48.5-51 (each step's normalised tile goes
+# through registers and shared memory before its multiply, where plain rows are copied ahead asynchronously).
 NORM_IN_PROJECTION = False
 
 

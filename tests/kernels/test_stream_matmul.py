@@ -293,6 +293,35 @@ def test_rows_quantised_inside_the_kernel_are_quantize_rows(t, n, k, x_dtype, co
     assert np.all(np.abs(np.asarray(got, np.float64) - want) <= tol * bound)
 
 
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("form", ["fp8_bits", "x_scale", "quantize_x", "norm"])
+def test_prefetched_small_operands_give_the_same_bits(form, interpret):
+    """`prefetch=1` (a step's scales and norm-weight tile loaded by the step before) gives the bits of loading them
+    in their own step: FP8 weights (widened by bits), FP8 rows given with their scales, rows quantised inside, rows
+    normalised as they load; two splits of four steps each, so that a step taking its neighbour's scale or tile
+    (each block's scale and every norm-weight entry differs) would change the product."""
+    t, n, k = 3, 128, 1024
+    config = sm.StreamMatmulConfig(block_n=64, block_k=128, splits=2)
+    x, q, scale, _ = _fp8_inputs(t, n, k, "bfloat16", (128, 128), seed=4)
+    if form == "x_scale":
+        x, x_scale, q, scale, _ = _w8a8_inputs(t, n, k, seed=4)
+        args, kwargs = (x, q, scale), dict(block=(128, 128), x_scale=x_scale, out_dtype=jnp.float32)
+    elif form == "norm":
+        _, w = _inputs(t, n, k, "bfloat16", seed=4)
+        weight = jnp.asarray(1.0 + 0.3 * np.random.default_rng(4).standard_normal(k), jnp.bfloat16)
+        inv = jnp.asarray(np.random.default_rng(5).uniform(0.5, 2.0, t), jnp.float32)
+        args, kwargs = (x, w), dict(norm=(inv, weight))
+    else:
+        args, kwargs = (x, q, scale), dict(block=(128, 128), quantize_x=form == "quantize_x")
+        config = dataclasses.replace(config, fp8_bits=int(form == "fp8_bits"))
+    got = {prefetch: np.asarray(sm.stream_matmul_pallas(*args, config=dataclasses.replace(config, prefetch=prefetch),
+                                                        interpret=interpret, **kwargs), np.float32)
+           for prefetch in (0, 1)}
+    np.testing.assert_array_equal(got[1], got[0])
+    want = np.asarray(sm.stream_matmul_reference(*args, **kwargs), np.float32)
+    np.testing.assert_allclose(got[1], want, atol=2e-2 * np.abs(want).max(), rtol=2e-2)
+
 def test_fp8_rows_bad_arguments_say_what_was_expected():
     x, x_scale, q, scale, _ = _w8a8_inputs(2, 128, 256, seed=5)
     with pytest.raises(ValueError, match=r"x_scale must be \[t, ceil\(k / bi\)\] = \(2, 2\)"):
