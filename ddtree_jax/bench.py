@@ -376,8 +376,10 @@ def markdown(report: dict) -> str:
                       f"{_mib(r['recurrent_state_bytes'])} MiB of node states: {r['error']}")
         return (head + "\n".join(lines) + f"\n\n{ceilings_text(report['ceilings'])} Round: the time a round adds "
                 f"inside the device loop ({LOOP_ROUNDS} rounds per call against 1); stages: the round's stage "
-                f"functions each compiled and called alone (dispatch included). Projected tokens/s = batch x tau / "
-                f"round time." + notes + "\n")
+                f"functions each compiled and called alone (dispatch included). Floor: the larger of the bytes a round "
+                f"must move (each weight once per pass that reads it: the lm_head once per pass that makes logits, "
+                f"not an untied embedding table; the K/V cache) over the bandwidth, and its FLOPs over the matmul "
+                f"rate. Projected tokens/s = batch x tau / round time." + notes + "\n")
     head = "| mode | B | tau | tokens/s | speedup over AR | first divergence from AR |\n|---|---|---|---|---|---|\n"
     notes = "".join(_auto_note(r) for r in report["rows"] if r["budget"] == "auto")
     notes += "\n\n" + streamed.strip() if streamed else ""

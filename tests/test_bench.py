@@ -238,7 +238,10 @@ def test_hybrid_shape_mode_reports_recurrent_state_bytes(tmp_path):
     assert_stage_times(mtp, ("draft", "verify", "accept", "commit"))
     if mtp["round_s"] > 0:  # else clamped on a busy CPU (assert_round_times)
         assert mtp["tokens_per_s_projected"] == pytest.approx(2.5 / mtp["round_s"])
-    assert mtp["floor_bytes"] - ar["floor_bytes"] >= 2 * report["mtp_bytes"]  # two sequential steps of the head
+    head = 2 * report["target_config"]["vocab_size"] * report["target_config"]["hidden_size"]  # bf16 lm_head
+    # two sequential steps of the head, each through the lm_head, and the nodes' recurrent states
+    assert mtp["floor_bytes"] - ar["floor_bytes"] == 2 * (report["mtp_bytes"] + head) + (
+        mtp["floor_recurrent_bytes"] - ar["floor_recurrent_bytes"])
     assert main(["--shape", "tiny", "--modes", "mtp", "--out", str(tmp_path / "x")]) == 2
 
     # By hand from the config: per node and GDN layer a float32 key, written value and log decay per value
@@ -259,9 +262,12 @@ def test_hybrid_shape_mode_reports_recurrent_state_bytes(tmp_path):
         assert r["recurrent_state_mib"] == r["recurrent_state_bytes"] / 2**20
         # The floor moves them: committed state read and written, the node vectors written and read back.
         assert r["floor_recurrent_bytes"] == 2 * committed + 2 * r["verify_tokens"] * per_node
-        # ... beside every weight once and the K/V of the 24 context tokens in the one full-attention layer.
+        # ... beside the weights (the target's but its untied embedding table, the drafter's, and the lm_head again
+        # for the drafter's logits: table and head are each vocab x hidden bf16) and the K/V of the 24 context
+        # tokens in the one full-attention layer.
         kv = 2 * c["layer_types"].count("full_attention") * 24 * c["num_key_value_heads"] * c["head_dim"] * 2
         assert r["floor_bytes"] == report["target_bytes"] + report["drafter_bytes"] + kv + r["floor_recurrent_bytes"]
+        assert not c["tie_word_embeddings"]
 
     # The weights counted are the hybrid's own parameters (bf16), and the node states are what the verify returns.
     cfg = parse_qwen3_5(c)
@@ -281,6 +287,26 @@ def test_hybrid_shape_mode_reports_recurrent_state_bytes(tmp_path):
     [line] = [x for x in table.splitlines() if x.startswith("| ddtree | 4 | jax | 1 | 24 | 5 |")]
     assert line.endswith(f"| {per_node * 5 / 2**20:.3f} |")
 
+
+@pytest.mark.parametrize("shape", ["tiny", "demo"])
+def test_floor_reads_the_head_once_per_logits_pass_and_not_the_embedding_table(shape):
+    """A round's weight bytes, by hand from the config: AR reads the target's parameters but an untied embedding
+    table (it gathers a row of it); DFlash and DDTree read the drafter's too and the lm_head a second time (the
+    drafter's logits). With tied embeddings (the demo target) the table is the head: read by every logits pass."""
+    import jax.numpy as jnp
+
+    from ddtree_jax.measure import costs, workload
+    from ddtree_jax.parallel import Parallel
+
+    target, drafter = workload.random_pair(shape, Parallel(), jnp.bfloat16)
+    cfg = target.config
+    table = 2 * cfg.vocab_size * cfg.hidden_size
+    weights = 2 * cfg.num_params() - (0 if cfg.tie_word_embeddings else table)
+    assert cfg.tie_word_embeddings == (shape == "demo")
+    for mode, tokens in (("ar", 1), ("dflash", 16), ("ddtree", 5)):
+        terms = costs.floor_terms(target, drafter, mode, tokens, context=8)
+        speculative = 0 if mode == "ar" else costs.param_bytes(drafter) + table
+        assert terms["weight_bytes"] == weights + speculative
 
 def test_shape_mode_in_float32_records_the_matmul_precision(tmp_path):
     """`--dtype float32` applies to `--shape` runs (weights and caches; the cost of true float32 on a GPU is
@@ -320,6 +346,8 @@ def test_shape_mode_with_fp8_weights_counts_fp8_bytes(tmp_path):
     rest = 2 * (2 * v * e + n * (2 * e + 2 * d) + e)  # bf16 embedding, lm_head, norms
     assert report["weights"] == "fp8" and report["target_bytes"] == projections + scales + rest
     row = report["rows"][0]
-    assert row["floor_bytes"] == report["target_bytes"] + 2 * n * 16 * kv * 2  # + the K/V of 16 tokens
+    # the weights but the (untied) embedding table, of which a step gathers a row, and the K/V of 16 tokens
+    assert not c["tie_word_embeddings"]
+    assert row["floor_bytes"] == report["target_bytes"] - 2 * v * e + 2 * n * 16 * kv * 2
     assert row["fp8_matmul"] == "stream" and row["kernels"] == "pallas"
     assert "block-scaled FP8 (`--weights fp8`), multiplied by stream" in (out / "bench.md").read_text()
