@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
                      functools.partial(vtk.vocab_top_k_pallas, k=k, config=one), [sds((15, 8192), jnp.float32)], 0))
     for rows in (1, 16, 65):  # the weight-streaming matmul on a Qwen3-8B projection, bf16 and block-scaled FP8
         x = sds((rows, 4096), jnp.bfloat16)
-        for config in (smm.StreamMatmulConfig(splits=1), smm.StreamMatmulConfig(splits=1, fp8_bits=1)):
+        models = dataclasses.replace(layers.FP8_STREAM_KNOBS, splits=1)  # the models' knobs (prefetch, fp8_bits)
+        for config in (smm.StreamMatmulConfig(splits=1), smm.StreamMatmulConfig(splits=1, fp8_bits=1), models):
             fn = functools.partial(smm.stream_matmul_pallas, block=(128, 128), config=config)
             jobs.append((f"stream_matmul fp8 rows={rows}", config, fn,
                          [x, sds((4096, 4096), jnp.float8_e4m3fn), sds((32, 32), jnp.float32)]))
@@ -233,10 +234,10 @@ def main(argv: list[str] | None = None) -> int:
                          lambda xq, w, s, xs, fn=fn: fn(xq, w, s, x_scale=xs),
                          [sds((rows, 4096), jnp.float8_e4m3fn), sds((4096, 4096), jnp.float8_e4m3fn),
                           sds((32, 32), jnp.float32), sds((rows, 32), jnp.float32)]))
-        config = smm.StreamMatmulConfig(splits=1)  # W8A8 with the bf16 rows quantised inside the kernel
-        jobs.append((f"stream_matmul w8a8 quantize_x rows={rows}", config,
-                     functools.partial(smm.stream_matmul_pallas, block=(128, 128), quantize_x=True, config=config),
-                     [x, sds((4096, 4096), jnp.float8_e4m3fn), sds((32, 32), jnp.float32)]))
+        for config in (smm.StreamMatmulConfig(splits=1), models):  # W8A8, the bf16 rows quantised inside the kernel
+            jobs.append((f"stream_matmul w8a8 quantize_x rows={rows}", config,
+                         functools.partial(smm.stream_matmul_pallas, block=(128, 128), quantize_x=True, config=config),
+                         [x, sds((4096, 4096), jnp.float8_e4m3fn), sds((32, 32), jnp.float32)]))
         config = smm.StreamMatmulConfig(splits=4)  # k in 4 splits, the partial sums stored [s, tp, n] (transposed)
         jobs.append((f"stream_matmul w8a8 quantize_x splits=4 rows={rows}", config,
                      functools.partial(smm.stream_matmul_pallas, block=(128, 128), quantize_x=True, config=config,

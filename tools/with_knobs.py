@@ -24,7 +24,10 @@ kernel's `default_config`, which is what the engine uses when it passes no confi
   written by one kernel for every layer; on), `glu_in_epilogue` (`...layers.GLU_IN_EPILOGUE`: SwiGLU in a streamed
   gate|up projection's epilogue; off), `norm_in_projection` (`...layers.NORM_IN_PROJECTION`: an RMSNorm applied by
   the streamed projection after it as it loads its rows; off) and `split_sums_in_next_kernel`
-  (`...layers.SPLIT_SUMS_IN_NEXT_KERNEL`: the streamed projections' k-split sums added by the q/k-norm-RoPE and add + RMSNorm kernels after them; off).
+  (`...layers.SPLIT_SUMS_IN_NEXT_KERNEL`: the streamed projections' k-split sums added by the q/k-norm-RoPE and
+  add + RMSNorm kernels after them; off), `dense_stream_wide_max_rows=N` (`...layers.DENSE_STREAM_WIDE_MAX_ROWS`:
+  bf16 projections of calls of more rows than `dense_stream_max_rows`, up to N, streamed with the knobs of
+  `dense_stream_wide:...`, `...layers.DENSE_STREAM_WIDE_KNOBS`; 0, off).
 A module path after -m may be a file's (tools/loop_cost.py): it is run as a script then.
 """
 
@@ -50,15 +53,18 @@ KERNELS = {
                            for t in range(tree_delta_rule.BLOCK + 1, tree_delta_rule.MAX_NODES + 1)]),
     "dense_stream": (None, stream_matmul.StreamMatmulConfig, None),  # module attributes (STREAM_KNOBS), not
     "fp8_stream": (None, stream_matmul.StreamMatmulConfig, None),    # a default_config
+    "dense_stream_wide": (None, stream_matmul.StreamMatmulConfig, None),
 }
 # The streaming kernel's knobs the models read, by kernel name: attributes of ddtree_jax.models.layers.
-STREAM_KNOBS = {"dense_stream": "DENSE_STREAM_KNOBS", "fp8_stream": "FP8_STREAM_KNOBS"}
+STREAM_KNOBS = {"dense_stream": "DENSE_STREAM_KNOBS", "fp8_stream": "FP8_STREAM_KNOBS",
+                "dense_stream_wide": "DENSE_STREAM_WIDE_KNOBS"}
 
 
 # The `engine` knobs: name -> (module, attribute, kind): limits (ints, kind = the least value) and switches (bool).
 ENGINE = {"tree_kernels_up_to": ("ddtree_jax.round", "TREE_BUILD_KERNEL_UP_TO", 1),
           "top_k_kernel_up_to": ("ddtree_jax.round", "VOCAB_TOP_K_KERNEL_UP_TO", 1),
           "dense_stream_max_rows": ("ddtree_jax.models.layers", "DENSE_STREAM_MAX_ROWS", 0),
+          "dense_stream_wide_max_rows": ("ddtree_jax.models.layers", "DENSE_STREAM_WIDE_MAX_ROWS", 0),
           "fused_kv_write": ("ddtree_jax.models.layers", "FUSED_KV_WRITE", bool),
           "commit_rows_kernel": ("ddtree_jax.round", "COMMIT_ROWS_KERNEL", bool),
           "glu_in_epilogue": ("ddtree_jax.models.layers", "GLU_IN_EPILOGUE", bool),

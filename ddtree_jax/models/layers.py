@@ -99,6 +99,16 @@ DENSE_STREAM_MIN_BYTES = 16 << 20
 # 4.74 ms against 4.73, DFlash 6.07 against 6.06, B = 64 6.59 against 6.68 (one run each), and the 27B's DFlash
 # round slower, 18.77 against 18.17 (its 16-row gate|up then in 4 splits: partial sums of 34816 features).
 DENSE_STREAM_KNOBS = StreamMatmulConfig()
+# Dense projections of calls of more than DENSE_STREAM_MAX_ROWS rows, up to this many, streamed too, with their own
+# knobs (a DDTree verify of B = 64: 65 rows); 0: none (XLA's GEMMs, cuBLAS's at 65 rows). On an H100 (2026-12-05
+# night, `python tools/gpu_probe.py --layers 12 --tokens 16,65 --forms fused,stream_fused --stream-configs ...`: 12
+# Qwen3-8B layers' packed projections) 64 x 64 tiles (the row tile's 64 + 16 rows a step in half the shared memory
+# of 64 x 128: three programs per multiprocessor, not one) took 1.879 and 1.902 ms at 65 rows against XLA's 2.008
+# and 2.036 (64 x 128 tiles 1.993, 1.947), but 1.806 at 16 rows against 64 x 128's 1.637. In the rounds on the
+# same machine it lost (`python tools/with_knobs.py engine:dense_stream_wide_max_rows=65 -m ddtree_jax.bench --shape
+# qwen3-8b --modes ddtree --budgets 64 ...`, alternating): B = 64 8.76 and 8.63 ms against 8.33 and 8.37. Off.
+DENSE_STREAM_WIDE_MAX_ROWS = 0
+DENSE_STREAM_WIDE_KNOBS = StreamMatmulConfig(block_k=64)
 
 # SwiGLU's silu(gate) * up computed in the epilogue of a streamed gate|up projection (`stream_matmul`'s `glu`: each
 # program streams its gate rows and the same up rows, one split), not by an XLA kernel of its own after it (36 a
@@ -164,17 +174,20 @@ def dense_stream_config(weight_shape: tuple[int, int], rows: int, runtime: Runti
                         lm_head: bool = False, glu: bool = False) -> StreamMatmulConfig | None:
     """The streaming kernel's knobs for a dense [out, in] weight on `rows` rows if it streams, else None: under
     `Runtime.row_invariant` (any number of rows, the lm_head too; never with a tensor-parallel mesh, which `Runtime`
-    refuses), or, not the lm_head, for at most `DENSE_STREAM_MAX_ROWS` rows on the Pallas path without a
-    tensor-parallel mesh and a weight of at least `DENSE_STREAM_MIN_BYTES` (in `dtype`, what the kernel reads); for
+    refuses), or, not the lm_head, for at most `DENSE_STREAM_MAX_ROWS` rows (`DENSE_STREAM_KNOBS`), or more up to
+    `DENSE_STREAM_WIDE_MAX_ROWS` (`DENSE_STREAM_WIDE_KNOBS`), on the Pallas path without a tensor-parallel mesh and a
+    weight of at least `DENSE_STREAM_MIN_BYTES` (in `dtype`, what the kernel reads); for
     a weight the kernel tiles (`fitted_config`: out and in features multiples of 16; `glu`: the weight is gate|up,
     tiled by its halves)."""
     n, k = weight_shape[0] // 2 if glu else weight_shape[0], weight_shape[1]
     if runtime.row_invariant:
         return fitted_config(n, k, config=_glu_tiles(StreamMatmulConfig(row_tile=ROW_INVARIANT_ROW_TILE), glu))
-    if (lm_head or rows > DENSE_STREAM_MAX_ROWS or not runtime.pallas or runtime.tp_mesh is not None
-            or math.prod(weight_shape) * jnp.dtype(dtype).itemsize < DENSE_STREAM_MIN_BYTES):
+    small = math.prod(weight_shape) * jnp.dtype(dtype).itemsize < DENSE_STREAM_MIN_BYTES
+    if (lm_head or rows > max(DENSE_STREAM_MAX_ROWS, DENSE_STREAM_WIDE_MAX_ROWS) or not runtime.pallas
+            or runtime.tp_mesh is not None or small):
         return None
-    return fitted_config(n, k, config=_glu_tiles(DENSE_STREAM_KNOBS, glu))
+    knobs = DENSE_STREAM_KNOBS if rows <= DENSE_STREAM_MAX_ROWS else DENSE_STREAM_WIDE_KNOBS
+    return fitted_config(n, k, config=_glu_tiles(knobs, glu))
 
 
 def _glu_tiles(config: StreamMatmulConfig, glu: bool) -> StreamMatmulConfig:

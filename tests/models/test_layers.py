@@ -250,6 +250,25 @@ def test_dense_projections_stream_where_chosen(rows, runtime, min_bytes, streams
     assert _kernel_calls(lambda v: packed(v, runtime), xe) == int(streams)
 
 
+
+def test_wider_calls_stream_with_their_own_knobs_where_chosen(monkeypatch):
+    """`DENSE_STREAM_WIDE_MAX_ROWS`: calls past `DENSE_STREAM_MAX_ROWS` rows, up to it, stream with
+    `DENSE_STREAM_WIDE_KNOBS` (fitted to the weight), smaller calls with `DENSE_STREAM_KNOBS`; at 0 (the default)
+    the wider calls stay XLA's; past it, XLA's either way."""
+    from ddtree_jax.models import layers
+
+    monkeypatch.setattr(layers, "DENSE_STREAM_MIN_BYTES", 0)
+    runtime, shape = Runtime(Kernels.PALLAS), (256, 512)
+    assert layers.DENSE_STREAM_WIDE_MAX_ROWS == 0 and layers.dense_stream_config(shape, 65, runtime) is None
+    monkeypatch.setattr(layers, "DENSE_STREAM_WIDE_MAX_ROWS", 65)
+    monkeypatch.setattr(layers, "DENSE_STREAM_WIDE_KNOBS", StreamMatmulConfig(block_k=64, num_stages=3))
+    small = layers.dense_stream_config(shape, layers.DENSE_STREAM_MAX_ROWS, runtime)
+    wide = layers.dense_stream_config(shape, layers.DENSE_STREAM_MAX_ROWS + 1, runtime)
+    assert (small.block_k, small.num_stages) == (128, 4) and (wide.block_k, wide.num_stages) == (64, 3)
+    assert layers.dense_stream_config(shape, 65, runtime) == wide
+    assert layers.dense_stream_config(shape, 66, runtime) is None
+    assert layers.dense_stream_config(shape, 65, runtime, lm_head=True) is None
+
 def test_row_invariant_streams_in_16_row_tiles_and_needs_the_pallas_kernels():
     """Every row count multiplies in 16-row tiles (one mma shape), dense and FP8 weights alike, however many rows;
     the jnp path cannot be row-invariant, nor XLA's split GEMMs under tensor parallelism, so the runtime refuses
