@@ -125,7 +125,10 @@ class StreamMatmulConfig:
     balance:  how None splits are chosen: 0 about two programs per streaming multiprocessor; 1 the programs
               spread most evenly over the multiprocessors (the most even whole waves, within 3%; nearest two per
               multiprocessor among those): e.g. 80 weight blocks (a [5120, k] weight) in 8 splits (640 programs,
-              5 waves of 132 less 20) where 0 takes 2 (160: 28 multiprocessors stream twice what the rest do).
+              5 waves of 132 less 20) where 0 takes 2 (160: 28 multiprocessors stream twice what the rest do);
+              2 as 1 where 0's programs are at most two a multiprocessor (where an uneven share costs most: one
+              multiprocessor streaming twice another's bytes), else as 0 (e.g. the 27B's gate|up in 544 programs,
+              one split: as 1 it takes 4, whose partial sums at 16 rows are 8.9 MB).
     num_warps, num_stages: Triton's warps per program and software-pipelining depth.
     row_tile: None: the rows in tiles that are powers of two >= 16, largest first (65 rows as 64 + 16); a power of
               two >= 16: every tile that many rows, so that every row count multiplies with one mma shape (Triton
@@ -157,9 +160,9 @@ class StreamMatmulConfig:
 
     def __post_init__(self):
         check_knobs(self, pow2={"block_n": 16, "block_k": 16}, optional_counts=("splits",))
-        for knob in ("balance", "prefetch"):
-            if getattr(self, knob) not in (0, 1) or isinstance(getattr(self, knob), bool):
-                raise ValueError(f"StreamMatmulConfig.{knob}={getattr(self, knob)!r}: must be 0 or 1")
+        for knob, values in (("balance", (0, 1, 2)), ("prefetch", (0, 1))):
+            if getattr(self, knob) not in values or isinstance(getattr(self, knob), bool):
+                raise ValueError(f"StreamMatmulConfig.{knob}={getattr(self, knob)!r}: must be one of {values}")
         if self.row_tile is not None and (isinstance(self.row_tile, bool) or not isinstance(self.row_tile, int)
                                           or self.row_tile < 16 or self.row_tile & (self.row_tile - 1)):
             raise ValueError(f"StreamMatmulConfig.row_tile={self.row_tile!r}: must be None or a power of two >= 16")
@@ -382,9 +385,10 @@ def _splits(k: int, n_blocks: int, config: StreamMatmulConfig) -> int:
         return config.splits
     steps, cores = k // config.block_k, core_count()
     divisors = [s for s in range(1, steps + 1) if steps % s == 0]
-    if not config.balance:
-        want = max(1, round(2 * cores / n_blocks))
-        return max(s for s in divisors if s <= want)
+    want = max(1, round(2 * cores / n_blocks))
+    about_two = max(s for s in divisors if s <= want)
+    if not config.balance or (config.balance == 2 and n_blocks * about_two > 2 * cores):
+        return about_two
     divisors = [s for s in divisors if s == 1 or steps // s >= 2]  # two steps a program at least: a pipeline
 
     def evenness(s):  # the programs over the multiprocessors' whole waves (1: every multiprocessor alike)

@@ -98,6 +98,8 @@ DENSE_STREAM_MIN_BYTES = 16 << 20
 # (2026-12-05 night, `python tools/with_knobs.py dense_stream:balance=1 -m ddtree_jax.bench ...`) the 8B AR step
 # 4.74 ms against 4.73, DFlash 6.07 against 6.06, B = 64 6.59 against 6.68 (one run each), and the 27B's DFlash
 # round slower, 18.77 against 18.17 (its 16-row gate|up then in 4 splits: partial sums of 34816 features).
+# `balance=2` (even splits only where the default gives at most two programs a multiprocessor: the 27B's 5120-row
+# weights, not its gate|up) is not yet timed: `python tools/with_knobs.py dense_stream:balance=2 -m ...`.
 DENSE_STREAM_KNOBS = StreamMatmulConfig()
 # Dense projections of calls of more than DENSE_STREAM_MAX_ROWS rows, up to this many, streamed too, with their own
 # knobs (a DDTree verify of B = 64: 65 rows); 0: none (XLA's GEMMs, cuBLAS's at 65 rows). On an H100 (2026-12-05

@@ -79,19 +79,20 @@ def test_check_can_fail():
     assert not np.allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("k,n_blocks,two_per_core,even", [
-    (4096, 64, 4, 4),     # 8B o_proj: 256 programs either way (2 waves of 132 less 8)
-    (4096, 96, 2, 4),     # 8B q|k|v: 192 programs leave 72 multiprocessors one program; 384 are 3 waves less 12
-    (4096, 384, 1, 1),    # 8B gate|up: 384 programs in one split
-    (17408, 80, 2, 8),    # 27B down_proj: 160 programs (28 multiprocessors stream two) against 640 (5 waves less 20)
-    (5120, 544, 1, 4)])   # 27B gate|up: 544 programs (4 waves and 16) against 2176 (17 waves less 68)
-def test_splits_by_rule(monkeypatch, k, n_blocks, two_per_core, even):
+@pytest.mark.parametrize("k,n_blocks,two_per_core,even,even_where_few", [
+    (4096, 64, 4, 4, 4),     # 8B o_proj: 256 programs either way (2 waves of 132 less 8)
+    (4096, 96, 2, 4, 4),     # 8B q|k|v: 192 programs leave 72 multiprocessors one program; 384 are 3 waves less 12
+    (4096, 384, 1, 1, 1),    # 8B gate|up: 384 programs in one split
+    (17408, 80, 2, 8, 8),    # 27B down_proj: 160 programs (28 multiprocessors stream two) against 640 (5 waves less 20)
+    (5120, 544, 1, 4, 1)])   # 27B gate|up: 544 programs (4 waves and 16) against 2176 (17 waves less 68); past 264
+def test_splits_by_rule(monkeypatch, k, n_blocks, two_per_core, even, even_where_few):
     """`splits=None`: about two programs per multiprocessor (balance 0), or the programs spread most evenly over
-    132 multiprocessors' whole waves, nearest two a multiprocessor among those within 3% (balance 1); the counts
-    worked out by hand."""
+    132 multiprocessors' whole waves, nearest two a multiprocessor among those within 3% (balance 1), or that only
+    where balance 0 gives at most 264 programs (balance 2); the counts worked out by hand."""
     monkeypatch.setattr(sm, "core_count", lambda: 132)
     assert sm._splits(k, n_blocks, sm.StreamMatmulConfig()) == two_per_core
     assert sm._splits(k, n_blocks, sm.StreamMatmulConfig(balance=1)) == even
+    assert sm._splits(k, n_blocks, sm.StreamMatmulConfig(balance=2)) == even_where_few
 
 
 def test_balanced_splits_give_the_product():
@@ -105,7 +106,8 @@ def test_balanced_splits_give_the_product():
 
 @pytest.mark.parametrize("field,value", [("block_n", 8), ("block_k", 48), ("splits", 0), ("num_warps", 3),
                                          ("num_stages", 0), ("row_tile", 8), ("row_tile", 24),
-                                         ("fp8_bits", 2), ("promote_k", 16), ("promote_k", -1), ("balance", 2)])
+                                         ("fp8_bits", 2), ("promote_k", 16), ("promote_k", -1), ("balance", 3),
+                                         ("prefetch", 2)])
 def test_bad_config_names_the_value(field, value):
     with pytest.raises(ValueError, match=rf"StreamMatmulConfig\.{field}={value!r}"):
         sm.StreamMatmulConfig(**{field: value})
