@@ -62,7 +62,13 @@ def test_trace_summary_counts_gpu_kernels_per_round(tmp_path, capsys):
     assert s["by_kind"]["other"] == {"count_per_round": 2, "ms_per_round": pytest.approx(4e-3)}
     assert [trace_summary.category(n) for n in ("nvjet_sm90_tss_128x72", "tree_attention_", "sort_44_1", "fusion")] \
         == ["matmul", "tree attention", "sort/top-k", "other"]
+    assert top["loop_add_fusion"]["mean_us"] == 2.0 and top["gemm_fusion_dot"]["mean_us"] == 30.0
+    by_kernel = trace_summary.summarise(next(tmp_path.glob("ar-pallas/**/perfetto_trace.json.gz")), rounds=2,
+                                        by_kernel=True)  # each compiled kernel apart (a weight's shape, say)
+    assert {k["name"]: k["count_per_round"] for k in by_kernel["top"]} == {
+        "gemm_fusion_dot_12": 1, "loop_add_fusion_3": 1, "loop_add_fusion_7": 1}
     assert trace_summary.main([str(tmp_path), "--rounds", "2"]) == 0
+    assert trace_summary.main([str(tmp_path), "--rounds", "2", "--by-kernel", "--json"]) == 0
     assert trace_summary.sequence(next(tmp_path.glob("ar-pallas/**/perfetto_trace.json.gz")), 2, 2) == [
         ("loop_add_fusion_7", 2.0), ("gemm_fusion_dot_12", 30.0)]  # launch order across the rounds
     assert trace_summary.main([str(tmp_path), "--rounds", "2", "--sequence", "1:3"]) == 0

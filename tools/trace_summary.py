@@ -58,7 +58,10 @@ def category(name: str) -> str:
     return "other"
 
 
-def summarise(path: Path, rounds: int, top: int = 12) -> dict:
+def summarise(path: Path, rounds: int, top: int = 12, by_kernel: bool = False) -> dict:
+    """Per round: wall, busy and idle time, kernels, time by kind, and the `top` kernel families (numeric suffixes
+    dropped) or, `by_kernel`, the top compiled kernels by their own names (each its own shape: a projection's
+    weight, say), each with its count, time and mean duration."""
     kernels = gpu_kernels(path)
     if not kernels:
         return {"kernels": 0}
@@ -66,8 +69,9 @@ def summarise(path: Path, rounds: int, top: int = 12) -> dict:
     busy = sum(d for _, d, _ in kernels)
     groups = collections.defaultdict(lambda: [0, 0.0])
     for _, d, name in kernels:
-        groups[family(name)][0] += 1
-        groups[family(name)][1] += d
+        key = name if by_kernel else family(name)
+        groups[key][0] += 1
+        groups[key][1] += d
     ranked = sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]
     kinds = collections.defaultdict(lambda: [0, 0.0])
     for _, d, name in kernels:
@@ -77,7 +81,7 @@ def summarise(path: Path, rounds: int, top: int = 12) -> dict:
             "idle_ms_per_round": (wall - busy) / rounds / 1e3, "kernels_per_round": len(kernels) / rounds,
             "by_kind": {k: {"count_per_round": c / rounds, "ms_per_round": t / rounds / 1e3}
                         for k, (c, t) in sorted(kinds.items(), key=lambda kv: -kv[1][1])},
-            "top": [{"name": n, "count_per_round": c / rounds, "ms_per_round": t / rounds / 1e3,
+            "top": [{"name": n, "count_per_round": c / rounds, "ms_per_round": t / rounds / 1e3, "mean_us": t / c,
                      "share_of_busy": t / busy} for n, (c, t) in ranked]}
 
 
@@ -103,6 +107,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=8,
                    help="rounds in each trace (bench --shape: LOOP_ROUNDS); a row's rounds.json overrides it")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--by-kernel", action="store_true",
+                   help="rank compiled kernels by their own names (numeric suffixes kept: one shape each), not "
+                        "their families")
     p.add_argument("--sequence", default=None, metavar="START:COUNT",
                    help="also print these kernels of each trace in launch order")
     p.add_argument("--gaps", type=int, default=0, metavar="N", help="also print each trace's N longest idle gaps")
@@ -112,7 +119,7 @@ def main(argv=None) -> int:
         row = trace.relative_to(args.dir).parts[0]
         counted = args.dir / row / "rounds.json"  # the bench's checkpoint mode: the traced decode's rounds
         rounds = json.loads(counted.read_text())["rounds"] if counted.exists() else args.rounds
-        report[row], traces[row] = summarise(trace, rounds, top=args.top), trace
+        report[row], traces[row] = summarise(trace, rounds, top=args.top, by_kernel=args.by_kernel), trace
     if args.sequence:
         start, count = (int(x) for x in args.sequence.split(":"))
         for row, trace in traces.items():
@@ -132,7 +139,8 @@ def main(argv=None) -> int:
         print("  by kind: " + ", ".join(f"{k} {v['ms_per_round']:.2f} ms ({v['count_per_round']:.0f})"
                                         for k, v in s["by_kind"].items()))
         for k in s["top"]:
-            print(f"  {k['ms_per_round']:7.3f} ms  {k['share_of_busy']:5.1%}  x{k['count_per_round']:<5.0f} {k['name'][:90]}")
+            print(f"  {k['ms_per_round']:7.3f} ms  {k['share_of_busy']:5.1%}  x{k['count_per_round']:<5.0f} "
+                  f"{k['mean_us']:8.2f} us  {k['name'][:90]}")
         for g in s.get("gaps", []):
             print(f"  gap {g['us']:8.2f} us at {g['at_us']:9.1f} us, kernel {g['index']}: {g['before'][:40]} -> "
                   f"{g['after'][:40]}")
