@@ -50,10 +50,10 @@ def floor_terms(target, drafter, mode: str, tokens: int, context: int, block_siz
     Bytes: every weight that the round reads, once per pass that reads it: the target's actual parameters
     but its untied input embedding table (a round gathers a few of its rows: KiB, left out), and in the
     speculative modes the drafter's parameters and the output head again (the drafter's logits go through the
-    target's lm_head: DFlash's block once, each of MTP's steps once); the K/V of `context` tokens in each of the target's attention layers (all layers of a Qwen3; the
-    full-attention layers of a hybrid), and on a hybrid the recurrent states: the committed state read and
-    written back, plus, when the verify walks a tree (DFlash/DDTree), every node's kept vectors written and
-    read back once (`recurrent_node_bytes`).
+    target's lm_head: DFlash's block once, each of MTP's steps once); the K/V of `context` tokens in each of the
+    target's attention layers (all layers of a Qwen3; the full-attention layers of a hybrid), and on a hybrid the
+    recurrent states: the committed state read and written back, plus, when the verify walks a tree
+    (DFlash/DDTree), every node's kept vectors written and read back once (`recurrent_node_bytes`).
     FLOPs: 2 x (target parameters, less an untied input embedding) per verified token, attention over the
     cache, on a hybrid the delta-rule update of every Gated DeltaNet layer per token, and 2 x the drafter's
     parameters per block slot. Everything but the weights scales with the rows.

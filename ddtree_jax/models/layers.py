@@ -62,10 +62,10 @@ FUSED_KV_WRITE = True
 # kernels: three launches fewer per layer wherever those projections stream (FP8 weights, `Runtime.row_invariant`).
 # The same bits either way (the same float32 adds in the same order, one rounding). Off: on an H100 (2026-12-05) the
 # 8B FP8 W8A8 AR step took 4.38-4.44 ms off and 3.43-4.48 on in alternating runs (median 4.36): no gain that
-# repeats (at one row a single program of the norm kernel reads the s partial rows in float32); the H200 has not
-# timed it (`python tools/with_knobs.py engine:split_sums_in_next_kernel=1 -m ddtree_jax.bench ...`). On the H200
-# with bf16 weights (2026-12-05 night, one run beside the defaults) the same: AR 4.74 ms against 4.73, DFlash 6.01
-# against 6.06, B = 64 6.64 against 6.68 (the 108 sum launches gone, the consumers slower by as much).
+# repeats (at one row a single program of the norm kernel reads the s partial rows in float32). On the H200 with
+# bf16 weights (2026-12-05 night, `python tools/with_knobs.py engine:split_sums_in_next_kernel=1 -m
+# ddtree_jax.bench ...`, one run beside the defaults) the same: AR 4.74 ms against 4.73, DFlash 6.01 against 6.06,
+# B = 64 6.64 against 6.68 (the 108 sum launches gone, the consumers slower by as much).
 SPLIT_SUMS_IN_NEXT_KERNEL = False
 
 # The fast attention kernel's knobs (None: its defaults). `single_pass=True` (one launch, no merge) stays off: on
