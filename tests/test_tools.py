@@ -437,7 +437,7 @@ def test_with_knobs_lays_knobs_over_each_kernels_defaults(tmp_path, monkeypatch,
     assert with_knobs.parse_item("engine:commit_rows_kernel=1") == ("engine", {"commit_rows_kernel": True})
     for bad in ("topk:one_launch=1", "top_k:one_lunch=1", "tree_build:block_rows=48", "top_k:skip_cold=x",
                 "engine:tree_kernels_up_to=0", "engine:up_to=512", "engine:fused_kv_write=2",
-                "dense_stream:block_n=24", "fp8_stream:balance=2"):
+                "dense_stream:block_n=24", "fp8_stream:balance=3", "dense_stream_wide:prefetch=2"):
         assert with_knobs.main([bad, "-m", str(script)]) == 2
         assert capsys.readouterr().err.startswith(f"error: {bad!r}")
     assert with_knobs.main(["-m", str(script)]) == 2
