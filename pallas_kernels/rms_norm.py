@@ -18,6 +18,11 @@ delta may also come as a streamed projection's partial sums over its k splits, n
 partials in split order in float32 and rounds once to x's dtype, as `SplitSums.total` does (the same bits),
 so that no launch between the projection and this kernel sums them.
 
+With `quantize_group` = g the normalised row comes back as FP8 W8A8 rows instead: float8_e4m3fn codes [..., e] and
+float32 scales [..., e / g], one a group of g features (`stream_matmul.fp8_row_scales`' power of two), the bits of
+`ddtree_jax.models.fp8.quantize_rows` on the normalised row, so that the FP8 projection after the norm streams them
+as given (`stream_matmul`'s `x_scale`) instead of quantising each step's row tile itself.
+
 Letters: r rows (batch x tokens), e features (the row), ep = e padded to a power of two (masked loads), s splits.
 """
 
@@ -34,7 +39,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._dispatch import check_knobs, next_pow2, resolve_implementation, resolve_interpret
 from pallas_kernels._rms import KINDS, rms_inverse, scale_rows
-from pallas_kernels.stream_matmul import SplitSums, sum_in_split_order
+from pallas_kernels.stream_matmul import SplitSums, fp8_row_scales, sum_in_split_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,11 +58,32 @@ def _scale(s, w, *, eps: float, width: int, kind: str, dtype):
     return scale_rows(s, rms_inverse(s, eps=eps, width=width), w, kind=kind, dtype=dtype)
 
 
-def _kernel(*refs, eps: float, width: int, padded: int, kind: str, has_delta: bool, delta_splits: int):
+def _bfloat16_bits(y32):
+    """float32 values rounded to bfloat16's (to nearest, ties to even; finite values) by integer ops, still float32:
+    a bfloat16 -> float32 conversion that XLA may not drop (XLA's CPU compiler, interpreting a kernel, may skip the
+    rounding of a bfloat16 value it keeps in float32 within a fusion; Triton keeps it)."""
+    bits = lax.bitcast_convert_type(y32, jnp.uint32)
+    bits = (bits + jnp.uint32(0x7FFF) + ((bits >> 16) & jnp.uint32(1))) & jnp.uint32(0xFFFF0000)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def quantize_groups(y, group: int):
+    """Rows y [..., e] (e a multiple of `group`) -> (float8_e4m3fn codes [..., e], float32 scales [..., e / group]):
+    each group's largest |y| gives its power-of-two scale (`fp8_row_scales`), codes = y x its inverse, rounded once
+    (`ddtree_jax.models.fp8.quantize_rows`' bits). jnp arrays and Pallas kernels alike."""
+    y32 = y.astype(jnp.float32)
+    y32 = _bfloat16_bits(y32) if y.dtype == jnp.bfloat16 else y32
+    y32 = y32.reshape(*y.shape[:-1], y.shape[-1] // group, group)
+    scale, inverse = fp8_row_scales(jnp.max(jnp.abs(y32), axis=-1))
+    return (y32 * inverse[..., None]).astype(jnp.float8_e4m3fn).reshape(y.shape), scale
+
+
+def _kernel(*refs, eps: float, width: int, padded: int, kind: str, has_delta: bool, delta_splits: int,
+            group: int | None):
     if has_delta:
-        x_ref, delta_ref, w_ref, s_ref, y_ref = refs
+        x_ref, delta_ref, w_ref, s_ref, *y_refs = refs
     else:
-        x_ref, w_ref, y_ref = refs
+        x_ref, w_ref, *y_refs = refs
     cols = jnp.arange(padded, dtype=jnp.int32)
     ok = cols < width
     x = plt.load(x_ref.at[pl.ds(0, padded)], mask=ok, other=0)
@@ -72,15 +98,21 @@ def _kernel(*refs, eps: float, width: int, padded: int, kind: str, has_delta: bo
         plt.store(s_ref.at[pl.ds(0, padded)], x, mask=ok)
     w = plt.load(w_ref.at[pl.ds(0, padded)], mask=ok, other=0)
     y = _scale(x.astype(jnp.float32), w, eps=eps, width=width, kind=kind, dtype=dtype)
-    plt.store(y_ref.at[pl.ds(0, padded)], y, mask=ok)
+    if group is None:
+        plt.store(y_refs[0].at[pl.ds(0, padded)], y, mask=ok)
+        return
+    codes, scales = quantize_groups(y, group)  # padding groups (past e) are zeros: scale 1, never stored
+    plt.store(y_refs[0].at[pl.ds(0, padded)], codes, mask=ok)
+    groups = jnp.arange(padded // group, dtype=jnp.int32)
+    plt.store(y_refs[1].at[pl.ds(0, padded // group)], scales, mask=groups < width // group)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "kind", "config", "interpret"))
-def add_rms_norm_pallas(x, delta, weight, *, eps: float, kind: str = "qwen3", config: RMSNormConfig | None = None,
-                        interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("eps", "kind", "quantize_group", "config", "interpret"))
+def add_rms_norm_pallas(x, delta, weight, *, eps: float, kind: str = "qwen3", quantize_group: int | None = None,
+                        config: RMSNormConfig | None = None, interpret: bool = False):
     """The Pallas kernel; arguments and result as `add_rms_norm_reference`, plus the knobs."""
     config = RMSNormConfig() if config is None else config
-    _check(x, delta, weight, kind)
+    _check(x, delta, weight, kind, quantize_group)
     shape, e = x.shape, x.shape[-1]
     rows = x.reshape(-1, e)
     r = rows.shape[0]
@@ -91,50 +123,67 @@ def add_rms_norm_pallas(x, delta, weight, *, eps: float, kind: str = "qwen3", co
         delta_in, delta_spec = delta.partials, pl.BlockSpec((delta_splits, None, e), lambda i: (0, i, 0))
     elif has_delta:
         delta_in, delta_spec = delta.reshape(r, e).astype(x.dtype), row_spec
+    out_specs = [row_spec] * has_delta + [row_spec]
+    out_shape = [jax.ShapeDtypeStruct((r, e), x.dtype)] * has_delta
+    if quantize_group is None:
+        out_shape.append(jax.ShapeDtypeStruct((r, e), x.dtype))
+    else:  # the normalised row as FP8 codes and each group's scale
+        out_specs.append(pl.BlockSpec((None, e // quantize_group), lambda i: (i, 0)))
+        out_shape += [jax.ShapeDtypeStruct((r, e), jnp.float8_e4m3fn),
+                      jax.ShapeDtypeStruct((r, e // quantize_group), jnp.float32)]
     outs = pl.pallas_call(
         functools.partial(_kernel, eps=float(eps), width=e, padded=max(16, next_pow2(e)), kind=kind,
-                          has_delta=has_delta, delta_splits=delta_splits),
+                          has_delta=has_delta, delta_splits=delta_splits, group=quantize_group),
         grid=(r,),
         in_specs=[row_spec] + ([delta_spec] if has_delta else []) + [pl.BlockSpec((e,), lambda i: (0,))],
-        out_specs=[row_spec] * (2 if has_delta else 1),
-        out_shape=[jax.ShapeDtypeStruct((r, e), x.dtype)] * (2 if has_delta else 1),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
-        name="add_rms_norm",
+        name="add_rms_norm" + ("_fp8" if quantize_group else ""),
     )(rows, *([delta_in] if has_delta else []), weight)
-    if has_delta:
-        return outs[0].reshape(shape), outs[1].reshape(shape)
-    return x, outs[0].reshape(shape)
+    s = outs[0].reshape(shape) if has_delta else x
+    normed = outs[has_delta:]
+    if quantize_group is None:
+        return s, normed[0].reshape(shape)
+    return s, (normed[0].reshape(shape), normed[1].reshape(*shape[:-1], e // quantize_group))
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "kind"))
-def add_rms_norm_reference(x, delta, weight, *, eps: float, kind: str = "qwen3") -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnames=("eps", "kind", "quantize_group"))
+def add_rms_norm_reference(x, delta, weight, *, eps: float, kind: str = "qwen3", quantize_group: int | None = None):
     """x [..., e] the residual stream, delta [..., e] what a block adds to it (None: nothing; or its unsummed
     `SplitSums` [s, rp, e], rp >= the rows of x), weight [e]. Returns (s, y): s = x + delta in x's dtype (x itself
-    when delta is None) and y = the RMSNorm of s (`kind`, the module docstring), in x's dtype."""
-    _check(x, delta, weight, kind)
+    when delta is None) and y = the RMSNorm of s (`kind`, the module docstring), in x's dtype; with
+    `quantize_group`, y as FP8 rows instead: (codes [..., e], scales [..., e / quantize_group]), `quantize_groups`."""
+    _check(x, delta, weight, kind, quantize_group)
     if isinstance(delta, SplitSums):
         delta = delta.total(x.size // x.shape[-1]).reshape(x.shape)
     s = x if delta is None else x + delta.astype(x.dtype)
     s32 = s.astype(jnp.float32)
     rms_inv = lax.rsqrt(jnp.mean(s32 * s32, axis=-1, keepdims=True) + eps)
     if kind == "qwen3":
-        return s, weight.astype(x.dtype) * (s32 * rms_inv).astype(x.dtype)
-    return s, (s32 * rms_inv * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+        y = weight.astype(x.dtype) * (s32 * rms_inv).astype(x.dtype)
+    else:
+        y = (s32 * rms_inv * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    return s, (y if quantize_group is None else quantize_groups(y, quantize_group))
 
 
-def add_rms_norm(x, delta, weight, *, eps: float, kind: str = "qwen3", implementation: str | None = None,
-                 config: RMSNormConfig | None = None, interpret: bool | None = None) -> tuple[jax.Array, jax.Array]:
+def add_rms_norm(x, delta, weight, *, eps: float, kind: str = "qwen3", quantize_group: int | None = None,
+                 implementation: str | None = None, config: RMSNormConfig | None = None, interpret: bool | None = None):
     """Dispatcher: the Pallas kernel on a GPU, the reference elsewhere (see `pallas_kernels.resolve_implementation`)."""
     if resolve_implementation(implementation) == "reference":
-        return add_rms_norm_reference(x, delta, weight, eps=eps, kind=kind)
-    return add_rms_norm_pallas(x, delta, weight, eps=eps, kind=kind, config=config,
+        return add_rms_norm_reference(x, delta, weight, eps=eps, kind=kind, quantize_group=quantize_group)
+    return add_rms_norm_pallas(x, delta, weight, eps=eps, kind=kind, quantize_group=quantize_group, config=config,
                                interpret=resolve_interpret(interpret))
 
 
-def _check(x, delta, weight, kind):
+def _check(x, delta, weight, kind, quantize_group=None):
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}: expected one of {', '.join(KINDS)}")
+    if quantize_group is not None and (quantize_group < 16 or quantize_group & (quantize_group - 1)
+                                       or x.shape[-1] % quantize_group):
+        raise ValueError(f"quantize_group={quantize_group}: must be a power of two >= 16 dividing the row's "
+                         f"{x.shape[-1]} features")
     if x.ndim < 1 or weight.shape != (x.shape[-1],):
         raise ValueError(f"x must be [..., e] and weight [e], got {x.shape} and {weight.shape}")
     if isinstance(delta, SplitSums):
@@ -148,5 +197,5 @@ def _check(x, delta, weight, kind):
         raise ValueError(f"delta must have x's shape {x.shape}, got {delta.shape}")
 
 
-__all__ = ["KINDS", "RMSNormConfig", "add_rms_norm", "add_rms_norm_pallas", "add_rms_norm_reference", "rms_inverse",
-           "scale_rows"]
+__all__ = ["KINDS", "RMSNormConfig", "add_rms_norm", "add_rms_norm_pallas", "add_rms_norm_reference", "quantize_groups",
+           "rms_inverse", "scale_rows"]

@@ -246,6 +246,35 @@ def test_split_sums_added_by_the_next_kernels_give_the_same_bits(tmp_path, monke
             np.testing.assert_array_equal(a, b)
 
 
+
+def test_w8a8_rows_from_the_norm_give_the_same_bits(tmp_path, monkeypatch):
+    """`layers.W8A8_ROWS_FROM_NORM` (off by default): under W8A8 the add + RMSNorm kernel before q|k|v and gate|up
+    hands them FP8 rows (codes and scales, `QuantizedRows`), which the streaming kernel takes as given instead of
+    quantising each step's tile: an AR step's program runs the quantising norm kernel twice a layer, and its hidden
+    states and caches keep their bits (bf16, kernels interpreted). Under W8A16 nothing changes."""
+    from jaxprs import pallas_call_names
+
+    from ddtree_jax.models import layers
+
+    src = write_random_qwen3(tmp_path / "f32", seed=6, with_tokenizer=False, vocab_size=64)
+    assert convert_main(["quantize-fp8", str(src), str(tmp_path / "fp8"), "--block", "16,32"]) == 0
+    target = load_target(tmp_path / "fp8", jnp.bfloat16)
+    cache = qwen3.create_cache(target.config, 1, 32, jnp.bfloat16)
+    meta = ForwardMeta.step(jnp.array([3]), jnp.array([True]))
+    for fp8_matmul in ("w8a8", "stream"):
+        runtime = DecodeOptions(kernels="pallas", fp8_matmul=fp8_matmul).runtime
+        outs = {}
+        for from_norm in (False, True):
+            monkeypatch.setattr(layers, "W8A8_ROWS_FROM_NORM", from_norm)
+            step = lambda p, t: qwen3.forward(p, t, meta, cache, runtime=runtime)  # noqa: E731
+            names = pallas_call_names(jax.make_jaxpr(step)(target, jnp.array([[5]])))
+            quantising = sum(name == "add_rms_norm_fp8" for name in names)
+            assert quantising == (2 * target.config.num_layers if from_norm and fp8_matmul == "w8a8" else 0), names
+            out = jax.jit(step)(target, jnp.array([[5]]))
+            outs[from_norm] = [np.asarray(leaf, np.float32) for leaf in jax.tree.leaves(out)]  # hidden, caches
+        for a, b in zip(outs[False], outs[True]):
+            np.testing.assert_array_equal(a, b)
+
 def test_packed_fp8_projections_stream_as_one_matmul_each(tmp_path):
     """Blocks of 16 x 32 divide the heads (16) and the MLP halves: q|k|v and gate|up stay packed as FP8, so an AR
     step streams four FP8 matmuls a layer (not seven) and runs the Pallas q/k-norm-and-RoPE kernel on the packed

@@ -173,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
                           sds((rows, d), jnp.float32), sds((rows, d), jnp.float32)]))
             if dtype == jnp.bfloat16:  # the streamed projections' k-split sums added here (4 and 2 splits)
                 features = (n, hq // n + 2, d)
+                jobs.append((f"add_rms_norm fp8 rows rows={rows}", rn.RMSNormConfig(),  # W8A8's rows quantised here
+                             functools.partial(rn.add_rms_norm_pallas, eps=1e-6, quantize_group=128),
+                             [sds((rows, 4096), dtype), sds((rows, 4096), dtype), sds((4096,), dtype)]))
                 jobs.append((f"add_rms_norm split_sums rows={rows}", rn.RMSNormConfig(),
                              functools.partial(rn.add_rms_norm_pallas, eps=1e-6),
                              [sds((rows, 4096), dtype), smm.SplitSums(sds((4, rows + 15, 4096), jnp.float32),

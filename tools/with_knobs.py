@@ -27,7 +27,8 @@ kernel's `default_config`, which is what the engine uses when it passes no confi
   (`...layers.SPLIT_SUMS_IN_NEXT_KERNEL`: the streamed projections' k-split sums added by the q/k-norm-RoPE and
   add + RMSNorm kernels after them; off), `dense_stream_wide_max_rows=N` (`...layers.DENSE_STREAM_WIDE_MAX_ROWS`:
   bf16 projections of calls of more rows than `dense_stream_max_rows`, up to N, streamed with the knobs of
-  `dense_stream_wide:...`, `...layers.DENSE_STREAM_WIDE_KNOBS`; 0, off).
+  `dense_stream_wide:...`, `...layers.DENSE_STREAM_WIDE_KNOBS`; 0, off), `w8a8_rows_from_norm`
+  (`...layers.W8A8_ROWS_FROM_NORM`: W8A8's rows for q|k|v and gate|up quantised by the norm kernel before them; off).
 A module path after -m may be a file's (tools/loop_cost.py): it is run as a script then.
 """
 
@@ -69,7 +70,8 @@ ENGINE = {"tree_kernels_up_to": ("ddtree_jax.round", "TREE_BUILD_KERNEL_UP_TO", 
           "commit_rows_kernel": ("ddtree_jax.round", "COMMIT_ROWS_KERNEL", bool),
           "glu_in_epilogue": ("ddtree_jax.models.layers", "GLU_IN_EPILOGUE", bool),
           "norm_in_projection": ("ddtree_jax.models.layers", "NORM_IN_PROJECTION", bool),
-          "split_sums_in_next_kernel": ("ddtree_jax.models.layers", "SPLIT_SUMS_IN_NEXT_KERNEL", bool)}
+          "split_sums_in_next_kernel": ("ddtree_jax.models.layers", "SPLIT_SUMS_IN_NEXT_KERNEL", bool),
+          "w8a8_rows_from_norm": ("ddtree_jax.models.layers", "W8A8_ROWS_FROM_NORM", bool)}
 
 
 def parse_knobs(text: str, config_class) -> dict:

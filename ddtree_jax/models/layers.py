@@ -134,6 +134,14 @@ GLU_IN_EPILOGUE = False
 # through registers and shared memory before its multiply, where plain rows are copied ahead asynchronously).
 NORM_IN_PROJECTION = False
 
+# W8A8's rows for q|k|v and gate|up quantised by the add + RMSNorm kernel before them (`pallas_kernels.rms_norm`'s
+# `quantize_group`: FP8 codes and each group's scale, `QuantizedRows`) and streamed as given (`stream_matmul`'s
+# `x_scale`), instead of each streaming program quantising every step's row tile itself (`quantize_x`: a
+# cross-warp reduction, a conversion, a store and a barrier in every step of every program). The same bits
+# (`quantize_rows`' power-of-two scales either way). Off until a device run times it (`python tools/with_knobs.py
+# engine:w8a8_rows_from_norm=1 -m ddtree_jax.bench --shape qwen3-8b --weights fp8 --fp8-matmul w8a8 ...`).
+W8A8_ROWS_FROM_NORM = False
+
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["rows", "inv", "weight"], meta_fields=["kind"])
 @dataclasses.dataclass(frozen=True)
@@ -158,6 +166,23 @@ class NormedRows:
     def materialize(self) -> jax.Array:
         return scale_rows(self.rows.astype(jnp.float32), self.inv[..., None], self.weight, kind=self.kind,
                           dtype=self.rows.dtype)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["codes", "scales"], meta_fields=["dtype"])
+@dataclasses.dataclass(frozen=True)
+class QuantizedRows:
+    """An RMSNorm's output as W8A8 rows (`W8A8_ROWS_FROM_NORM`): codes [..., e] float8_e4m3fn, scales [..., e / g]
+    float32 (one per group of g input features: `ddtree_jax.models.fp8.quantize_rows`' bits), and `dtype`, the
+    norm output's dtype (the projection's result's). Only an FP8 projection that streams W8A8 takes them
+    (`fp8_linear`)."""
+
+    codes: jax.Array
+    scales: jax.Array
+    dtype: object
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.codes.shape
 
 
 def _rows_and_norm(x, streams: bool) -> tuple[jax.Array, NormedRows | None]:
@@ -299,22 +324,27 @@ def fp8_linear(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, block: tup
     group of the block's input features (`fp8.quantize_rows`): inside the streaming kernel where its step is one
     group (`quantize_x`: no launch of its own), else first, then streamed with its scales (FP8 tensor cores), or
     where nothing streams, dequantised again to x's dtype and multiplied as above: the same products up to that
-    rounding (none in float32) and the order of float32 sums. `split_sums`: as `linear`'s."""
+    rounding (none in float32) and the order of float32 sums. x may come quantised already (`QuantizedRows`, the
+    norm's) or as `NormedRows`. `split_sums`: as `linear`'s."""
     rows = math.prod(x.shape[:-1])
     config = fp8_stream_config(weight.shape, block, rows, runtime, glu=glu)
     w8a8 = runtime.fp8_matmul is Fp8Matmul.W8A8
-    quantize_x = w8a8 and config is not None and config.block_k == block[1]
-    x, norm = _rows_and_norm(x, config is not None and quantize_x == w8a8)  # rows quantised first: normalised first
-    rows_x, x_scale = x.reshape(rows, x.shape[-1]), None
-    if w8a8 and not quantize_x:
-        rows_x, x_scale = fp8.quantize_rows(rows_x, block[1])
+    if isinstance(x, QuantizedRows):  # W8A8 rows the norm before quantised (`add_and_norm`)
+        quantize_x, norm, dtype = False, None, x.dtype
+        rows_x, x_scale = x.codes.reshape(rows, x.shape[-1]), x.scales.reshape(rows, -1)
+    else:
+        quantize_x = w8a8 and config is not None and config.block_k == block[1]
+        x, norm = _rows_and_norm(x, config is not None and quantize_x == w8a8)  # quantised first: normalised first
+        dtype, rows_x, x_scale = x.dtype, x.reshape(rows, x.shape[-1]), None
+        if w8a8 and not quantize_x:
+            rows_x, x_scale = fp8.quantize_rows(rows_x, block[1])
     if config is None:
         if x_scale is not None:
-            x = fp8.dequantize(rows_x, x_scale, (1, block[1]), x.dtype).reshape(x.shape)
-        y = jnp.einsum("...i,oi->...o", x, fp8.dequantize(weight, scale_inv, block, x.dtype))
+            x = fp8.dequantize(rows_x, x_scale, (1, block[1]), dtype).reshape(x.shape)
+        y = jnp.einsum("...i,oi->...o", x, fp8.dequantize(weight, scale_inv, block, dtype))
         return swiglu(*jnp.split(y, 2, axis=-1)) if glu else y
     y = stream_matmul(rows_x, weight, scale_inv, block=block, x_scale=x_scale, quantize_x=quantize_x,
-                      implementation="pallas" if runtime.pallas else "reference", config=config, out_dtype=x.dtype,
+                      implementation="pallas" if runtime.pallas else "reference", config=config, out_dtype=dtype,
                       sum_splits=not (split_sums and SPLIT_SUMS_IN_NEXT_KERNEL) or glu, glu=glu,
                       **_norm_operands(norm, rows))
     return y if isinstance(y, SplitSums) else y.reshape(*x.shape[:-1], y.shape[-1])
@@ -406,8 +436,14 @@ def add_and_norm(norm, x: jax.Array, delta: jax.Array | SplitSums | None, runtim
     ran two or three per norm; it adds a `SplitSums` itself), replicated under tensor parallelism (the stream is);
     else the jnp ops of `x + delta` and `norm`. `into`: the projection that alone takes norm(s); where it streams
     and `NORM_IN_PROJECTION` is on, norm(s) comes back as `NormedRows` (s and each row's inverse RMS, from XLA's
-    add) for that projection to apply as it loads s."""
+    add) for that projection to apply as it loads s; where it streams W8A8 and `W8A8_ROWS_FROM_NORM` is on, as
+    `QuantizedRows` (the norm kernel's FP8 codes and scales)."""
     rows = math.prod(x.shape[:-1])
+    group = into.fp8_rows_group(rows, runtime) if W8A8_ROWS_FROM_NORM and into is not None and runtime.pallas else None
+    if group is not None:  # the projection's W8A8 rows quantised here (`QuantizedRows`)
+        s, (codes, scales) = add_rms_norm(x, delta, norm.weight[...], eps=norm.eps, kind=norm.kind,
+                                          quantize_group=group, implementation="pallas")
+        return s, QuantizedRows(codes, scales, x.dtype)
     if NORM_IN_PROJECTION and into is not None and runtime.pallas and into.streams(rows, runtime, x.dtype):
         delta = delta.total(rows).reshape(x.shape) if isinstance(delta, SplitSums) else delta
         s = x if delta is None else x + delta.astype(x.dtype)
@@ -524,6 +560,16 @@ class PackedProjections(nnx.Module):
         if self.block is not None:
             return fp8_stream_config((g * u * r, n_in), self.block, rows, runtime) is not None
         return dense_stream_config((g * u * r, n_in), rows, runtime, dtype=dtype) is not None
+
+    def fp8_rows_group(self, rows: int, runtime: Runtime) -> int | None:
+        """The input features a group of FP8 rows spans where a call of `rows` rows streams the packed FP8 weight
+        W8A8 with each step one group (the rows the kernel would quantise itself, which the norm before may hand
+        quantised: `QuantizedRows`), else None."""
+        if not self.packed or self.block is None or runtime.fp8_matmul is not Fp8Matmul.W8A8:
+            return None
+        g, u, r, n_in = self.weight.shape
+        config = fp8_stream_config((g * u * r, n_in), self.block, rows, runtime)
+        return self.block[1] if config is not None and config.block_k == self.block[1] else None
 
     def fp8_packs(self, block: tuple[int, int]) -> bool:
         """Whether FP8 blocks of `block` keep this module packed: their rows divide R, so each lies inside one unit

@@ -116,3 +116,43 @@ def test_split_sums_give_the_summed_delta_bits(rows, e, dtype, splits, interpret
         rn.add_rms_norm_reference(x, SplitSums(jnp.asarray(partials[:, :r - 1]), x.dtype, (e,)), weight, eps=EPS)
     with pytest.raises(ValueError, match="partial sums must be float32"):  # rounded to another dtype than x's
         rn.add_rms_norm_reference(x, SplitSums(jnp.asarray(partials), jnp.dtype(jnp.float16), (e,)), weight, eps=EPS)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("e,dtype,kind,splits", [(384, "bfloat16", "qwen3", 0), (320, "bfloat16", "zero_centered", 2),
+                                                 (128, "float32", "qwen3", 0)])
+def test_quantized_rows_are_quantize_rows_of_the_normalised_rows(e, dtype, kind, splits, interpret):
+    """`quantize_group`: the normalised rows come back as FP8 codes and a scale per group, the bits of
+    `fp8.quantize_rows` on the rows the same kernel normalises (groups of 128 and 64, e not a power of two, rows of
+    very different sizes and a zero group), beside the same residual sum; the codes dequantise to the rows within
+    half an e4m3 step."""
+    from ddtree_jax.models import fp8
+    from pallas_kernels.stream_matmul import SplitSums
+
+    rng = np.random.default_rng(e)
+    group = 64 if e == 320 else 128
+    x = rng.standard_normal((4, e)) * np.array([[0.01], [1.0], [30.0], [1.0]])
+    x[3, :group] = 0.0  # with delta 0 there: a zero group
+    x = jnp.asarray(x, dtype)
+    delta = jnp.asarray(rng.standard_normal((4, e)), dtype).at[3, :group].set(0)
+    if splits:
+        parts = jnp.asarray(rng.standard_normal((splits, 4, e)), jnp.float32).at[:, 3, :group].set(0)
+        delta = SplitSums(parts, jnp.dtype(dtype), (e,))
+    weight = jnp.asarray(1.0 + 0.3 * rng.standard_normal(e), dtype)
+    call = functools.partial(rn.add_rms_norm_pallas, eps=1e-6, kind=kind, interpret=interpret)
+    s, (codes, scales) = call(x, delta, weight, quantize_group=group)
+    s_plain, y = call(x, delta, weight)
+    assert codes.dtype == jnp.float8_e4m3fn and codes.shape == x.shape and scales.shape == (4, e // group)
+    want_codes, want_scales = fp8.quantize_rows(y, group)
+    np.testing.assert_array_equal(np.asarray(s, np.float32), np.asarray(s_plain, np.float32))
+    np.testing.assert_array_equal(np.asarray(codes, np.float32), np.asarray(want_codes, np.float32))
+    np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales))
+    assert np.asarray(scales)[3, 0] == 1.0 and not np.asarray(codes, np.float32)[3, :group].any()
+    step = np.repeat(np.asarray(scales, np.float64), group, axis=1)  # a code's unit in the row's units
+    back, y64 = np.asarray(codes, np.float64) * step, np.asarray(y, np.float64)
+    # half a step of e4m3: 2^-4 of the value where normal, 2^-10 of the scale among its subnormals
+    assert np.all(np.abs(back - y64) <= np.maximum(np.abs(y64) * 2.0 ** -4, step * 2.0 ** -10))
+    ref_s, (ref_codes, _) = rn.add_rms_norm_reference(x, delta, weight, eps=1e-6, kind=kind, quantize_group=group)
+    assert ref_codes.dtype == jnp.float8_e4m3fn and ref_codes.shape == x.shape
+    with pytest.raises(ValueError, match="quantize_group=48: must be a power of two >= 16 dividing"):
+        call(x, delta, weight, quantize_group=48)
