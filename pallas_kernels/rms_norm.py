@@ -19,7 +19,7 @@ partials in split order in float32 and rounds once to x's dtype, as `SplitSums.t
 so that no launch between the projection and this kernel sums them.
 
 With `quantize_group` = g the normalised row comes back as FP8 W8A8 rows instead: float8_e4m3fn codes [..., e] and
-float32 scales [..., e / g], one a group of g features (`stream_matmul.fp8_row_scales`' power of two), the bits of
+float32 scales [..., e / g], one a group of g features (`stream_matmul.quantize_groups`), the bits of
 `ddtree_jax.models.fp8.quantize_rows` on the normalised row, so that the FP8 projection after the norm streams them
 as given (`stream_matmul`'s `x_scale`) instead of quantising each step's row tile itself.
 
@@ -39,7 +39,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._dispatch import check_knobs, next_pow2, resolve_implementation, resolve_interpret
 from pallas_kernels._rms import KINDS, rms_inverse, scale_rows
-from pallas_kernels.stream_matmul import SplitSums, fp8_row_scales, sum_in_split_order
+from pallas_kernels.stream_matmul import SplitSums, quantize_groups, sum_in_split_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,15 +67,11 @@ def _bfloat16_bits(y32):
     return lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def quantize_groups(y, group: int):
-    """Rows y [..., e] (e a multiple of `group`) -> (float8_e4m3fn codes [..., e], float32 scales [..., e / group]):
-    each group's largest |y| gives its power-of-two scale (`fp8_row_scales`), codes = y x its inverse, rounded once
-    (`ddtree_jax.models.fp8.quantize_rows`' bits). jnp arrays and Pallas kernels alike."""
+def _fp8_rows(y, group: int):
+    """Normalised rows y [..., e] in their dtype -> `stream_matmul.quantize_groups` of them (codes, scales): the
+    bits of `quantize_rows` on y, its bfloat16 rounding made explicit (`_bfloat16_bits`)."""
     y32 = y.astype(jnp.float32)
-    y32 = _bfloat16_bits(y32) if y.dtype == jnp.bfloat16 else y32
-    y32 = y32.reshape(*y.shape[:-1], y.shape[-1] // group, group)
-    scale, inverse = fp8_row_scales(jnp.max(jnp.abs(y32), axis=-1))
-    return (y32 * inverse[..., None]).astype(jnp.float8_e4m3fn).reshape(y.shape), scale
+    return quantize_groups(_bfloat16_bits(y32) if y.dtype == jnp.bfloat16 else y32, group)
 
 
 def _kernel(*refs, eps: float, width: int, padded: int, kind: str, has_delta: bool, delta_splits: int,
@@ -101,7 +97,7 @@ def _kernel(*refs, eps: float, width: int, padded: int, kind: str, has_delta: bo
     if group is None:
         plt.store(y_refs[0].at[pl.ds(0, padded)], y, mask=ok)
         return
-    codes, scales = quantize_groups(y, group)  # padding groups (past e) are zeros: scale 1, never stored
+    codes, scales = _fp8_rows(y, group)  # padding groups (past e) are zeros: scale 1, never stored
     plt.store(y_refs[0].at[pl.ds(0, padded)], codes, mask=ok)
     groups = jnp.arange(padded // group, dtype=jnp.int32)
     plt.store(y_refs[1].at[pl.ds(0, padded // group)], scales, mask=groups < width // group)
@@ -154,7 +150,7 @@ def add_rms_norm_reference(x, delta, weight, *, eps: float, kind: str = "qwen3",
     """x [..., e] the residual stream, delta [..., e] what a block adds to it (None: nothing; or its unsummed
     `SplitSums` [s, rp, e], rp >= the rows of x), weight [e]. Returns (s, y): s = x + delta in x's dtype (x itself
     when delta is None) and y = the RMSNorm of s (`kind`, the module docstring), in x's dtype; with
-    `quantize_group`, y as FP8 rows instead: (codes [..., e], scales [..., e / quantize_group]), `quantize_groups`."""
+    `quantize_group`, y as FP8 rows instead: (codes [..., e], scales [..., e / quantize_group]), `_fp8_rows`."""
     _check(x, delta, weight, kind, quantize_group)
     if isinstance(delta, SplitSums):
         delta = delta.total(x.size // x.shape[-1]).reshape(x.shape)
@@ -165,7 +161,7 @@ def add_rms_norm_reference(x, delta, weight, *, eps: float, kind: str = "qwen3",
         y = weight.astype(x.dtype) * (s32 * rms_inv).astype(x.dtype)
     else:
         y = (s32 * rms_inv * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
-    return s, (y if quantize_group is None else quantize_groups(y, quantize_group))
+    return s, (y if quantize_group is None else _fp8_rows(y, quantize_group))
 
 
 def add_rms_norm(x, delta, weight, *, eps: float, kind: str = "qwen3", quantize_group: int | None = None,
@@ -197,5 +193,5 @@ def _check(x, delta, weight, kind, quantize_group=None):
         raise ValueError(f"delta must have x's shape {x.shape}, got {delta.shape}")
 
 
-__all__ = ["KINDS", "RMSNormConfig", "add_rms_norm", "add_rms_norm_pallas", "add_rms_norm_reference", "quantize_groups",
-           "rms_inverse", "scale_rows"]
+__all__ = ["KINDS", "RMSNormConfig", "add_rms_norm", "add_rms_norm_pallas", "add_rms_norm_reference", "rms_inverse",
+           "scale_rows"]

@@ -108,10 +108,17 @@ def quantize_rows(x: jax.Array, group: int) -> tuple[jax.Array, jax.Array]:
     size (128); a row's result depends on that row alone. x = q * scale up to e4m3's rounding."""
     t, k = x.shape
     groups = -(-k // group)
-    x32 = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, groups * group - k))).reshape(t, groups, group)
+    q, scale = quantize_groups(jnp.pad(x.astype(jnp.float32), ((0, 0), (0, groups * group - k))), group)
+    return q[:, :k], scale
+
+
+def quantize_groups(x: jax.Array, group: int) -> tuple[jax.Array, jax.Array]:
+    """x [..., k], k a multiple of `group` -> (float8_e4m3fn codes [..., k], float32 scales [..., k / group]): each
+    group's largest |x| gives its scale (`fp8_row_scales`), codes = x * inverse rounded once. jnp arrays and Pallas
+    kernels alike (`quantize_rows`; the add + RMSNorm kernel's FP8 rows)."""
+    x32 = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // group, group)
     scale, inverse = fp8_row_scales(jnp.max(jnp.abs(x32), axis=-1))
-    q = (x32 * inverse[..., None]).astype(jnp.float8_e4m3fn)
-    return q.reshape(t, groups * group)[:, :k], scale
+    return (x32 * inverse[..., None]).astype(jnp.float8_e4m3fn).reshape(x.shape), scale
 
 
 @dataclasses.dataclass(frozen=True)

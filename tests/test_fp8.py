@@ -216,6 +216,15 @@ def test_streamed_fp8_matmul_gives_the_dequantize_tokens(pair):
     assert max(n for row in got.acceptance_lengths for n in row) >= 2
 
 
+def _fp8_bf16_step(tmp_path):
+    """A random Qwen3 quantised to FP8 in 16 x 32 blocks (q|k|v and gate|up packed), loaded in bf16, a one-row
+    cache and an AR step's meta at position 3: (target, cache, meta)."""
+    src = write_random_qwen3(tmp_path / "f32", seed=6, with_tokenizer=False, vocab_size=64)
+    assert convert_main(["quantize-fp8", str(src), str(tmp_path / "fp8"), "--block", "16,32"]) == 0
+    target = load_target(tmp_path / "fp8", jnp.bfloat16)
+    return target, qwen3.create_cache(target.config, 1, 32, jnp.bfloat16), ForwardMeta.step(jnp.array([3]),
+                                                                                            jnp.array([True]))
+
 def test_split_sums_added_by_the_next_kernels_give_the_same_bits(tmp_path, monkeypatch):
     """`layers.SPLIT_SUMS_IN_NEXT_KERNEL` (off by default): the streamed partial sums over k of q|k|v, o_proj and
     down_proj go unsummed into the q/k-norm-RoPE and add + RMSNorm kernels, which add them in the same order: an AR
@@ -225,11 +234,7 @@ def test_split_sums_added_by_the_next_kernels_give_the_same_bits(tmp_path, monke
 
     from ddtree_jax.models import layers
 
-    src = write_random_qwen3(tmp_path / "f32", seed=6, with_tokenizer=False, vocab_size=64)
-    assert convert_main(["quantize-fp8", str(src), str(tmp_path / "fp8"), "--block", "16,32"]) == 0
-    target = load_target(tmp_path / "fp8", jnp.bfloat16)
-    cache = qwen3.create_cache(target.config, 1, 32, jnp.bfloat16)
-    meta = ForwardMeta.step(jnp.array([3]), jnp.array([True]))
+    target, cache, meta = _fp8_bf16_step(tmp_path)
     for fp8_matmul in ("stream", "w8a8"):
         runtime = DecodeOptions(kernels="pallas", fp8_matmul=fp8_matmul).runtime
         outs, adds = {}, {}
@@ -256,11 +261,7 @@ def test_w8a8_rows_from_the_norm_give_the_same_bits(tmp_path, monkeypatch):
 
     from ddtree_jax.models import layers
 
-    src = write_random_qwen3(tmp_path / "f32", seed=6, with_tokenizer=False, vocab_size=64)
-    assert convert_main(["quantize-fp8", str(src), str(tmp_path / "fp8"), "--block", "16,32"]) == 0
-    target = load_target(tmp_path / "fp8", jnp.bfloat16)
-    cache = qwen3.create_cache(target.config, 1, 32, jnp.bfloat16)
-    meta = ForwardMeta.step(jnp.array([3]), jnp.array([True]))
+    target, cache, meta = _fp8_bf16_step(tmp_path)
     for fp8_matmul in ("w8a8", "stream"):
         runtime = DecodeOptions(kernels="pallas", fp8_matmul=fp8_matmul).runtime
         outs = {}
