@@ -69,9 +69,9 @@ VOCAB_TOP_K_KERNEL_UP_TO = 512
 # ~0.13 ms of a DFlash or DDTree round on the H200, 2026-12-05 traces); the drafter's new context K/V likewise
 # (one launch instead of two per drafter layer; added after the timings below, not timed on its own). On: on an H100
 # (2026-12-05, two calls, `python tools/with_knobs.py engine:commit_rows_kernel=1 -m ddtree_jax.bench --shape
-# qwen3-8b ...` between plain runs) the bf16 8B DFlash round took 7.90-7.96 ms against 7.98-8.05, DDTree B = 15 7.86-8.04 against 7.98-8.05,
-# B = 64 8.68 against 8.76 (twice); on the H200, alternating, DFlash 6.14, 6.20 against 6.34, 6.35, B = 64 6.79,
-# 6.83 against 7.03, 7.05, the demo pair's tree rounds 3.7-5.3% faster.
+# qwen3-8b ...` between plain runs) the bf16 8B DFlash round took 7.90-7.96 ms against 7.98-8.05, DDTree B = 15
+# 7.86-8.04 against 7.98-8.05, B = 64 8.68 against 8.76 (twice); on the H200, alternating, DFlash 6.14, 6.20
+# against 6.34, 6.35, B = 64 6.79, 6.83 against 7.03, 7.05, the demo pair's tree rounds 3.7-5.3% faster.
 COMMIT_ROWS_KERNEL = True
 
 # Matmul precision of a decode: "auto" (`engine.resolve_options`: "highest" for a float32 target, "default"
