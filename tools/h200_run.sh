@@ -78,8 +78,8 @@
 #                                                                                         -> split_sums{0,1}/
 #   goals     both issues' goal figures in one call ($GOALS_S, 560 s; each part skipped or cut to what is left): the
 #             W8A8 smoke (tools/w8a8_check.py), the 8B FP8 W8A8 and bf16 rounds (AR, DFlash, DDTree 15, 64), the build
-#             at B = 64 / 512 (deep and i.i.d. logits, XLA against the kernels), the K/V-write A/B (bf16 AR,
-#             alternating), W8A16 AR, the 8B DDTree rounds at B = 256 / 512
+#             at B = 64 / 512 (deep and i.i.d. logits, XLA against the kernels), W8A16 AR, the 8B DDTree rounds at
+#             B = 256 / 512 (the K/V-write A/B it ran until 2026-12-05 night: settled, on)
 #                                                               -> w8a8_check.txt, goals.tar (goals/NAME/bench.json), build/
 #   dense_stream  the bf16 8B rounds (AR, DFlash, DDTree 15, 31) with the dense projections of small calls streamed
 #             (layers.DENSE_STREAM_MAX_ROWS: 32, the default since 2026-12-05, and 16), and with the split sums in the
@@ -350,12 +350,6 @@ TreeAttentionConfig as C; l.ATTENTION_CONFIG = C(single_pass=True)"
         timeout -k 5 100 python3 tools/topk_probe.py --out "$OUT/build/peak$peak" --vocab 151936 --budgets 64,512 \
           --top-k threshold,pallas --tree-build reference,pallas --peak "$peak" 2>&1 | grep -E '^\||rror'
         rm -f "$OUT/build/peak$peak/topk_probe.md"
-      done
-      i=0
-      for kv in 0 1 0 1; do
-        i=$((i + 1))
-        goal_bench "kv${i}_$kv" 60 tools/with_knobs.py engine:fused_kv_write=$kv -m ddtree_jax.bench --shape qwen3-8b \
-          --modes ar --repeats 10 --kernels pallas
       done
       goal_bench stream 70 -m ddtree_jax.bench --shape qwen3-8b --weights fp8 --fp8-matmul stream --modes ar \
         --repeats 5 --kernels pallas
