@@ -21,6 +21,7 @@ import gdn_probe  # noqa: E402
 import gpu_probe  # noqa: E402
 import greedy_equality  # noqa: E402
 import invariant_layers  # noqa: E402
+import l2_probe  # noqa: E402
 import loop_cost  # noqa: E402
 import per_call_choice  # noqa: E402
 import prune_counts  # noqa: E402
@@ -513,3 +514,20 @@ def test_round_attribution_stand_in_tree_and_bad_swap(capsys):
     np.testing.assert_array_equal(np.asarray(tree.ancestor), np.broadcast_to(want_ancestor, (2, 9, 9)))
     assert round_attribution.main(["--swap", "tree", "--modes", "16"]) == 2
     assert capsys.readouterr().err.startswith("error: --swap 'tree': expected one of none, fallback, build")
+
+
+def test_l2_probe_smoke_times_every_form(tmp_path):
+    """tools/l2_probe.py at a tiny shape, interpreted: every form timed, and the stand-in kernel really reads what it
+    prefetches (a NaN in a prefetched row reaches its flag; none outside them) and chases its chain to the end."""
+    assert l2_probe.main(["--out", str(tmp_path), "--smoke"]) == 0
+    (record,) = json.loads((tmp_path / "l2_probe.json").read_text())["records"]
+    forms = {"matmul_us", "matmul_hot_us", "host_us", "host+matmul_us", "host+prefetch_us", "host+prefetch+matmul_us"}
+    assert {k for k in record if k.endswith("_us")} == forms | {"gain_us"}
+    assert all(record[k] >= 0 for k in forms)
+    assert record["gain_us"] == pytest.approx(record["host+matmul_us"] - record["host+prefetch+matmul_us"])
+    chain = jnp.roll(jnp.arange(8, dtype=jnp.int32), -1)
+    w = jnp.ones((32, 64), jnp.bfloat16).at[9, 3].set(jnp.nan)  # row 9: the third prefetch program's (rows 8-11)
+    flags = l2_probe.host(chain, w, chase=7, fraction=0.5, interpret=True)  # rows 0-15: programs 1-4
+    assert flags.shape == (5,) and int(flags[0]) == 7 and int(flags[3]) == 3
+    quarter = l2_probe.host(chain, w, chase=7, fraction=0.25, interpret=True)  # rows 0-7: programs 1-2, no NaN
+    assert quarter.shape == (3,) and int(quarter[0]) == 7 and 3 not in [int(v) for v in quarter]
