@@ -138,8 +138,10 @@ NORM_IN_PROJECTION = False
 # `quantize_group`: FP8 codes and each group's scale, `QuantizedRows`) and streamed as given (`stream_matmul`'s
 # `x_scale`), instead of each streaming program quantising every step's row tile itself (`quantize_x`: a
 # cross-warp reduction, a conversion, a store and a barrier in every step of every program). The same bits
-# (`quantize_rows`' power-of-two scales either way). Off until a device run times it (`python tools/with_knobs.py
-# engine:w8a8_rows_from_norm=1 -m ddtree_jax.bench --shape qwen3-8b --weights fp8 --fp8-matmul w8a8 ...`).
+# (`quantize_rows`' power-of-two scales either way). Off: no gain on an H100 (2026-12-05 late, docs/performance.md;
+# `python tools/with_knobs.py engine:w8a8_rows_from_norm=1 -m ddtree_jax.bench --shape qwen3-8b --weights fp8
+# --fp8-matmul w8a8 ...`, alternating: AR 4.16 / 4.13 ms against 4.11 / 4.16, DFlash 5.83 / 5.72 against 5.74 /
+# 5.83); not yet timed on an H200.
 W8A8_ROWS_FROM_NORM = False
 
 
