@@ -32,6 +32,7 @@ import w8a8_check  # noqa: E402
 import trace_summary  # noqa: E402
 import with_knobs  # noqa: E402
 import with_tree_rule  # noqa: E402
+from jaxprs import equations  # noqa: E402
 
 
 def _write_trace(path: Path, kernels: list[tuple[float, float, str]]) -> None:
@@ -531,3 +532,25 @@ def test_l2_probe_smoke_times_every_form(tmp_path):
     assert flags.shape == (5,) and int(flags[0]) == 7 and int(flags[3]) == 3
     quarter = l2_probe.host(chain, w, chase=7, fraction=0.25, interpret=True)  # rows 0-7: programs 1-2, no NaN
     assert quarter.shape == (3,) and int(quarter[0]) == 7 and 3 not in [int(v) for v in quarter]
+
+
+def _weight_copies(fn, *args, shape):
+    """Equations of fn's jaxpr (nested ones too, kernels' bodies left out) that slice or copy out an array of
+    `shape`'s size (an index of a stacked array slices [1, *shape] first)."""
+    return [eqn.primitive.name for eqn, outer in equations(jax.make_jaxpr(fn)(*args))
+            if "pallas_call" not in outer and eqn.primitive.name in ("slice", "dynamic_slice", "gather", "copy", "copy_p")
+            and any(v.aval.size == np.prod(shape) for v in eqn.outvars)]
+
+
+def test_l2_probe_passes_each_weight_as_it_is():
+    """The probe's loop hands each kernel its weight as an operand of its own: a weight taken out of one stacked
+    array by the loop index is copied whole before each call (the first device run of the probe timed those copies,
+    2026-12-05 late). The check sees such a slice."""
+    ws = tuple(jnp.ones((32, 128), jnp.bfloat16) for _ in range(3))
+    x, chain = jnp.ones((1, 128), jnp.bfloat16), jnp.roll(jnp.arange(4, dtype=jnp.int32), -1)
+    run = l2_probe.weight_loop(use_host=True, prefetch_fraction=1.0, use_matmul=True, hot=False, chase=3, chain=chain,
+                               interpret=True)
+    assert _weight_copies(lambda ws, x: run(2, ws, x), ws, x, shape=(32, 128)) == []
+    stacked = jnp.stack(ws)
+    sliced = lambda s, x: jax.lax.fori_loop(0, 3, lambda i, x: x + s[i][:1], x)  # noqa: E731
+    assert _weight_copies(sliced, stacked, x, shape=(32, 128)) != []

@@ -87,31 +87,43 @@ def host(chain: jax.Array, w: jax.Array, *, chase: int, fraction: float, interpr
     )(chain, w)
 
 
+def weight_loop(*, use_host: bool, prefetch_fraction: float, use_matmul: bool, hot: bool, chase: int,
+                chain: jax.Array, interpret: bool):
+    """run(passes, ws, x): `passes` times over the weights ws (a tuple, one operand each), per weight the stand-in
+    kernel (prefetching `prefetch_fraction` of it) and/or the streaming projection of x by it (the models' knobs for
+    one row); `hot`: weight 0 every time. Each step's input depends on the last step's output."""
+    config = sm.StreamMatmulConfig()
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def run(passes, ws, x):
+        def one_pass(_, x):
+            for i in range(len(ws)):  # unrolled: each weight its own operand
+                w = ws[0 if hot else i]
+                if use_host:
+                    h = host(chain, w, chase=chase, fraction=prefetch_fraction, interpret=interpret)
+                    x = x.at[0, 0].add((h[0] == -1).astype(x.dtype))  # the projection waits for the host kernel
+                if use_matmul:
+                    y = sm.stream_matmul(x, w, config=config, implementation="pallas", interpret=interpret)
+                    x = x.at[0, 1].add(1e-3 * y[0, 0].astype(x.dtype))  # the next weight's turn waits for it
+            return x
+        return lax.fori_loop(0, passes, one_pass, x)
+    return run
+
+
 def measure(shape: tuple[int, int], fraction: float, *, layers: int, chase: int, repeats: int, iterations: int,
             interpret: bool) -> dict:
     n, k = shape
     keys = jax.random.split(jax.random.PRNGKey(0), 2)
-    ws = (jax.random.normal(keys[0], (layers, n, k), jnp.float32) * 0.02).astype(jnp.bfloat16)
+    # Separate arrays, each call's operand as it is: a weight sliced out of one stacked array inside the loop is
+    # copied by XLA before the kernel can take it (a read and a write of the whole weight per call).
+    ws = tuple((jax.random.normal(key, (n, k), jnp.float32) * 0.02).astype(jnp.bfloat16)
+               for key in jax.random.split(keys[0], layers))
     x0 = jax.random.normal(keys[1], (1, k), jnp.float32).astype(jnp.bfloat16)
     chain = jnp.roll(jnp.arange(max(chase, 1) + 1, dtype=jnp.int32), -1)  # i -> i + 1: every load depends on the last
-    config = sm.StreamMatmulConfig()
-
-    def matmul(x, w):
-        return sm.stream_matmul(x, w, config=config, implementation="pallas", interpret=interpret)
 
     def form(use_host: bool, prefetch: bool, use_matmul: bool, hot: bool = False):
-        @functools.partial(jax.jit, static_argnums=0)
-        def run(passes, ws, x):
-            def one(i, x):
-                w = ws[0 if hot else i % layers]
-                if use_host:
-                    h = host(chain, w, chase=chase, fraction=fraction if prefetch else 0.0, interpret=interpret)
-                    x = x.at[0, 0].add((h[0] == -1).astype(x.dtype))  # the projection waits for the host kernel
-                if use_matmul:
-                    y = matmul(x, w)
-                    x = x.at[0, 1].add(1e-3 * y[0, 0].astype(x.dtype))  # the next weight's turn waits for it
-                return x
-            return lax.fori_loop(0, passes * layers, one, x)
+        run = weight_loop(use_host=use_host, prefetch_fraction=fraction if prefetch else 0.0, use_matmul=use_matmul,
+                          hot=hot, chase=chase, chain=chain, interpret=interpret)
         return lambda p: run(p, ws, x0)
 
     forms = {"matmul": (False, False, True), "matmul_hot": (False, False, True, True), "host": (True, False, False),
