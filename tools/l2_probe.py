@@ -49,7 +49,8 @@ def _host_kernel(chain_ref, w_ref, out_ref, *, chase: int, prefetch_rows: int, k
 
     @pl.when(pid == 0)
     def _():
-        at = lax.fori_loop(0, chase, lambda _, i: plt.load(chain_ref.at[pl.ds(i, 1)])[0], jnp.int32(0))
+        # volatile: each load goes to L2 (~0.5 us), as a small kernel's dependent steps wait on memory, not L1
+        at = lax.fori_loop(0, chase, lambda _, i: plt.load(chain_ref.at[pl.ds(i, 1)], volatile=True)[0], jnp.int32(0))
         out_ref[pl.ds(0, 1)] = jnp.full((1,), at, jnp.int32)
 
     step_cols = min(k, COLUMNS_PER_STEP)
