@@ -554,3 +554,30 @@ def test_l2_probe_passes_each_weight_as_it_is():
     stacked = jnp.stack(ws)
     sliced = lambda s, x: jax.lax.fori_loop(0, 3, lambda i, x: x + s[i][:1], x)  # noqa: E731
     assert _weight_copies(sliced, stacked, x, shape=(32, 128)) != []
+
+
+def test_trace_summary_against_groups_the_swapped_kernels(tmp_path, capsys):
+    """--against: two traces of one program, two projections swapped (a streamed one with its split sum against
+    XLA's GEMM, and one against cuBLAS's), aligned on the kernels both run; each swap reported once a round with
+    both sides' time, the largest difference first."""
+    def layer(parts):
+        kernels, t = [], 0.0
+        for _ in range(2):  # two rounds of one layer each
+            for name, us in parts:
+                kernels.append((t, us, name))
+                t += us + 1.0
+        return kernels
+
+    a = [("add_rms_norm_1", 2.0), ("stream_matmul__3", 10.0), ("loop_slice_fusion_5", 1.0), ("tree_attention_2", 6.0),
+         ("add_rms_norm_1", 2.0), ("stream_matmul__4", 20.0)]
+    b = [("add_rms_norm_1", 2.0), ("gemm_fusion_dot_7", 12.0), ("tree_attention_2", 6.0), ("add_rms_norm_1", 2.0),
+         ("nvjet_sm90_x", 18.0)]
+    for side, parts in (("on", a), ("off", b)):
+        _write_trace(tmp_path / side / "dflash-pallas" / "plugins" / "x" / "perfetto_trace.json.gz", layer(parts))
+    diffs = trace_summary.differences(next((tmp_path / "on").glob("**/perfetto_trace.json.gz")),
+                                      next((tmp_path / "off").glob("**/perfetto_trace.json.gz")), rounds=2)
+    assert [(g["after"], g["a"], g["b"], g["count"], g["a_us"], g["b_us"]) for g in diffs] == [
+        ("add_rms_norm", ["stream_matmul__4"], ["nvjet_sm90_x"], 1, 20.0, 18.0),
+        ("add_rms_norm", ["stream_matmul__3", "loop_slice_fusion_5"], ["gemm_fusion_dot_7"], 1, 11.0, 12.0)]
+    assert trace_summary.main([str(tmp_path / "on"), "--rounds", "2", "--against", str(tmp_path / "off")]) == 0
+    assert "stream_matmul__4  |  nvjet_sm90_x" in capsys.readouterr().out

@@ -1,6 +1,6 @@
 """Summarise the GPU side of the profiler traces that `python -m ddtree_jax.bench --trace DIR` writes.
 
-    python tools/trace_summary.py DIR [--top 12] [--sequence START:COUNT] [--gaps N]
+    python tools/trace_summary.py DIR [--top 12] [--sequence START:COUNT] [--gaps N] [--against DIR_B]
 
 For every row folder under DIR (its `perfetto_trace.json.gz`), over the traced rounds: wall time from the
 first kernel's start to the last kernel's end, the sum of kernel times (busy), the gaps between kernels
@@ -10,6 +10,8 @@ Per round = divided by the number of rounds traced (`--rounds`: the bench traces
 loop, `bench.LOOP_ROUNDS` = 8 rounds; its checkpoint mode traces one decode and writes its round count in
 ROW/rounds.json). Times come from the profiler, which slows dispatch but not kernels: busy time is the figure
 to compare with the bench's round time.
+`--against DIR_B` aligns each row's first round with the same row traced under DIR_B (a knob's A/B) and lists the
+stretches where their kernels differ, grouped, with each side's time a round: which swapped kernels gain or lose.
 `--gaps N` prints each trace's N longest idle gaps with the kernels around them (where a call waits for the
 host). `--sequence 300:30` prints kernels 300..329 of each trace in launch order with their times (e.g. one decoder
 layer, to see which small kernels sit between its matmuls; map their names to fusions with an HLO dump, the
@@ -100,6 +102,30 @@ def sequence(path: Path, start: int, count: int) -> list[tuple[str, float]]:
     return [(name, dur) for _, dur, name in gpu_kernels(path)[start:start + count]]
 
 
+def differences(path_a: Path, path_b: Path, rounds: int) -> list[dict]:
+    """Where two traces of the same program with some kernels swapped (streamed projections against XLA's, say)
+    differ, per round: the first round's kernels of each (the first 1 / rounds of the trace) aligned by their
+    families (difflib), and every stretch that differs grouped by what it is: the anchor kernel before it (a family
+    both run), its kernels in A and in B (their own names: one compiled shape each), how often a round runs it and
+    the us each side spends there a round. Largest |A - B| first."""
+    import difflib
+
+    a, b = gpu_kernels(path_a), gpu_kernels(path_b)
+    a, b = a[:max(1, len(a) // rounds)], b[:max(1, len(b) // rounds)]
+    fam_a, fam_b = [family(n) for _, _, n in a], [family(n) for _, _, n in b]
+    groups = {}
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, fam_a, fam_b, autojunk=False).get_opcodes():
+        if tag == "equal":
+            continue
+        key = (fam_a[i1 - 1] if i1 else "(start)", tuple(n for _, _, n in a[i1:i2]), tuple(n for _, _, n in b[j1:j2]))
+        g = groups.setdefault(key, {"after": key[0], "a": list(key[1]), "b": list(key[2]), "count": 0, "a_us": 0.0,
+                                    "b_us": 0.0})
+        g["count"] += 1
+        g["a_us"] += sum(d for _, d, _ in a[i1:i2])
+        g["b_us"] += sum(d for _, d, _ in b[j1:j2])
+    return sorted(groups.values(), key=lambda g: -abs(g["a_us"] - g["b_us"]))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("dir", type=Path)
@@ -113,6 +139,9 @@ def main(argv=None) -> int:
     p.add_argument("--sequence", default=None, metavar="START:COUNT",
                    help="also print these kernels of each trace in launch order")
     p.add_argument("--gaps", type=int, default=0, metavar="N", help="also print each trace's N longest idle gaps")
+    p.add_argument("--against", type=Path, default=None, metavar="DIR_B",
+                   help="also align each row's first round with the same row's under DIR_B and list where they "
+                        "differ (kernels swapped by a knob: which of them gain or lose)")
     args = p.parse_args(argv)
     report, traces = {}, {}
     for trace in sorted(args.dir.glob("*/**/perfetto_trace.json.gz")):
@@ -127,6 +156,11 @@ def main(argv=None) -> int:
     if args.gaps:
         for row, trace in traces.items():
             report[row]["gaps"] = largest_gaps(trace, args.gaps)
+    if args.against:
+        for row, trace in traces.items():
+            other = sorted((args.against / row).glob("**/perfetto_trace.json.gz"))
+            if other:
+                report[row]["against"] = differences(trace, other[0], report[row].get("rounds", args.rounds))
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
@@ -144,6 +178,9 @@ def main(argv=None) -> int:
         for g in s.get("gaps", []):
             print(f"  gap {g['us']:8.2f} us at {g['at_us']:9.1f} us, kernel {g['index']}: {g['before'][:40]} -> "
                   f"{g['after'][:40]}")
+        for g in s.get("against", [])[:args.top]:
+            print(f"  x{g['count']:<4} {g['a_us']:9.1f} us against {g['b_us']:9.1f} a round, after {g['after'][:30]}: "
+                  f"{' + '.join(g['a'])[:60] or '-'}  |  {' + '.join(g['b'])[:60] or '-'}")
         if "sequence" in s:
             print(f"  kernels {args.sequence} in launch order:")
             for k in s["sequence"]:
