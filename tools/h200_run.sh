@@ -106,6 +106,11 @@
 #             e.g. --batch 8: the prompts in groups)                                                -> invariant/
 #   retrain_bg, retrain_wait  tools/retrain_demo.sh (issue 24: extract, train, measure both drafters) in the
 #             background, and collecting it (in this call or the next, while the machine is warm)     -> retrain/
+#   l2        tools/l2_probe.py: a stand-in latency-bound kernel reading the next projection's weight into L2, then
+#             the projection, against both without the reads (o_proj, q|k|v, down_proj shapes)     -> l2/, l2_chase64/
+#   stream27b issue 19: the 27B's DFlash round streamed / not, traced: kernels by name and the streamed projections
+#             against the XLA kernels they replace (trace_summary --against)
+#                                                 -> stream27b_{on,off}/, kernels27b_{on,off}.json, against27b.txt
 # Variables: BENCH_LIMIT, BUDGETS, KERNELS, MODES, REPEATS, KERNEL_LIMIT, KERNEL_ARGS, HYBRID_BUDGETS, HYBRID_MODES
 # (e.g. ar,dflash,mtp,ddtree: the 27B's MTP head beside DFlash and DDTree).
 set -uo pipefail
@@ -651,6 +656,29 @@ from pallas_kernels.tree_attention import TreeAttentionConfig as C"
         [ -f "/tmp/retrain/$f" ] && cp "/tmp/retrain/$f" "$OUT/retrain/"
       done
       ls -la "$OUT/retrain"
+      ;;
+    l2)
+      # Does a weight read into L2 under a latency-bound kernel make its projection faster (tools/l2_probe.py)
+      log "L2 probe"
+      timeout -k 5 "${L2_LIMIT:-200}" python3 tools/l2_probe.py --out "$OUT/l2" \
+        --shapes "${L2_SHAPES:-4096x4096,6144x4096,4096x12288}" --fractions 0.5,1 2>&1 | grep -E '^\||rror'
+      timeout -k 5 100 python3 tools/l2_probe.py --out "$OUT/l2_chase64" --shapes 4096x4096 --fractions 0.25,0.5,1 \
+        --chase 64 2>&1 | grep -E '^\||rror'
+      ;;
+    stream27b)
+      # The 27B's DFlash round with small calls' projections streamed (the default) and not, traced; each compiled
+      # kernel's time a round, and the streamed projections against the XLA kernels they replace (--against)
+      for side in on off; do
+        knobs=""; [ "$side" = off ] && knobs="engine:dense_stream_max_rows=0"
+        log "27B DFlash, streaming $side"
+        # shellcheck disable=SC2086
+        timeout -k 5 "${STREAM27B_LIMIT:-260}" python3 ${knobs:+tools/with_knobs.py $knobs} -m ddtree_jax.bench \
+          --shape qwen3.6-27b --modes dflash --repeats 3 --kernels pallas --trace "/tmp/traces27b/$side" \
+          --out "$OUT/stream27b_$side" 2>&1 | grep -E '^\| dflash|rror'
+        rm -f "$OUT/stream27b_$side"/bench.{md,png,partial.json}
+        python3 tools/trace_summary.py "/tmp/traces27b/$side" --top 60 --by-kernel --json > "$OUT/kernels27b_$side.json"
+      done
+      python3 tools/trace_summary.py /tmp/traces27b/on --against /tmp/traces27b/off --top 40 | tee "$OUT/against27b.txt"
       ;;
     *)
       echo "unknown step $step"; exit 2 ;;
