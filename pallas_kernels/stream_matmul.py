@@ -20,9 +20,8 @@ TB/s for 65 (docs/performance.md). Here every row count runs the same streaming 
 - x comes in unpadded: a row tile's rows past t are masked loads of zeros (a pad before the kernel was a launch of
   its own: its producer is mostly another Pallas kernel, into which XLA fuses nothing), and `fp8_bits`' scaling of
   x (below) is done on the loaded tile;
-- with `norm` (each row's inverse RMS and a norm weight) the loaded tile is RMS-normalised first (`_rms.scale_rows`:
-  the norm before the projection, with no launch of its own); with `glu` (w the packed gate|up [2 m, k], one
-  split) each program streams its gate rows and the same up rows and writes `swiglu(gate, up)` [t, m].
+- with `glu` (w the packed gate|up [2 m, k], one split) each program streams its gate rows and the same up rows
+  and writes `swiglu(gate, up)` [t, m].
 
 Block-scaled FP8 weights (the published format, `ddtree_jax/models/fp8.py`): with `scale_inv` [ceil(n / bo),
 ceil(k / bi)] and `block` (bo, bi), w is float8_e4m3fn and stays so in memory (half the bytes to stream); each
@@ -75,7 +74,6 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._dispatch import check_knobs, core_count, next_pow2, resolve_implementation, resolve_interpret
 from pallas_kernels._fp8_dot import fp8_dot
-from pallas_kernels._rms import KINDS, scale_rows
 
 
 GROUP_ROWS = 128  # the most rows one program multiplies (its accumulators: block_n x 128 float32)
@@ -146,10 +144,10 @@ class StreamMatmulConfig:
               their own precision before the sum joins float32 (`pallas_kernels._fp8_dot`; >= 32); None: block_k,
               one promotion a step; 0: no FP8 wgmma, Pallas's own dot (Triton then multiplies float16 copies of
               both tiles with mma.sync: the same products in float32). No effect otherwise.
-    prefetch: 1: a step's small operands (an FP8 weight block's scale, FP8 rows' scales, the norm weight's tile) are
-              loaded one step ahead and carried into the next step. Triton's pipeliner copies the weight and row
-              tiles ahead asynchronously (cp.async) but not these: each is a synchronous global load inside the
-              loop (a scalar, or under 4 bytes a thread: too narrow for cp.async; the PTX of the sm_90 build,
+    prefetch: 1: a step's small operands (an FP8 weight block's scale, FP8 rows' scales) are loaded one step
+              ahead and carried into the next step. Triton's pipeliner copies the weight and row tiles ahead
+              asynchronously (cp.async) but not these: each is a synchronous global load inside the loop (a scalar,
+              or under 4 bytes a thread: too narrow for cp.async; the PTX of the sm_90 build,
               tools/triton_offline.py), whose latency every step waits out before its scaling. 0: loaded in the
               step that uses them. The same values either way: the same bits.
     """
@@ -264,7 +262,7 @@ class SplitSums:
 
 def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_block: tuple[int, int] | None,
             row_tiles: tuple[int, ...], rows: int, fp8_bits: int, fp8_rows: bool, quantize_x: bool, promote_k: int,
-            whole_out: bool, asm: bool, glu_rows: int | None, norm_kind: str | None, prefetch: int):
+            whole_out: bool, asm: bool, glu_rows: int | None, prefetch: int):
     # x_ref [t, k] all of x, unpadded (`rows` = t: a row tile's rows past t are masked loads of zeros, so no pad
     # launches before the kernel); w_ref [block_n, ks] weight rows, this split's k slice; o_ref [tg, block_n] f32,
     # this split's partial sums, or with one split (`whole_out`) o_ref [t, n] the result in its dtype;
@@ -276,8 +274,6 @@ def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_bloc
     # of this program's gate rows, and the epilogue writes silu(gate) * up.
     w_refs = (w_ref, refs[0]) if glu_rows else (w_ref,)
     refs = refs[1:] if glu_rows else refs
-    if norm_kind is not None:  # x's rows normalised as they load: each row's inverse RMS [t], the norm weight [k]
-        inv_ref, nw_ref, *refs = refs
     if fp8_rows and not quantize_x:
         s_ref, xs_ref, o_ref = refs
     else:
@@ -289,30 +285,24 @@ def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_bloc
         first_col = pl.program_id(1) * steps * block_k
     starts = [sum(row_tiles[:i]) for i in range(len(row_tiles))]
     group_row = pl.program_id(2) * sum(row_tiles)  # this group's first row in x_ref and xs_ref
-    if norm_kind is not None:  # each row tile's inverse RMS, once for every step
-        invs = [plt.load(inv_ref.at[pl.ds(group_row + start, size)],
-                         mask=group_row + start + jnp.arange(size, dtype=jnp.int32) < rows, other=0.0)
-                for start, size in zip(starts, row_tiles)]
     split_col = pl.program_id(1) * steps * block_k  # this split's first column of x_ref
 
-    def small_operands(i):  # step i's scales and norm-weight tile: (weight scales per w_ref, row scales per tile, nw)
-        scales, row_scales, nw = (), (), None
+    def small_operands(i):  # step i's scales: (weight scales per w_ref, row scales per tile)
+        scales, row_scales = (), ()
         if scale_block is not None:
             block_col = (first_col + i * block_k) // scale_block[1]
             scales = tuple(s_ref[row, block_col].astype(jnp.float32) for row in weight_scale_rows)
             if fp8_rows and not quantize_x:
                 row_scales = tuple(xs_ref[block_col, pl.ds(group_row + start, size)]
                                    for start, size in zip(starts, row_tiles))
-        if norm_kind is not None:
-            nw = nw_ref[pl.ds(split_col + i * block_k, block_k)]
-        return scales, row_scales, nw
+        return scales, row_scales
 
     def step(i, carry):
         accs, ahead = carry
         if prefetch:  # this step's were loaded by the step before; load the next step's now (the last: again)
-            (scales, row_scales, nw), ahead = ahead, small_operands(jnp.minimum(i + 1, steps - 1))
+            (scales, row_scales), ahead = ahead, small_operands(jnp.minimum(i + 1, steps - 1))
         else:
-            scales, row_scales, nw = small_operands(i)
+            scales, row_scales = small_operands(i)
         cols = pl.ds(i * block_k, block_k)
         ws = []
         for ref in w_refs:
@@ -325,8 +315,6 @@ def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_bloc
             row_ok = group_row + start + jnp.arange(size, dtype=jnp.int32) < rows
             x = plt.load(x_ref.at[pl.ds(group_row + start, size), pl.ds(split_col + i * block_k, block_k)],
                          mask=jnp.broadcast_to(row_ok[:, None], (size, block_k)), other=0.0)
-            if norm_kind is not None:  # RMSNorm of the loaded tile: `_rms.scale_rows`, as the norm kernel does
-                x = scale_rows(x.astype(jnp.float32), invs[r][:, None], nw, kind=norm_kind, dtype=x_ref.dtype)
             if fp8_bits:
                 x = x * jnp.asarray(2.0 ** X_PRESCALE_EXPONENT, x.dtype)  # exact below 2^64 (module docstring)
             if quantize_x:  # this tile is one group of each row: `quantize_rows`, inline
@@ -407,19 +395,19 @@ def _splits(k: int, n_blocks: int, config: StreamMatmulConfig) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("block", "quantize_x", "config", "out_dtype", "sum_splits", "glu",
-                                             "norm_kind", "interpret", "debug"))
+                                             "interpret", "debug"))
 def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None = None, x_scale=None,
                          quantize_x: bool = False, config: StreamMatmulConfig | None = None, out_dtype=None,
-                         sum_splits: bool = True, glu: bool = False, norm=None, norm_kind: str = "qwen3",
-                         interpret: bool = False, debug: bool = False) -> jax.Array | SplitSums:
+                         sum_splits: bool = True, glu: bool = False, interpret: bool = False,
+                         debug: bool = False) -> jax.Array | SplitSums:
     """The Pallas kernel; arguments and result as `stream_matmul_reference`, plus the knobs (with `quantize_x`,
     block_k must be the scale block's bi: a step's tile is one group). With `sum_splits=False` and more than one
     split, the partial sums come back unsummed (`SplitSums`; their `total(t, out_dtype)` is the result). With `glu`
     and one split, each program streams its gate rows and the same up rows (block_n must divide m = n / 2) and
     writes `swiglu` of the two products: no launch after the kernel; with more splits the sums and `swiglu` follow
-    in XLA. With `norm`, each step's tile of x is RMS-normalised as it loads (`stream_matmul_reference`'s)."""
+    in XLA."""
     config = StreamMatmulConfig() if config is None else config
-    _check(x, w, scale_inv, block, x_scale, out_dtype, quantize_x, glu, norm, norm_kind)
+    _check(x, w, scale_inv, block, x_scale, out_dtype, quantize_x, glu)
     if glu and not sum_splits:
         raise ValueError("glu gives the activation of summed products: sum_splits must stay True")
     fp8_rows = x_scale is not None or quantize_x
@@ -447,7 +435,7 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
     fused_glu = glu and splits == 1
     if glu and not fused_glu:  # the partial sums of gate|up, summed in XLA, then the activation
         y = stream_matmul_pallas(x, w, scale_inv, block=block, x_scale=x_scale, quantize_x=quantize_x, config=config,
-                                 out_dtype=out_dtype, norm=norm, norm_kind=norm_kind, interpret=interpret, debug=debug)
+                                 out_dtype=out_dtype, interpret=interpret, debug=debug)
         return swiglu(y[:, :n], y[:, n:])
     in_specs = [pl.BlockSpec((t, k), lambda i, s, g: (0, 0)),  # all of x (each step loads its rows' tile, masked)
                 pl.BlockSpec((block_n, ks), lambda i, s, g: (i, s))]  # w rows
@@ -456,9 +444,6 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
     if fused_glu:  # the same weight again: the up rows of this program's gate rows
         in_specs.append(pl.BlockSpec((block_n, ks), lambda i, s, g: (i + n // block_n, s)))
         operands.append(w)
-    if norm is not None:  # every row's inverse RMS and the whole norm weight (each step reads its tile)
-        in_specs += [pl.BlockSpec((t,), lambda i, s, g: (0,)), pl.BlockSpec((k,), lambda i, s, g: (0,))]
-        operands += [norm[0].astype(jnp.float32), norm[1]]
     if block is not None:
         in_specs.append(pl.BlockSpec(scale_inv.shape, lambda i, s, g: (0, 0)))  # every scale (a scalar read per step)
         operands.append(scale_inv)
@@ -477,8 +462,7 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
         functools.partial(_kernel, block_k=config.block_k, steps=ks // config.block_k, precision=precision,
                           scale_block=None if block is None else tuple(block), row_tiles=row_tiles, rows=t,
                           fp8_bits=fp8_bits, fp8_rows=fp8_rows, quantize_x=quantize_x, whole_out=whole_out,
-                          asm=not interpret, glu_rows=n if fused_glu else None,
-                          norm_kind=None if norm is None else norm_kind, prefetch=config.prefetch,
+                          asm=not interpret, glu_rows=n if fused_glu else None, prefetch=config.prefetch,
                           promote_k=config.block_k if config.promote_k is None else config.promote_k),
         grid=(n // block_n, splits, groups),
         in_specs=in_specs,
@@ -498,28 +482,21 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
 
 def stream_matmul(x, w, scale_inv=None, *, block: tuple[int, int] | None = None, x_scale=None,
                   quantize_x: bool = False, implementation: str | None = None, config: StreamMatmulConfig | None = None,
-                  out_dtype=None, sum_splits: bool = True, glu: bool = False, norm=None, norm_kind: str = "qwen3",
+                  out_dtype=None, sum_splits: bool = True, glu: bool = False,
                   interpret: bool | None = None) -> jax.Array | SplitSums:
     """Dispatcher: the Pallas kernel on a GPU, the reference elsewhere (see `pallas_kernels.resolve_implementation`;
     the reference always returns the summed product)."""
     if resolve_implementation(implementation) == "reference":
         return stream_matmul_reference(x, w, scale_inv, block=block, x_scale=x_scale, quantize_x=quantize_x,
-                                       out_dtype=out_dtype, glu=glu, norm=norm, norm_kind=norm_kind)
+                                       out_dtype=out_dtype, glu=glu)
     return stream_matmul_pallas(x, w, scale_inv, block=block, x_scale=x_scale, quantize_x=quantize_x, config=config,
-                                out_dtype=out_dtype, sum_splits=sum_splits, glu=glu, norm=norm, norm_kind=norm_kind,
+                                out_dtype=out_dtype, sum_splits=sum_splits, glu=glu,
                                 interpret=resolve_interpret(interpret))
 
 
-def _check(x, w, scale_inv=None, block=None, x_scale=None, out_dtype=None, quantize_x=False, glu=False, norm=None,
-           norm_kind="qwen3"):
+def _check(x, w, scale_inv=None, block=None, x_scale=None, out_dtype=None, quantize_x=False, glu=False):
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x must be [t, k] and w [n, k], got {x.shape} and {w.shape}")
-    if norm is not None:
-        if x.dtype == jnp.float8_e4m3fn or norm[0].shape != (x.shape[0],) or norm[1].shape != (x.shape[1],):
-            raise ValueError(f"norm: (inverse RMS [t] = [{x.shape[0]}], weight [k] = [{x.shape[1]}]) of float rows, "
-                             f"got {norm[0].shape}, {norm[1].shape} for {x.dtype} rows")
-        if norm_kind not in KINDS:
-            raise ValueError(f"norm_kind={norm_kind!r}: expected one of {', '.join(KINDS)}")
     if glu and w.shape[0] % 2:
         raise ValueError(f"glu: w must be gate|up, [2 m, k], got {w.shape}")
     if (scale_inv is None) != (block is None):
@@ -548,23 +525,17 @@ def _check(x, w, scale_inv=None, block=None, x_scale=None, out_dtype=None, quant
             raise ValueError("FP8 rows of x (x_scale) need an out_dtype")
 
 
-@functools.partial(jax.jit, static_argnames=("block", "quantize_x", "out_dtype", "glu", "norm_kind"))
+@functools.partial(jax.jit, static_argnames=("block", "quantize_x", "out_dtype", "glu"))
 def stream_matmul_reference(x, w, scale_inv=None, *, block: tuple[int, int] | None = None, x_scale=None,
-                            quantize_x: bool = False, out_dtype=None, glu: bool = False, norm=None,
-                            norm_kind: str = "qwen3") -> jax.Array:
+                            quantize_x: bool = False, out_dtype=None, glu: bool = False) -> jax.Array:
     """x [t, k] @ w [n, k]^T -> [t, n] in `out_dtype` (default x's dtype), accumulated in float32 (w in its HF
     [out, in] layout). With `scale_inv` [ceil(n / bo), ceil(k / bi)] and `block` (bo, bi), w is block-scaled FP8
     and is dequantised in float32 first (w[r, c] x scale_inv[r // bo, c // bi]). With `x_scale` [t, ceil(k / bi)],
     x is float8_e4m3fn too (per row and input block) and is dequantised alike (x[r, c] x x_scale[r, c // bi]);
     `out_dtype` is then required. With `quantize_x`, x (float) is first quantised so (`quantize_rows`, groups of
     bi), its result in x's dtype unless `out_dtype` says otherwise. With `glu`, w is gate|up [2 m, k] and the
-    result [t, m] is `swiglu` of the product's two halves. With `norm` = (inverse RMS [t] float32, weight [k]), x's
-    rows are first RMS-normalised (`_rms.scale_rows` of `norm_kind`, in x's dtype): the product of the rows an
-    RMSNorm gives, normalised as the streaming kernel loads them."""
-    _check(x, w, scale_inv, block, x_scale, out_dtype, quantize_x, glu, norm, norm_kind)
-    if norm is not None:
-        x = scale_rows(x.astype(jnp.float32), norm[0].astype(jnp.float32)[:, None], norm[1], kind=norm_kind,
-                       dtype=x.dtype)
+    result [t, m] is `swiglu` of the product's two halves."""
+    _check(x, w, scale_inv, block, x_scale, out_dtype, quantize_x, glu)
     if glu:
         y = stream_matmul_reference(x, w, scale_inv, block=block, x_scale=x_scale, quantize_x=quantize_x,
                                     out_dtype=out_dtype)

@@ -17,8 +17,6 @@ inference", 2023; the online softmax of FlashAttention-2, arXiv 2307.08691, Algo
   under `new_mask`. Each program writes its normalised partial output and its log-sum-exp;
   `_merge_partials` combines the C + 1 partials in a second, small kernel that writes the output in q's
   layout (in plain jnp that merge was three XLA kernels per layer). The cache split lets batch 1 fill the GPU.
-  With `TreeAttentionConfig.single_pass` there is no split: one program per (row, KV head, block of rows)
-  walks the whole cache, then the new keys, in one online softmax, and writes the output itself (one launch).
 
 Triton wants power-of-two tiles of at least 16 for dots: the wrapper pads the head dim to a power of two
 (>= 16); query rows past t * g, key blocks past the cache length or past T are masked loads, so rows, S
@@ -81,11 +79,6 @@ class TreeAttentionConfig:
     chunk:      the row-invariant kernel's cache chunk in positions, a multiple of block_k (None: ROW_INVARIANT_CHUNK);
                 fixed, not derived from the capacity, which differs between AR and a verify (`engine.cache_shape`).
                 The fast kernel takes `num_chunks` instead.
-    single_pass: the fast kernel in one launch: each (row, KV head, row block) in one program that walks the
-                whole cache and then the new tokens, continuing one online softmax, and writes the output in q's
-                layout; no partials, no merge launch (`_merge_partials`: ~2.5-3 us a layer on the H200, 8-10% of the
-                demo pair's DFlash round busy time, 2026-12-04), at the price of the chunks' parallelism (one
-                program per row block and KV head). num_chunks must be None or 1. Off until timed.
     """
 
     block_q: int = 64
@@ -97,20 +90,16 @@ class TreeAttentionConfig:
     lean_steps: bool = True
     row_invariant: bool = False
     chunk: int | None = None
-    single_pass: bool = False
 
     def __post_init__(self):
         check_knobs(self, pow2={"block_q": 16, "block_k": 16, "block_u": 16}, optional_counts=("num_chunks", "chunk"))
-        for knob in ("lean_steps", "row_invariant", "single_pass"):
+        for knob in ("lean_steps", "row_invariant"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"TreeAttentionConfig.{knob}={getattr(self, knob)!r}: must be True or False")
         if self.row_invariant and self.num_chunks is not None:
             raise ValueError("TreeAttentionConfig.num_chunks: the row-invariant kernel's chunks are `chunk` positions")
         if self.chunk is not None and not self.row_invariant:
             raise ValueError(f"TreeAttentionConfig.chunk={self.chunk}: a knob of the row-invariant kernel only")
-        if self.single_pass and (self.row_invariant or self.num_chunks not in (None, 1)):
-            raise ValueError(f"TreeAttentionConfig.single_pass: one chunk of the fast kernel (num_chunks None or 1, "
-                             f"not {self.num_chunks}; row_invariant False, not {self.row_invariant})")
         if self.row_invariant and (self.chunk or ROW_INVARIANT_CHUNK) % self.block_k:
             raise ValueError(f"TreeAttentionConfig.chunk={self.chunk or ROW_INVARIANT_CHUNK} (positions) must be a "
                              f"multiple of block_k={self.block_k}")
@@ -184,10 +173,10 @@ def _tree_attention_kernel(
     mask_ref,  # [t, t] int8, 1 where query token i sees new token j
     pos_ref,   # [t] int32 positions of the new tokens
     len_ref,   # [] int32 committed slots of this row
-    # outputs: o_ref [block_q, d] float32 this chunk's output, normalised within the chunk, and lse_ref [block_q]
-    # float32 its log-sum-exp of scores (-inf: the chunk showed nothing); with single_pass, out_ref [t * heads,
-    # d_out] the attention output of this batch row in q's layout (row = token * heads + query head)
-    *out_refs,
+    # outputs
+    o_ref,     # [block_q, d] float32 this chunk's output, normalised within the chunk
+    lse_ref,   # [block_q] float32 this chunk's log-sum-exp of scores (-inf: the chunk showed nothing)
+    *,
     scale: float,
     window: int | None,
     num_chunks: int,
@@ -200,10 +189,8 @@ def _tree_attention_kernel(
     num_slots: int,
     precision,
     lean: bool,
-    single_pass: bool,
 ):
-    kv_head, row_block = pl.program_id(1), pl.program_id(2)
-    chunk_id = 0 if single_pass else pl.program_id(3)
+    kv_head, row_block, chunk_id = pl.program_id(1), pl.program_id(2), pl.program_id(3)
     d = q_ref.shape[-1]
     rows = row_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
     row_ok = rows < num_new * group
@@ -220,7 +207,7 @@ def _tree_attention_kernel(
     init = (jnp.zeros((block_q, d), jnp.float32), jnp.full((block_q,), _NEG_INF, jnp.float32),
             jnp.zeros((block_q,), jnp.float32))
 
-    def cache_chunk(init):
+    def cache_chunk():
         length = jnp.minimum(len_ref[...], num_slots)
         start = chunk_id * chunk
         end = jnp.minimum(start + chunk, length)  # chunk is a multiple of block_k: blocks end at `end` or S
@@ -253,7 +240,7 @@ def _tree_attention_kernel(
         carry = lax.fori_loop(0, whole, whole_block, init)
         return lax.fori_loop(whole, num_blocks, body, carry)  # the partial last block, if any, masked
 
-    def new_tokens(init):
+    def new_tokens():
         def body(i, carry):
             u0 = i * block_u
             cols = u0 + jnp.arange(block_u, dtype=jnp.int32)
@@ -271,20 +258,7 @@ def _tree_attention_kernel(
 
         return lax.fori_loop(0, cdiv(num_new, block_u), body, init)
 
-    if single_pass:  # the new tokens continue the cache's online softmax; the output goes out in q's layout
-        (out_ref,) = out_refs
-        acc, m, l = new_tokens(cache_chunk(init))
-        out = acc / jnp.where(l == 0.0, 1.0, l)[:, None]  # a row that saw nothing: zeros
-        d_out = out_ref.shape[-1]
-        # Rows past the last token get rows past the output (masked; `row_token` is clamped for loads, and a
-        # clamped row would alias a real one, which the interpreter's masked store writes back unchanged).
-        flat = lax.div(rows, jnp.int32(group)) * (out_ref.shape[0] // num_new) + row_head
-        cols = jnp.arange(d, dtype=jnp.int32)
-        plt.store(out_ref.at[flat[:, None], cols[None, :]], out.astype(out_ref.dtype),
-                  mask=row_ok[:, None] & (cols < d_out)[None, :])
-        return
-    o_ref, lse_ref = out_refs
-    acc, m, l = lax.cond(chunk_id < num_chunks, lambda: cache_chunk(init), lambda: new_tokens(init))
+    acc, m, l = lax.cond(chunk_id < num_chunks, cache_chunk, new_tokens)
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
     o_ref[...] = acc / l_safe[:, None]
@@ -450,8 +424,6 @@ def _layout(b: int, t: int, hq: int, n: int, s: int, d: int, config: TreeAttenti
     if config.row_invariant:  # chunks of fixed positions (the capacity differs between AR and a verify)
         chunk = config.chunk or ROW_INVARIANT_CHUNK  # a multiple of block_k (the config checks)
         num_chunks = cdiv(s, chunk)
-    elif config.single_pass:  # one chunk over every slot, the new tokens in the same program
-        num_chunks, chunk = 1, round_up(s, block_k)
     else:
         num_chunks = config.num_chunks
         if num_chunks is None:  # about one wave of programs, and chunks of at most MAX_CHUNK_KEYS keys; the
@@ -461,8 +433,8 @@ def _layout(b: int, t: int, hq: int, n: int, s: int, d: int, config: TreeAttenti
         chunk = round_up(cdiv(s, num_chunks), block_k)
         num_chunks = cdiv(s, chunk)  # no empty trailing chunks
     # Partial outputs per row: the cache's chunks and the new tokens' (the row-invariant kernel's last chunk
-    # runs on past the cache to the new tokens' positions instead; a single pass writes no partials).
-    num_splits = num_chunks if config.row_invariant or config.single_pass else num_chunks + 1
+    # runs on past the cache to the new tokens' positions instead).
+    num_splits = num_chunks if config.row_invariant else num_chunks + 1
     return dict(group=group, rows=rows, padded_rows=row_blocks * block_q, block_q=block_q, block_k=block_k,
                 block_u=block_u, row_blocks=row_blocks, num_chunks=num_chunks, chunk=chunk, num_splits=num_splits,
                 head_dim=max(16, next_pow2(d)))
@@ -473,8 +445,7 @@ def _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, n
                              interpret: bool, debug: bool = False):
     """Runs the kernel. Returns (o [c', b, n, padded rows, dp] f32, lse [c', b, n, padded rows] f32, layout dict)
     with c' = layout["num_splits"] partials: the cache's chunks, then the new tokens' (the row-invariant
-    kernel's chunks cover both). With `config.single_pass`: (the output [b, t * heads, d] in q's dtype, None,
-    layout dict)."""
+    kernel's chunks cover both)."""
     _check_shapes(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions)
     b, t, hq, d = q.shape
     s, n = k_cache.shape[1], k_cache.shape[2]
@@ -509,43 +480,34 @@ def _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, n
             _tree_attention_kernel, scale=float(scale), window=window, num_chunks=lay["num_chunks"],
             chunk=lay["chunk"], block_q=lay["block_q"], block_k=lay["block_k"], block_u=lay["block_u"],
             group=group, num_new=t, num_slots=s, precision=precision,
-            lean=config.lean_steps and window is None,  # a window masks inside whole blocks too
-            single_pass=config.single_pass)
+            lean=config.lean_steps and window is None)  # a window masks inside whole blocks too
     block_q = lay["block_q"]
-    if config.single_pass:  # grid (b, n, row blocks); every program writes its rows of one output block
-        grid = (b, n, lay["row_blocks"])
-        out_specs = [pl.BlockSpec((None, t * hq, d), lambda i, h, r: (i, 0, 0))]
-        out_shape = [jax.ShapeDtypeStruct((b, t * hq, d), q.dtype)]
-    else:
-        grid = (b, n, lay["row_blocks"], num_splits)
-        out_specs = [pl.BlockSpec((None, None, None, block_q, dp), lambda i, h, r, c: (c, i, h, r, 0)),
-                     pl.BlockSpec((None, None, None, block_q), lambda i, h, r, c: (c, i, h, r))]
-        out_shape = [jax.ShapeDtypeStruct((num_splits, b, n, lay["padded_rows"], dp), jnp.float32),
-                     jax.ShapeDtypeStruct((num_splits, b, n, lay["padded_rows"]), jnp.float32)]
-    outputs = pl.pallas_call(
+    o, lse = pl.pallas_call(
         kernel,
-        grid=grid,
-        in_specs=[  # the chunk index (the grid's fourth, if any) selects no input block
-            pl.BlockSpec((None, t, hq, dp), lambda i, h, r, *c: (i, 0, 0, 0)),  # q (the kernel gathers its rows)
-            pl.BlockSpec((None, s, None, dp), lambda i, h, r, *c: (i, 0, h, 0)),  # k_cache
-            pl.BlockSpec((None, s, None, dp), lambda i, h, r, *c: (i, 0, h, 0)),  # v_cache
-            pl.BlockSpec((None, t, None, dp), lambda i, h, r, *c: (i, 0, h, 0)),  # k_new
-            pl.BlockSpec((None, t, None, dp), lambda i, h, r, *c: (i, 0, h, 0)),  # v_new
-            pl.BlockSpec((None, t, t), lambda i, h, r, *c: (i, 0, 0)),  # new_mask (or the ancestor table)
-            pl.BlockSpec((None, t), lambda i, h, r, *c: (i, 0)),  # positions
-            pl.BlockSpec((None,), lambda i, h, r, *c: (i,)),  # cache_lengths
+        grid=(b, n, lay["row_blocks"], num_splits),
+        in_specs=[
+            pl.BlockSpec((None, t, hq, dp), lambda i, h, r, c: (i, 0, 0, 0)),  # q (the kernel gathers its rows)
+            pl.BlockSpec((None, s, None, dp), lambda i, h, r, c: (i, 0, h, 0)),  # k_cache
+            pl.BlockSpec((None, s, None, dp), lambda i, h, r, c: (i, 0, h, 0)),  # v_cache
+            pl.BlockSpec((None, t, None, dp), lambda i, h, r, c: (i, 0, h, 0)),  # k_new
+            pl.BlockSpec((None, t, None, dp), lambda i, h, r, c: (i, 0, h, 0)),  # v_new
+            pl.BlockSpec((None, t, t), lambda i, h, r, c: (i, 0, 0)),  # new_mask (or the ancestor table)
+            pl.BlockSpec((None, t), lambda i, h, r, c: (i, 0)),  # positions
+            pl.BlockSpec((None,), lambda i, h, r, c: (i,)),  # cache_lengths
         ],
-        out_specs=out_specs,
-        out_shape=out_shape,
+        out_specs=[
+            pl.BlockSpec((None, None, None, block_q, dp), lambda i, h, r, c: (c, i, h, r, 0)),
+            pl.BlockSpec((None, None, None, block_q), lambda i, h, r, c: (c, i, h, r)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((num_splits, b, n, lay["padded_rows"], dp), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, b, n, lay["padded_rows"]), jnp.float32),
+        ],
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         debug=debug,
-        name=("tree_attention_row_invariant" if config.row_invariant else
-              "tree_attention_single_pass" if config.single_pass else "tree_attention"),
+        name="tree_attention_row_invariant" if config.row_invariant else "tree_attention",
     )(q, k_cache, v_cache, k_new, v_new, seen, positions, lengths)
-    if config.single_pass:
-        return outputs[0], None, lay
-    o, lse = outputs
     return o, lse, lay
 
 
@@ -615,8 +577,6 @@ def tree_attention_pallas(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_
     o, lse, lay = _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask,
                                            positions, scale=scale, sliding_window=sliding_window,
                                            config=config, interpret=interpret, debug=debug)
-    if config.single_pass:
-        return o.reshape(q.shape)
     return _merge_partials(o, lse, lay, q.shape, q.dtype, interpret=interpret)
 
 

@@ -1,5 +1,5 @@
 """The top k of every row of a long float32 matrix (a drafter's per-depth log-probs over the vocabulary) in three
-launches (Pallas, Triton; four with `threshold_once`, one with `one_launch`), without sorting.
+launches (Pallas, Triton; four with `threshold_once`), without sorting.
 
 The contract is `lax.top_k` over the last axis as a CPU computes it: the same values, the same int32 indices,
 the same order (value desc in XLA's total order of floats, lower index first among equals; on a GPU lax.top_k
@@ -45,7 +45,6 @@ from pallas_kernels._counting import INT32_MIN, count_ahead, from_total_order_ke
 from pallas_kernels._dispatch import cdiv, check_knobs, next_pow2, resolve_interpret
 
 MAX_K = 512  # the largest budget the tree-build kernel takes (its K = min(B, V)); M = 4 k slots at k >= 128
-ONE_LAUNCH_MAX = 16384  # entries of a row that `one_launch` holds in one program's registers (64 per thread)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,11 +62,6 @@ class VocabTopKConfig:
                 segment programs; 0: every segment program computes it (no launch, P times the work).
     skip_cold:  1: the compaction reads a chunk at a time, only the chunks whose maximum reaches the threshold;
                 0: every entry, `step` at a time.
-    one_launch: 1: rows of at most ONE_LAUNCH_MAX entries in one launch (`_one_launch_kernel`: a program per
-                row holds it in registers and searches the row's own k-th largest entry); longer rows take the
-                launches above whatever this says. Off: on the H200 15 rows of 8192 with the log-softmax took 41.5 /
-                43.7 / 43.2 us at k = 15 / 31 / 63 against the default's 43.7 / 44.8 / 40.6 (tools/topk_probe.py,
-                2026-12-05): one program per row does the whole search serially, what the launches it saves cost.
     """
 
     segment: int = 8192
@@ -78,13 +72,12 @@ class VocabTopKConfig:
     num_stages: int = 2
     threshold_once: int = 0
     skip_cold: int = 1
-    one_launch: int = 0
 
     def __post_init__(self):
         check_knobs(self, pow2={"segment": 16, "step": 16, "block": 16, "block_rows": 16})
         if self.step > 1 << 14:  # a step's two exclusive counts share one int32 scan (16 bits each)
             raise ValueError(f"VocabTopKConfig.step={self.step!r}: must be at most 16384")
-        for name in ("threshold_once", "skip_cold", "one_launch"):
+        for name in ("threshold_once", "skip_cold"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"VocabTopKConfig.{name}={getattr(self, name)!r}: must be 0 or 1")
 
@@ -260,40 +253,6 @@ def _select_kernel(above_key_ref, above_idx_ref, tie_idx_ref, above_count_ref, t
     plt.store(indices_ref.at[at], plt.load(tie_idx_ref.at[seg, pos], mask=ok, other=0), mask=ok)
 
 
-def _one_launch_kernel(x_ref, values_ref, indices_ref, count_ref, dense_key_ref, dense_idx_ref, *, n: int, n_p: int,
-                       k: int, k_p: int, interpret: bool):
-    """One row, whole: x_ref [n_p] (past n not read) -> values_ref [k] float32, indices_ref [k] int32, count_ref
-    [1] the count of entries > t, t the row's k-th largest key (so fewer than k); scratch (global memory):
-    dense_key_ref, dense_idx_ref [k_p]. The entries > t, compacted in index order, ranked by (key desc, slot asc);
-    the places from their count to k the row's first entries == t in index order."""
-    idx = jnp.arange(n_p, dtype=jnp.int32)
-    ok = idx < n
-    key = jnp.where(ok, total_order_key(plt.load(x_ref.at[pl.ds(0, n_p)], mask=ok, other=0.0)), INT32_MIN)
-    t = kth_largest(key, k)  # the padding's lowest key never lifts it: n >= k real entries
-    above, tie = ok & (key > t), ok & (key == t)
-    flags = above.astype(jnp.int32) | (tie.astype(jnp.int32) << 16)  # n_p <= 2^14: both counts in one scan
-    before = jnp.cumsum(flags, axis=0) - flags
-    above_at, tie_at = before & 0xFFFF, before >> 16
-    count = jnp.sum(above.astype(jnp.int32))
-    count_ref[0] = count
-    plt.store(dense_key_ref.at[jnp.where(above, above_at, k_p)], key, mask=above)
-    plt.store(dense_idx_ref.at[jnp.where(above, above_at, k_p)], idx, mask=above)
-    keep = tie & (count + tie_at < k)
-    at = jnp.where(keep, count + tie_at, k)
-    plt.store(values_ref.at[at], from_total_order_key(key), mask=keep)
-    plt.store(indices_ref.at[at], idx, mask=keep)
-    if not interpret:  # the interpreter runs a program as one sequential program and has no barrier
-        plt.debug_barrier()
-    slot = jnp.arange(k_p, dtype=jnp.int32)
-    used = slot < count
-    dense_key = plt.load(dense_key_ref.at[pl.ds(0, k_p)], mask=used, other=INT32_MIN)
-    ahead = ((dense_key[None, :] > dense_key[:, None])
-             | ((dense_key[None, :] == dense_key[:, None]) & (slot[None, :] < slot[:, None]))) & used[None, :]
-    at = jnp.where(used, jnp.sum(ahead.astype(jnp.int32), axis=1), k)
-    plt.store(values_ref.at[at], from_total_order_key(dense_key), mask=used)
-    plt.store(indices_ref.at[at], plt.load(dense_idx_ref.at[pl.ds(0, k_p)], mask=used, other=0), mask=used)
-
-
 @functools.partial(jax.jit, static_argnames=("k", "config", "interpret", "debug"))
 def vocab_top_k_pallas(x: jax.Array, k: int, *, config: VocabTopKConfig | None = None, interpret: bool = False,
                        debug: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -313,18 +272,6 @@ def vocab_top_k_pallas(x: jax.Array, k: int, *, config: VocabTopKConfig | None =
 
     def row(*shape):
         return pl.BlockSpec((None, *shape), lambda i: (i,) + (0,) * len(shape))
-
-    if config.one_launch and n <= ONE_LAUNCH_MAX:
-        n_p, k_p = next_pow2(n), next_pow2(k)
-        values, indices, count, *_ = pl.pallas_call(
-            functools.partial(_one_launch_kernel, n=n, n_p=n_p, k=k, k_p=k_p, interpret=interpret),
-            grid=(r,), in_specs=[row(n_p)], out_specs=[row(k), row(k), row(1), row(k_p), row(k_p)],
-            out_shape=[jax.ShapeDtypeStruct((r, k), jnp.float32), jax.ShapeDtypeStruct((r, k), jnp.int32),
-                       jax.ShapeDtypeStruct((r, 1), jnp.int32), jax.ShapeDtypeStruct((r, k_p), jnp.int32),
-                       jax.ShapeDtypeStruct((r, k_p), jnp.int32)],
-            compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=1), interpret=interpret,
-            debug=debug, name="vocab_top_k_one_launch")(rows)
-        return values.reshape(*lead, k), indices.reshape(*lead, k), count.reshape(lead)
 
     segment = max(min(config.segment, next_pow2(n)), chunk)
     step = min(max(config.step, chunk), segment)

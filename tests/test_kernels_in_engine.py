@@ -296,33 +296,3 @@ def test_dense_stream_max_rows_streams_small_calls_projections_not_the_lm_head(t
     for a, b in zip(outputs[0], outputs[1]):
         assert a.output_ids == b.output_ids and a.acceptance_lengths == b.acceptance_lengths
     assert outputs[1][0].output_ids == outputs[1][1].output_ids  # DDTree gives AR's tokens
-
-
-def test_norm_in_projection_leaves_the_norms_to_the_streamed_projections(tmp_path, monkeypatch):
-    """`layers.NORM_IN_PROJECTION`: where q|k|v and gate|up stream (an AR step here, their weights of any size), the
-    RMSNorms before them are applied by the streaming kernel as it loads its rows, so the step runs one norm kernel
-    (the final norm) instead of two a layer plus one; its hidden states stay within float32 rounding (the sum of
-    squares in XLA's order) and greedy AR and DDTree (whose drafter's 4-row block defers its norms alike) give the
-    same tokens and acceptance (kernels interpreted)."""
-    import collections
-
-    from ddtree_jax import engine
-    from ddtree_jax.models import layers
-    from jaxprs import pallas_call_names
-
-    target, drafter, _, _, step = _pair_and_ar_step(tmp_path)
-    monkeypatch.setattr(layers, "DENSE_STREAM_MIN_BYTES", 0)
-    hidden, outputs = {}, {}
-    for on in (False, True):
-        monkeypatch.setattr(layers, "NORM_IN_PROJECTION", on)
-        jax.clear_caches()  # the flag is read when tracing: every program traced afresh
-        monkeypatch.setattr(engine, "_COMPILED", collections.OrderedDict())
-        names = pallas_call_names(jax.make_jaxpr(step)(target, jnp.array([[5]])))
-        norms = sum(name.startswith("add_rms_norm") for name in names)
-        assert norms == (1 if on else 2 * target.config.num_layers + 1), (on, names)
-        hidden[on] = np.asarray(jax.jit(step)(target, jnp.array([[5]])))
-        outputs[on] = [generate(target, [[1, 2, 3, 4, 5], [3, 9]], DecodeOptions(
-            mode=mode, max_new_tokens=8, budget=6, kernels="pallas"), drafter=drafter) for mode in (Mode.AR, Mode.DDTREE)]
-    np.testing.assert_allclose(hidden[True], hidden[False], rtol=1e-5, atol=1e-5)
-    for a, b in zip(outputs[False], outputs[True]):
-        assert a.output_ids == b.output_ids and a.acceptance_lengths == b.acceptance_lengths

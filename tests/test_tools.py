@@ -422,14 +422,14 @@ def test_with_knobs_lays_knobs_over_each_kernels_defaults(tmp_path, monkeypatch,
     script.write_text(
         "import sys\nfrom pallas_kernels import tree_build, vocab_top_k\nfrom ddtree_jax import round as rounds\n"
         "from ddtree_jax.models import layers\n"
-        "print(vocab_top_k.default_config(8192).one_launch, vocab_top_k.default_config(151936).one_launch, "
+        "print(vocab_top_k.default_config(8192).threshold_once, vocab_top_k.default_config(151936).threshold_once, "
         "vocab_top_k.default_config(8192).segment, tree_build.default_config(31).block_rows, "
         "tree_build.default_config(512).prune, rounds.TREE_BUILD_KERNEL_UP_TO, layers.FUSED_KV_WRITE, "
         "layers.DENSE_STREAM_KNOBS.block_n, layers.DENSE_STREAM_KNOBS.splits, layers.FP8_STREAM_KNOBS.balance, "
         "layers.FP8_STREAM_KNOBS.fp8_bits, sys.argv[1:])\n")
-    assert (vocab_top_k.default_config(8192).one_launch, tree_build.default_config(31).block_rows) == (0, 128)
+    assert (vocab_top_k.default_config(8192).threshold_once, tree_build.default_config(31).block_rows) == (0, 128)
     assert (tree_build.default_config(31).prune, tree_build.default_config(512).prune) == (1, 2)
-    assert with_knobs.main(["top_k:one_launch=1", "tree_build:block_rows=64",
+    assert with_knobs.main(["top_k:threshold_once=1", "tree_build:block_rows=64",
                             "engine:tree_kernels_up_to=512,fused_kv_write=1", "dense_stream:block_n=16,splits=1",
                             "fp8_stream:balance=1", "-m", str(script), "--y"]) == 0
     assert capsys.readouterr().out.strip() == "1 1 2048 64 2 512 True 16 1 1 1 ['--y']"  # fp8_bits=1 kept
@@ -437,7 +437,7 @@ def test_with_knobs_lays_knobs_over_each_kernels_defaults(tmp_path, monkeypatch,
     assert capsys.readouterr().out.strip().split()[-6] == "False"
     assert with_knobs.parse_item("engine:dense_stream_max_rows=0") == ("engine", {"dense_stream_max_rows": 0})
     assert with_knobs.parse_item("engine:commit_rows_kernel=1") == ("engine", {"commit_rows_kernel": True})
-    for bad in ("topk:one_launch=1", "top_k:one_lunch=1", "tree_build:block_rows=48", "top_k:skip_cold=x",
+    for bad in ("topk:threshold_once=1", "top_k:one_launch=1", "tree_build:block_rows=48", "top_k:skip_cold=x",
                 "engine:tree_kernels_up_to=0", "engine:up_to=512", "engine:fused_kv_write=2",
                 "dense_stream:block_n=24", "fp8_stream:balance=3", "dense_stream_wide:prefetch=2"):
         assert with_knobs.main([bad, "-m", str(script)]) == 2

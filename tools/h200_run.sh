@@ -43,12 +43,6 @@
 #             alone (issue 20), bf16, T = $BITWISE_T, parts $BITWISE_PARTS (all)  -> bitwise/
 #   kernel_tests  the GPU tests of the kernels changed last ($KERNEL_TESTS) and the hybrid engine with the Pallas
 #             kernels, compiled (the greedy DDTree decoding tests are the `tests` step's)
-#   knobs     the knobs written without a device on 2026-12-04 (off until timed): their GPU tests, the FP8 projections
-#             with stream_matmul's fp8_bits 0 and 1, the attention alone with tree_attention's single_pass
-#                                                                                       -> knobs_fp8/, knobs_att/
-#   knobs_demo  the demo pair's rounds with the attention chunked and with single_pass -> knobs_lc_{multi,single}.json
-#   topk_demo  issue 19: the vocabulary top-k's and tree build's GPU tests, then the top-k in one launch at V = 8192 and
-#             the build's 64-row tiles (V = 8192 and 151936, deep and i.i.d.) alone        -> v8k/, v152k_peak{20,0}/
 #   wide_build  issue 19: the top-k and tree-build kernels at B = 256 and 512 (2026-12-05; up to 128 before): their
 #             GPU tests, then tools/topk_probe.py at V = 151936 (i.i.d. and deep) against XLA's threshold top-k and
 #             builder, the build kernel with prune 2 (its default above 128) and 1             -> wide_peak{0,20}/
@@ -89,7 +83,6 @@
 #   w8a8_rounds  the 8B FP8 rounds with --fp8-matmul stream (packed q|k|v and gate|up since 2026-12-05) and w8a8,
 #             the 27B's with w8a8 (a call of its own)        -> stream_qwen3-8b/, w8a8_qwen3-8b/, w8a8_qwen3.6-27b/
 #   knobs_fp8_8b  the 8B FP8 rounds (streamed) with fp8_bits 0 and 1                     -> fp8_bits{0,1}/
-#   knobs_att_8b  the 8B rounds with the attention chunked and with single_pass         -> att_{multi,single}/
 #   fp8       tools/gpu_probe.py's FP8 projections (bf16, dequantised, streamed) at 1, 16 and 65 rows, then the 8B
 #             rounds with FP8 weights, streamed against dequantised (issue 23)        -> fp8_probe/, fp8_{dequantize,stream}/
 #   auto_scopes  --budget auto per call and per round on the demo pair beside DFlash and B = 15, 31, 63 (issue 22),
@@ -190,47 +183,6 @@ for step in "$@"; do
         ${KERNEL_TESTS:-$changed} 2>&1 | tail -25
       timeout 150 python3 -m pytest -q --tb=short -o addopts=-ra -p no:cacheprovider tests/test_kernels_in_engine.py \
         -k "hybrid_with_pallas or ddtree_with_pallas" 2>&1 | tail -5
-      ;;
-    knobs)
-      # The 2026-12-04 late-night knobs, off until timed: stream_matmul's fp8_bits=1 (FP8 tiles widened without
-      # F2F, issue 23) and tree_attention's single_pass (one launch, no merge, issue 19).
-      log "knobs: GPU tests"
-      timeout 150 python3 -m pytest -q --tb=short -o addopts=-ra -p no:cacheprovider -m gpu \
-        tests/kernels/test_stream_matmul.py tests/kernels/test_tree_attention.py 2>&1 | tail -8
-      log "knobs: FP8 projections of 12 layers, fp8_bits 0 and 1"
-      timeout 150 python3 tools/gpu_probe.py --out "$OUT/knobs_fp8" --forms hf,stream_fp8 --tokens 1,16,65 --layers 12 \
-        --no-ceilings --repeats 10 --stream-configs "${KNOB_FP8_CONFIGS:-64x128x4x4,64x128x4x4x1,128x128x4x4x1}" \
-        2>&1 | grep '^|' | grep -v lm_head
-      log "knobs: attention single_pass"
-      timeout 120 python3 tools/kernel_check.py --out "$OUT/knobs_att" --only attention --s 256,2048 --t 1,17,65 \
-        --no-alternatives --attention-configs "single_pass=true" > /tmp/knobs_att.log 2>&1; echo "rc=$?"
-      tail -30 /tmp/knobs_att.log
-      ;;
-    knobs_demo)
-      # The demo pair's rounds with the attention chunked (as now), then in one launch (single_pass).
-      base="import runpy, sys; sys.argv = ['x'] + sys.argv[1:]; sys.path.insert(0, 'tools')"
-      sp="$base; from ddtree_jax.models import layers as l; from pallas_kernels.tree_attention import \
-TreeAttentionConfig as C; l.ATTENTION_CONFIG = C(single_pass=True)"
-      for side in multi single; do
-        log "knobs: demo pair's rounds, attention $side"
-        pre=$([ "$side" = single ] && echo "$sp" || echo "$base")
-        timeout 200 python3 -c "$pre; runpy.run_path('tools/loop_cost.py', run_name='__main__')" --modes ar,dflash,31,63 \
-          --auto '' --rounds 48 --repeats 5 --out "$OUT/knobs_lc_$side.json" 2>&1 | tail -5
-      done
-      ;;
-    topk_demo)
-      log "top-k and tree-build kernels' GPU tests"
-      timeout 240 python3 -m pytest -q -o addopts="" -m gpu tests/kernels/test_vocab_top_k.py \
-        tests/kernels/test_tree_build.py 2>&1 | tail -3
-      log "top-k in one launch, 64-row build tiles, V = 8192"
-      timeout 150 python3 tools/topk_probe.py --out "$OUT/v8k" --vocab 8192 --budgets 15,31,63 \
-        --top-k pallas,pallas:one_launch=1 --tree-build pallas,pallas:block_rows=64 --peak 20 2>&1 | grep '^|'
-      for peak in 20 0; do
-        log "64-row build tiles, V = 151936, peak $peak"
-        timeout 120 python3 tools/topk_probe.py --out "$OUT/v152k_peak$peak" --vocab 151936 --budgets 31,63,64 \
-          --top-k pallas --tree-build pallas,pallas:block_rows=64 --peak "$peak" 2>&1 | grep '^|'
-      done
-      rm -f "$OUT"/v*/topk_probe.md
       ;;
     wide_build)
       log "top-k and tree-build kernels' GPU tests (B and K up to 512)"
@@ -416,19 +368,6 @@ fp8_bits=$bits); runpy.run_module('ddtree_jax.bench', run_name='__main__')" --sh
           --budgets 16,64 --modes ar,dflash,ddtree --repeats 5 --kernels pallas --fp8-matmul stream \
           --out "$OUT/fp8_bits$bits" 2>&1 | grep -v '^{"mode"' | grep '^|'
         rm -f "$OUT/fp8_bits$bits"/bench.{md,png,partial.json}
-      done
-      ;;
-    knobs_att_8b)
-      # Issue 19: the 8B rounds with the attention chunked (as now), then in one launch (single_pass)
-      base="import runpy, sys; sys.argv = ['bench'] + sys.argv[1:]; from ddtree_jax.models import layers as l; \
-from pallas_kernels.tree_attention import TreeAttentionConfig as C"
-      for side in multi single; do
-        log "knobs: 8B rounds, attention $side"
-        knob=$([ "$side" = single ] && echo "l.ATTENTION_CONFIG = C(single_pass=True)" || echo "pass")
-        timeout "${ATT_LIMIT:-240}" python3 -c "$base; $knob; runpy.run_module('ddtree_jax.bench', run_name='__main__')" \
-          --shape qwen3-8b --context 2048 --budgets 16,63 --modes ar,dflash,ddtree --repeats 5 --kernels pallas \
-          --out "$OUT/att_$side" 2>&1 | grep -v '^{"mode"' | grep '^|'
-        rm -f "$OUT/att_$side"/bench.{md,png,partial.json}
       done
       ;;
     fp8)

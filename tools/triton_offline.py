@@ -155,11 +155,9 @@ def main(argv: list[str] | None = None) -> int:
             attn_args = [sds((b, t, hq, d), dtype), sds((b, s, n, d), dtype), sds((b, s, n, d), dtype),
                          sds((b,), jnp.int32), sds((b, t, n, d), dtype), sds((b, t, n, d), dtype),
                          sds((b, t, t), bool), sds((b, t), jnp.int32)]
-            for config in configs + [ta.TreeAttentionConfig(row_invariant=True, num_stages=st) for st in (1, 2)] + [
-                    ta.TreeAttentionConfig(single_pass=True)]:
+            for config in configs + [ta.TreeAttentionConfig(row_invariant=True, num_stages=st) for st in (1, 2)]:
                 fn = functools.partial(ta.tree_attention_pallas, scale=d ** -0.5, config=config)
-                kind = ("tree_attention row_invariant" if config.row_invariant else
-                        "tree_attention single_pass" if config.single_pass else "tree_attention")
+                kind = "tree_attention row_invariant" if config.row_invariant else "tree_attention"
                 jobs.append((f"{kind} {jnp.dtype(dtype).name} T={t}", config, fn, attn_args))
             fn = functools.partial(ta.tree_attention_pallas, scale=d ** -0.5)
             jobs.append((f"attention merge {jnp.dtype(dtype).name} T={t}", MERGE, fn, attn_args, 1))
@@ -216,9 +214,6 @@ def main(argv: list[str] | None = None) -> int:
             stages = config.num_stages if which < 2 else 1
             jobs.append((f"vocab_top_k k={k} {launch}", dataclasses.replace(config, num_stages=stages), fn,
                          [sds((15, 151936), jnp.float32)], which))
-        one = dataclasses.replace(vtk.default_config(8192), one_launch=1)  # the demo pair's vocabulary in one launch
-        jobs.append((f"vocab_top_k k={k} one launch V=8192", dataclasses.replace(one, num_stages=1),
-                     functools.partial(vtk.vocab_top_k_pallas, k=k, config=one), [sds((15, 8192), jnp.float32)], 0))
     for rows in (1, 16, 65):  # the weight-streaming matmul on a Qwen3-8B projection, bf16 and block-scaled FP8
         x = sds((rows, 4096), jnp.bfloat16)
         models = dataclasses.replace(layers.FP8_STREAM_KNOBS, splits=1)  # the models' knobs (prefetch, fp8_bits)
@@ -257,14 +252,6 @@ def main(argv: list[str] | None = None) -> int:
                 jobs.append((f"stream_matmul dense glu {label} {w[0]}x{w[1]} rows={rows}", glu,
                              functools.partial(smm.stream_matmul_pallas, config=glu, glu=True),
                              [sds((rows, w[1]), jnp.bfloat16), sds(w, jnp.bfloat16)]))
-    for rows in (1, 16):  # an RMSNorm applied to the rows as they load (`norm`), the 8B's q|k|v and gate|up
-        for w in ((6144, 4096), (24576, 4096)):
-            config = layers.dense_stream_config(w, rows, Runtime(Kernels.PALLAS))
-            jobs.append((f"stream_matmul dense norm {w[0]}x{w[1]} rows={rows}", config,
-                         lambda x, w_, inv, nw, config=config: smm.stream_matmul_pallas(x, w_, config=config,
-                                                                                          norm=(inv, nw)),
-                         [sds((rows, w[1]), jnp.bfloat16), sds(w, jnp.bfloat16), sds((rows,), jnp.float32),
-                          sds((w[1],), jnp.bfloat16)]))
     arrays = 72  # every layer's K and V at the Qwen3-8B shape: a round's kept rows in one launch
     commit = types.SimpleNamespace(num_warps=1, num_stages=1)
     jobs.append((f"commit_rows arrays={arrays} P=16", commit,

@@ -1,7 +1,7 @@
 """Run a module with Pallas kernels' default knobs changed, to A/B a knob in whole rounds on a GPU without
 committing it.
 
-    python tools/with_knobs.py top_k:one_launch=1 tree_build:block_rows=64 -m ddtree_jax.bench --budgets 15,31,63 ...
+    python tools/with_knobs.py top_k:threshold_once=1 tree_build:block_rows=64 -m ddtree_jax.bench --budgets 15,31,63 ...
     python tools/with_knobs.py tree_rule:unrolled_chain=1,value_block=32 -m tools.loop_cost ...
     python tools/with_knobs.py engine:tree_kernels_up_to=512 -m ddtree_jax.bench --budgets 255,511 ...
 
@@ -22,8 +22,7 @@ kernel's `default_config`, which is what the engine uses when it passes no confi
   and the switches (0 / 1) `fused_kv_write` (`ddtree_jax.models.layers.FUSED_KV_WRITE`: the q/k-norm-RoPE kernel
   writes the K/V; on by default), `commit_rows_kernel` (`ddtree_jax.round.COMMIT_ROWS_KERNEL`: a round's kept K/V
   written by one kernel for every layer; on), `glu_in_epilogue` (`...layers.GLU_IN_EPILOGUE`: SwiGLU in a streamed
-  gate|up projection's epilogue; off), `norm_in_projection` (`...layers.NORM_IN_PROJECTION`: an RMSNorm applied by
-  the streamed projection after it as it loads its rows; off) and `split_sums_in_next_kernel`
+  gate|up projection's epilogue; off), `split_sums_in_next_kernel`
   (`...layers.SPLIT_SUMS_IN_NEXT_KERNEL`: the streamed projections' k-split sums added by the q/k-norm-RoPE and
   add + RMSNorm kernels after them; off), `dense_stream_wide_max_rows=N` (`...layers.DENSE_STREAM_WIDE_MAX_ROWS`:
   bf16 projections of calls of more rows than `dense_stream_max_rows`, up to N, streamed with the knobs of
@@ -69,7 +68,6 @@ ENGINE = {"tree_kernels_up_to": ("ddtree_jax.round", "TREE_BUILD_KERNEL_UP_TO", 
           "fused_kv_write": ("ddtree_jax.models.layers", "FUSED_KV_WRITE", bool),
           "commit_rows_kernel": ("ddtree_jax.round", "COMMIT_ROWS_KERNEL", bool),
           "glu_in_epilogue": ("ddtree_jax.models.layers", "GLU_IN_EPILOGUE", bool),
-          "norm_in_projection": ("ddtree_jax.models.layers", "NORM_IN_PROJECTION", bool),
           "split_sums_in_next_kernel": ("ddtree_jax.models.layers", "SPLIT_SUMS_IN_NEXT_KERNEL", bool),
           "w8a8_rows_from_norm": ("ddtree_jax.models.layers", "W8A8_ROWS_FROM_NORM", bool)}
 
@@ -120,7 +118,7 @@ def override(kernel: str, knobs: dict) -> None:
 
 
 def parse_item(item: str) -> tuple[str, dict]:
-    """'top_k:one_launch=1' -> ('top_k', {'one_launch': 1}); ValueError names an unknown kernel or bad knob."""
+    """'top_k:threshold_once=1' -> ('top_k', {'threshold_once': 1}); ValueError names an unknown kernel or bad knob."""
     kernel, sep, text = item.partition(":")
     if not sep or kernel not in (*KERNELS, "engine"):
         raise ValueError(f"expected KERNEL:KNOBS with KERNEL one of {', '.join(KERNELS)}, engine")

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from ddtree_jax.models import fp8
 from ddtree_jax.models.contract import Fp8Matmul, Runtime
 from pallas_kernels.qk_norm_rope import qk_norm_rope
-from pallas_kernels.rms_norm import add_rms_norm, rms_inverse, scale_rows
+from pallas_kernels.rms_norm import add_rms_norm
 from pallas_kernels.stream_matmul import SplitSums, StreamMatmulConfig, fitted_config, stream_matmul, swiglu
 from pallas_kernels.tree_attention import ROW_INVARIANT_CONFIG, TreeAttentionConfig, tree_attention
 
@@ -68,9 +68,10 @@ FUSED_KV_WRITE = True
 # B = 64 6.64 against 6.68 (the 108 sum launches gone, the consumers slower by as much).
 SPLIT_SUMS_IN_NEXT_KERNEL = False
 
-# The fast attention kernel's knobs (None: its defaults). `single_pass=True` (one launch, no merge) stays off: on
-# the H200 (2026-12-05) it was slower at every point timed, 7.8 against 6.3 us at S = 256, T = 1 (a demo cache)
-# and 29.7 against 9.5 at S = 2048, T = 1 (too few programs once the keys are not split into chunks).
+# The fast attention kernel's knobs (None: its defaults). The kernel in one launch without the chunks' merge (a
+# `single_pass` knob, removed since) was slower on the H200 at every point timed (2026-12-05): 7.8 against 6.3 us at
+# S = 256, T = 1 (a demo cache) and 29.7 against 9.5 at S = 2048, T = 1 (too few programs once the keys are not
+# split into chunks).
 ATTENTION_CONFIG: TreeAttentionConfig | None = None
 
 # The streaming kernel's row tile under `Runtime.row_invariant`: one mma shape (Triton's mma.sync on Hopper) for
@@ -122,18 +123,6 @@ DENSE_STREAM_WIDE_KNOBS = StreamMatmulConfig(block_k=64)
 GLU_IN_EPILOGUE = False
 
 
-# An RMSNorm whose output goes only into a projection that streams (q|k|v after input_layernorm, gate|up after
-# post_attention_layernorm; `add_and_norm`'s `into`) left for that projection to apply as it loads its rows
-# (`NormedRows`, `stream_matmul`'s `norm`): the residual add and each row's inverse RMS in XLA, where the sum of
-# the streamed projection's k splits already runs, and no norm kernel of its own (72 launches an 8B AR step, ~0.15
-# ms of the H200's 4.74, 2026-12-05 traces). Off: slower on the H200 (2026-12-05 night, `python tools/with_knobs.py
-# engine:norm_in_projection=1 -m ddtree_jax.bench --shape qwen3-8b ...`): AR 5.32 ms against 4.73, DFlash 6.69
-# against 6.06; with the norm weight's tile loaded a step ahead (`dense_stream:prefetch=1`) AR 5.14-5.16 against
-# 4.73-4.75. Traced, per layer: XLA's add + inverse RMS became three kernels (3.6 us against the sum and norm
-# kernels' 3.3) and the streamed gate|up took 55.6-57.4 us against 48.5-51 (each step's normalised tile goes
-# through registers and shared memory before its multiply, where plain rows are copied ahead asynchronously).
-NORM_IN_PROJECTION = False
-
 # W8A8's rows for q|k|v and gate|up quantised by the add + RMSNorm kernel before them (`pallas_kernels.rms_norm`'s
 # `quantize_group`: FP8 codes and each group's scale, `QuantizedRows`) and streamed as given (`stream_matmul`'s
 # `x_scale`), instead of each streaming program quantising every step's row tile itself (`quantize_x`: a
@@ -143,31 +132,6 @@ NORM_IN_PROJECTION = False
 # --fp8-matmul w8a8 ...`, alternating: AR 4.16 / 4.13 ms against 4.11 / 4.16, DFlash 5.83 / 5.72 against 5.74 /
 # 5.83); not yet timed on an H200.
 W8A8_ROWS_FROM_NORM = False
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["rows", "inv", "weight"], meta_fields=["kind"])
-@dataclasses.dataclass(frozen=True)
-class NormedRows:
-    """An RMSNorm's output not yet computed: rows [..., e] (the residual stream), inv [...] float32 each row's
-    inverse RMS, the norm's weight [e] and `kind` (`pallas_kernels.rms_norm.scale_rows`). A projection that streams
-    normalises the rows as it loads them; anything else takes `materialize()`, the norm's output [..., e]."""
-
-    rows: jax.Array
-    inv: jax.Array
-    weight: jax.Array
-    kind: str
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.rows.shape
-
-    @property
-    def dtype(self):
-        return self.rows.dtype
-
-    def materialize(self) -> jax.Array:
-        return scale_rows(self.rows.astype(jnp.float32), self.inv[..., None], self.weight, kind=self.kind,
-                          dtype=self.rows.dtype)
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["codes", "scales"], meta_fields=["dtype"])
@@ -185,18 +149,6 @@ class QuantizedRows:
     @property
     def shape(self) -> tuple[int, ...]:
         return self.codes.shape
-
-
-def _rows_and_norm(x, streams: bool) -> tuple[jax.Array, NormedRows | None]:
-    """A projection's input as (rows, the norm it still owes them): `NormedRows` stay deferred only where the
-    projection streams."""
-    if not isinstance(x, NormedRows):
-        return x, None
-    return (x.rows, x) if streams else (x.materialize(), None)
-
-
-def _norm_operands(norm: NormedRows | None, rows: int) -> dict:
-    return {} if norm is None else {"norm": (norm.inv.reshape(rows), norm.weight), "norm_kind": norm.kind}
 
 
 def dense_stream_config(weight_shape: tuple[int, int], rows: int, runtime: Runtime, *, dtype=jnp.bfloat16,
@@ -234,17 +186,15 @@ def linear(x: jax.Array, weight: jax.Array, runtime: Runtime, *, out_dtype=None,
     kernel's partial sums unsummed (`SplitSums`, for `add_and_norm` or `qk_norm_rope`) where
     `SPLIT_SUMS_IN_NEXT_KERNEL` lets it. `lm_head`: the weight is the vocabulary projection (`dense_stream_config`).
     `glu`: the weight is SwiGLU's gate|up [2 m, in] and the result `swiglu` of the two halves, [..., m] (streamed:
-    in the kernel's epilogue). x may be `NormedRows` (normalised as the kernel loads them where it streams)."""
+    in the kernel's epilogue)."""
     rows = math.prod(x.shape[:-1])
     config = dense_stream_config(weight.shape, rows, runtime, dtype=x.dtype, lm_head=lm_head, glu=glu)
-    x, norm = _rows_and_norm(x, config is not None)
     if config is None:
         y = jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype), preferred_element_type=out_dtype)
         return swiglu(*jnp.split(y, 2, axis=-1)) if glu else y
     y = stream_matmul(x.reshape(rows, x.shape[-1]), weight.astype(x.dtype), config=config, out_dtype=out_dtype,
                       implementation="pallas" if runtime.pallas else "reference",
-                      sum_splits=not (split_sums and SPLIT_SUMS_IN_NEXT_KERNEL) or glu, glu=glu,
-                      **_norm_operands(norm, rows))
+                      sum_splits=not (split_sums and SPLIT_SUMS_IN_NEXT_KERNEL) or glu, glu=glu)
     return y if isinstance(y, SplitSums) else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -327,16 +277,15 @@ def fp8_linear(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, block: tup
     group (`quantize_x`: no launch of its own), else first, then streamed with its scales (FP8 tensor cores), or
     where nothing streams, dequantised again to x's dtype and multiplied as above: the same products up to that
     rounding (none in float32) and the order of float32 sums. x may come quantised already (`QuantizedRows`, the
-    norm's) or as `NormedRows`. `split_sums`: as `linear`'s."""
+    norm's). `split_sums`: as `linear`'s."""
     rows = math.prod(x.shape[:-1])
     config = fp8_stream_config(weight.shape, block, rows, runtime, glu=glu)
     w8a8 = runtime.fp8_matmul is Fp8Matmul.W8A8
     if isinstance(x, QuantizedRows):  # W8A8 rows the norm before quantised (`add_and_norm`)
-        quantize_x, norm, dtype = False, None, x.dtype
+        quantize_x, dtype = False, x.dtype
         rows_x, x_scale = x.codes.reshape(rows, x.shape[-1]), x.scales.reshape(rows, -1)
     else:
         quantize_x = w8a8 and config is not None and config.block_k == block[1]
-        x, norm = _rows_and_norm(x, config is not None and quantize_x == w8a8)  # quantised first: normalised first
         dtype, rows_x, x_scale = x.dtype, x.reshape(rows, x.shape[-1]), None
         if w8a8 and not quantize_x:
             rows_x, x_scale = fp8.quantize_rows(rows_x, block[1])
@@ -347,8 +296,7 @@ def fp8_linear(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, block: tup
         return swiglu(*jnp.split(y, 2, axis=-1)) if glu else y
     y = stream_matmul(rows_x, weight, scale_inv, block=block, x_scale=x_scale, quantize_x=quantize_x,
                       implementation="pallas" if runtime.pallas else "reference", config=config, out_dtype=dtype,
-                      sum_splits=not (split_sums and SPLIT_SUMS_IN_NEXT_KERNEL) or glu, glu=glu,
-                      **_norm_operands(norm, rows))
+                      sum_splits=not (split_sums and SPLIT_SUMS_IN_NEXT_KERNEL) or glu, glu=glu)
     return y if isinstance(y, SplitSums) else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -431,26 +379,20 @@ def project_qk_norm_rope(attn, x: jax.Array, cos: jax.Array, sin: jax.Array, run
 
 
 def add_and_norm(norm, x: jax.Array, delta: jax.Array | SplitSums | None, runtime: Runtime,
-                 into: "PackedProjections | None" = None) -> tuple[jax.Array, jax.Array | NormedRows]:
+                 into: "PackedProjections | None" = None) -> tuple[jax.Array, jax.Array | QuantizedRows]:
     """The residual stream after a block and the next norm of it: (s, norm(s)) with s = x + delta (x when delta is
     None), x/delta [..., e] (delta also a projection's unsummed `SplitSums`, `linear`'s `split_sums`). `norm` is an
     RMSNorm module with `kind`, `eps` and `weight`. On the Pallas path one kernel (`pallas_kernels.rms_norm`: XLA
     ran two or three per norm; it adds a `SplitSums` itself), replicated under tensor parallelism (the stream is);
     else the jnp ops of `x + delta` and `norm`. `into`: the projection that alone takes norm(s); where it streams
-    and `NORM_IN_PROJECTION` is on, norm(s) comes back as `NormedRows` (s and each row's inverse RMS, from XLA's
-    add) for that projection to apply as it loads s; where it streams W8A8 and `W8A8_ROWS_FROM_NORM` is on, as
-    `QuantizedRows` (the norm kernel's FP8 codes and scales)."""
+    W8A8 and `W8A8_ROWS_FROM_NORM` is on, norm(s) comes back as `QuantizedRows` (the norm kernel's FP8 codes and
+    scales)."""
     rows = math.prod(x.shape[:-1])
     group = into.fp8_rows_group(rows, runtime) if W8A8_ROWS_FROM_NORM and into is not None and runtime.pallas else None
     if group is not None:  # the projection's W8A8 rows quantised here (`QuantizedRows`)
         s, (codes, scales) = add_rms_norm(x, delta, norm.weight[...], eps=norm.eps, kind=norm.kind,
                                           quantize_group=group, implementation="pallas")
         return s, QuantizedRows(codes, scales, x.dtype)
-    if NORM_IN_PROJECTION and into is not None and runtime.pallas and into.streams(rows, runtime, x.dtype):
-        delta = delta.total(rows).reshape(x.shape) if isinstance(delta, SplitSums) else delta
-        s = x if delta is None else x + delta.astype(x.dtype)
-        inv = rms_inverse(s.astype(jnp.float32), eps=norm.eps, width=x.shape[-1])[..., 0]
-        return s, NormedRows(s, inv, norm.weight[...], norm.kind)
     if isinstance(delta, SplitSums) and (not runtime.pallas or runtime.tp_mesh is not None):
         delta = delta.total(rows).reshape(x.shape)
     if not runtime.pallas:
@@ -513,7 +455,6 @@ class PackedProjections(nnx.Module):
         """x [..., in] -> one output [..., G * units_p * R] per part, in x's dtype. `runtime` says how FP8 weights
         multiply (`fp8_linear`)."""
         if not self.packed:
-            x = x.materialize() if isinstance(x, NormedRows) else x  # one norm for all the parts
             return tuple(getattr(self, part.name)(x, runtime) for part in self.parts)
         y = self.packed_output(x, runtime)
         outs, start = [], 0
@@ -525,7 +466,7 @@ class PackedProjections(nnx.Module):
     def packed_output(self, x: jax.Array, runtime: Runtime, *, split_sums: bool = False) -> jax.Array | SplitSums:
         """x [..., in] -> every part's output unsplit, [..., G, U, R] in x's dtype (while `packed`); the weight as
         one [G U R, in] matrix where it streams (`dense_stream_config`) or is FP8 (`fp8_linear`). `split_sums`:
-        `linear`'s (a `SplitSums` with features (G, U, R), for `qk_norm_rope`). x may be `NormedRows`."""
+        `linear`'s (a `SplitSums` with features (G, U, R), for `qk_norm_rope`)."""
         weight = self.weight[...]
         g, u, r, n_in = weight.shape
         if self.block is not None:
@@ -535,7 +476,6 @@ class PackedProjections(nnx.Module):
         elif self.streams(math.prod(x.shape[:-1]), runtime, x.dtype):
             y = linear(x, weight.reshape(g * u * r, n_in), runtime, split_sums=split_sums)
         else:
-            x = x.materialize() if isinstance(x, NormedRows) else x
             return jnp.einsum("...i,guri->...gur", x, weight.astype(x.dtype))
         if isinstance(y, SplitSums):
             return dataclasses.replace(y, features=(g, u, r))

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import ml_dtypes
 import numpy as np
-import jax
 import jax.numpy as jnp
 import pytest
 
@@ -297,23 +295,17 @@ def test_rows_quantised_inside_the_kernel_are_quantize_rows(t, n, k, x_dtype, co
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
-@pytest.mark.parametrize("form", ["fp8_bits", "x_scale", "quantize_x", "norm"])
+@pytest.mark.parametrize("form", ["fp8_bits", "x_scale", "quantize_x"])
 def test_prefetched_small_operands_give_the_same_bits(form, interpret):
-    """`prefetch=1` (a step's scales and norm-weight tile loaded by the step before) gives the bits of loading them
-    in their own step: FP8 weights (widened by bits), FP8 rows given with their scales, rows quantised inside, rows
-    normalised as they load; two splits of four steps each, so that a step taking its neighbour's scale or tile
-    (each block's scale and every norm-weight entry differs) would change the product."""
+    """`prefetch=1` (a step's scales loaded by the step before) gives the bits of loading them in their own step:
+    FP8 weights (widened by bits), FP8 rows given with their scales, rows quantised inside; two splits of four steps
+    each, so that a step taking its neighbour's scale (each block's scale differs) would change the product."""
     t, n, k = 3, 128, 1024
     config = sm.StreamMatmulConfig(block_n=64, block_k=128, splits=2)
     x, q, scale, _ = _fp8_inputs(t, n, k, "bfloat16", (128, 128), seed=4)
     if form == "x_scale":
         x, x_scale, q, scale, _ = _w8a8_inputs(t, n, k, seed=4)
         args, kwargs = (x, q, scale), dict(block=(128, 128), x_scale=x_scale, out_dtype=jnp.float32)
-    elif form == "norm":
-        _, w = _inputs(t, n, k, "bfloat16", seed=4)
-        weight = jnp.asarray(1.0 + 0.3 * np.random.default_rng(4).standard_normal(k), jnp.bfloat16)
-        inv = jnp.asarray(np.random.default_rng(5).uniform(0.5, 2.0, t), jnp.float32)
-        args, kwargs = (x, w), dict(norm=(inv, weight))
     else:
         args, kwargs = (x, q, scale), dict(block=(128, 128), quantize_x=form == "quantize_x")
         config = dataclasses.replace(config, fp8_bits=int(form == "fp8_bits"))
@@ -433,69 +425,3 @@ def test_swiglu_rounds_like_torch_bfloat16():
     np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-3)
 
 
-# (t, n, k, dtype, kind, config): an AR row and 17 rows (two row tiles' worth of padding), both RMSNorm scalings,
-# one split and two, the SwiGLU epilogue on normalised rows.
-NORM_CASES = [(1, 64, 256, "bfloat16", "qwen3", sm.StreamMatmulConfig(block_n=32, block_k=64, splits=2), False),
-              (17, 64, 128, "float32", "zero_centered", sm.StreamMatmulConfig(block_n=16, block_k=64, splits=1),
-               False),
-              (3, 64, 128, "bfloat16", "qwen3", sm.StreamMatmulConfig(block_n=16, block_k=64, splits=1), True)]
-
-
-@pytest.mark.parametrize("interpret", INTERPRET)
-@pytest.mark.parametrize("t,n,k,dtype,kind,config,glu", NORM_CASES,
-                         ids=[f"t{c[0]}-{c[3]}-{c[4]}-s{c[5].splits}{'-glu' if c[6] else ''}" for c in NORM_CASES])
-def test_rows_normalised_as_they_load(t, n, k, dtype, kind, config, glu, interpret):
-    """`norm` = (each row's inverse RMS, the norm weight): the product of the RMSNorm'd rows, the same bits as the
-    kernel given rows normalised first by `_rms.scale_rows` (the same tiles' products), and near a float64 NumPy
-    statement of HF's norm (the product's tolerance); a wrong inverse shows."""
-    from pallas_kernels._rms import rms_inverse, scale_rows
-
-    rng = np.random.default_rng(t + k)
-    x, w = _inputs(t, n, k, dtype, seed=t * k)
-    x = (x.astype(jnp.float32) * 3.0 + 0.5).astype(dtype)  # rows far from unit RMS
-    weight = jnp.asarray(1.0 + 0.3 * rng.standard_normal(k), jnp.float32).astype(dtype)
-    x32 = x.astype(jnp.float32)
-    inv = rms_inverse(x32, eps=1e-6, width=k)[:, 0]
-    normed = jax.jit(functools.partial(scale_rows, kind=kind, dtype=x.dtype))(x32, inv[:, None], weight)  # as run
-    call = functools.partial(sm.stream_matmul_pallas, config=config, glu=glu, interpret=interpret)
-    got = call(x, w, norm=(inv, weight), norm_kind=kind)
-    if interpret:
-        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(call(normed, w), np.float32))
-    x64 = np.asarray(x, np.float64)
-    h = x64 / np.sqrt(np.mean(x64 * x64, axis=-1, keepdims=True) + 1e-6)
-    h = h * (np.asarray(weight, np.float64) if kind == "qwen3" else 1 + np.asarray(weight, np.float64))
-    y = h @ np.asarray(w, np.float64).T
-    want = y[:, :n // 2] / (1 + np.exp(-y[:, :n // 2])) * y[:, n // 2:] if glu else y
-    tol = 1e-5 if dtype == "float32" else 3e-2
-    for value in (got, sm.stream_matmul_reference(x, w, norm=(inv, weight), norm_kind=kind, glu=glu)):
-        np.testing.assert_allclose(np.asarray(value, np.float64), want, atol=tol * np.abs(want).max(), rtol=tol)
-    wrong = call(x, w, norm=(inv * 1.1, weight), norm_kind=kind)
-    assert not np.allclose(np.asarray(wrong, np.float64), want, atol=tol * np.abs(want).max(), rtol=tol)
-
-
-@pytest.mark.parametrize("interpret", INTERPRET)
-@pytest.mark.parametrize("quantize_x", [False, True], ids=["w8a16", "w8a8"])
-def test_fp8_weights_take_normalised_rows(quantize_x, interpret):
-    """`norm` with FP8 weights, W8A16 (bf16 rows) and W8A8 (the normalised rows quantised inside the kernel): the
-    same bits as the kernel given the rows `_rms.scale_rows` normalised first (W8A16), or within W8A8's accepted
-    error: interpreted, XLA drops the normalised rows' bf16 rounding before the FP8 quantisation (a float32 ->
-    bf16 -> float32 round trip, which it may elide), so some rows quantise from other values than bf16's."""
-    from pallas_kernels._rms import rms_inverse, scale_rows
-
-    t, n, k = 3, 128, 256
-    x, q, scale, _ = _fp8_inputs(t, n, k, "bfloat16", (128, 128), seed=9)
-    weight = jnp.asarray(1.0 + 0.3 * np.random.default_rng(9).standard_normal(k), jnp.float32).astype(jnp.bfloat16)
-    inv = rms_inverse(x.astype(jnp.float32), eps=1e-6, width=k)[:, 0]
-    # Under jit, as the kernel runs: XLA may keep a fused product in float32 past an eager op's bf16 rounding.
-    normed = jax.jit(functools.partial(scale_rows, kind="qwen3", dtype=x.dtype))(x.astype(jnp.float32),
-                                                                              inv[:, None], weight)
-    call = functools.partial(sm.stream_matmul_pallas, block=(128, 128), quantize_x=quantize_x,
-                             config=sm.StreamMatmulConfig(block_k=128, splits=1), interpret=interpret)
-    got = np.asarray(call(x, q, scale, norm=(inv, weight)), np.float32)
-    want = np.asarray(call(normed, q, scale), np.float32)
-    if quantize_x:
-        np.testing.assert_allclose(got, want, atol=2e-2 * np.abs(want).max(), rtol=2e-2)
-        assert not np.allclose(np.asarray(call(x, q, scale), np.float32), want, atol=2e-2 * np.abs(want).max(),
-                               rtol=2e-2)  # the rows unnormalised are another product
-    else:
-        np.testing.assert_array_equal(got, want)

@@ -39,8 +39,7 @@ class Case:
     def __str__(self):
         return (f"t{self.t}-n{self.n}g{self.g}-s{self.s}-len{'_'.join(map(str, self.lengths))}-d{self.d}"
                 f"-w{self.window}-{self.dtype}" + ("-lean" if self.config.lean_steps else "")
-                + ("-row-invariant" if self.config.row_invariant else "")
-                + ("-single-pass" if self.config.single_pass else ""))
+                + ("-row-invariant" if self.config.row_invariant else ""))
 
 
 CASES = [
@@ -74,13 +73,6 @@ CASES = [
          config=ta.TreeAttentionConfig(block_k=16, row_invariant=True)),
     Case(t=65, n=1, g=4, s=40, lengths=(33, 0), d=16, dtype="bfloat16",
          config=ta.TreeAttentionConfig(block_k=16, chunk=16, row_invariant=True, num_stages=1)),
-    # One launch (single_pass): the AR step over an empty and a full cache (a partial last block); a tree of 17 with
-    # the sliding window in five row blocks; padding nodes and a padded head dim in bf16.
-    Case(t=1, n=2, g=1, s=37, lengths=(0, 37), config=ta.TreeAttentionConfig(block_k=16, single_pass=True)),
-    Case(t=17, n=1, g=8, s=45, lengths=(0, 29), window=6,
-         config=ta.TreeAttentionConfig(block_q=32, block_k=16, single_pass=True)),
-    Case(t=5, n=2, g=4, s=50, lengths=(13, 50), d=24, valid=3, dtype="bfloat16",
-         config=ta.TreeAttentionConfig(block_k=16, single_pass=True)),
 ]
 
 
@@ -137,20 +129,15 @@ class TestTreeAttentionKernel:
     def test_matches_reference(self, case: Case, interpret: bool):
         x = make_inputs(case, seed=zlib.crc32(str(case).encode()))
         scale = case.d ** -0.5
-        ref = ta.tree_attention_reference(**x, scale=scale, sliding_window=case.window)
-        if case.config.single_pass:  # no partials: the interpreter's NaN fill shows any output element not written
-            out = ta.tree_attention_pallas(**x, scale=scale, sliding_window=case.window, config=case.config,
+        out, o, lse = kernel_with_partials(**x, scale=scale, sliding_window=case.window, config=case.config,
                                            interpret=interpret)
-            assert not np.isnan(np.asarray(out, np.float32)).any()
-        else:
-            out, o, lse = kernel_with_partials(**x, scale=scale, sliding_window=case.window, config=case.config,
-                                               interpret=interpret)
-            # The interpreter fills output buffers with NaN: none left means every partial was written.
-            assert not np.isnan(np.asarray(o)).any() and not np.isnan(np.asarray(lse)).any()
-            lay = ta._layout(len(case.lengths), case.t, case.n * case.g, case.n, case.s, case.d, case.config)
-            splits = lay["num_chunks"] + (0 if case.config.row_invariant else 1)  # the new tokens' own chunk
-            assert o.shape == (splits, len(case.lengths), case.n, lay["padded_rows"], lay["head_dim"])
+        ref = ta.tree_attention_reference(**x, scale=scale, sliding_window=case.window)
         assert out.shape == x["q"].shape and out.dtype == x["q"].dtype
+        # The interpreter fills output buffers with NaN: none left means every partial was written.
+        assert not np.isnan(np.asarray(o)).any() and not np.isnan(np.asarray(lse)).any()
+        lay = ta._layout(len(case.lengths), case.t, case.n * case.g, case.n, case.s, case.d, case.config)
+        splits = lay["num_chunks"] + (0 if case.config.row_invariant else 1)  # the new tokens' own chunk
+        assert o.shape == (splits, len(case.lengths), case.n, lay["padded_rows"], lay["head_dim"])
         np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), **tolerance(case.dtype))
 
     def test_public_entry_and_stale_slots(self, interpret: bool):
@@ -316,15 +303,10 @@ class TestDispatchAndConfig:
 
     @pytest.mark.parametrize("field,value", [("block_q", 8), ("block_q", 48), ("block_k", 0), ("block_k", True),
                                              ("block_u", 24), ("num_chunks", 0), ("num_warps", 3), ("num_stages", 0),
-                                             ("lean_steps", 1), ("row_invariant", "yes"), ("single_pass", 1)])
+                                             ("lean_steps", 1), ("row_invariant", "yes")])
     def test_bad_config_names_the_value(self, field, value):
         with pytest.raises(ValueError, match=rf"TreeAttentionConfig\.{field}={value!r}"):
             ta.TreeAttentionConfig(**{field: value})
-
-    def test_single_pass_is_one_chunk_of_the_fast_kernel(self):
-        for knobs in ({"num_chunks": 2}, {"row_invariant": True}):
-            with pytest.raises(ValueError, match=r"TreeAttentionConfig\.single_pass: one chunk"):
-                ta.TreeAttentionConfig(single_pass=True, **knobs)
 
     def test_bad_shapes(self):
         x = make_inputs(Case(t=5, n=2, g=4, s=20, lengths=(3,)), seed=0)

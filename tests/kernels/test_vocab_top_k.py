@@ -116,19 +116,6 @@ def test_overflowing_row_is_reported(config, interpret):
     assert_is_lax_top_k(x[:1], k, values[:1], indices[:1])
 
 
-@pytest.mark.parametrize("interpret", INTERPRET)
-@pytest.mark.parametrize("n,k", [(8192, 16), (5003, 64)])
-def test_one_launch_equals_lax_top_k(n, k, interpret):
-    """`one_launch` (a row of up to 16384 entries in one program): lax.top_k's order on the tied rows, and exact
-    on a row whose large entries crowd into few chunks (where the three launches overflow), its count below k."""
-    x = rows_with_ties(n, n + k + 1)
-    x[0, 0, 512:1512] = 10 + np.random.default_rng(0).standard_normal(1000)
-    values, indices, count = vtk.vocab_top_k(jnp.asarray(x), k, config=vtk.VocabTopKConfig(one_launch=1),
-                                             interpret=interpret)
-    assert np.all(np.asarray(count) < k)
-    assert_is_lax_top_k(x, k, values, indices)
-
-
 def test_sizes_and_bad_arguments():
     assert vtk.kernel_sizes(151936, 64) == (512, 512)  # 297 chunks >= 4 k: the bound's margin
     assert vtk.kernel_sizes(151936, 128) == (256, 512)
@@ -144,5 +131,3 @@ def test_sizes_and_bad_arguments():
         vtk.VocabTopKConfig(step=32768)
     with pytest.raises(ValueError, match="VocabTopKConfig.threshold_once=2: must be 0 or 1"):
         vtk.VocabTopKConfig(threshold_once=2)
-    with pytest.raises(ValueError, match="VocabTopKConfig.one_launch=3: must be 0 or 1"):
-        vtk.VocabTopKConfig(one_launch=3)
