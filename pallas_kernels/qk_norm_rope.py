@@ -17,11 +17,6 @@ outputs): what `lax.dynamic_update_slice` after it did as two more kernels per l
 clamps the starts as that did (a start past s - t is s - t), and reads the committed slots only from the caches
 it gets back, so that XLA updates them in place.
 
-The projection may also come as its streamed partial sums over k, not yet added
-(`pallas_kernels.stream_matmul.SplitSums` with features (n, u, d)): each program adds its row's partials in split
-order in float32 and rounds once to their dtype where it loads them, as `SplitSums.total` does (the same bits), so
-that no launch between the projection and this kernel sums them.
-
 Letters: r rows (batch x tokens), b batch, t tokens a row, s cache slots, n KV heads, g query heads per KV head,
 u = g + 2 units of d per KV head in the packed projection (g query heads, then the key, then the value), d head
 dim (even), hp/np heads padded to powers of two, dp likewise.
@@ -30,7 +25,6 @@ dim (even), hp/np heads padded to powers of two, dp likewise.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +33,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._dispatch import next_pow2, resolve_implementation, resolve_interpret
-from pallas_kernels.stream_matmul import SplitSums, sum_in_split_order
 
 
 def _norm_rope(x, x_rot, w, w_rot, cos, sin, *, eps: float, d: int, dtype):
@@ -54,11 +47,10 @@ def _norm_rope(x, x_rot, w, w_rot, cos, sin, *, eps: float, d: int, dtype):
 
 
 def _kernel(qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref, *refs, eps: float, n: int, g: int, d: int, t: int,
-            s: int | None, splits: int, split_stride: int):
-    # qkv_ref [n * u * d] this row's packed projection, or with `splits` its partial sums, all rows' flat
-    # ([splits * tp * n * u * d], split i at i * split_stride); q_ref [n * g * d], k_ref/v_ref [n * d]; cos/sin
-    # [d]; with the cache (s slots): starts_ref [b], then the caches [b * s, n * d] as inputs (aliased) and as
-    # outputs (two dims, so that Pallas takes 64-bit offsets into a large cache).
+            s: int | None):
+    # qkv_ref [n * u * d] this row's packed projection; q_ref [n * g * d], k_ref/v_ref [n * d]; cos/sin [d]; with
+    # the cache (s slots): starts_ref [b], then the caches [b * s, n * d] as inputs (aliased) and as outputs (two
+    # dims, so that Pallas takes 64-bit offsets into a large cache).
     if s is None:
         q_ref, k_ref, v_ref = refs
         slot = None
@@ -78,20 +70,13 @@ def _kernel(qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref, *refs, eps: float, n: int
     sin = jnp.where(col < half, -sin, sin)  # rotate_half: (-x2, x1)
     dtype = q_ref.dtype
 
-    def load_qkv(at, mask):  # this row's projection at offsets `at`, in its dtype
-        if not splits:
-            return plt.load(qkv_ref.at[at], mask=mask, other=0)
-        at = pl.program_id(0) * (n * u * d) + at
-        return sum_in_split_order([plt.load(qkv_ref.at[i * split_stride + at], mask=mask, other=0.0)
-                                   for i in range(splits)]).astype(dtype)  # float32, one rounding
-
     def heads(count, unit_of, weight_ref, out_ref, cache_ref=None):
         hp = max(2, next_pow2(count))
         head = jnp.arange(hp, dtype=jnp.int32)
         ok = (head < count)[:, None] & col_ok[None, :]
         base = unit_of(jnp.minimum(head, count - 1)) * d
-        x = load_qkv(base[:, None] + col[None, :], ok).astype(jnp.float32)
-        x_rot = load_qkv(base[:, None] + partner[None, :], ok).astype(jnp.float32)
+        x = plt.load(qkv_ref.at[base[:, None] + col[None, :]], mask=ok, other=0).astype(jnp.float32)
+        x_rot = plt.load(qkv_ref.at[base[:, None] + partner[None, :]], mask=ok, other=0).astype(jnp.float32)
         w = plt.load(weight_ref.at[col], mask=col_ok, other=0)
         w_rot = plt.load(weight_ref.at[partner], mask=col_ok, other=0)
         out = _norm_rope(x, x_rot, w[None, :], w_rot[None, :], cos, sin, eps=eps, d=d, dtype=dtype)
@@ -106,7 +91,7 @@ def _kernel(qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref, *refs, eps: float, n: int
     hp = max(2, next_pow2(n))
     head = jnp.arange(hp, dtype=jnp.int32)
     ok = (head < n)[:, None] & col_ok[None, :]
-    v = load_qkv((jnp.minimum(head, n - 1) * u + g + 1)[:, None] * d + col[None, :], ok)
+    v = plt.load(qkv_ref.at[(jnp.minimum(head, n - 1) * u + g + 1)[:, None] * d + col[None, :]], mask=ok, other=0)
     plt.store(v_ref.at[head[:, None] * d + col[None, :]], v, mask=ok)
     if s is not None:
         at = head[:, None] * d + col[None, :]
@@ -118,10 +103,9 @@ def qk_norm_rope_pallas(qkv, q_weight, k_weight, cos, sin, k_cache=None, v_cache
                         num_warps: int = 4, interpret: bool = False) -> tuple[jax.Array, ...]:
     """The Pallas kernel; arguments and result as `qk_norm_rope_reference`."""
     _check(qkv, q_weight, k_weight, cos, sin, k_cache, v_cache, starts)
-    split = isinstance(qkv, SplitSums)
-    lead, (n, u, d) = (list(cos.shape[:-1]), qkv.features) if split else (qkv.shape[:-3], qkv.shape[-3:])
+    *lead, n, u, d = qkv.shape
     g = u - 2
-    r = math.prod(lead)
+    r = qkv.size // (n * u * d)
     cached = k_cache is not None
 
     def row(width):
@@ -130,12 +114,11 @@ def qk_norm_rope_pallas(qkv, q_weight, k_weight, cos, sin, k_cache=None, v_cache
     def whole(*shape):
         return pl.BlockSpec(shape, lambda i: (0,) * len(shape))
 
-    in_specs = [whole(qkv.partials.size) if split else row(n * u * d), whole(d), whole(d), row(d), row(d)]
+    in_specs = [row(n * u * d), whole(d), whole(d), row(d), row(d)]
     out_specs = [row(n * g * d), row(n * d), row(n * d)]
     out_shape = [jax.ShapeDtypeStruct((r, n * g * d), qkv.dtype), jax.ShapeDtypeStruct((r, n * d), qkv.dtype),
                  jax.ShapeDtypeStruct((r, n * d), qkv.dtype)]
-    operands = [qkv.partials.reshape(-1) if split else qkv.reshape(r, n * u * d), q_weight, k_weight,
-                cos.reshape(r, d).astype(jnp.float32),
+    operands = [qkv.reshape(r, n * u * d), q_weight, k_weight, cos.reshape(r, d).astype(jnp.float32),
                 sin.reshape(r, d).astype(jnp.float32)]
     b, s = (k_cache.shape[0], k_cache.shape[1]) if cached else (None, None)
     if cached:
@@ -145,9 +128,7 @@ def qk_norm_rope_pallas(qkv, q_weight, k_weight, cos, sin, k_cache=None, v_cache
         out_shape += [jax.ShapeDtypeStruct(rows, k_cache.dtype)] * 2
         operands += [starts.astype(jnp.int32), k_cache.reshape(rows), v_cache.reshape(rows)]
     outs = pl.pallas_call(
-        functools.partial(_kernel, eps=float(eps), n=n, g=g, d=d, t=lead[-1] if cached else 1, s=s,
-                          splits=qkv.partials.shape[0] if split else 0,
-                          split_stride=math.prod(qkv.partials.shape[1:]) if split else 0),
+        functools.partial(_kernel, eps=float(eps), n=n, g=g, d=d, t=lead[-1] if cached else 1, s=s),
         grid=(r,),
         in_specs=in_specs,
         out_specs=out_specs,
@@ -167,14 +148,12 @@ def qk_norm_rope_pallas(qkv, q_weight, k_weight, cos, sin, k_cache=None, v_cache
 def qk_norm_rope_reference(qkv, q_weight, k_weight, cos, sin, k_cache=None, v_cache=None, starts=None, *,
                            eps: float) -> tuple[jax.Array, ...]:
     """qkv [..., n, g + 2, d] the packed projection of some tokens (per KV head: g query heads, the key, the
-    value), or its unsummed `SplitSums` (features (n, g + 2, d); `...` then cos's); q_weight/k_weight [d] the
-    q_norm/k_norm weights; cos/sin [..., d] float32 per token (neox halves, `models.layers.rope_cos_sin`). Returns q
-    [..., n * g, d] and k [..., n, d], RMS-normed and rotated, and v [..., n, d], in qkv's dtype. With k_cache,
-    v_cache [b, s, n, d] and starts [b] int32 (qkv then [b, t, n, g + 2, d], starts[r] + t <= s), also the caches
-    with every row's t keys and values written at slots [starts[r], starts[r] + t): (q, k, v, k_cache, v_cache)."""
+    value); q_weight/k_weight [d] the q_norm/k_norm weights; cos/sin [..., d] float32 per token (neox halves,
+    `models.layers.rope_cos_sin`). Returns q [..., n * g, d] and k [..., n, d], RMS-normed and rotated, and
+    v [..., n, d], in qkv's dtype. With k_cache, v_cache [b, s, n, d] and starts [b] int32 (qkv then [b, t, n,
+    g + 2, d], starts[r] + t <= s), also the caches with every row's t keys and values written at slots
+    [starts[r], starts[r] + t): (q, k, v, k_cache, v_cache)."""
     _check(qkv, q_weight, k_weight, cos, sin, k_cache, v_cache, starts)
-    if isinstance(qkv, SplitSums):
-        qkv = qkv.total(math.prod(cos.shape[:-1])).reshape(*cos.shape[:-1], *qkv.features)
     *lead, n, u, d = qkv.shape
     dtype = qkv.dtype
 
@@ -210,14 +189,7 @@ def qk_norm_rope(qkv, q_weight, k_weight, cos, sin, k_cache=None, v_cache=None, 
 
 
 def _check(qkv, q_weight, k_weight, cos, sin, k_cache=None, v_cache=None, starts=None):
-    if isinstance(qkv, SplitSums):  # checked as the summed [..., n, u, d] it stands for (`...` from cos)
-        parts, rows = qkv.partials, math.prod(cos.shape[:-1])
-        if len(qkv.features) != 3 or parts.ndim != 3 or parts.dtype != jnp.float32 or parts.shape[1] < rows \
-                or parts.shape[2] != math.prod(qkv.features) or parts.size >= 2 ** 31:
-            raise ValueError(f"qkv's partial sums must be float32 [s, rows >= {rows}, n * u * d] (< 2^31 entries) with "
-                             f"features (n, u, d), got {parts.dtype} {parts.shape} with features {qkv.features}")
-        qkv = jax.ShapeDtypeStruct((*cos.shape[:-1], *qkv.features), qkv.dtype)
-    if len(qkv.shape) < 3 or qkv.shape[-2] < 3 or qkv.shape[-1] % 2:
+    if qkv.ndim < 3 or qkv.shape[-2] < 3 or qkv.shape[-1] % 2:
         raise ValueError(f"qkv must be [..., n, g + 2, d] with g >= 1 and d even, got {qkv.shape}")
     d = qkv.shape[-1]
     if q_weight.shape != (d,) or k_weight.shape != (d,):

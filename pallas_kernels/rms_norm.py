@@ -13,17 +13,12 @@ Two scalings (HF's):
 - "zero_centered" (`Qwen3_5RMSNorm`): y = (s / rms(s) * (1 + w)).astype(dtype), all in float32.
 with rms(s) = sqrt(mean(s^2) + eps) over the row, in float32.
 
-delta may also come as a streamed projection's partial sums over its k splits, not yet added
-(`pallas_kernels.stream_matmul.SplitSums`, [s, rp, e] float32 with rp >= r): each program adds its row's s
-partials in split order in float32 and rounds once to x's dtype, as `SplitSums.total` does (the same bits),
-so that no launch between the projection and this kernel sums them.
-
 With `quantize_group` = g the normalised row comes back as FP8 W8A8 rows instead: float8_e4m3fn codes [..., e] and
 float32 scales [..., e / g], one a group of g features (`stream_matmul.quantize_groups`), the bits of
 `ddtree_jax.models.fp8.quantize_rows` on the normalised row, so that the FP8 projection after the norm streams them
 as given (`stream_matmul`'s `x_scale`) instead of quantising each step's row tile itself.
 
-Letters: r rows (batch x tokens), e features (the row), ep = e padded to a power of two (masked loads), s splits.
+Letters: r rows (batch x tokens), e features (the row), ep = e padded to a power of two (masked loads).
 """
 
 from __future__ import annotations
@@ -39,7 +34,7 @@ from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._dispatch import check_knobs, next_pow2, resolve_implementation, resolve_interpret
 from pallas_kernels._rms import KINDS, rms_inverse, scale_rows
-from pallas_kernels.stream_matmul import SplitSums, quantize_groups, sum_in_split_order
+from pallas_kernels.stream_matmul import quantize_groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +69,7 @@ def _fp8_rows(y, group: int):
     return quantize_groups(_bfloat16_bits(y32) if y.dtype == jnp.bfloat16 else y32, group)
 
 
-def _kernel(*refs, eps: float, width: int, padded: int, kind: str, has_delta: bool, delta_splits: int,
-            group: int | None):
+def _kernel(*refs, eps: float, width: int, padded: int, kind: str, has_delta: bool, group: int | None):
     if has_delta:
         x_ref, delta_ref, w_ref, s_ref, *y_refs = refs
     else:
@@ -85,11 +79,7 @@ def _kernel(*refs, eps: float, width: int, padded: int, kind: str, has_delta: bo
     x = plt.load(x_ref.at[pl.ds(0, padded)], mask=ok, other=0)
     dtype = x.dtype
     if has_delta:
-        if delta_splits:  # delta_ref [s, e]: this row's partial sums, added in split order (`SplitSums.total`)
-            delta = sum_in_split_order([plt.load(delta_ref.at[jnp.int32(s), pl.ds(0, padded)], mask=ok, other=0)
-                                        for s in range(delta_splits)]).astype(dtype)
-        else:
-            delta = plt.load(delta_ref.at[pl.ds(0, padded)], mask=ok, other=0)
+        delta = plt.load(delta_ref.at[pl.ds(0, padded)], mask=ok, other=0)
         x = (x.astype(jnp.float32) + delta.astype(jnp.float32)).astype(dtype)  # the add in x's dtype, as jnp's
         plt.store(s_ref.at[pl.ds(0, padded)], x, mask=ok)
     w = plt.load(w_ref.at[pl.ds(0, padded)], mask=ok, other=0)
@@ -114,11 +104,6 @@ def add_rms_norm_pallas(x, delta, weight, *, eps: float, kind: str = "qwen3", qu
     r = rows.shape[0]
     has_delta = delta is not None
     row_spec = pl.BlockSpec((None, e), lambda i: (i, 0))
-    delta_splits = delta.partials.shape[0] if isinstance(delta, SplitSums) else 0
-    if delta_splits:
-        delta_in, delta_spec = delta.partials, pl.BlockSpec((delta_splits, None, e), lambda i: (0, i, 0))
-    elif has_delta:
-        delta_in, delta_spec = delta.reshape(r, e).astype(x.dtype), row_spec
     out_specs = [row_spec] * has_delta + [row_spec]
     out_shape = [jax.ShapeDtypeStruct((r, e), x.dtype)] * has_delta
     if quantize_group is None:
@@ -129,15 +114,15 @@ def add_rms_norm_pallas(x, delta, weight, *, eps: float, kind: str = "qwen3", qu
                       jax.ShapeDtypeStruct((r, e // quantize_group), jnp.float32)]
     outs = pl.pallas_call(
         functools.partial(_kernel, eps=float(eps), width=e, padded=max(16, next_pow2(e)), kind=kind,
-                          has_delta=has_delta, delta_splits=delta_splits, group=quantize_group),
+                          has_delta=has_delta, group=quantize_group),
         grid=(r,),
-        in_specs=[row_spec] + ([delta_spec] if has_delta else []) + [pl.BlockSpec((e,), lambda i: (0,))],
+        in_specs=[row_spec] * (1 + has_delta) + [pl.BlockSpec((e,), lambda i: (0,))],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="add_rms_norm" + ("_fp8" if quantize_group else ""),
-    )(rows, *([delta_in] if has_delta else []), weight)
+    )(rows, *([delta.reshape(r, e).astype(x.dtype)] if has_delta else []), weight)
     s = outs[0].reshape(shape) if has_delta else x
     normed = outs[has_delta:]
     if quantize_group is None:
@@ -147,13 +132,11 @@ def add_rms_norm_pallas(x, delta, weight, *, eps: float, kind: str = "qwen3", qu
 
 @functools.partial(jax.jit, static_argnames=("eps", "kind", "quantize_group"))
 def add_rms_norm_reference(x, delta, weight, *, eps: float, kind: str = "qwen3", quantize_group: int | None = None):
-    """x [..., e] the residual stream, delta [..., e] what a block adds to it (None: nothing; or its unsummed
-    `SplitSums` [s, rp, e], rp >= the rows of x), weight [e]. Returns (s, y): s = x + delta in x's dtype (x itself
-    when delta is None) and y = the RMSNorm of s (`kind`, the module docstring), in x's dtype; with
-    `quantize_group`, y as FP8 rows instead: (codes [..., e], scales [..., e / quantize_group]), `_fp8_rows`."""
+    """x [..., e] the residual stream, delta [..., e] what a block adds to it (None: nothing), weight [e].
+    Returns (s, y): s = x + delta in x's dtype (x itself when delta is None) and y = the RMSNorm of s (`kind`, the
+    module docstring), in x's dtype; with `quantize_group`, y as FP8 rows instead: (codes [..., e], scales
+    [..., e / quantize_group]), `_fp8_rows`."""
     _check(x, delta, weight, kind, quantize_group)
-    if isinstance(delta, SplitSums):
-        delta = delta.total(x.size // x.shape[-1]).reshape(x.shape)
     s = x if delta is None else x + delta.astype(x.dtype)
     s32 = s.astype(jnp.float32)
     rms_inv = lax.rsqrt(jnp.mean(s32 * s32, axis=-1, keepdims=True) + eps)
@@ -182,14 +165,7 @@ def _check(x, delta, weight, kind, quantize_group=None):
                          f"{x.shape[-1]} features")
     if x.ndim < 1 or weight.shape != (x.shape[-1],):
         raise ValueError(f"x must be [..., e] and weight [e], got {x.shape} and {weight.shape}")
-    if isinstance(delta, SplitSums):
-        parts = delta.partials
-        if parts.ndim != 3 or parts.shape[1] < x.size // max(x.shape[-1], 1) or parts.shape[2] != x.shape[-1] \
-                or parts.dtype != jnp.float32 or delta.dtype != x.dtype:
-            raise ValueError(f"delta's partial sums must be float32 [s, rows >= {x.size // max(x.shape[-1], 1)}, "
-                             f"{x.shape[-1]}] rounded to x's {x.dtype}, got {parts.dtype} {parts.shape} rounded "
-                             f"to {delta.dtype}")
-    elif delta is not None and delta.shape != x.shape:
+    if delta is not None and delta.shape != x.shape:
         raise ValueError(f"delta must have x's shape {x.shape}, got {delta.shape}")
 
 

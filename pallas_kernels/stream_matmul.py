@@ -8,12 +8,10 @@ TB/s for 65 (docs/performance.md). Here every row count runs the same streaming 
   `block_k` steps (Triton pipelines the loads `num_stages` deep), multiplying each [block_n, block_k]
   weight tile by x^T's rows in power-of-two tiles >= 16 (65 rows as 64 + 16: padding to one power of two
   would multiply 128; 17 as one tile of 32, not 16 + 16) into float32 [block_n, tile] accumulators;
-- the `splits` partial sums are added in a fixed order outside the kernel (`SplitSums.total`), so that small
-  matrices still give every streaming multiprocessor work (`splits` defaults to about two programs per
-  multiprocessor); or, with `sum_splits=False`, handed on unsummed (`SplitSums`) to a consumer that adds them in
-  the same order (`pallas_kernels.qk_norm_rope` after q|k|v, `pallas_kernels.rms_norm`'s residual add after
-  o_proj and down_proj), so that no launch sums them; with one split the kernel writes y itself ([t, n] in its
-  dtype: no XLA epilogue);
+- the `splits` partial sums are added in a fixed order outside the kernel (split order, in float32, then one
+  rounding), so that small matrices still give every streaming multiprocessor work (`splits` defaults to about
+  two programs per multiprocessor); with one split the kernel writes y itself ([t, n] in its dtype: no XLA
+  epilogue);
 - more than GROUP_ROWS rows (a batch of trees under `Runtime.row_invariant`) go in groups of GROUP_ROWS, a grid
   axis: each group's programs stream the weight again (from L2 where its tiles are still there), and a row's
   arithmetic is the same in every group;
@@ -232,34 +230,6 @@ def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
     return (silu.astype(jnp.float32) * up.astype(jnp.float32)).astype(gate.dtype)
 
 
-def sum_in_split_order(parts):
-    """The split partial sums `parts` (a sequence of float32 arrays, split 0 first) added left to right: the one
-    order the kernel's epilogue and every consumer of `SplitSums` use, so that they give the same bits."""
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    return total
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["partials"], meta_fields=["dtype", "features"])
-@dataclasses.dataclass(frozen=True)
-class SplitSums:
-    """A streamed product's partial sums over the `splits` slices of k, not yet added: partials [s, tp, n] float32
-    (row r of the product is the sum over s of partials[s, r]; rows past the call's t are zeros), the product's
-    `dtype`, and `features`, the shape a row's n features stand for ((n,), or e.g. (heads, units, d) for a packed
-    projection). `total` adds them as the kernel's own epilogue does: in split order, in float32, then one rounding
-    to the dtype; a consumer that adds them itself in that order gets the same bits."""
-
-    partials: jax.Array
-    dtype: object
-    features: tuple[int, ...]
-
-    def total(self, rows: int) -> jax.Array:
-        """The product's first `rows` rows, [rows, *features] in its dtype."""
-        total = sum_in_split_order([self.partials[s] for s in range(self.partials.shape[0])])  # whatever t is
-        return total[:rows].astype(self.dtype).reshape(rows, *self.features)
-
-
 def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_block: tuple[int, int] | None,
             row_tiles: tuple[int, ...], rows: int, fp8_bits: int, fp8_rows: bool, quantize_x: bool, promote_k: int,
             whole_out: bool, asm: bool, glu_rows: int | None, prefetch: int):
@@ -394,22 +364,17 @@ def _splits(k: int, n_blocks: int, config: StreamMatmulConfig) -> int:
     return min((s for s in divisors if evenness(s) >= best - 0.03), key=lambda s: (abs(n_blocks * s - 2 * cores), s))
 
 
-@functools.partial(jax.jit, static_argnames=("block", "quantize_x", "config", "out_dtype", "sum_splits", "glu",
-                                             "interpret", "debug"))
+@functools.partial(jax.jit, static_argnames=("block", "quantize_x", "config", "out_dtype", "glu", "interpret",
+                                             "debug"))
 def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None = None, x_scale=None,
                          quantize_x: bool = False, config: StreamMatmulConfig | None = None, out_dtype=None,
-                         sum_splits: bool = True, glu: bool = False, interpret: bool = False,
-                         debug: bool = False) -> jax.Array | SplitSums:
+                         glu: bool = False, interpret: bool = False, debug: bool = False) -> jax.Array:
     """The Pallas kernel; arguments and result as `stream_matmul_reference`, plus the knobs (with `quantize_x`,
-    block_k must be the scale block's bi: a step's tile is one group). With `sum_splits=False` and more than one
-    split, the partial sums come back unsummed (`SplitSums`; their `total(t, out_dtype)` is the result). With `glu`
-    and one split, each program streams its gate rows and the same up rows (block_n must divide m = n / 2) and
-    writes `swiglu` of the two products: no launch after the kernel; with more splits the sums and `swiglu` follow
-    in XLA."""
+    block_k must be the scale block's bi: a step's tile is one group). With `glu` and one split, each program
+    streams its gate rows and the same up rows (block_n must divide m = n / 2) and writes `swiglu` of the two
+    products: no launch after the kernel; with more splits the sums and `swiglu` follow in XLA."""
     config = StreamMatmulConfig() if config is None else config
     _check(x, w, scale_inv, block, x_scale, out_dtype, quantize_x, glu)
-    if glu and not sum_splits:
-        raise ValueError("glu gives the activation of summed products: sum_splits must stay True")
     fp8_rows = x_scale is not None or quantize_x
     t, k = x.shape
     n = w.shape[0] // 2 if glu else w.shape[0]  # the output features (glu: m, the gate rows)
@@ -476,22 +441,21 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
     )(*operands)
     if whole_out:
         return out
-    parts = SplitSums(out, jnp.dtype(out_dtype), (n,))
-    return parts if not sum_splits else parts.total(t)
+    total = out[0]  # out [splits, tp, n]: added in split order in float32 (the same bits every call), rounded once
+    for part in range(1, splits):
+        total = total + out[part]
+    return total[:t].astype(out_dtype)
 
 
 def stream_matmul(x, w, scale_inv=None, *, block: tuple[int, int] | None = None, x_scale=None,
                   quantize_x: bool = False, implementation: str | None = None, config: StreamMatmulConfig | None = None,
-                  out_dtype=None, sum_splits: bool = True, glu: bool = False,
-                  interpret: bool | None = None) -> jax.Array | SplitSums:
-    """Dispatcher: the Pallas kernel on a GPU, the reference elsewhere (see `pallas_kernels.resolve_implementation`;
-    the reference always returns the summed product)."""
+                  out_dtype=None, glu: bool = False, interpret: bool | None = None) -> jax.Array:
+    """Dispatcher: the Pallas kernel on a GPU, the reference elsewhere (see `pallas_kernels.resolve_implementation`)."""
     if resolve_implementation(implementation) == "reference":
         return stream_matmul_reference(x, w, scale_inv, block=block, x_scale=x_scale, quantize_x=quantize_x,
                                        out_dtype=out_dtype, glu=glu)
     return stream_matmul_pallas(x, w, scale_inv, block=block, x_scale=x_scale, quantize_x=quantize_x, config=config,
-                                out_dtype=out_dtype, sum_splits=sum_splits, glu=glu,
-                                interpret=resolve_interpret(interpret))
+                                out_dtype=out_dtype, glu=glu, interpret=resolve_interpret(interpret))
 
 
 def _check(x, w, scale_inv=None, block=None, x_scale=None, out_dtype=None, quantize_x=False, glu=False):
@@ -555,5 +519,5 @@ def stream_matmul_reference(x, w, scale_inv=None, *, block: tuple[int, int] | No
                       preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-__all__ = ["SplitSums", "StreamMatmulConfig", "fitted_config", "fp8_row_scales", "quantize_rows", "stream_matmul",
-           "stream_matmul_pallas", "stream_matmul_reference", "sum_in_split_order", "swiglu"]
+__all__ = ["StreamMatmulConfig", "fitted_config", "fp8_row_scales", "quantize_rows", "stream_matmul",
+           "stream_matmul_pallas", "stream_matmul_reference", "swiglu"]

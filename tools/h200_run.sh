@@ -66,18 +66,14 @@
 #             4-8 stages (one split: no XLA sum after the kernel), 64 weight rows a program and 32 or 16 (twice or
 #             four times the programs; below 64 Triton leaves FP8 wgmma for mma.sync on f16 copies)
 #                                                                                                -> w8a8_splits/
-#   split_sums  the streamed projections' k-split sums added by the q/k-norm-RoPE and add + RMSNorm kernels
-#             (`layers.SPLIT_SUMS_IN_NEXT_KERNEL`, off until timed): their GPU tests, then the 8B FP8 W8A8 rounds
-#             with the sums in XLA and in the next kernels (tools/with_knobs.py engine:split_sums_in_next_kernel=1)
-#                                                                                         -> split_sums{0,1}/
 #   goals     both issues' goal figures in one call ($GOALS_S, 560 s; each part skipped or cut to what is left): the
 #             W8A8 smoke (tools/w8a8_check.py), the 8B FP8 W8A8 and bf16 rounds (AR, DFlash, DDTree 15, 64), the build
 #             at B = 64 / 512 (deep and i.i.d. logits, XLA against the kernels), W8A16 AR, the 8B DDTree rounds at
 #             B = 256 / 512 (the K/V-write A/B it ran until 2026-12-05 night: settled, on)
 #                                                               -> w8a8_check.txt, goals.tar (goals/NAME/bench.json), build/
 #   dense_stream  the bf16 8B rounds (AR, DFlash, DDTree 15, 31) with the dense projections of small calls streamed
-#             (layers.DENSE_STREAM_MAX_ROWS: 32, the default since 2026-12-05, and 16), and with the split sums in the
-#             next kernels, between two runs without (0; ten repeats each; ~200 s)   -> dense_stream.tar (N/bench.json)
+#             (layers.DENSE_STREAM_MAX_ROWS: 32, the default since 2026-12-05, and 16), between two runs without (0;
+#             ten repeats each; ~160 s)                                              -> dense_stream.tar (N/bench.json)
 #   knobs_bench  the bench ($AB_SHAPE, $AB_MODES, $AB_BUDGETS, $AB_ARGS) with each ';'-separated set of $KNOBS
 #             (tools/with_knobs.py items) alternating with the defaults, $KNOBS_ROUNDS times    -> knobs_bench.tar
 #   w8a8_rounds  the 8B FP8 rounds with --fp8-matmul stream (packed q|k|v and gate|up since 2026-12-05) and w8a8,
@@ -263,19 +259,6 @@ for step in "$@"; do
         rm -f "$OUT/kv_$side"/bench.{md,png,partial.json}
       done
       ;;
-    split_sums)
-      log "GPU tests of the kernels that add the streamed split sums (rms_norm, qk_norm_rope, stream_matmul)"
-      timeout -k 5 150 python3 -m pytest -q -o addopts="" -m gpu tests/kernels/test_rms_norm.py \
-        tests/kernels/test_qk_norm_rope.py tests/kernels/test_stream_matmul.py 2>&1 | tail -3
-      for knob in 0 1 0 1; do  # twice each, alternating: on the H100 single AR readings with it on spread 3.4-4.5 ms
-        log "8B FP8 W8A8 rounds, split sums added by the next kernels: $knob"
-        run="python3 -m"; [ "$knob" = 1 ] && run="python3 tools/with_knobs.py engine:split_sums_in_next_kernel=1 -m"
-        timeout -k 5 "${SPLIT_SUMS_LIMIT:-120}" $run ddtree_jax.bench --shape qwen3-8b --weights fp8 --fp8-matmul w8a8 \
-          --budgets 15 --modes ar,dflash,ddtree --repeats 10 --kernels pallas --out "$OUT/split_sums$knob" 2>&1 \
-          | grep -v '^{"mode"' | grep '^|'
-        rm -f "$OUT/split_sums$knob"/bench.{md,png,partial.json}
-      done
-      ;;
     w8a8_splits)
       log "W8A8 packed projections: k in splits as now, against one split (no split sums after the kernel)"
       timeout -k 5 "${FP8_PROBE_LIMIT:-200}" python3 tools/gpu_probe.py --out "$OUT/w8a8_splits" --tokens 1,16,65 \
@@ -336,8 +319,7 @@ for step in "$@"; do
       ;;
     dense_stream)
       i=0
-      for knobs in "dense_stream_max_rows=0" "" "dense_stream_max_rows=16" "split_sums_in_next_kernel=1" \
-                   "dense_stream_max_rows=0"; do
+      for knobs in "dense_stream_max_rows=0" "" "dense_stream_max_rows=16" "dense_stream_max_rows=0"; do
         i=$((i + 1))
         log "8B bf16 rounds, engine knobs '${knobs:-defaults}'"
         run="python3 -m"; [ -n "$knobs" ] && run="python3 tools/with_knobs.py engine:$knobs -m"

@@ -169,21 +169,10 @@ def main(argv: list[str] | None = None) -> int:
                          functools.partial(qk.qk_norm_rope_pallas, eps=1e-6),
                          [sds((rows, n, hq // n + 2, d), dtype), sds((d,), dtype), sds((d,), dtype),
                           sds((rows, d), jnp.float32), sds((rows, d), jnp.float32)]))
-            if dtype == jnp.bfloat16:  # the streamed projections' k-split sums added here (4 and 2 splits)
-                features = (n, hq // n + 2, d)
-                jobs.append((f"add_rms_norm fp8 rows rows={rows}", rn.RMSNormConfig(),  # W8A8's rows quantised here
+            if dtype == jnp.bfloat16:  # W8A8's rows quantised here
+                jobs.append((f"add_rms_norm fp8 rows rows={rows}", rn.RMSNormConfig(),
                              functools.partial(rn.add_rms_norm_pallas, eps=1e-6, quantize_group=128),
                              [sds((rows, 4096), dtype), sds((rows, 4096), dtype), sds((4096,), dtype)]))
-                jobs.append((f"add_rms_norm split_sums rows={rows}", rn.RMSNormConfig(),
-                             functools.partial(rn.add_rms_norm_pallas, eps=1e-6),
-                             [sds((rows, 4096), dtype), smm.SplitSums(sds((4, rows + 15, 4096), jnp.float32),
-                                                                       jnp.dtype(dtype), (4096,)),
-                              sds((4096,), dtype)]))
-                jobs.append((f"qk_norm_rope split_sums rows={rows}", rn.RMSNormConfig(),
-                             functools.partial(qk.qk_norm_rope_pallas, eps=1e-6),
-                             [smm.SplitSums(sds((2, rows + 15, n * features[1] * d), jnp.float32), jnp.dtype(dtype),
-                                            features), sds((d,), dtype), sds((d,), dtype),
-                              sds((rows, d), jnp.float32), sds((rows, d), jnp.float32)]))
             jobs.append((f"qk_norm_rope kv_write {jnp.dtype(dtype).name} rows={rows}", rn.RMSNormConfig(),
                          functools.partial(qk.qk_norm_rope_pallas, eps=1e-6),
                          [sds((1, rows, n, hq // n + 2, d), dtype), sds((d,), dtype), sds((d,), dtype),
@@ -238,8 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                          [x, sds((4096, 4096), jnp.float8_e4m3fn), sds((32, 32), jnp.float32)]))
         config = smm.StreamMatmulConfig(splits=4)  # k in 4 splits, the partial sums stored [s, tp, n] (transposed)
         jobs.append((f"stream_matmul w8a8 quantize_x splits=4 rows={rows}", config,
-                     functools.partial(smm.stream_matmul_pallas, block=(128, 128), quantize_x=True, config=config,
-                                       sum_splits=False),
+                     functools.partial(smm.stream_matmul_pallas, block=(128, 128), quantize_x=True, config=config),
                      [x, sds((4096, 4096), jnp.float8_e4m3fn), sds((32, 32), jnp.float32)]))
     for label, w in dense_streamed_weights(("qwen3-8b", "qwen3.6-27b")):  # small calls' bf16 projections, as streamed
         for rows in (1, 17, 32):

@@ -22,9 +22,7 @@ kernel's `default_config`, which is what the engine uses when it passes no confi
   and the switches (0 / 1) `fused_kv_write` (`ddtree_jax.models.layers.FUSED_KV_WRITE`: the q/k-norm-RoPE kernel
   writes the K/V; on by default), `commit_rows_kernel` (`ddtree_jax.round.COMMIT_ROWS_KERNEL`: a round's kept K/V
   written by one kernel for every layer; on), `glu_in_epilogue` (`...layers.GLU_IN_EPILOGUE`: SwiGLU in a streamed
-  gate|up projection's epilogue; off), `split_sums_in_next_kernel`
-  (`...layers.SPLIT_SUMS_IN_NEXT_KERNEL`: the streamed projections' k-split sums added by the q/k-norm-RoPE and
-  add + RMSNorm kernels after them; off), `dense_stream_wide_max_rows=N` (`...layers.DENSE_STREAM_WIDE_MAX_ROWS`:
+  gate|up projection's epilogue; off), `dense_stream_wide_max_rows=N` (`...layers.DENSE_STREAM_WIDE_MAX_ROWS`:
   bf16 projections of calls of more rows than `dense_stream_max_rows`, up to N, streamed with the knobs of
   `dense_stream_wide:...`, `...layers.DENSE_STREAM_WIDE_KNOBS`; 0, off), `w8a8_rows_from_norm`
   (`...layers.W8A8_ROWS_FROM_NORM`: W8A8's rows for q|k|v and gate|up quantised by the norm kernel before them; off).
@@ -68,7 +66,6 @@ ENGINE = {"tree_kernels_up_to": ("ddtree_jax.round", "TREE_BUILD_KERNEL_UP_TO", 
           "fused_kv_write": ("ddtree_jax.models.layers", "FUSED_KV_WRITE", bool),
           "commit_rows_kernel": ("ddtree_jax.round", "COMMIT_ROWS_KERNEL", bool),
           "glu_in_epilogue": ("ddtree_jax.models.layers", "GLU_IN_EPILOGUE", bool),
-          "split_sums_in_next_kernel": ("ddtree_jax.models.layers", "SPLIT_SUMS_IN_NEXT_KERNEL", bool),
           "w8a8_rows_from_norm": ("ddtree_jax.models.layers", "W8A8_ROWS_FROM_NORM", bool)}
 
 

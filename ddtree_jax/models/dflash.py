@@ -118,9 +118,9 @@ def draft_hidden(params: ModelParams, target: ModelParams, block_tokens: jax.Arr
             out = cached_attention(q, cache.k[i], cache.v[i], cache.lengths, k, v,
                                    block_mask(b, bs, config.layer_causal[i]), positions,
                                    scale=d ** -0.5, sliding_window=config.layer_windows[i], runtime=runtime)
-            attn_out = attn.o_proj(out.reshape(b, bs, -1), runtime, split_sums=True)
+            attn_out = attn.o_proj(out.reshape(b, bs, -1), runtime)
             h, x = add_and_norm(layer.post_attention_layernorm, h, attn_out, runtime, into=layer.mlp.gate_up_proj)
-            delta = layer.mlp(x, runtime, split_sums=True)
+            delta = layer.mlp(x, runtime)
     return add_and_norm(model.norm, h, delta, runtime)[1]
 
 

@@ -22,7 +22,7 @@ from ddtree_jax.models import fp8
 from ddtree_jax.models.contract import Fp8Matmul, Runtime
 from pallas_kernels.qk_norm_rope import qk_norm_rope
 from pallas_kernels.rms_norm import add_rms_norm
-from pallas_kernels.stream_matmul import SplitSums, StreamMatmulConfig, fitted_config, stream_matmul, swiglu
+from pallas_kernels.stream_matmul import StreamMatmulConfig, fitted_config, stream_matmul, swiglu
 from pallas_kernels.tree_attention import ROW_INVARIANT_CONFIG, TreeAttentionConfig, tree_attention
 
 from ddtree_jax.config import RopeConfig
@@ -55,18 +55,6 @@ FP8_STREAM_KNOBS = StreamMatmulConfig(fp8_bits=1, prefetch=1)
 # 6.28-6.29 (four and three runs), DFlash and DDTree B = 15 rounds 0.3-0.4% less: XLA updates the aliased caches
 # in place inside the decode loop.
 FUSED_KV_WRITE = True
-
-# The streamed partial sums over k (the kernel's splits: 2-4 at the Qwen3-8B shape) of q|k|v, o_proj and down_proj
-# (and the hybrid's out_proj) added by the kernels after them (`pallas_kernels.qk_norm_rope`; the residual add +
-# RMSNorm, `pallas_kernels.rms_norm`; each given a `SplitSums`), not by an XLA fusion of their own between two
-# kernels: three launches fewer per layer wherever those projections stream (FP8 weights, `Runtime.row_invariant`).
-# The same bits either way (the same float32 adds in the same order, one rounding). Off: on an H100 (2026-12-05) the
-# 8B FP8 W8A8 AR step took 4.38-4.44 ms off and 3.43-4.48 on in alternating runs (median 4.36): no gain that
-# repeats (at one row a single program of the norm kernel reads the s partial rows in float32). On the H200 with
-# bf16 weights (2026-12-05 night, `python tools/with_knobs.py engine:split_sums_in_next_kernel=1 -m
-# ddtree_jax.bench ...`, one run beside the defaults) the same: AR 4.74 ms against 4.73, DFlash 6.01 against 6.06,
-# B = 64 6.64 against 6.68 (the 108 sum launches gone, the consumers slower by as much).
-SPLIT_SUMS_IN_NEXT_KERNEL = False
 
 # The fast attention kernel's knobs (None: its defaults). The kernel in one launch without the chunks' merge (a
 # `single_pass` knob, removed since) was slower on the H200 at every point timed (2026-12-05): 7.8 against 6.3 us at
@@ -179,23 +167,20 @@ def _glu_tiles(config: StreamMatmulConfig, glu: bool) -> StreamMatmulConfig:
 
 
 def linear(x: jax.Array, weight: jax.Array, runtime: Runtime, *, out_dtype=None,
-           split_sums: bool = False, lm_head: bool = False, glu: bool = False) -> jax.Array | SplitSums:
+           lm_head: bool = False, glu: bool = False) -> jax.Array:
     """x [..., in] times a dense weight [out, in] (HF layout) transposed -> [..., out] in `out_dtype` (default x's
     dtype). XLA's GEMM, or where `dense_stream_config` gives knobs `pallas_kernels.stream_matmul` (the Pallas kernel
-    on the Pallas path, its jnp reference otherwise), accumulating in float32. `split_sums`: the caller takes the
-    kernel's partial sums unsummed (`SplitSums`, for `add_and_norm` or `qk_norm_rope`) where
-    `SPLIT_SUMS_IN_NEXT_KERNEL` lets it. `lm_head`: the weight is the vocabulary projection (`dense_stream_config`).
-    `glu`: the weight is SwiGLU's gate|up [2 m, in] and the result `swiglu` of the two halves, [..., m] (streamed:
-    in the kernel's epilogue)."""
+    on the Pallas path, its jnp reference otherwise), accumulating in float32. `lm_head`: the weight is the
+    vocabulary projection (`dense_stream_config`). `glu`: the weight is SwiGLU's gate|up [2 m, in] and the result
+    `swiglu` of the two halves, [..., m] (streamed: in the kernel's epilogue)."""
     rows = math.prod(x.shape[:-1])
     config = dense_stream_config(weight.shape, rows, runtime, dtype=x.dtype, lm_head=lm_head, glu=glu)
     if config is None:
         y = jnp.einsum("...i,oi->...o", x, weight.astype(x.dtype), preferred_element_type=out_dtype)
         return swiglu(*jnp.split(y, 2, axis=-1)) if glu else y
     y = stream_matmul(x.reshape(rows, x.shape[-1]), weight.astype(x.dtype), config=config, out_dtype=out_dtype,
-                      implementation="pallas" if runtime.pallas else "reference",
-                      sum_splits=not (split_sums and SPLIT_SUMS_IN_NEXT_KERNEL) or glu, glu=glu)
-    return y if isinstance(y, SplitSums) else y.reshape(*x.shape[:-1], y.shape[-1])
+                      implementation="pallas" if runtime.pallas else "reference", glu=glu)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def param(rngs: nnx.Rngs | None, shape: tuple[int, ...], dtype, axes: tuple[str | None, ...], init: str,
@@ -237,12 +222,12 @@ class Linear(nnx.Module):
             return self.weight[...].astype(dtype)
         return fp8.dequantize(self.weight[...], self.weight_scale_inv[...], self.block, dtype)
 
-    def __call__(self, x: jax.Array, runtime: Runtime, *, split_sums: bool = False) -> jax.Array | SplitSums:
+    def __call__(self, x: jax.Array, runtime: Runtime) -> jax.Array:
         """x [..., in] -> [..., out] in x's dtype: a dense weight as `linear` multiplies, an FP8 one as
-        `fp8_linear` does (`split_sums`: theirs, for a result that goes straight to `add_and_norm`)."""
+        `fp8_linear` does."""
         if self.block is None:
-            return linear(x, self.weight[...], runtime, split_sums=split_sums)
-        return fp8_linear(x, self.weight[...], self.weight_scale_inv[...], self.block, runtime, split_sums=split_sums)
+            return linear(x, self.weight[...], runtime)
+        return fp8_linear(x, self.weight[...], self.weight_scale_inv[...], self.block, runtime)
 
     def stream_config(self, rows: int, runtime: Runtime) -> StreamMatmulConfig | None:
         """`fp8_stream_config` for this weight (None while it is dense)."""
@@ -265,7 +250,7 @@ def fp8_stream_config(weight_shape: tuple[int, int], block: tuple[int, int], row
 
 
 def fp8_linear(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, block: tuple[int, int],
-               runtime: Runtime, *, split_sums: bool = False, glu: bool = False) -> jax.Array | SplitSums:
+               runtime: Runtime, *, glu: bool = False) -> jax.Array:
     """x [..., in] times a block-scaled FP8 weight [out, in] (scales [ceil(out / bo), ceil(in / bi)]) transposed ->
     [..., out] in x's dtype (`glu`: gate|up, `linear`'s).
 
@@ -277,7 +262,7 @@ def fp8_linear(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, block: tup
     group (`quantize_x`: no launch of its own), else first, then streamed with its scales (FP8 tensor cores), or
     where nothing streams, dequantised again to x's dtype and multiplied as above: the same products up to that
     rounding (none in float32) and the order of float32 sums. x may come quantised already (`QuantizedRows`, the
-    norm's). `split_sums`: as `linear`'s."""
+    norm's)."""
     rows = math.prod(x.shape[:-1])
     config = fp8_stream_config(weight.shape, block, rows, runtime, glu=glu)
     w8a8 = runtime.fp8_matmul is Fp8Matmul.W8A8
@@ -294,10 +279,9 @@ def fp8_linear(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, block: tup
             x = fp8.dequantize(rows_x, x_scale, (1, block[1]), dtype).reshape(x.shape)
         y = jnp.einsum("...i,oi->...o", x, fp8.dequantize(weight, scale_inv, block, dtype))
         return swiglu(*jnp.split(y, 2, axis=-1)) if glu else y
-    y = stream_matmul(rows_x, weight, scale_inv, block=block, x_scale=x_scale, quantize_x=quantize_x,
-                      implementation="pallas" if runtime.pallas else "reference", config=config, out_dtype=dtype,
-                      sum_splits=not (split_sums and SPLIT_SUMS_IN_NEXT_KERNEL) or glu, glu=glu)
-    return y if isinstance(y, SplitSums) else y.reshape(*x.shape[:-1], y.shape[-1])
+    y = stream_matmul(rows_x, weight, scale_inv, block=block, x_scale=x_scale, quantize_x=quantize_x, glu=glu,
+                      implementation="pallas" if runtime.pallas else "reference", config=config, out_dtype=dtype)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def apply_fp8(module: nnx.Module, config) -> nnx.Module:
@@ -369,7 +353,7 @@ def project_qk_norm_rope(attn, x: jax.Array, cos: jax.Array, sin: jax.Array, run
     b, t, _ = x.shape
     d = attn.head_dim
     if runtime.pallas and runtime.tp_mesh is None and attn.qkv_proj.packed:
-        return qk_norm_rope(attn.qkv_proj.packed_output(x, runtime, split_sums=True), attn.q_norm.weight[...],
+        return qk_norm_rope(attn.qkv_proj.packed_output(x, runtime), attn.q_norm.weight[...],
                             attn.k_norm.weight[...], cos, sin, *(cache or ()), eps=attn.q_norm.eps,
                             implementation="pallas")
     q, k, v = attn.qkv_proj(x, runtime)
@@ -378,23 +362,20 @@ def project_qk_norm_rope(attn, x: jax.Array, cos: jax.Array, sin: jax.Array, run
     return q, k, v.reshape(b, t, -1, d)
 
 
-def add_and_norm(norm, x: jax.Array, delta: jax.Array | SplitSums | None, runtime: Runtime,
+def add_and_norm(norm, x: jax.Array, delta: jax.Array | None, runtime: Runtime,
                  into: "PackedProjections | None" = None) -> tuple[jax.Array, jax.Array | QuantizedRows]:
     """The residual stream after a block and the next norm of it: (s, norm(s)) with s = x + delta (x when delta is
-    None), x/delta [..., e] (delta also a projection's unsummed `SplitSums`, `linear`'s `split_sums`). `norm` is an
-    RMSNorm module with `kind`, `eps` and `weight`. On the Pallas path one kernel (`pallas_kernels.rms_norm`: XLA
-    ran two or three per norm; it adds a `SplitSums` itself), replicated under tensor parallelism (the stream is);
-    else the jnp ops of `x + delta` and `norm`. `into`: the projection that alone takes norm(s); where it streams
-    W8A8 and `W8A8_ROWS_FROM_NORM` is on, norm(s) comes back as `QuantizedRows` (the norm kernel's FP8 codes and
-    scales)."""
+    None), x/delta [..., e]. `norm` is an RMSNorm module with `kind`, `eps` and `weight`. On the Pallas path one
+    kernel (`pallas_kernels.rms_norm`: XLA ran two or three per norm), replicated under tensor parallelism (the
+    stream is); else the jnp ops of `x + delta` and `norm`. `into`: the projection that alone takes norm(s); where
+    it streams W8A8 and `W8A8_ROWS_FROM_NORM` is on, norm(s) comes back as `QuantizedRows` (the norm kernel's FP8
+    codes and scales)."""
     rows = math.prod(x.shape[:-1])
     group = into.fp8_rows_group(rows, runtime) if W8A8_ROWS_FROM_NORM and into is not None and runtime.pallas else None
     if group is not None:  # the projection's W8A8 rows quantised here (`QuantizedRows`)
         s, (codes, scales) = add_rms_norm(x, delta, norm.weight[...], eps=norm.eps, kind=norm.kind,
                                           quantize_group=group, implementation="pallas")
         return s, QuantizedRows(codes, scales, x.dtype)
-    if isinstance(delta, SplitSums) and (not runtime.pallas or runtime.tp_mesh is not None):
-        delta = delta.total(rows).reshape(x.shape)
     if not runtime.pallas:
         s = x if delta is None else x + delta
         return s, norm(s)
@@ -463,22 +444,18 @@ class PackedProjections(nnx.Module):
             start += part.units
         return tuple(outs)
 
-    def packed_output(self, x: jax.Array, runtime: Runtime, *, split_sums: bool = False) -> jax.Array | SplitSums:
+    def packed_output(self, x: jax.Array, runtime: Runtime) -> jax.Array:
         """x [..., in] -> every part's output unsplit, [..., G, U, R] in x's dtype (while `packed`); the weight as
-        one [G U R, in] matrix where it streams (`dense_stream_config`) or is FP8 (`fp8_linear`). `split_sums`:
-        `linear`'s (a `SplitSums` with features (G, U, R), for `qk_norm_rope`)."""
+        one [G U R, in] matrix where it streams (`dense_stream_config`) or is FP8 (`fp8_linear`)."""
         weight = self.weight[...]
         g, u, r, n_in = weight.shape
         if self.block is not None:
             scale = self.weight_scale_inv[...]
-            y = fp8_linear(x, weight.reshape(g * u * r, n_in), scale.reshape(-1, scale.shape[-1]), self.block, runtime,
-                           split_sums=split_sums)
+            y = fp8_linear(x, weight.reshape(g * u * r, n_in), scale.reshape(-1, scale.shape[-1]), self.block, runtime)
         elif self.streams(math.prod(x.shape[:-1]), runtime, x.dtype):
-            y = linear(x, weight.reshape(g * u * r, n_in), runtime, split_sums=split_sums)
+            y = linear(x, weight.reshape(g * u * r, n_in), runtime)
         else:
             return jnp.einsum("...i,guri->...gur", x, weight.astype(x.dtype))
-        if isinstance(y, SplitSums):
-            return dataclasses.replace(y, features=(g, u, r))
         return y.reshape(*x.shape[:-1], g, u, r)
 
     def swiglu_output(self, x: jax.Array, runtime: Runtime) -> jax.Array:
@@ -572,9 +549,9 @@ class SwiGLU(nnx.Module):
                                               dtype=dtype, rngs=rngs)
         self.down_proj = Linear(intermediate, hidden, ("embed", "mlp"), dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, runtime: Runtime, *, split_sums: bool = False) -> jax.Array | SplitSums:
-        """x [..., e] -> [..., e] (`split_sums`: `Linear`'s, for a result that goes straight to `add_and_norm`)."""
-        return self.down_proj(self.gate_up_proj.swiglu_output(x, runtime), runtime, split_sums=split_sums)
+    def __call__(self, x: jax.Array, runtime: Runtime) -> jax.Array:
+        """x [..., e] -> [..., e]."""
+        return self.down_proj(self.gate_up_proj.swiglu_output(x, runtime), runtime)
 
 
 def rope_cos_sin(positions: jax.Array, rope: RopeConfig, rotary_dim: int) -> tuple[jax.Array, jax.Array]:

@@ -120,7 +120,7 @@ def finish(head: MultiTokenPredictor, x: jax.Array, attended: jax.Array, gate: j
     (the residual adds inside the norms' calls, `layers.add_and_norm`)."""
     layer = head.layers[0]
     x, h = add_and_norm(layer.post_attention_layernorm, x, layer.self_attn.output(attended, gate, runtime), runtime)
-    return add_and_norm(head.norm, x, layer.mlp(h, runtime, split_sums=True), runtime)[1]
+    return add_and_norm(head.norm, x, layer.mlp(h, runtime), runtime)[1]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ class Attention(nnx.Module):
             q, k, v = project_qk_norm_rope(self, x, cos, sin, runtime)
         out = cached_attention(q, k_cache, v_cache, cache_lengths, k, v, meta.new_mask, meta.positions,
                                scale=d ** -0.5, sliding_window=sliding_window, runtime=runtime)
-        return self.o_proj(out.reshape(b, t, -1), runtime, split_sums=True), k, v, written
+        return self.o_proj(out.reshape(b, t, -1), runtime), k, v, written
 
 
 class DecoderLayer(nnx.Module):
@@ -124,7 +124,7 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: KV
                                                      sliding_window=config.sliding_windows[i], runtime=runtime,
                                                      write_starts=starts)
             x, h = add_and_norm(layer.post_attention_layernorm, x, attn_out, runtime, into=layer.mlp.gate_up_proj)
-            delta = layer.mlp(h, runtime, split_sums=True)
+            delta = layer.mlp(h, runtime)
         new_k.append(k)
         new_v.append(v)
         written.append(caches)

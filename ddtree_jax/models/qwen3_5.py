@@ -310,10 +310,9 @@ class GatedAttention(nnx.Module):
         return q, gate, k, v.reshape(b, t, -1, d)
 
     def output(self, attended, gate, runtime: Runtime):
-        """attended [b, t, n*g, d], gate [b, t, n*g*d] -> o_proj(attended * sigmoid(gate)) [b, t, e] (or its unsummed
-        `SplitSums`, for `add_and_norm`: `layers.linear`'s `split_sums`)."""
+        """attended [b, t, n*g, d], gate [b, t, n*g*d] -> o_proj(attended * sigmoid(gate)) [b, t, e]."""
         b, t = attended.shape[:2]
-        return self.o_proj(attended.reshape(b, t, -1) * jax.nn.sigmoid(gate), runtime, split_sums=True)
+        return self.o_proj(attended.reshape(b, t, -1) * jax.nn.sigmoid(gate), runtime)
 
     def __call__(self, x, cos, sin, k_cache, v_cache, cache_lengths, meta: ForwardMeta, *, runtime: Runtime):
         """x [b, t, e], cos/sin [b, t, rotary_dim] -> (out [b, t, e], k_new [b, t, n, d], v_new [b, t, n, d])."""
@@ -463,7 +462,7 @@ class GatedDeltaNet(nnx.Module):
             rule = recurrent_gated_delta_rule if t == 1 else chunk_gated_delta_rule
             core, new_state = rule(q, k, v, g, beta, state.state)
         core = self.norm(core.astype(x.dtype), self.in_proj_z(x, runtime).reshape(b, t, -1, self.value_head_dim))
-        out = self.out_proj(core.reshape(b, t, -1), runtime, split_sums=True)  # for add_and_norm
+        out = self.out_proj(core.reshape(b, t, -1), runtime)
         return out, RecurrentState(state=new_state, conv=new_conv), nodes
 
 
@@ -562,7 +561,7 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: Hy
                     h, cache.recurrent[j], meta.valid, meta.parents, depths, meta.new_mask if tree else None,
                     runtime=runtime)
             x, h = add_and_norm(layer.post_attention_layernorm, x, mixed, runtime)
-            delta = layer.mlp(h, runtime, split_sums=True)
+            delta = layer.mlp(h, runtime)
     x, hidden = add_and_norm(model.model.norm, x, delta, runtime)
     if config.num_layers - 1 in tap_layers:
         taps[config.num_layers - 1] = x

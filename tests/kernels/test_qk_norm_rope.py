@@ -111,37 +111,3 @@ def test_writes_keys_and_values_into_the_cache(interpret):
         qk.qk_norm_rope_reference(qkv, q_w, k_w, cos, sin, k_cache, None, starts, eps=EPS)
     with pytest.raises(ValueError, match=r"the caches \[b, s >= t, n, d\]"):
         qk.qk_norm_rope_reference(qkv, q_w, k_w, cos, sin, k_cache[:, :2], v_cache[:, :2], starts, eps=EPS)
-
-
-@pytest.mark.parametrize("interpret", INTERPRET)
-def test_split_sums_give_the_summed_projection_bits(interpret):
-    """The projection as its unsummed partial sums (`SplitSums` [s, rp, n * u * d] float32, rp past the rows):
-    kernel and reference give the bits of the projection summed in split order in float32 (NumPy) and rounded
-    once, with and without the cache write (three splits, bf16, two rows of three tokens)."""
-    from pallas_kernels.stream_matmul import SplitSums
-
-    rows, n, g, d, s = (2, 3), 2, 2, 16, 11
-    _, q_w, k_w, cos, sin = _inputs(rows, n, g, d, "bfloat16", seed=14)
-    r, width = int(np.prod(rows)), n * (g + 2) * d
-    rng = np.random.default_rng(15)
-    partials = (2.0 * rng.standard_normal((3, r + 10, width))).astype(np.float32)
-    summed = (partials[0] + partials[1]) + partials[2]  # float32 adds, in split order
-    qkv = jnp.asarray(summed[:r].reshape(*rows, n, g + 2, d)).astype(jnp.bfloat16)
-    split = SplitSums(jnp.asarray(partials), jnp.dtype(jnp.bfloat16), (n, g + 2, d))
-    k_cache = jnp.asarray(rng.standard_normal((2, s, n, d)), jnp.bfloat16)
-    v_cache = jnp.asarray(rng.standard_normal((2, s, n, d)), jnp.bfloat16)
-    cache = (k_cache, v_cache, jnp.array([1, 5], jnp.int32))
-    for fn in (functools.partial(qk.qk_norm_rope_pallas, interpret=interpret), qk.qk_norm_rope_reference):
-        for extra in ((), cache):
-            want = fn(qkv, q_w, k_w, cos, sin, *extra, eps=EPS)
-            got = fn(split, q_w, k_w, cos, sin, *extra, eps=EPS)
-            for a, b in zip(got, want):
-                assert a.shape == b.shape and a.dtype == b.dtype
-                np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
-    # Negative control: a split left out changes the values that pass through.
-    short = SplitSums(jnp.asarray(partials[:2]), jnp.dtype(jnp.bfloat16), (n, g + 2, d))
-    assert not np.array_equal(np.asarray(qk.qk_norm_rope_reference(short, q_w, k_w, cos, sin, eps=EPS)[2], np.float32),
-                              np.asarray(qkv[..., -1, :], np.float32))
-    with pytest.raises(ValueError, match="qkv's partial sums must be float32"):
-        qk.qk_norm_rope_reference(SplitSums(jnp.asarray(partials[:, :r - 1]), jnp.dtype(jnp.bfloat16),
-                                            (n, g + 2, d)), q_w, k_w, cos, sin, eps=EPS)
