@@ -33,8 +33,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._dispatch import check_knobs, next_pow2, resolve_implementation, resolve_interpret
-from pallas_kernels._rms import KINDS, rms_inverse, scale_rows
 from pallas_kernels.stream_matmul import quantize_groups
+
+KINDS = ("qwen3", "zero_centered")  # HF's two RMSNorm scalings (`scale_rows`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,21 @@ class RMSNormConfig:
 
     def __post_init__(self):
         check_knobs(self, pow2={})
+
+
+def rms_inverse(s, *, eps: float, width: int):
+    """float32 rows s [..., e] (padding entries 0; `width` the real e) -> 1 / sqrt(mean(s^2) + eps) [..., 1]."""
+    return lax.rsqrt(jnp.sum(s * s, axis=-1, keepdims=True) / width + eps)
+
+
+def scale_rows(s, rms_inv, w, *, kind: str, dtype):
+    """float32 rows s [..., e] times their inverse RMS (broadcast), scaled by the weight w [e] as HF does, in `dtype`:
+    "qwen3" (`Qwen3RMSNorm`): w * (s * rms_inv).astype(dtype), the product in `dtype`; "zero_centered"
+    (`Qwen3_5RMSNorm`): (s * rms_inv * (1 + w)).astype(dtype), all in float32. Works on jnp arrays and inside the
+    kernel alike (one definition for both)."""
+    if kind == "qwen3":
+        return (w.astype(dtype) * (s * rms_inv).astype(dtype)).astype(dtype)
+    return (s * rms_inv * (1.0 + w.astype(jnp.float32))).astype(dtype)
 
 
 def _scale(s, w, *, eps: float, width: int, kind: str, dtype):
