@@ -538,7 +538,8 @@ def _weight_copies(fn, *args, shape):
     """Equations of fn's jaxpr (nested ones too, kernels' bodies left out) that slice or copy out an array of
     `shape`'s size (an index of a stacked array slices [1, *shape] first)."""
     return [eqn.primitive.name for eqn, outer in equations(jax.make_jaxpr(fn)(*args))
-            if "pallas_call" not in outer and eqn.primitive.name in ("slice", "dynamic_slice", "gather", "copy", "copy_p")
+            if "pallas_call" not in outer
+            and eqn.primitive.name in ("slice", "dynamic_slice", "gather", "copy", "copy_p")
             and any(v.aval.size == np.prod(shape) for v in eqn.outvars)]
 
 

@@ -169,8 +169,8 @@ def main(argv=None) -> int:
                   f"{r['host_us']:.2f} | {r['host+matmul_us']:.2f} | {r['host+prefetch_us']:.2f} | "
                   f"{r['host+prefetch+matmul_us']:.2f} | {r['gain_us']:.2f} |", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "command": " ".join(["python tools/l2_probe.py", *(sys.argv[1:] if argv is None else argv)]),
-              "records": records}
+    command = " ".join(["python tools/l2_probe.py", *(sys.argv[1:] if argv is None else argv)])
+    report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "command": command, "records": records}
     (args.out / "l2_probe.json").write_text(json.dumps(report, indent=1))
     return 0
 
