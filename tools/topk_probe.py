@@ -184,6 +184,8 @@ def main(argv=None) -> int:
     p.add_argument("--trace", type=Path, default=None, metavar="DIR",
                    help="a profiler trace of one call per top-k point, under DIR/V_B_NAME")
     args = p.parse_args(argv)
+    if args.passes < 2:  # the time of a pass is the long call's against one pass's
+        p.error(f"--passes {args.passes}: must be at least 2")
     args.out.mkdir(parents=True, exist_ok=True)
     top_ks = [t.strip() for t in args.top_k.split(",") if t.strip()]
     builds = [x.strip() for x in args.tree_build.split(",") if x.strip()]

@@ -157,6 +157,27 @@ def test_exact_prune_gives_the_same_tree(case: Case, interpret: bool):
     assert_knobs_give_the_reference_tree(case, tb.TreeBuildConfig(prune=2), interpret)
 
 
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("prune", [1, 2])
+def test_a_candidate_just_above_the_running_lists_last_enters(prune: int, interpret: bool):
+    """The running list's last entry bounds the kept candidates (strictly: shallower entries win ties), exactly at
+    its edge. B = 16, exact quarter sums: depth 1's 16 tokens fill the list down to -5 (its last) after -4.5; at
+    depth 2 the best child scores -4.75, between the two, and enters in the last place; the next one ties the last
+    (-5) and does not; depth 3's best grandchild (-5.25) no longer can."""
+    budget, vocab = 16, 64
+    lp = np.full((1, 3, vocab), -30.0, np.float32)
+    lp[0, 0, :16] = [-0.25 * (k + 1) for k in range(14)] + [-4.5, -5.0]
+    lp[0, 1, :2] = [-4.5, -4.75]
+    lp[0, 2, 0] = -0.5
+    roots = jnp.array([5], jnp.int32)
+    want = build(jnp.asarray(lp), roots, budget, "reference")
+    depths = np.asarray(want.depths)[0]
+    assert np.sum(depths == 2) == 1 and np.sum(depths == 1) == 15 and np.max(depths) == 2  # not vacuous
+    got = jax.jit(functools.partial(build_tree, budget=budget, implementation="pallas", interpret=interpret,
+                                    kernel_config=tb.TreeBuildConfig(prune=prune)))(jnp.asarray(lp), roots)
+    assert_same_tree(got, want)
+
+
 def test_budget_above_the_kernel_maximum():
     """The kernel refuses B > MAX_BUDGET naming it; build_tree keeps those on the XLA builder."""
     budget = tb.MAX_BUDGET + 1
