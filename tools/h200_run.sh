@@ -46,6 +46,9 @@
 #   wide_build  issue 19: the top-k and tree-build kernels at B = 256 and 512 (2026-12-05; up to 128 before): their
 #             GPU tests, then tools/topk_probe.py at V = 151936 (i.i.d. and deep) against XLA's threshold top-k and
 #             builder, the build kernel with prune 2 (its default above 128) and 1             -> wide_peak{0,20}/
+#   running_bound  issue 19: the tree-build kernel's GPU tests, then tools/topk_probe.py at B = 64 and 512 (i.i.d. and
+#             deep) against XLA's builder and the kernel without the running list's bound; B = 512 deep traced, its
+#             kernels by name                                                -> bound_peak{0,20}/, trace512.txt
 #   wide_rounds  prune 2 against 1 at B = 31-128 (the probe), then the 8B DDTree rounds at B = 256, 512 with the
 #             kernels (tools/with_knobs.py engine:tree_kernels_up_to=512) and without  -> prune2_peak{0,20}/, wide_{xla,kernels}/
 #   knobs_rounds  the demo pair's rounds (tools/loop_cost.py) and end to end (the bench, 32 prompts x 128) at the
@@ -190,6 +193,21 @@ for step in "$@"; do
           --top-k threshold,pallas --tree-build reference,pallas,pallas:prune=1 --peak "$peak" 2>&1 | grep '^|'
       done
       rm -f "$OUT"/wide_peak*/topk_probe.md
+      ;;
+    running_bound)
+      log "the tree-build kernel's GPU tests (the running list's bound, 2026-12-06)"
+      timeout -k 5 140 python3 -m pytest -q -o addopts="" -p no:cacheprovider -m gpu tests/kernels/test_tree_build.py \
+        2>&1 | tail -3
+      for peak in 20 0; do
+        log "B = 64, 512, V = 151936, peak $peak: XLA's builder, the kernel with and without the running list's bound"
+        timeout -k 5 110 python3 tools/topk_probe.py --out "$OUT/bound_peak$peak" --vocab 151936 --budgets 64,512 \
+          --top-k pallas --tree-build reference,pallas,pallas:running_bound=0 --peak "$peak" 2>&1 | grep -E '^\||rror'
+        rm -f "$OUT/bound_peak$peak/topk_probe.md"
+      done
+      log "B = 512, deep, traced: the top-k's launches and the build kernel by kernel (64 passes a call)"
+      timeout -k 5 90 python3 tools/topk_probe.py --out /tmp/trace512 --vocab 151936 --budgets 512 --top-k pallas \
+        --tree-build pallas --peak 20 --trace /tmp/trace512/tr 2>&1 | grep -E '^\||rror'
+      timeout 60 python3 tools/trace_summary.py /tmp/trace512/tr --by-kernel --rounds 64 --top 10 | tee "$OUT/trace512.txt"
       ;;
     wide_rounds)
       for peak in 0 20; do
