@@ -48,7 +48,7 @@
 #             builder, the build kernel with prune 2 (its default above 128) and 1             -> wide_peak{0,20}/
 #   running_bound  issue 19: the tree-build kernel's GPU tests, then tools/topk_probe.py at B = 64 and 512 (i.i.d. and
 #             deep) against XLA's builder and the kernel without the running list's bound; B = 512 deep traced, its
-#             kernels by name                                                -> bound_peak{0,20}/, trace512.txt
+#             kernels by name; the top-k's skip_cold at K = 256, 512      -> bound_peak{0,20}/, trace512.txt, skip_cold/
 #   wide_rounds  prune 2 against 1 at B = 31-128 (the probe), then the 8B DDTree rounds at B = 256, 512 with the
 #             kernels (tools/with_knobs.py engine:tree_kernels_up_to=512) and without  -> prune2_peak{0,20}/, wide_{xla,kernels}/
 #   knobs_rounds  the demo pair's rounds (tools/loop_cost.py) and end to end (the bench, 32 prompts x 128) at the
@@ -208,6 +208,10 @@ for step in "$@"; do
       timeout -k 5 90 python3 tools/topk_probe.py --out /tmp/trace512 --vocab 151936 --budgets 512 --top-k pallas \
         --tree-build pallas --peak 20 --trace /tmp/trace512/tr 2>&1 | grep -E '^\||rror'
       timeout 60 python3 tools/trace_summary.py /tmp/trace512/tr --by-kernel --rounds 64 --top 10 | tee "$OUT/trace512.txt"
+      log "K = 256, 512: the top-k's compaction reading only the hot chunks (64 entries each there) or every entry"
+      timeout -k 5 90 python3 tools/topk_probe.py --out "$OUT/skip_cold" --vocab 151936 --budgets 256,512 \
+        --top-k pallas,pallas:skip_cold=0 --tree-build pallas --peak 20 2>&1 | grep -E '^\||rror'
+      rm -f "$OUT/skip_cold/topk_probe.md"
       ;;
     wide_rounds)
       for peak in 0 20; do
