@@ -17,57 +17,91 @@ from ddtree_jax.random_checkpoint import (tiny_qwen3_5_config, tiny_qwen3_config
 from pallas_kernels import ENV_VAR
 
 
-def test_ddtree_with_pallas_kernels_matches_jax(tmp_path):
-    """The dense target's Pallas kernels (interpreted) give the pure-JAX path's tokens and acceptance, AR and DDTree;
-    and the attention kernel under tensor parallelism (`shard_map` on each device's heads, 2 devices) gives one
-    device's DDTree tokens and acceptance (one target for both: 8 query and 4 KV heads, split in two)."""
-    target_kw = dict(vocab_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=8, intermediate_size=128)
-    t_dir = write_random_qwen3(tmp_path / "t", seed=4, with_tokenizer=False, **target_kw)
-    d_dir = write_random_dflash(tmp_path / "d", tiny_qwen3_config(**target_kw), seed=5, block_size=4,
+TWO_DEVICES = pytest.mark.skipif(len(jax.devices()) < 2, reason="tensor parallelism needs 2 devices (forced host "
+                                 "devices on CPU)")
+DENSE_TARGET = dict(vocab_size=64, num_attention_heads=8, num_key_value_heads=4, head_dim=8, intermediate_size=128)
+HYBRID_LAYERS = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+PROMPTS = [[1, 2, 3, 4, 5], [3, 9]]
+
+
+@pytest.fixture(scope="module")
+def dense_pair(tmp_path_factory):
+    """(target folder, drafter folder, {mode: the pure-JAX path's output}): 8 query and 4 KV heads (split in two
+    under tp), budget 6."""
+    tmp = tmp_path_factory.mktemp("dense")
+    t_dir = write_random_qwen3(tmp / "t", seed=4, with_tokenizer=False, **DENSE_TARGET)
+    d_dir = write_random_dflash(tmp / "d", tiny_qwen3_config(**DENSE_TARGET), seed=5, block_size=4,
                                 num_key_value_heads=4)
     target = load_target(t_dir, jnp.float32)
     drafter = load_drafter(d_dir, target.config, jnp.float32)
-    prompts = [[1, 2, 3, 4, 5], [3, 9]]
-    for mode in (Mode.AR, Mode.DDTREE):
-        jax_out = generate(target, prompts, DecodeOptions(mode=mode, max_new_tokens=8, budget=6), drafter=drafter)
-        pallas_out = generate(target, prompts, DecodeOptions(mode=mode, max_new_tokens=8, budget=6, kernels="pallas"),
-                              drafter=drafter)
-        assert pallas_out.output_ids == jax_out.output_ids
-        assert pallas_out.acceptance_lengths == jax_out.acceptance_lengths
-    parallel = make_parallel(2, "tp")
-    options = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=8, budget=6, kernels="pallas", parallel=parallel)
-    assert options.runtime == Runtime(Kernels.PALLAS, parallel.mesh)
-    target = load_target(t_dir, jnp.float32, parallel=parallel)
-    tp = generate(target, prompts, options, drafter=load_drafter(d_dir, target.config, jnp.float32, parallel=parallel))
-    assert tp.output_ids == jax_out.output_ids and tp.acceptance_lengths == jax_out.acceptance_lengths
+    return t_dir, d_dir, {mode: generate(target, PROMPTS, DecodeOptions(mode=mode, max_new_tokens=8, budget=6),
+                                         drafter=drafter) for mode in (Mode.AR, Mode.DDTREE)}
 
 
-def test_hybrid_with_pallas_kernels_matches_jax(tmp_path):
-    """Qwen3.5/3.6 hybrid: the zero-centred add + RMSNorm kernel (every layer), the tree attention (its
-    full-attention layers) and the tree-rule kernel (its Gated DeltaNet layers' tree verify), interpreted, give the
-    pure-JAX path's tokens, AR and DDTree; and under tensor parallelism the tree-rule kernel runs under `shard_map`
-    on each device's key heads and their value heads: DDTree on 2 devices gives one device's tokens and acceptance.
-    One layer of each kind and a one-layer drafter: each interpreted kernel is traced and compiled once per layer,
-    so more layers of the same kinds cost compile time and show nothing more."""
-    layers = dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
-    t_dir = write_random_qwen3_5(tmp_path / "t", seed=6, **layers)
-    d_dir = write_random_dflash(tmp_path / "d", tiny_qwen3_5_config(**layers), seed=7, num_hidden_layers=1,
+@pytest.fixture(scope="module")
+def hybrid_pair(tmp_path_factory):
+    """(target folder, drafter folder, {mode: the pure-JAX path's output}): one layer of each kind and a one-layer
+    drafter (each interpreted kernel is traced and compiled once per layer, so more layers of the same kinds cost
+    compile time and show nothing more); budget 20: a verify of 21 nodes, two of the tree-rule kernel's row
+    blocks."""
+    tmp = tmp_path_factory.mktemp("hybrid")
+    t_dir = write_random_qwen3_5(tmp / "t", seed=6, **HYBRID_LAYERS)
+    d_dir = write_random_dflash(tmp / "d", tiny_qwen3_5_config(**HYBRID_LAYERS), seed=7, num_hidden_layers=1,
                                 layer_types=["full_attention"])
     target = load_target(t_dir, jnp.float32)
     drafter = load_drafter(d_dir, target.config, jnp.float32)
-    prompts = [[1, 2, 3, 4, 5], [3, 9]]
-    for mode in (Mode.AR, Mode.DDTREE):  # budget 20: a verify of 21 nodes, two of the tree-rule kernel's row blocks
-        jax_out = generate(target, prompts, DecodeOptions(mode=mode, max_new_tokens=6, budget=20), drafter=drafter)
-        pallas_out = generate(target, prompts, DecodeOptions(mode=mode, max_new_tokens=6, budget=20, kernels="pallas"),
-                              drafter=drafter)
+    return t_dir, d_dir, {mode: generate(target, PROMPTS, DecodeOptions(mode=mode, max_new_tokens=6, budget=20),
+                                         drafter=drafter) for mode in (Mode.AR, Mode.DDTREE)}
+
+
+def assert_pallas_matches_jax(pair, max_new_tokens: int, budget: int):
+    t_dir, d_dir, jax_outs = pair
+    target = load_target(t_dir, jnp.float32)
+    drafter = load_drafter(d_dir, target.config, jnp.float32)
+    for mode, jax_out in jax_outs.items():
+        pallas_out = generate(target, PROMPTS, DecodeOptions(mode=mode, max_new_tokens=max_new_tokens, budget=budget,
+                                                             kernels="pallas"), drafter=drafter)
         assert pallas_out.output_ids == jax_out.output_ids
         assert pallas_out.acceptance_lengths == jax_out.acceptance_lengths
+
+
+def assert_tp_matches_one_device(pair, max_new_tokens: int, budget: int):
+    t_dir, d_dir, jax_outs = pair
     parallel = make_parallel(2, "tp")
+    options = DecodeOptions(mode=Mode.DDTREE, max_new_tokens=max_new_tokens, budget=budget, kernels="pallas",
+                            parallel=parallel)
+    assert options.runtime == Runtime(Kernels.PALLAS, parallel.mesh)
     target = load_target(t_dir, jnp.float32, parallel=parallel)
-    tp = generate(target, prompts, DecodeOptions(mode=Mode.DDTREE, max_new_tokens=6, budget=20, kernels="pallas",
-                                                 parallel=parallel),
-                  drafter=load_drafter(d_dir, target.config, jnp.float32, parallel=parallel))
-    assert tp.output_ids == jax_out.output_ids and tp.acceptance_lengths == jax_out.acceptance_lengths
+    tp = generate(target, PROMPTS, options, drafter=load_drafter(d_dir, target.config, jnp.float32, parallel=parallel))
+    assert tp.output_ids == jax_outs[Mode.DDTREE].output_ids
+    assert tp.acceptance_lengths == jax_outs[Mode.DDTREE].acceptance_lengths
+
+
+def test_ddtree_with_pallas_kernels_matches_jax(dense_pair):
+    """The dense target's Pallas kernels (interpreted on CPU) give the pure-JAX path's tokens and acceptance, AR and
+    DDTree."""
+    assert_pallas_matches_jax(dense_pair, 8, 6)
+
+
+@TWO_DEVICES
+def test_ddtree_with_pallas_kernels_under_tp_matches_one_device(dense_pair):
+    """The attention kernel under tensor parallelism (`shard_map` on each device's heads, 2 devices) gives one
+    device's DDTree tokens and acceptance."""
+    assert_tp_matches_one_device(dense_pair, 8, 6)
+
+
+def test_hybrid_with_pallas_kernels_matches_jax(hybrid_pair):
+    """Qwen3.5/3.6 hybrid: the zero-centred add + RMSNorm kernel (every layer), the tree attention (its
+    full-attention layers) and the tree-rule kernel (its Gated DeltaNet layers' tree verify), interpreted, give the
+    pure-JAX path's tokens, AR and DDTree."""
+    assert_pallas_matches_jax(hybrid_pair, 6, 20)
+
+
+@TWO_DEVICES
+def test_hybrid_with_pallas_kernels_under_tp_matches_one_device(hybrid_pair):
+    """Under tensor parallelism the tree-rule kernel runs under `shard_map` on each device's key heads and their
+    value heads: DDTree on 2 devices gives one device's tokens and acceptance."""
+    assert_tp_matches_one_device(hybrid_pair, 6, 20)
 
 
 # ---- the default: "auto" kernels (Pallas on a GPU, pure JAX elsewhere)
