@@ -61,7 +61,9 @@ class VocabTopKConfig:
     threshold_once: 1: the threshold in a launch of its own, once per row (grid (r,)), read by the row's
                 segment programs; 0: every segment program computes it (no launch, P times the work).
     skip_cold:  1: the compaction reads a chunk at a time, only the chunks whose maximum reaches the threshold;
-                0: every entry, `step` at a time.
+                2: the same chunks, listed first (one pass over the segment's maxima) and gathered `step` entries
+                at a time (at K = 512 a segment holds 128 chunks of 64, about a quarter of them hot: one step
+                instead of 128 dependent chunk steps); 0: every entry, `step` at a time.
     """
 
     segment: int = 8192
@@ -77,9 +79,9 @@ class VocabTopKConfig:
         check_knobs(self, pow2={"segment": 16, "step": 16, "block": 16, "block_rows": 16})
         if self.step > 1 << 14:  # a step's two exclusive counts share one int32 scan (16 bits each)
             raise ValueError(f"VocabTopKConfig.step={self.step!r}: must be at most 16384")
-        for name in ("threshold_once", "skip_cold"):
-            if getattr(self, name) not in (0, 1):
-                raise ValueError(f"VocabTopKConfig.{name}={getattr(self, name)!r}: must be 0 or 1")
+        for name, values in (("threshold_once", (0, 1)), ("skip_cold", (0, 1, 2))):
+            if getattr(self, name) not in values or isinstance(getattr(self, name), bool):
+                raise ValueError(f"VocabTopKConfig.{name}={getattr(self, name)!r}: must be one of {values}")
 
 
 def default_config(n: int) -> VocabTopKConfig:
@@ -137,15 +139,19 @@ def _threshold_kernel(cmax_ref, t_ref, *, k: int, num_chunks: int, chunks_p: int
 
 
 def _compact_kernel(x_ref, cmax_ref, *refs, n: int, k: int, num_chunks: int, chunks_p: int, chunk: int, slots: int,
-                    segment: int, step: int, threshold_given: bool, skip_cold: bool):
+                    segment: int, step: int, threshold_given: bool, skip_cold: int, interpret: bool):
     """x_ref [segment]; cmax_ref [chunks_p] the row's chunk maxima (past num_chunks not read); refs: t_in_ref [1]
     the row's t where `threshold_given` (`_threshold_kernel`), then the outputs: this segment's entries > t in
     index order, keys and indices (above_key_ref, above_idx_ref [slots]; the first `slots` of them) and their
     count (above_count_ref [1], may exceed slots: the row overflows); the indices of its first k entries == t
-    (tie_idx_ref [k]) and its count of them (tie_count_ref [1]); where t is computed here, t (t_ref [1]).
-    skip_cold: walk the segment a chunk at a time and read only the chunks whose maximum reaches t (about a
-    quarter of them at k = 64: no candidate lies in the others); else `step` entries at a time, all of them."""
+    (tie_idx_ref [k]) and its count of them (tie_count_ref [1]); where t is computed here, t (t_ref [1]); with
+    skip_cold 2, scratch: hot_ref [segment // chunk] the segment's hot chunks, in order.
+    skip_cold: 1: walk the segment a chunk at a time and read only the chunks whose maximum reaches t (about a
+    quarter of them at k = 64: no candidate lies in the others); 2: list those chunks first, then gather them
+    `step` entries at a time (in chunk order: index order); 0: `step` entries at a time, all of them."""
     seg = pl.program_id(1)
+    hot_ref = refs[-1] if skip_cold == 2 else None
+    refs = refs[:-1] if skip_cold == 2 else refs
     if threshold_given:
         t_in_ref, above_key_ref, above_idx_ref, tie_idx_ref, above_count_ref, tie_count_ref = refs
         t = t_in_ref[0]
@@ -156,9 +162,11 @@ def _compact_kernel(x_ref, cmax_ref, *refs, n: int, k: int, num_chunks: int, chu
         t = kth_largest(maxima, k)
         t_ref[0] = t
 
-    def compact(s, size, carry):  # entries [s * size, (s + 1) * size) of the segment; both exclusive counts in
-        above_run, tie_run = carry  # one scan (a step holds at most 2^14 entries)
-        idx, ok, key = _segment_keys(x_ref, seg, s, n=n, segment=segment, step=size)
+    def compact(s, size, carry):  # entries [s * size, (s + 1) * size) of the segment
+        return compact_keys(*_segment_keys(x_ref, seg, s, n=n, segment=segment, step=size), carry)
+
+    def compact_keys(idx, ok, key, carry):  # entries in index order; both exclusive counts in one scan (a step
+        above_run, tie_run = carry          # holds at most 2^14 entries)
         above, tie = ok & (key > t), ok & (key == t)
         flags = above.astype(jnp.int32) | (tie.astype(jnp.int32) << 16)
         before = jnp.cumsum(flags, axis=0) - flags
@@ -172,7 +180,28 @@ def _compact_kernel(x_ref, cmax_ref, *refs, n: int, k: int, num_chunks: int, chu
         return above_run + jnp.sum(above.astype(jnp.int32)), tie_run + jnp.sum(tie.astype(jnp.int32))
 
     counts = (jnp.int32(0), jnp.int32(0))
-    if skip_cold:
+    if skip_cold == 2:
+        seg_chunks, per_step = segment // chunk, step // chunk
+        hot = cmax_ref[pl.ds(seg * seg_chunks, seg_chunks)] >= t  # a chunk below t holds no entry > t or == t
+        flags = hot.astype(jnp.int32)
+        num_hot = jnp.sum(flags)
+        at = jnp.where(hot, jnp.cumsum(flags, axis=0) - flags, seg_chunks)
+        plt.store(hot_ref.at[at], jnp.arange(seg_chunks, dtype=jnp.int32), mask=hot)
+        if not interpret:  # the interpreter runs a program as one sequential program and has no barrier
+            plt.debug_barrier()
+
+        def gathered_step(g, carry):  # hot chunks g * per_step .. (g + 1) * per_step - 1, `chunk` entries each
+            lane = jnp.arange(step, dtype=jnp.int32)
+            slot = g * per_step + lane // chunk
+            listed = slot < num_hot
+            local = plt.load(hot_ref.at[jnp.where(listed, slot, 0)], mask=listed, other=0) * chunk + lane % chunk
+            idx = seg * segment + local
+            ok = listed & (idx < n)
+            v = plt.load(x_ref.at[local], mask=ok, other=0.0)
+            return compact_keys(idx, ok, jnp.where(ok, total_order_key(v), INT32_MIN), carry)
+
+        above, tie = lax.fori_loop(0, lax.div(num_hot + per_step - 1, per_step), gathered_step, counts)
+    elif skip_cold:
         first = seg * (segment // chunk)
 
         def chunk_step(c, carry):
@@ -299,19 +328,20 @@ def vocab_top_k_pallas(x: jax.Array, k: int, *, config: VocabTopKConfig | None =
     one_spec = pl.BlockSpec((None, None, 1), lambda i, j: (i, j, 0))
     per_segment = jax.ShapeDtypeStruct((r, segments, 1), jnp.int32)
     t_out = 0 if config.threshold_once else 1  # the compact's outputs of t (one per segment)
+    hot_out = int(config.skip_cold == 2)  # its scratch list of hot chunks (per segment)
     above_key, above_idx, tie_idx, above_count, tie_count, *t_segments = pl.pallas_call(
         functools.partial(_compact_kernel, n=n, k=k, num_chunks=num_chunks, chunks_p=chunks_p, chunk=chunk,
                           slots=slots, segment=segment, step=step, threshold_given=bool(config.threshold_once),
-                          skip_cold=bool(config.skip_cold)),
+                          skip_cold=config.skip_cold, interpret=interpret),
         grid=(r, segments),
         in_specs=[x_spec, pl.BlockSpec((None, chunks_p), lambda i, j: (i, 0)),
                   *[pl.BlockSpec((None, 1), lambda i, j: (i, 0))] * (1 - t_out)],
         out_specs=[cand_spec, cand_spec, pl.BlockSpec((None, None, k), lambda i, j: (i, j, 0)), one_spec, one_spec,
-                   *[one_spec] * t_out],
+                   *[one_spec] * t_out, *[pl.BlockSpec((None, None, seg_chunks), lambda i, j: (i, j, 0))] * hot_out],
         out_shape=[jax.ShapeDtypeStruct((r, segments, slots), jnp.int32),
                    jax.ShapeDtypeStruct((r, segments, slots), jnp.int32),
                    jax.ShapeDtypeStruct((r, segments, k), jnp.int32), per_segment, per_segment,
-                   *[per_segment] * t_out],
+                   *[per_segment] * t_out, *[jax.ShapeDtypeStruct((r, segments, seg_chunks), jnp.int32)] * hot_out],
         compiler_params=params, interpret=interpret, debug=debug, name="vocab_top_k_compact")(
             rows, cmax, *([t] if config.threshold_once else []))
     if t_out:

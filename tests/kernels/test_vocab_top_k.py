@@ -68,10 +68,12 @@ def test_reference_is_lax_top_k_on_the_cpu():
 
 # The defaults (`default_config`: segments of 2048 and every chunk read up to 16384 entries, segments of 8192 and cold
 # chunks skipped above) and small segments (a row over many programs, each streaming several steps; the row's first
-# k ties spread over segments) with the threshold in its own launch and cold chunks skipped.
+# k ties spread over segments) with the threshold in its own launch and cold chunks skipped, and with the hot chunks
+# listed and gathered a step at a time (8-32 chunks a step here, several steps where k is large).
 CONFIGS = [pytest.param(None, id="default"),
            pytest.param(vtk.VocabTopKConfig(segment=1024, step=256, threshold_once=1, skip_cold=1),
-                        id="small")]
+                        id="small"),
+           pytest.param(vtk.VocabTopKConfig(segment=1024, step=256, skip_cold=2), id="gathered")]
 
 
 def test_kth_largest():
@@ -129,5 +131,7 @@ def test_sizes_and_bad_arguments():
         vtk.VocabTopKConfig(step=1000)
     with pytest.raises(ValueError, match="VocabTopKConfig.step=32768: must be at most 16384"):
         vtk.VocabTopKConfig(step=32768)
-    with pytest.raises(ValueError, match="VocabTopKConfig.threshold_once=2: must be 0 or 1"):
+    with pytest.raises(ValueError, match=r"VocabTopKConfig.threshold_once=2: must be one of \(0, 1\)"):
         vtk.VocabTopKConfig(threshold_once=2)
+    with pytest.raises(ValueError, match=r"VocabTopKConfig.skip_cold=3: must be one of \(0, 1, 2\)"):
+        vtk.VocabTopKConfig(skip_cold=3)
