@@ -49,6 +49,9 @@
 #   running_bound  issue 19: the tree-build kernel's GPU tests, then tools/topk_probe.py at B = 64 and 512 (i.i.d. and
 #             deep) against XLA's builder and the kernel without the running list's bound; B = 512 deep traced, its
 #             kernels by name; the top-k's skip_cold at K = 256, 512      -> bound_peak{0,20}/, trace512.txt, skip_cold/
+#   build_knobs  issue 19: the top-k's GPU tests, then tools/topk_probe.py at B = 64 and 512 (deep, i.i.d.): the
+#             top-k's hot chunks gathered (skip_cold=2, 1024- and 4096-entry steps) and the build's knobs against the
+#             defaults (block_rows=256; fuse_above with hoist_pairs)                            -> knobs_peak{0,20}/
 #   wide_rounds  prune 2 against 1 at B = 31-128 (the probe), then the 8B DDTree rounds at B = 256, 512 with the
 #             kernels (tools/with_knobs.py engine:tree_kernels_up_to=512) and without  -> prune2_peak{0,20}/, wide_{xla,kernels}/
 #   knobs_rounds  the demo pair's rounds (tools/loop_cost.py) and end to end (the bench, 32 prompts x 128) at the
@@ -212,6 +215,19 @@ for step in "$@"; do
       timeout -k 5 90 python3 tools/topk_probe.py --out "$OUT/skip_cold" --vocab 151936 --budgets 256,512 \
         --top-k pallas,pallas:skip_cold=0 --tree-build pallas --peak 20 2>&1 | grep -E '^\||rror'
       rm -f "$OUT/skip_cold/topk_probe.md"
+      ;;
+    build_knobs)
+      log "the top-k kernel's GPU tests (the hot chunks gathered, skip_cold=2, 2026-12-06)"
+      timeout -k 5 120 python3 -m pytest -q -o addopts="" -p no:cacheprovider -m gpu tests/kernels/test_vocab_top_k.py \
+        2>&1 | tail -2
+      for peak in 20 0; do
+        log "B = 64, 512, V = 151936, peak $peak: the top-k's gathered compaction; the build's wider row blocks, fused passes"
+        timeout -k 5 170 python3 tools/topk_probe.py --out "$OUT/knobs_peak$peak" --vocab 151936 --budgets 64,512 \
+          --top-k pallas,pallas:skip_cold=2:step=1024,pallas:skip_cold=2 \
+          --tree-build pallas,pallas:block_rows=256,pallas:fuse_above=1:hoist_pairs=1 --peak "$peak" 2>&1 \
+          | grep -E '^\||rror'
+        rm -f "$OUT/knobs_peak$peak/topk_probe.md"
+      done
       ;;
     wide_rounds)
       for peak in 0 20; do

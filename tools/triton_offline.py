@@ -203,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
             stages = config.num_stages if which < 2 else 1
             jobs.append((f"vocab_top_k k={k} {launch}", dataclasses.replace(config, num_stages=stages), fn,
                          [sds((15, 151936), jnp.float32)], which))
+        for gathered in [] if args.quick else [dataclasses.replace(config, skip_cold=2, step=step)
+                                               for step in (1024, 4096)]:  # the hot chunks gathered a step at a time
+            # (4096-entry steps: 128-197 registers, 1-2 programs a multiprocessor; 1024: 62-71, 3-4)
+            jobs.append((f"vocab_top_k k={k} compact", gathered,
+                         functools.partial(vtk.vocab_top_k_pallas, k=k, config=gathered),
+                         [sds((15, 151936), jnp.float32)], 1))
     for rows in (1, 16, 65):  # the weight-streaming matmul on a Qwen3-8B projection, bf16 and block-scaled FP8
         x = sds((rows, 4096), jnp.bfloat16)
         models = dataclasses.replace(layers.FP8_STREAM_KNOBS, splits=1)  # the models' knobs (prefetch, fp8_bits)
