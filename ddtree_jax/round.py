@@ -57,8 +57,10 @@ from pallas_kernels.tree_accept import tree_accept
 # for shallow / deep trees, against 207-215 and 238-244 for XLA's builder, in one H200 call (tools/topk_probe.py,
 # 2026-12-04; docs/performance.md). It takes budgets up to 512, but above 128 a deep tree's 15 depths of B^2-sized
 # candidate sets cost more than XLA's builder: on an H100 (2026-12-05) with the top-k kernel before both, 314 / 834
-# us against 253 / 362 at B = 256 / 512 for deep trees (105 / 235 against 236 / 346 for shallow ones), so XLA's
-# builder runs there (`python tools/with_knobs.py engine:tree_kernels_up_to=512 -m ...` runs the kernel).
+# us against 253 / 362 at B = 256 / 512 for deep trees (105 / 235 against 236 / 346 for shallow ones). With the
+# running list's bound (H200, 2026-12-06) B = 512 took 486 / 143 us against 366 / 347: faster on shallow trees
+# only, so XLA's builder still runs there (`python tools/with_knobs.py engine:tree_kernels_up_to=512 -m ...` runs
+# the kernel).
 TREE_BUILD_KERNEL_UP_TO = 128
 # Budgets up to which the Pallas kernel takes the vocabulary top-k (`pallas_kernels.vocab_top_k`, lax.top_k's
 # bits): at every K measured it beat XLA's threshold top-k (H100, 2026-12-05: 82 / 120 us against 132 / 160 at
