@@ -60,6 +60,9 @@ class VocabTopKConfig:
     num_stages: Triton's software pipelining of the streaming loads.
     threshold_once: 1: the threshold in a launch of its own, once per row (grid (r,)), read by the row's
                 segment programs; 0: every segment program computes it (no launch, P times the work).
+    split_select: 1: the selection over several programs per row (grid (r, M / block_rows)), each ranking one row
+                block of the entries above t against all of them (one program per row ranks ~600 entries at
+                K = 512, 39 us on the H200); 0: one program per row ranks them all, a row block after another.
     skip_cold:  1: the compaction reads a chunk at a time, only the chunks whose maximum reaches the threshold;
                 2: the same chunks, listed first (one pass over the segment's maxima) and gathered `step` entries
                 at a time (at K = 512 a segment holds 128 chunks of 64, about a quarter of them hot: one step
@@ -74,12 +77,13 @@ class VocabTopKConfig:
     num_stages: int = 2
     threshold_once: int = 0
     skip_cold: int = 1
+    split_select: int = 0
 
     def __post_init__(self):
         check_knobs(self, pow2={"segment": 16, "step": 16, "block": 16, "block_rows": 16})
         if self.step > 1 << 14:  # a step's two exclusive counts share one int32 scan (16 bits each)
             raise ValueError(f"VocabTopKConfig.step={self.step!r}: must be at most 16384")
-        for name, values in (("threshold_once", (0, 1)), ("skip_cold", (0, 1, 2))):
+        for name, values in (("threshold_once", (0, 1)), ("skip_cold", (0, 1, 2)), ("split_select", (0, 1))):
             if getattr(self, name) not in values or isinstance(getattr(self, name), bool):
                 raise ValueError(f"VocabTopKConfig.{name}={getattr(self, name)!r}: must be one of {values}")
 
@@ -226,20 +230,22 @@ def _segment_of(j, seg_start, valid):
 
 def _select_kernel(above_key_ref, above_idx_ref, tie_idx_ref, above_count_ref, tie_count_ref, t_ref, values_ref,
                    indices_ref, count_ref, dense_key_ref, dense_idx_ref, *, k: int, slots: int, segments: int,
-                   block: int, block_rows: int, interpret: bool):
+                   block: int, block_rows: int, split: bool, interpret: bool):
     """The segments' candidates (above_key_ref, above_idx_ref [P, slots], tie_idx_ref [P, k], the counts [next_pow2(P)],
     past P not read, and t_ref [next_pow2(P)] every segment's t, the same, or [1] the row's) -> values_ref [k]
     float32, indices_ref [k] int32, count_ref [1] the row's count of entries > t; scratch (global memory):
-    dense_key_ref, dense_idx_ref [slots]. The top k are the entries > t in (key desc, index asc) order, then as
-    many of the entries == t as are missing, in index order."""
+    dense_key_ref, dense_idx_ref [slots] (the program's own where `split`). The top k are the entries > t in (key
+    desc, index asc) order, then as many of the entries == t as are missing, in index order. split: this program
+    (grid axis 1) places row block q only; program 0 also writes the count and the ties' places (every program of
+    the row writes places of its own, so none overwrites another's)."""
     segments_p = next_pow2(segments)
     seg_ids = jnp.arange(segments_p, dtype=jnp.int32)
     valid = seg_ids < segments
     above_count = plt.load(above_count_ref.at[pl.ds(0, segments_p)], mask=valid, other=0)
     above_start = jnp.cumsum(above_count, axis=0) - above_count
     total = jnp.sum(above_count)
-    count_ref[0] = total
     used = jnp.minimum(total, slots)
+    first = pl.program_id(1) == 0 if split else True
 
     # The entries > t, densely in segment order (index order again).
     def gather(q):
@@ -250,8 +256,11 @@ def _select_kernel(above_key_ref, above_idx_ref, tie_idx_ref, above_count_ref, t
         plt.store(dense_key_ref.at[at], plt.load(above_key_ref.at[seg, pos], mask=ok, other=INT32_MIN), mask=ok)
         plt.store(dense_idx_ref.at[at], plt.load(above_idx_ref.at[seg, pos], mask=ok, other=0), mask=ok)
 
-    # No carry: Triton's lowering of a loop with a traced trip count cannot yield a literal.
-    lax.fori_loop(0, cdiv(used, block_rows), lambda q, _: gather(q), None)
+    # No carry: Triton's lowering of a loop with a traced trip count cannot yield a literal. With split, a program
+    # whose row block holds no entry gathers none.
+    row_blocks = cdiv(used, block_rows)
+    lax.fori_loop(0, jnp.where(pl.program_id(1) < row_blocks, row_blocks, 0) if split else row_blocks,
+                  lambda q, _: gather(q), None)
     if not interpret:  # the interpreter runs a program as one sequential program and has no barrier
         plt.debug_barrier()
 
@@ -268,14 +277,20 @@ def _select_kernel(above_key_ref, above_idx_ref, tie_idx_ref, above_count_ref, t
         plt.store(indices_ref.at[at], plt.load(dense_idx_ref.at[pl.ds(q * block_rows, block_rows)], mask=ok,
                                                other=0), mask=keep)
 
-    lax.fori_loop(0, cdiv(used, block_rows), lambda q, _: place(q), None)
+    if split:  # this program's row block, if it holds any entry
+        q = pl.program_id(1)
+        lax.fori_loop(q, jnp.minimum(q + 1, row_blocks), lambda q, _: place(q), None)
+    else:
+        lax.fori_loop(0, row_blocks, lambda q, _: place(q), None)
 
-    # The places left, total..k-1: the first entries == t in index order (each segment kept its first k).
+    # The count, and the places left, total..k-1: the first entries == t in index order (each segment kept its
+    # first k).
+    plt.store(count_ref.at[pl.ds(0, 1)], jnp.full((1,), total, jnp.int32), mask=jnp.full((1,), first))
     k_p = next_pow2(k)
     rank = jnp.arange(k_p, dtype=jnp.int32)
     tie_kept = jnp.minimum(plt.load(tie_count_ref.at[pl.ds(0, segments_p)], mask=valid, other=0), k)
     seg, pos = _segment_of(rank, jnp.cumsum(tie_kept, axis=0) - tie_kept, valid)
-    ok = total + rank < k
+    ok = (total + rank < k) & first
     seg, pos, at = jnp.where(ok, seg, 0), jnp.where(ok, pos, 0), jnp.where(ok, total + rank, k)
     t = t_ref[0]
     plt.store(values_ref.at[at], from_total_order_key(jnp.full((k_p,), t, jnp.int32)), mask=ok)
@@ -348,16 +363,24 @@ def vocab_top_k_pallas(x: jax.Array, k: int, *, config: VocabTopKConfig | None =
         t = t_segments[0].reshape(r, segments)
 
     segments_p = next_pow2(segments)
+    block_rows = min(config.block_rows, slots)
+    # With split_select a grid (r, M / block_rows): each program its row block, and dense scratch of its own.
+    programs = slots // block_rows if config.split_select else 1
+
+    def whole(*shape):  # a row's whole array, whatever the program of the row
+        return pl.BlockSpec((None, *shape), lambda i, j=0: (i,) + (0,) * len(shape))
+
+    scratch = jax.ShapeDtypeStruct((r, programs, slots), jnp.int32)
+    scratch_spec = pl.BlockSpec((None, None, slots), lambda i, j=0: (i, j, 0))
     values, indices, count, *_ = pl.pallas_call(
         functools.partial(_select_kernel, k=k, slots=slots, segments=segments, block=min(config.block, slots),
-                          block_rows=min(config.block_rows, slots), interpret=interpret),
-        grid=(r,),
-        in_specs=[row(segments, slots), row(segments, slots), row(segments, k), row(segments_p), row(segments_p),
-                  row(1 if config.threshold_once else segments_p)],
-        out_specs=[row(k), row(k), row(1), row(slots), row(slots)],
+                          block_rows=block_rows, split=bool(config.split_select), interpret=interpret),
+        grid=(r, programs) if config.split_select else (r,),
+        in_specs=[whole(segments, slots), whole(segments, slots), whole(segments, k), whole(segments_p),
+                  whole(segments_p), whole(1 if config.threshold_once else segments_p)],
+        out_specs=[whole(k), whole(k), whole(1), scratch_spec, scratch_spec],
         out_shape=[jax.ShapeDtypeStruct((r, k), jnp.float32), jax.ShapeDtypeStruct((r, k), jnp.int32),
-                   jax.ShapeDtypeStruct((r, 1), jnp.int32), jax.ShapeDtypeStruct((r, slots), jnp.int32),
-                   jax.ShapeDtypeStruct((r, slots), jnp.int32)],
+                   jax.ShapeDtypeStruct((r, 1), jnp.int32), scratch, scratch],
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=1), interpret=interpret,
         debug=debug, name="vocab_top_k_select")(above_key, above_idx, tie_idx, *(
             a.reshape(r, segments) for a in (above_count, tie_count)), t)

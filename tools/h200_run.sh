@@ -50,8 +50,9 @@
 #             deep) against XLA's builder and the kernel without the running list's bound; B = 512 deep traced, its
 #             kernels by name; the top-k's skip_cold at K = 256, 512      -> bound_peak{0,20}/, trace512.txt, skip_cold/
 #   build_knobs  issue 19: the top-k's GPU tests, then tools/topk_probe.py at B = 64 and 512 (deep, i.i.d.): the
-#             top-k's hot chunks gathered (skip_cold=2, 1024- and 4096-entry steps) and the build's knobs against the
-#             defaults (block_rows=256; fuse_above with hoist_pairs)                            -> knobs_peak{0,20}/
+#             top-k's hot chunks gathered (skip_cold=2) and its selection split over row blocks (split_select=1),
+#             and the build's knobs (block_rows=256; fuse_above with hoist_pairs), against the defaults
+#                                                         -> topk_knobs_peak{0,20}/, build_knobs_peak{0,20}/
 #   wide_rounds  prune 2 against 1 at B = 31-128 (the probe), then the 8B DDTree rounds at B = 256, 512 with the
 #             kernels (tools/with_knobs.py engine:tree_kernels_up_to=512) and without  -> prune2_peak{0,20}/, wide_{xla,kernels}/
 #   knobs_rounds  the demo pair's rounds (tools/loop_cost.py) and end to end (the bench, 32 prompts x 128) at the
@@ -217,16 +218,19 @@ for step in "$@"; do
       rm -f "$OUT/skip_cold/topk_probe.md"
       ;;
     build_knobs)
-      log "the top-k kernel's GPU tests (the hot chunks gathered, skip_cold=2, 2026-12-06)"
+      log "the top-k kernel's GPU tests (the hot chunks gathered, skip_cold=2; the selection split, 2026-12-06)"
       timeout -k 5 120 python3 -m pytest -q -o addopts="" -p no:cacheprovider -m gpu tests/kernels/test_vocab_top_k.py \
         2>&1 | tail -2
       for peak in 20 0; do
-        log "B = 64, 512, V = 151936, peak $peak: the top-k's gathered compaction; the build's wider row blocks, fused passes"
-        timeout -k 5 170 python3 tools/topk_probe.py --out "$OUT/knobs_peak$peak" --vocab 151936 --budgets 64,512 \
-          --top-k pallas,pallas:skip_cold=2:step=1024,pallas:skip_cold=2 \
-          --tree-build pallas,pallas:block_rows=256,pallas:fuse_above=1:hoist_pairs=1 --peak "$peak" 2>&1 \
-          | grep -E '^\||rror'
-        rm -f "$OUT/knobs_peak$peak/topk_probe.md"
+        log "B = 64, 512, V = 151936, peak $peak: the top-k's gathered compaction and split selection"
+        timeout -k 5 130 python3 tools/topk_probe.py --out "$OUT/topk_knobs_peak$peak" --vocab 151936 --budgets 64,512 \
+          --top-k pallas,pallas:skip_cold=2:step=1024,pallas:split_select=1,pallas:skip_cold=2:step=1024:split_select=1 \
+          --tree-build pallas --peak "$peak" 2>&1 | grep -E '^\||rror'
+        log "B = 64, 512, V = 151936, peak $peak: the build's wider row blocks, fused running-list counts"
+        timeout -k 5 100 python3 tools/topk_probe.py --out "$OUT/build_knobs_peak$peak" --vocab 151936 \
+          --budgets 64,512 --top-k pallas --tree-build pallas,pallas:block_rows=256,pallas:fuse_above=1:hoist_pairs=1 \
+          --peak "$peak" 2>&1 | grep -E '^\||rror'
+        rm -f "$OUT"/*_knobs_peak"$peak"/topk_probe.md
       done
       ;;
     wide_rounds)

@@ -209,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
             jobs.append((f"vocab_top_k k={k} compact", gathered,
                          functools.partial(vtk.vocab_top_k_pallas, k=k, config=gathered),
                          [sds((15, 151936), jnp.float32)], 1))
+        if not args.quick:  # the selection over a program per row block
+            split = dataclasses.replace(config, split_select=1, num_stages=1)
+            jobs.append((f"vocab_top_k k={k} select", split, functools.partial(vtk.vocab_top_k_pallas, k=k, config=split),
+                         [sds((15, 151936), jnp.float32)], 2))
     for rows in (1, 16, 65):  # the weight-streaming matmul on a Qwen3-8B projection, bf16 and block-scaled FP8
         x = sds((rows, 4096), jnp.bfloat16)
         models = dataclasses.replace(layers.FP8_STREAM_KNOBS, splits=1)  # the models' knobs (prefetch, fp8_bits)

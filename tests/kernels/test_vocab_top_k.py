@@ -69,11 +69,13 @@ def test_reference_is_lax_top_k_on_the_cpu():
 # The defaults (`default_config`: segments of 2048 and every chunk read up to 16384 entries, segments of 8192 and cold
 # chunks skipped above) and small segments (a row over many programs, each streaming several steps; the row's first
 # k ties spread over segments) with the threshold in its own launch and cold chunks skipped, and with the hot chunks
-# listed and gathered a step at a time (8-32 chunks a step here, several steps where k is large).
+# listed and gathered a step at a time (8-32 chunks a step here, several steps where k is large), ranked by a program
+# per row block of 64 (several blocks at every k here, and programs with none).
 CONFIGS = [pytest.param(None, id="default"),
            pytest.param(vtk.VocabTopKConfig(segment=1024, step=256, threshold_once=1, skip_cold=1),
                         id="small"),
-           pytest.param(vtk.VocabTopKConfig(segment=1024, step=256, skip_cold=2), id="gathered")]
+           pytest.param(vtk.VocabTopKConfig(segment=1024, step=256, skip_cold=2, split_select=1, block_rows=64),
+                        id="gathered-split")]
 
 
 def test_kth_largest():
