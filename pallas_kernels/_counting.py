@@ -1,5 +1,6 @@
 """Order by counting inside a Triton program: a float's total-order integer key, the k-th largest of a vector
-by a bisection on its bits, and the count of a block of rows' predecessors among a column array, tile by tile.
+by a bisection on its bits, the count of a block of rows' predecessors among a column array, tile by tile, and
+the same count by binary search where the columns are sorted.
 Shared by the kernels that rank without sorting (`tree_build`, `vocab_top_k`); the application's own total-order
 key is `ddtree_jax.tree.total_order_key` (kernels import nothing from the application, so the two meet in the
 tests)."""
@@ -67,3 +68,18 @@ def count_ahead(rows, row_idx, col_ref, lo, hi, *, block: int, num_cols, tie: st
 
     acc, _ = lax.fori_loop(lo, hi, body, (jnp.zeros((rows.shape[0], block), jnp.int32), load(lo)))
     return jnp.sum(acc, axis=1)
+
+
+def count_sorted(load, n: int, keys, *, strict: bool):
+    """keys [r] int32; load(m [r] int32 in [0, n)) -> the keys at positions m of a list of n sorted non-increasing.
+    Per key, the number of the list's entries > it (strict) or >= it: a binary search, ceil(log2(n + 1)) dependent
+    gathers instead of n compares per key."""
+    lo, hi = jnp.zeros_like(keys), jnp.full_like(keys, n)
+    for _ in range(n.bit_length()):  # every interval of up to n + 1 ends has shrunk to one end after these
+        mid = (lo + hi) >> 1
+        active = lo < hi
+        value = load(jnp.minimum(mid, n - 1))
+        ahead = (value > keys) if strict else (value >= keys)
+        lo = jnp.where(active & ahead, mid + 1, lo)
+        hi = jnp.where(active & ~ahead, mid, hi)
+    return lo

@@ -51,7 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._counting import INT32_MIN, count_ahead, kth_largest, total_order_key
+from pallas_kernels._counting import INT32_MIN, count_ahead, count_sorted, kth_largest, total_order_key
 from pallas_kernels._dispatch import cdiv, check_knobs, next_pow2, resolve_interpret
 
 MAX_BUDGET = 512  # C = 3280 candidates per depth, 4096 padded (16 per thread of 8 warps): 253 registers on sm_90
@@ -109,6 +109,12 @@ class TreeBuildConfig:
                 the bound of prune 1 alone. On the H200 (2026-12-06, top-k included) B = 64 took 99.8 / 63.7 us on
                 deep / i.i.d. trees against 104.4 / 73.4 without it; B = 512 485.8 / 142.7 against 1009 / 1114 with
                 prune 1 alone. 0: the other bounds alone (for an A/B on the device).
+    merge_search: 1 (without fuse_above): the merge into the running list by binary search, both lists being sorted:
+                each new entry's count of running entries at or above it, and each running entry's count of beam
+                entries above it (after a barrier: the beam is written by then), ceil(log2(B + 1)) dependent gathers
+                each, where the counting passes compare every kept candidate with all B running entries ([bp,
+                block] tiles over the kept candidates: at B = 512 the deep tree's ~3400 kept candidates against 512
+                entries, twice); 0: those passes.
     hoist_pairs: 1 (with prune): the candidate table loaded once, before the depth loop, and each kept candidate's
                 pair (i, j) compacted with it: each depth's gathers start from registers and the places' from the
                 compacted pairs, two dependent loads fewer per depth; 0: the table read at every depth.
@@ -124,12 +130,13 @@ class TreeBuildConfig:
     fuse_above: int = 0
     hoist_pairs: int = 0
     running_bound: int = 1
+    merge_search: int = 0
 
     def __post_init__(self):
         check_knobs(self, pow2={"block": 16, "block_rows": 16})
         if self.prune not in (0, 1, 2) or isinstance(self.prune, bool):
             raise ValueError(f"TreeBuildConfig.prune={self.prune!r}: must be 0, 1 or 2")
-        for name in ("fuse_above", "hoist_pairs", "running_bound"):
+        for name in ("fuse_above", "hoist_pairs", "running_bound", "merge_search"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"TreeBuildConfig.{name}={getattr(self, name)!r}: must be 0 or 1")
 
@@ -200,6 +207,7 @@ def _tree_build_kernel(
     fuse_above: bool,
     hoist_pairs: bool,
     running_bound: bool,
+    merge_search: bool,
     interpret: bool,
 ):
     b_, k_, l_, c_ = budget, k, depth_limit, num_pairs
@@ -353,6 +361,8 @@ def _tree_build_kernel(
             if fuse_above:  # the running entries at or above each key, from the list in registers
                 merged = place + jnp.sum(((run_key[None, :] >= key[:, None]) & in_beam[None, :]).astype(jnp.int32),
                                          axis=1)
+            elif merge_search:  # the list is sorted (keys non-increasing)
+                merged = place + count_sorted(lambda m: run_key_ref[prev + m], b_, key, strict=False)
             else:
                 merged = place + count_ahead(key, row_idx, run_key_ref, lax.div(prev, block_b),
                                              lax.div(prev, block_b) + run_blocks, block=block_b, num_cols=prev + b_,
@@ -368,6 +378,10 @@ def _tree_build_kernel(
         if fuse_above:  # the first row block runs whatever the count (with none kept it counts none above)
             place_block(0, True)
             lax.fori_loop(1, blocks(num, block_r), lambda r, _: place_block(r, False), None)
+        elif merge_search:
+            lax.fori_loop(0, blocks(num, block_r), lambda r, _: place_block(r, False), None)
+            barrier()  # the beam's rows, best first (-inf past the kept count), for every thread's search
+            place_running(count_sorted(lambda m: total_order_key(score_ref[d, m]), b_, run_key, strict=True))
         else:
             lax.fori_loop(0, blocks(num, block_r), lambda r, _: place_block(r, False), None)
 
@@ -464,6 +478,7 @@ def tree_build_pallas(top_lp, top_tok, root_tokens, *, budget: int, config: Tree
         tp=tp, block_c=min(config.block, cp), block_r=min(config.block_rows, cp), block_b=min(config.block, bp),
         block_t=min(config.block, tp), prune=config.prune, fuse_above=bool(config.fuse_above),
         hoist_pairs=bool(config.hoist_pairs) and bool(config.prune), running_bound=bool(config.running_bound),
+        merge_search=bool(config.merge_search) and not config.fuse_above,
         interpret=interpret)
 
     def row(*shape):

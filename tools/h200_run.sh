@@ -51,7 +51,8 @@
 #             kernels by name; the top-k's skip_cold at K = 256, 512      -> bound_peak{0,20}/, trace512.txt, skip_cold/
 #   build_knobs  issue 19: the top-k's GPU tests, then tools/topk_probe.py at B = 64 and 512 (deep, i.i.d.): the
 #             top-k's hot chunks gathered (skip_cold=2) and its selection split over row blocks (split_select=1),
-#             and the build's knobs (block_rows=256; fuse_above with hoist_pairs), against the defaults
+#             and the build's knobs (block_rows=256, merge_search and both; fuse_above and hoist_pairs spill at
+#             B = 512 offline), against the defaults
 #                                                         -> topk_knobs_peak{0,20}/, build_knobs_peak{0,20}/
 #   wide_rounds  prune 2 against 1 at B = 31-128 (the probe), then the 8B DDTree rounds at B = 256, 512 with the
 #             kernels (tools/with_knobs.py engine:tree_kernels_up_to=512) and without  -> prune2_peak{0,20}/, wide_{xla,kernels}/
@@ -226,9 +227,10 @@ for step in "$@"; do
         timeout -k 5 130 python3 tools/topk_probe.py --out "$OUT/topk_knobs_peak$peak" --vocab 151936 --budgets 64,512 \
           --top-k pallas,pallas:skip_cold=2:step=1024,pallas:split_select=1,pallas:skip_cold=2:step=1024:split_select=1 \
           --tree-build pallas --peak "$peak" 2>&1 | grep -E '^\||rror'
-        log "B = 64, 512, V = 151936, peak $peak: the build's wider row blocks, fused running-list counts"
+        log "B = 64, 512, V = 151936, peak $peak: the build's wider row blocks, its merge by binary search"
         timeout -k 5 100 python3 tools/topk_probe.py --out "$OUT/build_knobs_peak$peak" --vocab 151936 \
-          --budgets 64,512 --top-k pallas --tree-build pallas,pallas:block_rows=256,pallas:fuse_above=1:hoist_pairs=1 \
+          --budgets 64,512 --top-k pallas \
+          --tree-build pallas,pallas:block_rows=256,pallas:merge_search=1,pallas:block_rows=256:merge_search=1 \
           --peak "$peak" 2>&1 | grep -E '^\||rror'
         rm -f "$OUT"/*_knobs_peak"$peak"/topk_probe.md
       done

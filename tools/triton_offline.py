@@ -192,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                 tbk.TreeBuildConfig(block_rows=256), tbk.TreeBuildConfig(num_warps=4),
                 tbk.TreeBuildConfig(block_rows=256, num_warps=4), tbk.TreeBuildConfig(prune=0),
                 tbk.TreeBuildConfig(fuse_above=1), tbk.TreeBuildConfig(fuse_above=1, num_warps=4),
-                tbk.TreeBuildConfig(hoist_pairs=1), tbk.TreeBuildConfig(fuse_above=1, hoist_pairs=1)])
+                tbk.TreeBuildConfig(hoist_pairs=1), tbk.TreeBuildConfig(fuse_above=1, hoist_pairs=1),
+                tbk.TreeBuildConfig(merge_search=1)])
             for config in configs:
                 fn = functools.partial(tbk.tree_build_pallas, budget=budget, config=config)
                 jobs.append((f"tree_build B={budget} b={rows}", config, fn, build_args))

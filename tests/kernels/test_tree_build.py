@@ -178,6 +178,54 @@ def test_a_candidate_just_above_the_running_lists_last_enters(prune: int, interp
     assert_same_tree(got, want)
 
 
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("case,running_bound", [(CASES[3], 1), (CASES[3], 0), (CASES[6], 1), (CASES[9], 1),
+                                                (CASES[10], 1)], ids=lambda x: str(x) if isinstance(x, Case) else None)
+def test_merge_by_binary_search_gives_the_same_tree(case: Case, running_bound: int, interpret: bool):
+    """`merge_search=1` (the running list's merge by binary search over both sorted lists): the same tree on tied
+    inputs at B = 64 (also without the running list's bound, where candidates at or below its last entry are
+    merged too), padded ones, a deep tree at B = 512 and ties at B = 256."""
+    config = dataclasses.replace(tb.default_config(case.budget), merge_search=1, running_bound=running_bound)
+    assert_knobs_give_the_reference_tree(case, config, interpret)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("knobs", [{}, {"running_bound": 0}, {"merge_search": 1}, {"merge_search": 1, "running_bound": 0}],
+                         ids=lambda knobs: ",".join(f"{k}={v}" for k, v in knobs.items()) or "default")
+def test_a_best_child_tying_the_running_lists_last_stays_out(knobs: dict, interpret: bool):
+    """Depth 2 runs (depth 1's best, -0.25, is above the list's last, -5) but its best child ties that last entry
+    exactly: the shallower entry keeps the place, whichever way the merge counts (with the running list's bound the
+    child is not even kept; without it, it is placed first and must count all B entries at or above it)."""
+    budget, vocab = 16, 64
+    lp = np.full((1, 3, vocab), -30.0, np.float32)
+    lp[0, 0, :16] = [-0.25 * (k + 1) for k in range(14)] + [-4.5, -5.0]
+    lp[0, 1, 0] = -4.75
+    lp[0, 2, 0] = -0.5
+    roots = jnp.array([5], jnp.int32)
+    want = build(jnp.asarray(lp), roots, budget, "reference")
+    assert np.max(np.asarray(want.depths)) == 1  # not vacuous: the tie went to depth 1
+    config = dataclasses.replace(tb.default_config(budget), **knobs)
+    got = jax.jit(functools.partial(build_tree, budget=budget, implementation="pallas", interpret=interpret,
+                                    kernel_config=config))(jnp.asarray(lp), roots)
+    assert_same_tree(got, want)
+
+
+def test_count_sorted_against_numpy():
+    """The binary search's count of a non-increasing list's entries above (strict) or at and above each key,
+    against NumPy's, on lists with runs of equal entries, keys below, between, on and above them, lengths 1 to
+    513."""
+    from pallas_kernels._counting import count_sorted
+
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3, 64, 512, 513):
+        entries = np.sort(rng.integers(-5, 5, n).astype(np.int32))[::-1]
+        keys = rng.integers(-7, 7, 40).astype(np.int32)
+        for strict in (True, False):
+            got = count_sorted(lambda m: jnp.asarray(entries)[m], n, jnp.asarray(keys), strict=strict)
+            want = [np.sum(entries > key) if strict else np.sum(entries >= key) for key in keys]
+            np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"n={n} strict={strict}")
+
+
 def test_budget_above_the_kernel_maximum():
     """The kernel refuses B > MAX_BUDGET naming it; build_tree keeps those on the XLA builder."""
     budget = tb.MAX_BUDGET + 1
