@@ -219,9 +219,9 @@ for step in "$@"; do
       rm -f "$OUT/skip_cold/topk_probe.md"
       ;;
     build_knobs)
-      log "the top-k kernel's GPU tests (the hot chunks gathered, skip_cold=2; the selection split, 2026-12-06)"
-      timeout -k 5 120 python3 -m pytest -q -o addopts="" -p no:cacheprovider -m gpu tests/kernels/test_vocab_top_k.py \
-        2>&1 | tail -2
+      log "the top-k and build kernels' GPU tests (skip_cold=2, split_select, merge_search: 2026-12-06)"
+      timeout -k 5 180 python3 -m pytest -q -o addopts="" -p no:cacheprovider -m gpu tests/kernels/test_vocab_top_k.py \
+        tests/kernels/test_tree_build.py 2>&1 | tail -2
       for peak in 20 0; do
         log "B = 64, 512, V = 151936, peak $peak: the top-k's gathered compaction and split selection"
         timeout -k 5 130 python3 tools/topk_probe.py --out "$OUT/topk_knobs_peak$peak" --vocab 151936 --budgets 64,512 \
