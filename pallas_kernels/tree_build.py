@@ -282,7 +282,7 @@ def _tree_build_kernel(
             if running_bound:
                 kept = kept & (total_order_key(score) > run_last)
             if prune == 2:
-                def exact(_):  # the padding's lowest key is never above a real B-th largest (or the list's last)
+                def exact(_):  # C >= B real candidates, so the padding's lowest key is never the B-th largest
                     key = jnp.where(cand_ok, total_order_key(score), INT32_MIN)
                     return (key >= kth_largest(key, b_)).astype(jnp.int32)
 

@@ -314,8 +314,8 @@ def vocab_top_k_pallas(x: jax.Array, k: int, *, config: VocabTopKConfig | None =
     rows = x.reshape(-1, n).astype(jnp.float32)
     r = rows.shape[0]
 
-    def row(*shape):
-        return pl.BlockSpec((None, *shape), lambda i: (i,) + (0,) * len(shape))
+    def row(*shape):  # a row's whole array (in a grid (r, P) whatever the row's program)
+        return pl.BlockSpec((None, *shape), lambda i, j=0: (i,) + (0,) * len(shape))
 
     segment = max(min(config.segment, next_pow2(n)), chunk)
     step = min(max(config.step, chunk), segment)
@@ -367,18 +367,15 @@ def vocab_top_k_pallas(x: jax.Array, k: int, *, config: VocabTopKConfig | None =
     # With split_select a grid (r, M / block_rows): each program its row block, and dense scratch of its own.
     programs = slots // block_rows if config.split_select else 1
 
-    def whole(*shape):  # a row's whole array, whatever the program of the row
-        return pl.BlockSpec((None, *shape), lambda i, j=0: (i,) + (0,) * len(shape))
-
     scratch = jax.ShapeDtypeStruct((r, programs, slots), jnp.int32)
     scratch_spec = pl.BlockSpec((None, None, slots), lambda i, j=0: (i, j, 0))
     values, indices, count, *_ = pl.pallas_call(
         functools.partial(_select_kernel, k=k, slots=slots, segments=segments, block=min(config.block, slots),
                           block_rows=block_rows, split=bool(config.split_select), interpret=interpret),
         grid=(r, programs) if config.split_select else (r,),
-        in_specs=[whole(segments, slots), whole(segments, slots), whole(segments, k), whole(segments_p),
-                  whole(segments_p), whole(1 if config.threshold_once else segments_p)],
-        out_specs=[whole(k), whole(k), whole(1), scratch_spec, scratch_spec],
+        in_specs=[row(segments, slots), row(segments, slots), row(segments, k), row(segments_p), row(segments_p),
+                  row(1 if config.threshold_once else segments_p)],
+        out_specs=[row(k), row(k), row(1), scratch_spec, scratch_spec],
         out_shape=[jax.ShapeDtypeStruct((r, k), jnp.float32), jax.ShapeDtypeStruct((r, k), jnp.int32),
                    jax.ShapeDtypeStruct((r, 1), jnp.int32), scratch, scratch],
         compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=1), interpret=interpret,
