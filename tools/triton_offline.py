@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                          [sds((15, 151936), jnp.float32)], 1))
         if not args.quick:  # the selection over a program per row block
             split = dataclasses.replace(config, split_select=1, num_stages=1)
-            jobs.append((f"vocab_top_k k={k} select", split, functools.partial(vtk.vocab_top_k_pallas, k=k, config=split),
+            jobs.append((f"vocab_top_k k={k} select", split,
+                         functools.partial(vtk.vocab_top_k_pallas, k=k, config=split),
                          [sds((15, 151936), jnp.float32)], 2))
     for rows in (1, 16, 65):  # the weight-streaming matmul on a Qwen3-8B projection, bf16 and block-scaled FP8
         x = sds((rows, 4096), jnp.bfloat16)

@@ -157,6 +157,16 @@ def test_exact_prune_gives_the_same_tree(case: Case, interpret: bool):
     assert_knobs_give_the_reference_tree(case, tb.TreeBuildConfig(prune=2), interpret)
 
 
+def at_the_running_lists_last(depth2: list[float]) -> jax.Array:
+    """[1, 3, 64] log-probs in exact quarters for B = 16: depth 1's 16 tokens fill the running list from -0.25 down
+    to -4.5 and -5 (its last), depth 2's best tokens are `depth2`, depth 3's best -0.5; the rest -30."""
+    lp = np.full((1, 3, 64), -30.0, np.float32)
+    lp[0, 0, :16] = [-0.25 * (k + 1) for k in range(14)] + [-4.5, -5.0]
+    lp[0, 1, :len(depth2)] = depth2
+    lp[0, 2, 0] = -0.5
+    return jnp.asarray(lp)
+
+
 @pytest.mark.parametrize("interpret", INTERPRET)
 @pytest.mark.parametrize("prune", [1, 2])
 def test_a_candidate_just_above_the_running_lists_last_enters(prune: int, interpret: bool):
@@ -164,17 +174,12 @@ def test_a_candidate_just_above_the_running_lists_last_enters(prune: int, interp
     its edge. B = 16, exact quarter sums: depth 1's 16 tokens fill the list down to -5 (its last) after -4.5; at
     depth 2 the best child scores -4.75, between the two, and enters in the last place; the next one ties the last
     (-5) and does not; depth 3's best grandchild (-5.25) no longer can."""
-    budget, vocab = 16, 64
-    lp = np.full((1, 3, vocab), -30.0, np.float32)
-    lp[0, 0, :16] = [-0.25 * (k + 1) for k in range(14)] + [-4.5, -5.0]
-    lp[0, 1, :2] = [-4.5, -4.75]
-    lp[0, 2, 0] = -0.5
-    roots = jnp.array([5], jnp.int32)
-    want = build(jnp.asarray(lp), roots, budget, "reference")
+    budget, lp, roots = 16, at_the_running_lists_last([-4.5, -4.75]), jnp.array([5], jnp.int32)
+    want = build(lp, roots, budget, "reference")
     depths = np.asarray(want.depths)[0]
     assert np.sum(depths == 2) == 1 and np.sum(depths == 1) == 15 and np.max(depths) == 2  # not vacuous
     got = jax.jit(functools.partial(build_tree, budget=budget, implementation="pallas", interpret=interpret,
-                                    kernel_config=tb.TreeBuildConfig(prune=prune)))(jnp.asarray(lp), roots)
+                                    kernel_config=tb.TreeBuildConfig(prune=prune)))(lp, roots)
     assert_same_tree(got, want)
 
 
@@ -190,23 +195,19 @@ def test_merge_by_binary_search_gives_the_same_tree(case: Case, running_bound: i
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
-@pytest.mark.parametrize("knobs", [{}, {"running_bound": 0}, {"merge_search": 1}, {"merge_search": 1, "running_bound": 0}],
+@pytest.mark.parametrize("knobs", [{}, {"running_bound": 0}, {"merge_search": 1},
+                                   {"merge_search": 1, "running_bound": 0}],
                          ids=lambda knobs: ",".join(f"{k}={v}" for k, v in knobs.items()) or "default")
 def test_a_best_child_tying_the_running_lists_last_stays_out(knobs: dict, interpret: bool):
     """Depth 2 runs (depth 1's best, -0.25, is above the list's last, -5) but its best child ties that last entry
     exactly: the shallower entry keeps the place, whichever way the merge counts (with the running list's bound the
     child is not even kept; without it, it is placed first and must count all B entries at or above it)."""
-    budget, vocab = 16, 64
-    lp = np.full((1, 3, vocab), -30.0, np.float32)
-    lp[0, 0, :16] = [-0.25 * (k + 1) for k in range(14)] + [-4.5, -5.0]
-    lp[0, 1, 0] = -4.75
-    lp[0, 2, 0] = -0.5
-    roots = jnp.array([5], jnp.int32)
-    want = build(jnp.asarray(lp), roots, budget, "reference")
+    budget, lp, roots = 16, at_the_running_lists_last([-4.75]), jnp.array([5], jnp.int32)
+    want = build(lp, roots, budget, "reference")
     assert np.max(np.asarray(want.depths)) == 1  # not vacuous: the tie went to depth 1
     config = dataclasses.replace(tb.default_config(budget), **knobs)
     got = jax.jit(functools.partial(build_tree, budget=budget, implementation="pallas", interpret=interpret,
-                                    kernel_config=config))(jnp.asarray(lp), roots)
+                                    kernel_config=config))(lp, roots)
     assert_same_tree(got, want)
 
 
