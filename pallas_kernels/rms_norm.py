@@ -35,7 +35,7 @@ from jax.experimental.pallas import triton as plt
 from pallas_kernels._dispatch import check_knobs, next_pow2, resolve_implementation, resolve_interpret
 from pallas_kernels.stream_matmul import quantize_groups
 
-KINDS = ("qwen3", "zero_centered")  # HF's two RMSNorm scalings (`scale_rows`)
+KINDS = ("qwen3", "zero_centered")  # HF's two RMSNorm scalings (`_scale`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,24 +49,14 @@ class RMSNormConfig:
         check_knobs(self, pow2={})
 
 
-def rms_inverse(s, *, eps: float, width: int):
-    """float32 rows s [..., e] (padding entries 0; `width` the real e) -> 1 / sqrt(mean(s^2) + eps) [..., 1]."""
-    return lax.rsqrt(jnp.sum(s * s, axis=-1, keepdims=True) / width + eps)
-
-
-def scale_rows(s, rms_inv, w, *, kind: str, dtype):
-    """float32 rows s [..., e] times their inverse RMS (broadcast), scaled by the weight w [e] as HF does, in `dtype`:
-    "qwen3" (`Qwen3RMSNorm`): w * (s * rms_inv).astype(dtype), the product in `dtype`; "zero_centered"
-    (`Qwen3_5RMSNorm`): (s * rms_inv * (1 + w)).astype(dtype), all in float32. Works on jnp arrays and inside the
-    kernel alike (one definition for both)."""
+def _scale(s, w, *, eps: float, width: int, kind: str, dtype):
+    """The normalisation of float32 rows s [..., e] (padding entries 0; `width` the real e) by weight w [e], as HF
+    scales, in `dtype`: with r = 1 / sqrt(mean(s^2) + eps), "qwen3" (`Qwen3RMSNorm`) w * (s * r).astype(dtype), the
+    product in `dtype`; "zero_centered" (`Qwen3_5RMSNorm`) (s * r * (1 + w)).astype(dtype), all in float32."""
+    rms_inv = lax.rsqrt(jnp.sum(s * s, axis=-1, keepdims=True) / width + eps)
     if kind == "qwen3":
         return (w.astype(dtype) * (s * rms_inv).astype(dtype)).astype(dtype)
     return (s * rms_inv * (1.0 + w.astype(jnp.float32))).astype(dtype)
-
-
-def _scale(s, w, *, eps: float, width: int, kind: str, dtype):
-    """The normalisation of float32 rows s [..., e] (padding entries 0) by weight w [e]; result in `dtype`."""
-    return scale_rows(s, rms_inverse(s, eps=eps, width=width), w, kind=kind, dtype=dtype)
 
 
 def _bfloat16_bits(y32):
@@ -185,5 +175,4 @@ def _check(x, delta, weight, kind, quantize_group=None):
         raise ValueError(f"delta must have x's shape {x.shape}, got {delta.shape}")
 
 
-__all__ = ["KINDS", "RMSNormConfig", "add_rms_norm", "add_rms_norm_pallas", "add_rms_norm_reference", "rms_inverse",
-           "scale_rows"]
+__all__ = ["KINDS", "RMSNormConfig", "add_rms_norm", "add_rms_norm_pallas", "add_rms_norm_reference"]
