@@ -91,13 +91,16 @@ class TreeBuildConfig:
                 first: a confident drafter's deep tree at B = 64 keeps few of its 280. On the H200 deep trees
                 (V = 151936, L = 15, top-k included) took 123 against 204 us at B = 64 and 166 against 524 at
                 B = 128; shallow ones the same within the spread (tools/topk_probe.py, 2026-12-04).
-                2: as 1, and where the bound keeps more than 2 B, only the candidates at or above the B-th
-                best candidate score itself (`kth_largest`, a 32-step bisection over the candidates' keys, held
+                2: as 1, and where the bounds keep more than `exact_above` x B, only the candidates at or above the
+                B-th best candidate score itself (`kth_largest`, a 32-step bisection over the candidates' keys, held
                 in registers): the B best and their ties. The bound keeps every candidate where a depth's
                 log-probs are flat (i.i.d. logits at B = 512: all 3280 at depth 2, ~10^7 compares in one
                 program; the bisection keeps 512), and few on a confident drafter's deep tree (512-1023 at
                 B = 512), where the bisection's 32 reductions would cost more than they save
                 (tools/prune_counts.py). 0: every candidate.
+    exact_above: with prune 2, the bisection runs where the other bounds keep more than exact_above x B candidates
+                (2: the B = 512 deep tree's 976 kept at depth 2 are all counted against each other; 1: the bisection
+                cuts them to the 512 best, a quarter of the place counting's compares there, for 32 reductions).
     fuse_above: 1: the running list read once per depth, into registers: its entries' counts of candidates
                 above them ride in the first row block's pass over the candidates (one pass over them less per
                 depth, a [bp, block] tile more in it), and the candidates' counts of running entries at or above
@@ -131,11 +134,14 @@ class TreeBuildConfig:
     hoist_pairs: int = 0
     running_bound: int = 1
     merge_search: int = 0
+    exact_above: int = 2
 
     def __post_init__(self):
         check_knobs(self, pow2={"block": 16, "block_rows": 16})
         if self.prune not in (0, 1, 2) or isinstance(self.prune, bool):
             raise ValueError(f"TreeBuildConfig.prune={self.prune!r}: must be 0, 1 or 2")
+        if self.exact_above not in (1, 2) or isinstance(self.exact_above, bool):
+            raise ValueError(f"TreeBuildConfig.exact_above={self.exact_above!r}: must be 1 or 2")
         for name in ("fuse_above", "hoist_pairs", "running_bound", "merge_search"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"TreeBuildConfig.{name}={getattr(self, name)!r}: must be 0 or 1")
@@ -204,6 +210,7 @@ def _tree_build_kernel(
     block_b: int,
     block_t: int,
     prune: int,
+    exact_above: int,
     fuse_above: bool,
     hoist_pairs: bool,
     running_bound: bool,
@@ -273,8 +280,8 @@ def _tree_build_kernel(
             # (shallower entries win ties) nor have a descendant that does (log-probs are <= 0, and the list's last
             # only rises), so it is dropped whatever the depth's beam; on a flat depth this keeps none, and the loop
             # stops. And the B-th best candidate scores at least the last of the B children (i, 0) (they all score
-            # at least its score: the beam is best first), or with prune 2, where the two keep more than 2 B, the
-            # B-th best itself. The rest are kept in (i, j) order: every candidate ahead of a kept one is kept, so
+            # at least its score: the beam is best first), or with prune 2, where the two keep more than exact_above x
+            # B, the B-th best itself. The rest are kept in (i, j) order: every candidate ahead of a kept one is kept, so
             # places and ranks among the kept are those among all (labels only need the order), and a beam row
             # past the kept count stays -inf.
             run_last = run_key_ref[prev + b_ - 1]  # after the previous depth's barrier
@@ -286,7 +293,7 @@ def _tree_build_kernel(
                     key = jnp.where(cand_ok, total_order_key(score), INT32_MIN)
                     return (key >= kth_largest(key, b_)).astype(jnp.int32)
 
-                kept = kept & (lax.cond(jnp.sum(kept.astype(jnp.int32)) > 2 * b_, exact,
+                kept = kept & (lax.cond(jnp.sum(kept.astype(jnp.int32)) > exact_above * b_, exact,
                                         lambda _: jnp.ones_like(cand), None) != 0)
             flags = kept.astype(jnp.int32)
             slot = jnp.where(kept, jnp.cumsum(flags, axis=0) - flags, cp)
@@ -476,7 +483,7 @@ def tree_build_pallas(top_lp, top_tok, root_tokens, *, budget: int, config: Tree
     kernel = functools.partial(
         _tree_build_kernel, budget=budget, k=k, depth_limit=depth_limit, num_pairs=num_pairs, bp=bp, cp=cp,
         tp=tp, block_c=min(config.block, cp), block_r=min(config.block_rows, cp), block_b=min(config.block, bp),
-        block_t=min(config.block, tp), prune=config.prune, fuse_above=bool(config.fuse_above),
+        block_t=min(config.block, tp), prune=config.prune, exact_above=config.exact_above, fuse_above=bool(config.fuse_above),
         hoist_pairs=bool(config.hoist_pairs) and bool(config.prune), running_bound=bool(config.running_bound),
         merge_search=bool(config.merge_search) and not config.fuse_above,
         interpret=interpret)

@@ -230,7 +230,7 @@ for step in "$@"; do
         log "B = 64, 512, V = 151936, peak $peak: the build's wider row blocks, its merge by binary search"
         timeout -k 5 100 python3 tools/topk_probe.py --out "$OUT/build_knobs_peak$peak" --vocab 151936 \
           --budgets 64,512 --top-k pallas \
-          --tree-build pallas,pallas:block_rows=256,pallas:merge_search=1,pallas:block_rows=256:merge_search=1 \
+          --tree-build pallas,pallas:block_rows=256,pallas:merge_search=1,pallas:block_rows=256:merge_search=1,pallas:block_rows=256:merge_search=1:prune=2:exact_above=1 \
           --peak "$peak" 2>&1 | grep -E '^\||rror'
         rm -f "$OUT"/*_knobs_peak"$peak"/topk_probe.md
       done

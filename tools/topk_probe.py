@@ -45,7 +45,7 @@ from ddtree_jax import tree as current  # noqa: E402
 from ddtree_jax.measure.timing import in_loop_seconds, record_trace  # noqa: E402
 from ddtree_jax.cli import recorded_command  # noqa: E402
 from ddtree_jax.engine import compile_program  # noqa: E402
-from pallas_kernels.tree_build import TreeBuildConfig  # noqa: E402
+from pallas_kernels import tree_build as tree_build_kernel  # noqa: E402
 from pallas_kernels import vocab_top_k  # noqa: E402
 
 FIELDS = ("tokens", "parents", "depths", "valid", "scores", "ancestor")
@@ -60,13 +60,14 @@ def tree_program(build_tree, budget: int, chunk, top_k: str | None = None, tree_
     """(logits [batch, L, V] f32, roots [batch] i32, passes) -> the last pass's tree fields. top_k / tree_build None:
     the build's own default (a baseline's build may not take the arguments); tree_build: build_tree's
     `implementation` after the top-k ("reference": the XLA builder, "pallas": the tree-build kernel, and
-    "pallas:KNOB=N:..." the kernel with those `TreeBuildConfig` knobs)."""
+    "pallas:KNOB=N:..." the kernel with those `TreeBuildConfig` knobs laid over its `default_config(B)`, what the
+    engine runs)."""
     kwargs = {} if top_k is None else dict(top_k=top_k)
     if tree_build is not None:
         implementation, *knobs = tree_build.split(":")
         kwargs["implementation"] = implementation
         if knobs:
-            kwargs["kernel_config"] = TreeBuildConfig(**_knobs(knobs))
+            kwargs["kernel_config"] = dataclasses.replace(tree_build_kernel.default_config(budget), **_knobs(knobs))
 
     def run(logits, roots, passes):
         def once(salt):

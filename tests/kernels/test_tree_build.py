@@ -98,8 +98,9 @@ class TestTreeBuildKernel:
         if case.peak and case.budget == 64:  # the default prunes, and here not vacuously: at depth 2 at least two in
             # five candidates lie below the bound and are left out
             assert np.mean(score < bound) > 0.4
-        if case.budget > 128:  # prune=2 by default, not vacuously: the bound of prune=1 keeps far more than the B
-            # best; with ties, more than B candidates share the B-th best score (all kept)
+        if case.budget > 128:  # prune=2 by default: the bound of prune=1 alone keeps far more than the B best; with
+            # ties, more than B candidates share the B-th best score (all kept). Since the running list's bound the
+            # bisection runs only where both keep more than 2 B (test_the_bisection_keeps_a_depths_b_best_... runs it)
             best = np.sort(score)[::-1][case.budget - 1]
             assert np.sum(score >= bound) > 2 * np.sum(score >= best) or case.levels
             assert np.sum(score >= best) > case.budget if case.levels else np.sum(score >= best) == case.budget
@@ -184,6 +185,24 @@ def test_a_candidate_just_above_the_running_lists_last_enters(prune: int, interp
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
+def test_the_bisection_keeps_a_depths_b_best_and_their_ties(interpret: bool):
+    """`prune=2`'s bisection (where the other bounds keep more than `exact_above` x B candidates): B = 16, depth 2's
+    best tokens at -0.25, -0.5, ..., -4 (exact quarter sums, many ties): 49 of its 50 candidates lie above the
+    running list's last entry (-5), so the bisection cuts them to the 16 best and their ties, and ten depth-2 nodes
+    enter the tree (a cut to the best one fails here; one that keeps fewer than B but all ten is not wrong: a depth's
+    B-th best and its parent cannot both be among the B best)."""
+    budget, lp, roots = 16, at_the_running_lists_last([-0.25 * (k + 1) for k in range(16)]), jnp.array([5], jnp.int32)
+    top = np.asarray(lp)[0, :2, :budget]  # depths 1 and 2, best first
+    i, j = np.array([(i, j) for i in range(budget) for j in range(budget // (i + 1))]).T
+    assert np.sum(top[0, i] + top[1, j] > top[0, -1]) == 49  # above the last entry, hence the bound of prune 1 too
+    want = build(lp, roots, budget, "reference")
+    assert np.sum(np.asarray(want.depths)[0] == 2) == 10  # not vacuous: a wrong cut would leave some out
+    got = jax.jit(functools.partial(build_tree, budget=budget, implementation="pallas", interpret=interpret,
+                                    kernel_config=tb.TreeBuildConfig(prune=2)))(lp, roots)
+    assert_same_tree(got, want)
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
 @pytest.mark.parametrize("case,running_bound", [(CASES[3], 1), (CASES[3], 0), (CASES[6], 1), (CASES[9], 1),
                                                 (CASES[10], 1)], ids=lambda x: str(x) if isinstance(x, Case) else None)
 def test_merge_by_binary_search_gives_the_same_tree(case: Case, running_bound: int, interpret: bool):
@@ -245,6 +264,8 @@ def test_config_is_validated():
         tb.TreeBuildConfig(block_rows=8)
     with pytest.raises(ValueError, match="TreeBuildConfig.prune=3: must be 0, 1 or 2"):
         tb.TreeBuildConfig(prune=3)
+    with pytest.raises(ValueError, match="TreeBuildConfig.exact_above=3: must be 1 or 2"):
+        tb.TreeBuildConfig(exact_above=3)
     with pytest.raises(ValueError, match="TreeBuildConfig.fuse_above=2: must be 0 or 1"):
         tb.TreeBuildConfig(fuse_above=2)
     with pytest.raises(ValueError, match="TreeBuildConfig.hoist_pairs=-1: must be 0 or 1"):
