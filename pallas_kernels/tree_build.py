@@ -148,14 +148,18 @@ class TreeBuildConfig:
 
 
 def default_config(budget: int) -> TreeBuildConfig:
-    """The knobs for a budget B: the dataclass's defaults up to B = 128, the exact prune (`prune=2`) above. On the
-    H200 no knob was faster at every budget up to 128 (2026-12-05, docs/performance.md): 64-row tiles
+    """The knobs for a budget B: the dataclass's defaults up to B = 128; above it the exact prune (`prune=2`, its
+    bisection wherever the other bounds keep more than B: `exact_above=1`), 256-row tiles and the merge by binary
+    search. On the H200 no knob was faster at every budget up to 128 (2026-12-05, docs/performance.md): 64-row tiles
     (`block_rows`) took 64.4 / 69.6 / 83.8 us against 71.1 / 69.6 / 85.1 at V = 8192, B = 15 / 31 / 63 with deep
-    trees, but 105.8 against 101.0 at V = 151936, B = 64, and the same within 2-4% elsewhere. Above 128 nothing is
-    measured yet: `prune=2` because the bound of `prune=1` keeps every candidate of a flat depth, 3280 at B = 512
-    (the knob's docstring). A function, as the other kernels have, so that `tools/with_knobs.py` can lay knobs over
-    it for an A/B in whole rounds."""
-    return TreeBuildConfig(prune=2) if budget > 128 else TreeBuildConfig()
+    trees, but 105.8 against 101.0 at V = 151936, B = 64, and the same within 2-4% elsewhere; on an H100 at B = 64
+    256-row tiles took 116.6 against 99.1 us, the merge by search 101.0 (2026-12-06). At B = 512 (V = 151936, top-k
+    included, an H100, 2026-12-06) deep trees took 304.1 us against 486.0 with `prune=2` alone (356.3 with the
+    merge by search alone, 330.3 with the wider tiles too), i.i.d. ones 148.5 against 149.5. A function, as the
+    other kernels have, so that `tools/with_knobs.py` can lay knobs over it for an A/B in whole rounds."""
+    if budget > 128:
+        return TreeBuildConfig(prune=2, exact_above=1, block_rows=256, merge_search=1)
+    return TreeBuildConfig()
 
 
 def candidate_table(budget: int, k: int) -> np.ndarray:

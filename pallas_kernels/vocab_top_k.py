@@ -88,16 +88,21 @@ class VocabTopKConfig:
                 raise ValueError(f"VocabTopKConfig.{name}={getattr(self, name)!r}: must be one of {values}")
 
 
-def default_config(n: int) -> VocabTopKConfig:
-    """The knobs for rows of n entries. Up to 16384 entries: segments of 2048 (a row over more programs: on the
-    H200 15 rows of 8192 took 36.5-45.3 against 44.6-49.2 us with 8192, k = 16-64, side by side in one call of
+def default_config(n: int, k: int = 1) -> VocabTopKConfig:
+    """The knobs for rows of n entries, k kept. Up to 16384 entries: segments of 2048 (a row over more programs: on
+    the H200 15 rows of 8192 took 36.5-45.3 against 44.6-49.2 us with 8192, k = 16-64, side by side in one call of
     tools/topk_probe.py, 2026-12-04) and every chunk read (their chunks hold 16-32 entries, too few to skip a
     step's worth: the demo pair's tree rounds at V = 8192 ran 1-6% slower with `skip_cold`). Longer rows (the Qwen
-    vocabulary): segments of 8192 and cold chunks skipped, 15 rows of 151936 with the log-softmax 77.1 -> 55.9 us
-    at k = 64 (50.4 at 16, 63.6 at 128; the compaction's launch 32 -> 15 us); the threshold in its own launch
-    saved ~9 us of the compaction's time but cost more than that in the launch (60.3 us with both), and searching
-    it 2 or 4 bits a step saved nothing (a knob removed since; H200, 2026-12-04 evening, docs/performance.md)."""
-    return VocabTopKConfig(segment=2048, skip_cold=0) if n <= 16384 else VocabTopKConfig()
+    vocabulary): segments of 8192, the hot chunks listed and gathered 1024 entries a step (`skip_cold=2`), and above
+    k = 128 the selection split over row blocks (`split_select`): 15 rows of 151936 with the log-softmax took 56.7 /
+    55.6 us at k = 64 (deep / i.i.d. trees' logits) against 60.2 / 58.1 reading hot chunks one at a time, and 73.5 /
+    72.3 at k = 512 against 119.0 / 118.2 (split selection alone at k = 64: 59.3 / 58.2, with the gathering 56.8 /
+    60.2; an H100, 2026-12-06, docs/performance.md). Earlier, on the H200: skipping cold chunks at all took 77.1 ->
+    55.9 us at k = 64; the threshold in its own launch cost more than it saved (60.3 us with both), and searching it
+    2 or 4 bits a step saved nothing (a knob removed since; 2026-12-04 evening)."""
+    if n <= 16384:
+        return VocabTopKConfig(segment=2048, skip_cold=0)
+    return VocabTopKConfig(skip_cold=2, step=1024, split_select=int(k > 128))
 
 
 def kernel_sizes(n: int, k: int) -> tuple[int, int] | None:
@@ -303,7 +308,7 @@ def vocab_top_k_pallas(x: jax.Array, k: int, *, config: VocabTopKConfig | None =
     """x [..., n] float32 (n with `kernel_sizes(n, k)` not None). Returns (values [..., k] float32, indices
     [..., k] int32, count [...] int32): equal to `lax.top_k(x, k)` on every row whose count of entries above
     its threshold is at most M (`kernel_sizes`); a row with more holds garbage, and the caller falls back."""
-    config = default_config(x.shape[-1]) if config is None else config
+    config = default_config(x.shape[-1], k) if config is None else config
     n = x.shape[-1]
     sizes = kernel_sizes(n, k)
     if sizes is None:

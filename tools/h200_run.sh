@@ -54,6 +54,10 @@
 #             and the build's knobs (block_rows=256, merge_search and both; fuse_above and hoist_pairs spill at
 #             B = 512 offline), against the defaults
 #                                                         -> topk_knobs_peak{0,20}/, build_knobs_peak{0,20}/
+#   wide_defaults  issue 19: the top-k and build kernels' GPU tests, the build at B = 128, 256, 512 (deep, i.i.d.), XLA's
+#             builder against the kernel, with the defaults above 128 of 2026-12-06 (gathered top-k, split selection;
+#             wider tiles, merge by search, the bisection above B), then the 8B DDTree rounds at B = 256, 512 with the
+#             kernels and without                                     -> wide_peak{0,20}/, wide_{xla,kernels}/
 #   wide_rounds  prune 2 against 1 at B = 31-128 (the probe), then the 8B DDTree rounds at B = 256, 512 with the
 #             kernels (tools/with_knobs.py engine:tree_kernels_up_to=512) and without  -> prune2_peak{0,20}/, wide_{xla,kernels}/
 #   knobs_rounds  the demo pair's rounds (tools/loop_cost.py) and end to end (the bench, 32 prompts x 128) at the
@@ -239,6 +243,24 @@ pallas:block_rows=256:merge_search=1,pallas:block_rows=256:merge_search=1:prune=
       done
       build_knob_probe 0
       rm -f "$OUT"/*_knobs_peak*/topk_probe.md
+      ;;
+    wide_defaults)
+      log "top-k and tree-build kernels' GPU tests (the defaults above K = 128 of 2026-12-06)"
+      timeout -k 5 150 python3 -m pytest -q -o addopts="" -p no:cacheprovider -m gpu tests/kernels/test_vocab_top_k.py \
+        tests/kernels/test_tree_build.py 2>&1 | tail -2
+      for peak in 20 0; do
+        log "B = 128, 256, 512, V = 151936, peak $peak: XLA's builder against the kernel (the top-k kernel's defaults)"
+        timeout -k 5 120 python3 tools/topk_probe.py --out "$OUT/wide_peak$peak" --vocab 151936 --budgets 128,256,512 \
+          --top-k pallas --tree-build reference,pallas --peak "$peak" 2>&1 | grep -E '^\||rror'
+      done
+      rm -f "$OUT"/wide_peak*/topk_probe.md
+      for side in xla kernels; do
+        log "8B DDTree rounds at B = 256, 512, tree kernels: $side"
+        run="python3"; [ "$side" = kernels ] && run="python3 tools/with_knobs.py engine:tree_kernels_up_to=512"
+        timeout -k 5 "${WIDE_BENCH_LIMIT:-150}" $run -m ddtree_jax.bench --shape qwen3-8b --budgets 256,512 \
+          --modes ddtree --repeats 3 --kernels pallas --out "$OUT/wide_$side" 2>&1 | grep -v '^{"mode"' | grep '^|'
+        rm -f "$OUT/wide_$side"/bench.{md,png,partial.json}
+      done
       ;;
     wide_rounds)
       for peak in 0 20; do

@@ -88,7 +88,7 @@ def top_k_function(budget: int, chunk, top_k: str, vocab: int):
     if name == "threshold":
         return lambda lp: current.threshold_top_k(lp, k, fallback_chunk=c)
     if name == "pallas":
-        config = dataclasses.replace(vocab_top_k.default_config(vocab), **_knobs(knobs))
+        config = dataclasses.replace(vocab_top_k.default_config(vocab, k), **_knobs(knobs))
         return lambda lp: current.kernel_top_k(lp, k, fallback_chunk=c, config=config)
     return lambda lp: current.chunked_top_k(lp, k, c)
 

@@ -66,8 +66,8 @@ def test_reference_is_lax_top_k_on_the_cpu():
         np.testing.assert_array_equal(indices, np.asarray(want_indices))
 
 
-# The defaults (`default_config`: segments of 2048 and every chunk read up to 16384 entries, segments of 8192 and cold
-# chunks skipped above) and small segments (a row over many programs, each streaming several steps; the row's first
+# The defaults (`default_config`: segments of 2048 and every chunk read up to 16384 entries; above, segments of 8192,
+# the hot chunks gathered 1024 entries a step, and at k > 128 the selection split over row blocks) and small segments (a row over many programs, each streaming several steps; the row's first
 # k ties spread over segments) with the threshold in its own launch and cold chunks skipped, and with the hot chunks
 # listed and gathered a step at a time (8-32 chunks a step here, several steps where k is large), ranked by a program
 # per row block of 64 (several blocks at every k here, and programs with none).
