@@ -53,15 +53,14 @@ from pallas_kernels.tree_accept import tree_accept
 
 
 # Budgets up to which the Pallas kernel builds the tree (`pallas_kernels.tree_build`, one program per row, its
-# candidates pruned): the whole build (V = 151936, L = 15) took 89 / 123 us at B = 64 and 123-128 / 166 at B = 128
-# for shallow / deep trees, against 207-215 and 238-244 for XLA's builder, in one H200 call (tools/topk_probe.py,
-# 2026-12-04; docs/performance.md). It takes budgets up to 512, but above 128 a deep tree's 15 depths of B^2-sized
-# candidate sets cost more than XLA's builder: on an H100 (2026-12-05) with the top-k kernel before both, 314 / 834
-# us against 253 / 362 at B = 256 / 512 for deep trees (105 / 235 against 236 / 346 for shallow ones). With the
-# running list's bound (H200, 2026-12-06) B = 512 took 486 / 143 us against 366 / 347: faster on shallow trees
-# only, so XLA's builder still runs there (`python tools/with_knobs.py engine:tree_kernels_up_to=512 -m ...` runs
-# the kernel).
-TREE_BUILD_KERNEL_UP_TO = 128
+# candidates pruned): the whole build (V = 151936, L = 15, its top-k included) took 89 / 123 us at B = 64 and
+# 123-128 / 166 at B = 128 for shallow / deep trees, against 207-215 and 238-244 for XLA's builder, in one H200 call
+# (tools/topk_probe.py, 2026-12-04; docs/performance.md). Up to its MAX_BUDGET (512) since its defaults above 128 of
+# 2026-12-06 (the running list's bound, wider tiles, the merge by binary search, the bisection above B): on an H100,
+# 106 / 260 us at B = 512 for shallow / deep trees against 302 / 318 for XLA's builder, 75 / 168 against 232 / 234
+# at B = 256, and the 8B's DDTree round at B = 256 11.64 against 11.83 ms (B = 512 18.28 against 18.13, within the
+# spread: its tree step 0.24 against 0.53 ms).
+TREE_BUILD_KERNEL_UP_TO = 512
 # Budgets up to which the Pallas kernel takes the vocabulary top-k (`pallas_kernels.vocab_top_k`, lax.top_k's
 # bits): at every K measured it beat XLA's threshold top-k (H100, 2026-12-05: 82 / 120 us against 132 / 160 at
 # K = 256 / 512; H200, 2026-12-02: 83 against 115 us at 64).

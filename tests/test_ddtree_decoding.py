@@ -177,10 +177,10 @@ def test_decode_loop_makes_no_host_transfers(pair16):
 
 
 def test_tree_kernels_run_up_to_their_measured_budget(monkeypatch):
-    """`round.propose` with the Pallas kernels: the tree-build kernel up to `round.TREE_BUILD_KERNEL_UP_TO` (128),
-    XLA's builder above it, though the kernel takes up to 512 (raised, as `tools/with_knobs.py
-    engine:tree_kernels_up_to=512` raises it, B = 200 runs it too); the vocabulary top-k kernel up to
-    `round.VOCAB_TOP_K_KERNEL_UP_TO` (512), XLA's top-k above it (lowered here)."""
+    """`round.propose` with the Pallas kernels: the tree-build kernel up to `round.TREE_BUILD_KERNEL_UP_TO` (512,
+    its MAX_BUDGET), XLA's builder above it (lowered here, as `tools/with_knobs.py engine:tree_kernels_up_to=128`
+    lowers it); the vocabulary top-k kernel up to `round.VOCAB_TOP_K_KERNEL_UP_TO` (512), XLA's top-k above it
+    (lowered here)."""
     import ddtree_jax.round as rounds
 
     logits = jax.random.normal(jax.random.key(0), (1, 3, 4000), jnp.float32)
@@ -193,11 +193,11 @@ def test_tree_kernels_run_up_to_their_measured_budget(monkeypatch):
 
     top_k = ["vocab_top_k_chunk_max", "vocab_top_k_compact", "vocab_top_k_select"]
     assert kernels(128) == ["tree_build", *top_k]
-    assert kernels(200) == top_k
-    monkeypatch.setattr(rounds, "TREE_BUILD_KERNEL_UP_TO", 512)
     assert kernels(200) == ["tree_build", *top_k]
+    monkeypatch.setattr(rounds, "TREE_BUILD_KERNEL_UP_TO", 128)
+    assert kernels(200) == top_k
     monkeypatch.setattr(rounds, "VOCAB_TOP_K_KERNEL_UP_TO", 128)
-    assert kernels(200) == ["tree_build"]
+    assert kernels(200) == []
 
 
 # ---- --budget auto: each round verifies one candidate (chain, 4, 16), chosen on device; always an exact round

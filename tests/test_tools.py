@@ -437,9 +437,9 @@ def test_with_knobs_lays_knobs_over_each_kernels_defaults(tmp_path, monkeypatch,
     assert (vocab_top_k.default_config(8192).threshold_once, tree_build.default_config(31).block_rows) == (0, 128)
     assert (tree_build.default_config(31).prune, tree_build.default_config(512).prune) == (1, 2)
     assert with_knobs.main(["top_k:threshold_once=1", "tree_build:block_rows=64",
-                            "engine:tree_kernels_up_to=512,fused_kv_write=1", "dense_stream:block_n=16,splits=1",
+                            "engine:tree_kernels_up_to=128,fused_kv_write=1", "dense_stream:block_n=16,splits=1",
                             "fp8_stream:balance=1", "-m", str(script), "--y"]) == 0
-    assert capsys.readouterr().out.strip() == "1 1 2048 64 2 512 True 16 1 1 1 ['--y']"  # fp8_bits=1 kept
+    assert capsys.readouterr().out.strip() == "1 1 2048 64 2 128 True 16 1 1 1 ['--y']"  # fp8_bits=1 kept
     assert with_knobs.main(["engine:fused_kv_write=0", "-m", str(script)]) == 0  # a switch that is on by default
     assert capsys.readouterr().out.strip().split()[-6] == "False"
     assert with_knobs.parse_item("engine:dense_stream_max_rows=0") == ("engine", {"dense_stream_max_rows": 0})

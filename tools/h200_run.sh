@@ -59,7 +59,7 @@
 #             wider tiles, merge by search, the bisection above B), then the 8B DDTree rounds at B = 256, 512 with the
 #             kernels and without                                     -> wide_peak{0,20}/, wide_{xla,kernels}/
 #   wide_rounds  prune 2 against 1 at B = 31-128 (the probe), then the 8B DDTree rounds at B = 256, 512 with the
-#             kernels (tools/with_knobs.py engine:tree_kernels_up_to=512) and without  -> prune2_peak{0,20}/, wide_{xla,kernels}/
+#             kernels and without (tools/with_knobs.py engine:tree_kernels_up_to=128) -> prune2_peak{0,20}/, wide_{xla,kernels}/
 #   knobs_rounds  the demo pair's rounds (tools/loop_cost.py) and end to end (the bench, 32 prompts x 128) at the
 #             defaults and with each ';'-separated set of $KNOBS (tools/with_knobs.py items, space-separated)
 #                                                                          -> lc_{0,1,..}.json, demo_{0,1,..}/bench.json
@@ -256,7 +256,7 @@ pallas:block_rows=256:merge_search=1,pallas:block_rows=256:merge_search=1:prune=
       rm -f "$OUT"/wide_peak*/topk_probe.md
       for side in xla kernels; do
         log "8B DDTree rounds at B = 256, 512, tree kernels: $side"
-        run="python3"; [ "$side" = kernels ] && run="python3 tools/with_knobs.py engine:tree_kernels_up_to=512"
+        run="python3"; [ "$side" = xla ] && run="python3 tools/with_knobs.py engine:tree_kernels_up_to=128"
         timeout -k 5 "${WIDE_BENCH_LIMIT:-150}" $run -m ddtree_jax.bench --shape qwen3-8b --budgets 256,512 \
           --modes ddtree --repeats 3 --kernels pallas --out "$OUT/wide_$side" 2>&1 | grep -v '^{"mode"' | grep '^|'
         rm -f "$OUT/wide_$side"/bench.{md,png,partial.json}
@@ -271,7 +271,7 @@ pallas:block_rows=256:merge_search=1,pallas:block_rows=256:merge_search=1:prune=
       rm -f "$OUT"/prune2_peak*/topk_probe.md
       for side in xla kernels; do
         log "8B DDTree rounds at B = 256, 512, tree kernels: $side"
-        run="python3"; [ "$side" = kernels ] && run="python3 tools/with_knobs.py engine:tree_kernels_up_to=512"
+        run="python3"; [ "$side" = xla ] && run="python3 tools/with_knobs.py engine:tree_kernels_up_to=128"
         timeout -k 5 "${WIDE_BENCH_LIMIT:-150}" $run -m ddtree_jax.bench --shape qwen3-8b --budgets 256,512 \
           --modes ddtree --repeats 3 --kernels pallas --out "$OUT/wide_$side" 2>&1 | grep -v '^{"mode"' | grep '^|'
         rm -f "$OUT/wide_$side"/bench.{md,png,partial.json}

@@ -3,11 +3,11 @@ committing it.
 
     python tools/with_knobs.py top_k:threshold_once=1 tree_build:block_rows=64 -m ddtree_jax.bench --budgets 15,31,63 ...
     python tools/with_knobs.py tree_rule:unrolled_chain=1,value_block=32 -m tools.loop_cost ...
-    python tools/with_knobs.py engine:tree_kernels_up_to=512 -m ddtree_jax.bench --budgets 255,511 ...
+    python tools/with_knobs.py engine:tree_kernels_up_to=128 -m ddtree_jax.bench --budgets 255,511 ...
 
 Each KERNEL:KNOBS names a kernel and its config's fields (integers; 0 / 1 for the booleans), laid over that
 kernel's `default_config`, which is what the engine uses when it passes no config:
-- `top_k`: `pallas_kernels.vocab_top_k.VocabTopKConfig` over `default_config(n)`, every row length;
+- `top_k`: `pallas_kernels.vocab_top_k.VocabTopKConfig` over `default_config(n, k)`, every row length and k;
 - `tree_build`: `pallas_kernels.tree_build.TreeBuildConfig` over `default_config(budget)`, every budget;
 - `tree_rule`: `pallas_kernels.tree_delta_rule.TreeDeltaRuleConfig` over `default_config(t)` past one block of
   nodes (17 and more; one block keeps its own form);
@@ -15,7 +15,8 @@ kernel's `default_config`, which is what the engine uses when it passes no confi
   `ddtree_jax.models.layers.DENSE_STREAM_KNOBS` / `FP8_STREAM_KNOBS`, the knobs of the dense and FP8 projections
   that stream (`dense_stream:balance=1`: k split so the programs spread evenly over the multiprocessors);
 - `engine`: the engine's own choices, `tree_kernels_up_to=N` (`ddtree_jax.round.TREE_BUILD_KERNEL_UP_TO`: the
-  budgets whose tree build runs in the Pallas kernel, e.g. 512 to time B = 256 and 512 there), `top_k_kernel_up_to=N`
+  budgets whose tree build runs in the Pallas kernel, 512 by default: e.g. 128 to time B = 256 and 512 with XLA's
+  builder), `top_k_kernel_up_to=N`
   (`...round.VOCAB_TOP_K_KERNEL_UP_TO`: the budgets whose vocabulary top-k runs in the Pallas kernel),
   `dense_stream_max_rows=N` (`ddtree_jax.models.layers.DENSE_STREAM_MAX_ROWS`: bf16 projections of calls of at most N
   rows through the streaming kernel; 0: none),
