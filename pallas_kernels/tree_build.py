@@ -118,6 +118,9 @@ class TreeBuildConfig:
                 each, where the counting passes compare every kept candidate with all B running entries ([bp,
                 block] tiles over the kept candidates: at B = 512 the deep tree's ~3400 kept candidates against 512
                 entries, twice); 0: those passes.
+    search_fanout: merge_search's fanout (a power of two, 2 to 64): each dependent step gathers up to fanout - 1
+                entries per key and narrows the count fanout-fold, so 2 is a binary search (10 dependent gathers at
+                B = 512) and 32 takes two steps of 30 and 16 gathers.
     hoist_pairs: 1 (with prune): the candidate table loaded once, before the depth loop, and each kept candidate's
                 pair (i, j) compacted with it: each depth's gathers start from registers and the places' from the
                 compacted pairs, two dependent loads fewer per depth; 0: the table read at every depth.
@@ -135,9 +138,12 @@ class TreeBuildConfig:
     running_bound: int = 1
     merge_search: int = 0
     exact_above: int = 2
+    search_fanout: int = 2
 
     def __post_init__(self):
-        check_knobs(self, pow2={"block": 16, "block_rows": 16})
+        check_knobs(self, pow2={"block": 16, "block_rows": 16, "search_fanout": 2})
+        if self.search_fanout > 64:
+            raise ValueError(f"TreeBuildConfig.search_fanout={self.search_fanout!r}: must be at most 64")
         if self.prune not in (0, 1, 2) or isinstance(self.prune, bool):
             raise ValueError(f"TreeBuildConfig.prune={self.prune!r}: must be 0, 1 or 2")
         if self.exact_above not in (1, 2) or isinstance(self.exact_above, bool):
@@ -219,6 +225,7 @@ def _tree_build_kernel(
     hoist_pairs: bool,
     running_bound: bool,
     merge_search: bool,
+    search_fanout: int,
     interpret: bool,
 ):
     b_, k_, l_, c_ = budget, k, depth_limit, num_pairs
@@ -373,7 +380,8 @@ def _tree_build_kernel(
                 merged = place + jnp.sum(((run_key[None, :] >= key[:, None]) & in_beam[None, :]).astype(jnp.int32),
                                          axis=1)
             elif merge_search:  # the list is sorted (keys non-increasing)
-                merged = place + count_sorted(lambda m: run_key_ref[prev + m], b_, key, strict=False)
+                merged = place + count_sorted(lambda m: run_key_ref[prev + m], b_, key, strict=False,
+                                              fanout=search_fanout)
             else:
                 merged = place + count_ahead(key, row_idx, run_key_ref, lax.div(prev, block_b),
                                              lax.div(prev, block_b) + run_blocks, block=block_b, num_cols=prev + b_,
@@ -392,7 +400,8 @@ def _tree_build_kernel(
         elif merge_search:
             lax.fori_loop(0, blocks(num, block_r), lambda r, _: place_block(r, False), None)
             barrier()  # the beam's rows, best first (-inf past the kept count), for every thread's search
-            place_running(count_sorted(lambda m: total_order_key(score_ref[d, m]), b_, run_key, strict=True))
+            place_running(count_sorted(lambda m: total_order_key(score_ref[d, m]), b_, run_key, strict=True,
+                                       fanout=search_fanout))
         else:
             lax.fori_loop(0, blocks(num, block_r), lambda r, _: place_block(r, False), None)
 
@@ -489,7 +498,7 @@ def tree_build_pallas(top_lp, top_tok, root_tokens, *, budget: int, config: Tree
         tp=tp, block_c=min(config.block, cp), block_r=min(config.block_rows, cp), block_b=min(config.block, bp),
         block_t=min(config.block, tp), prune=config.prune, exact_above=config.exact_above, fuse_above=bool(config.fuse_above),
         hoist_pairs=bool(config.hoist_pairs) and bool(config.prune), running_bound=bool(config.running_bound),
-        merge_search=bool(config.merge_search) and not config.fuse_above,
+        merge_search=bool(config.merge_search) and not config.fuse_above, search_fanout=config.search_fanout,
         interpret=interpret)
 
     def row(*shape):

@@ -58,6 +58,9 @@
 #             builder against the kernel, with the defaults above 128 of 2026-12-06 (gathered top-k, split selection;
 #             wider tiles, merge by search, the bisection above B), then the 8B DDTree rounds at B = 256, 512 with the
 #             kernels and without                                     -> wide_peak{0,20}/, wide_{xla,kernels}/
+#   fanout    issue 19: the build kernel's GPU tests, then the build at B = 64, 512 (deep, i.i.d.) with the merge's
+#             search 16- and 32-fold (search_fanout) and 16 warps, then the 8B bf16 rounds (AR, DFlash, DDTree 15, 64)
+#                                                                          -> fanout_peak{0,20}/, rounds_8b/
 #   wide_rounds  prune 2 against 1 at B = 31-128 (the probe), then the 8B DDTree rounds at B = 256, 512 with the
 #             kernels and without (tools/with_knobs.py engine:tree_kernels_up_to=128) -> prune2_peak{0,20}/, wide_{xla,kernels}/
 #   knobs_rounds  the demo pair's rounds (tools/loop_cost.py) and end to end (the bench, 32 prompts x 128) at the
@@ -261,6 +264,22 @@ pallas:block_rows=256:merge_search=1,pallas:block_rows=256:merge_search=1:prune=
           --modes ddtree --repeats 3 --kernels pallas --out "$OUT/wide_$side" 2>&1 | grep -v '^{"mode"' | grep '^|'
         rm -f "$OUT/wide_$side"/bench.{md,png,partial.json}
       done
+      ;;
+    fanout)
+      log "the tree-build kernel's GPU tests (the merge's search search_fanout-fold, 2026-12-06)"
+      timeout -k 5 120 python3 -m pytest -q -o addopts="" -p no:cacheprovider -m gpu tests/kernels/test_tree_build.py \
+        2>&1 | tail -2
+      for peak in 20 0; do
+        log "B = 64, 512, V = 151936, peak $peak: the merge's search 16- and 32-fold, 16 warps"
+        timeout -k 5 120 python3 tools/topk_probe.py --out "$OUT/fanout_peak$peak" --vocab 151936 --budgets 64,512 \
+          --top-k pallas --tree-build pallas,pallas:merge_search=1:search_fanout=16,pallas:merge_search=1:search_fanout=32,\
+pallas:num_warps=16,pallas:merge_search=1:search_fanout=32:num_warps=16 --peak "$peak" 2>&1 | grep -E '^\||rror'
+      done
+      rm -f "$OUT"/fanout_peak*/topk_probe.md
+      log "8B bf16 rounds (the goals' shape): AR, DFlash, DDTree 15, 64"
+      timeout -k 5 "${FANOUT_BENCH_LIMIT:-120}" python3 -m ddtree_jax.bench --shape qwen3-8b --budgets 15,64 \
+        --modes ar,dflash,ddtree --repeats 5 --kernels pallas --out "$OUT/rounds_8b" 2>&1 | grep -E '^\| (ar|dflash|ddtree)|rror'
+      rm -f "$OUT/rounds_8b"/bench.{md,png,partial.json}
       ;;
     wide_rounds)
       for peak in 0 20; do

@@ -188,30 +188,32 @@ def main(argv: list[str] | None = None) -> int:
         for rows in (1, 4):
             build_args = [sds((rows, 15, budget), jnp.float32), sds((rows, 15, budget), jnp.int32),
                           sds((rows,), jnp.int32)]
-            configs = [tbk.TreeBuildConfig()] + ([] if args.quick or rows > 1 else [
-                tbk.TreeBuildConfig(block_rows=256), tbk.TreeBuildConfig(num_warps=4),
-                tbk.TreeBuildConfig(block_rows=256, num_warps=4), tbk.TreeBuildConfig(prune=0),
-                tbk.TreeBuildConfig(fuse_above=1), tbk.TreeBuildConfig(fuse_above=1, num_warps=4),
-                tbk.TreeBuildConfig(hoist_pairs=1), tbk.TreeBuildConfig(fuse_above=1, hoist_pairs=1),
-                tbk.TreeBuildConfig(merge_search=1)])
+            default = tbk.default_config(budget)
+            configs = [default] + ([] if args.quick or rows > 1 else [
+                dataclasses.replace(default, **knobs) for knobs in (
+                    dict(block_rows=256), dict(num_warps=4), dict(block_rows=256, num_warps=4), dict(prune=0),
+                    dict(fuse_above=1), dict(fuse_above=1, num_warps=4), dict(hoist_pairs=1),
+                    dict(fuse_above=1, hoist_pairs=1), dict(merge_search=1), dict(block_rows=512), dict(block=64),
+                    dict(num_warps=16), dict(merge_search=1, search_fanout=16), dict(merge_search=1, search_fanout=32),
+                    dict(merge_search=1, search_fanout=32, num_warps=16))])
             for config in configs:
                 fn = functools.partial(tbk.tree_build_pallas, budget=budget, config=config)
                 jobs.append((f"tree_build B={budget} b={rows}", config, fn, build_args))
     for k in (16, 64, 128, 256, 512):  # the vocabulary top-k's three launches, 15 rows of the Qwen vocabulary
-        config = vtk.VocabTopKConfig()
+        config = vtk.default_config(151936, k)
         fn = functools.partial(vtk.vocab_top_k_pallas, k=k, config=config)
         for which, launch in enumerate(("chunk maxima", "compact", "select")):
             stages = config.num_stages if which < 2 else 1
             jobs.append((f"vocab_top_k k={k} {launch}", dataclasses.replace(config, num_stages=stages), fn,
                          [sds((15, 151936), jnp.float32)], which))
         for gathered in [] if args.quick else [dataclasses.replace(config, skip_cold=2, step=step)
-                                               for step in (1024, 4096)]:  # the hot chunks gathered a step at a time
-            # (4096-entry steps: 128-197 registers, 1-2 programs a multiprocessor; 1024: 62-71, 3-4)
+                                               for step in (512, 2048, 4096)]:  # the hot chunks gathered a step at a time
+            # (4096-entry steps: 128-197 registers, 1-2 programs a multiprocessor; 1024, the default: 62-71, 3-4)
             jobs.append((f"vocab_top_k k={k} compact", gathered,
                          functools.partial(vtk.vocab_top_k_pallas, k=k, config=gathered),
                          [sds((15, 151936), jnp.float32)], 1))
-        if not args.quick:  # the selection over a program per row block
-            split = dataclasses.replace(config, split_select=1, num_stages=1)
+        if not args.quick:  # the selection over one program per row, or one per row block (the default above 128)
+            split = dataclasses.replace(config, split_select=1 - config.split_select, num_stages=1)
             jobs.append((f"vocab_top_k k={k} select", split,
                          functools.partial(vtk.vocab_top_k_pallas, k=k, config=split),
                          [sds((15, 151936), jnp.float32)], 2))

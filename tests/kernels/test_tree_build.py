@@ -203,13 +203,15 @@ def test_the_bisection_keeps_a_depths_b_best_and_their_ties(interpret: bool):
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
-@pytest.mark.parametrize("case,running_bound", [(CASES[3], 1), (CASES[3], 0), (CASES[6], 1), (CASES[9], 1),
-                                                (CASES[10], 1)], ids=lambda x: str(x) if isinstance(x, Case) else None)
-def test_merge_by_binary_search_gives_the_same_tree(case: Case, running_bound: int, interpret: bool):
-    """`merge_search=1` (the running list's merge by binary search over both sorted lists): the same tree on tied
-    inputs at B = 64 (also without the running list's bound, where candidates at or below its last entry are
-    merged too), padded ones, a deep tree at B = 512 and ties at B = 256."""
-    config = dataclasses.replace(tb.default_config(case.budget), merge_search=1, running_bound=running_bound)
+@pytest.mark.parametrize("case,running_bound,fanout", [(CASES[3], 1, 2), (CASES[3], 0, 16), (CASES[6], 1, 2),
+                                                       (CASES[9], 1, 32), (CASES[10], 1, 2)],
+                         ids=lambda x: str(x) if isinstance(x, Case) else None)
+def test_merge_by_search_gives_the_same_tree(case: Case, running_bound: int, fanout: int, interpret: bool):
+    """`merge_search=1` (the running list's merge by search over both sorted lists, binary or `search_fanout`-fold):
+    the same tree on tied inputs at B = 64 (also without the running list's bound, where candidates at or below its
+    last entry are merged too), padded ones, a deep tree at B = 512 and ties at B = 256."""
+    config = dataclasses.replace(tb.default_config(case.budget), merge_search=1, running_bound=running_bound,
+                                 search_fanout=fanout)
     assert_knobs_give_the_reference_tree(case, config, interpret)
 
 
@@ -231,19 +233,22 @@ def test_a_best_child_tying_the_running_lists_last_stays_out(knobs: dict, interp
 
 
 def test_count_sorted_against_numpy():
-    """The binary search's count of a non-increasing list's entries above (strict) or at and above each key,
-    against NumPy's, on lists with runs of equal entries, keys below, between, on and above them, lengths 1 to
-    513."""
+    """The search's count of a non-increasing list's entries above (strict) or at and above each key, against
+    NumPy's, on lists with runs of equal entries, keys below, between, on and above them, lengths 1 to 513, as a
+    binary search (fanout 2) and wider (up to 63 gathers a step)."""
     from pallas_kernels._counting import count_sorted
 
     rng = np.random.default_rng(0)
-    for n in (1, 2, 3, 64, 512, 513):
+    for n in (1, 2, 3, 24, 64, 512, 513):
         entries = np.sort(rng.integers(-5, 5, n).astype(np.int32))[::-1]
         keys = rng.integers(-7, 7, 40).astype(np.int32)
-        for strict in (True, False):
-            got = count_sorted(lambda m: jnp.asarray(entries)[m], n, jnp.asarray(keys), strict=strict)
-            want = [np.sum(entries > key) if strict else np.sum(entries >= key) for key in keys]
-            np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"n={n} strict={strict}")
+        want = {strict: [np.sum(entries > key) if strict else np.sum(entries >= key) for key in keys]
+                for strict in (True, False)}
+        for fanout in (2, 4, 32, 64):
+            for strict in (True, False):
+                got = count_sorted(lambda m: jnp.asarray(entries)[m], n, jnp.asarray(keys), strict=strict,
+                                   fanout=fanout)
+                np.testing.assert_array_equal(np.asarray(got), want[strict], err_msg=f"n={n} {fanout=} {strict=}")
 
 
 def test_budget_above_the_kernel_maximum():
@@ -266,6 +271,10 @@ def test_config_is_validated():
         tb.TreeBuildConfig(prune=3)
     with pytest.raises(ValueError, match="TreeBuildConfig.exact_above=3: must be 1 or 2"):
         tb.TreeBuildConfig(exact_above=3)
+    with pytest.raises(ValueError, match="TreeBuildConfig.search_fanout=24: must be a power of two >= 2"):
+        tb.TreeBuildConfig(search_fanout=24)
+    with pytest.raises(ValueError, match="TreeBuildConfig.search_fanout=128: must be at most 64"):
+        tb.TreeBuildConfig(search_fanout=128)
     with pytest.raises(ValueError, match="TreeBuildConfig.fuse_above=2: must be 0 or 1"):
         tb.TreeBuildConfig(fuse_above=2)
     with pytest.raises(ValueError, match="TreeBuildConfig.hoist_pairs=-1: must be 0 or 1"):
