@@ -43,9 +43,6 @@
 #             alone (issue 20), bf16, T = $BITWISE_T, parts $BITWISE_PARTS (all)  -> bitwise/
 #   kernel_tests  the GPU tests of the kernels changed last ($KERNEL_TESTS) and the hybrid engine with the Pallas
 #             kernels, compiled (the greedy DDTree decoding tests are the `tests` step's)
-#   wide_build  issue 19: the top-k and tree-build kernels at B = 256 and 512 (2026-12-05; up to 128 before): their
-#             GPU tests, then tools/topk_probe.py at V = 151936 (i.i.d. and deep) against XLA's threshold top-k and
-#             builder, the build kernel with prune 2 (its default above 128) and 1             -> wide_peak{0,20}/
 #   running_bound  issue 19: the tree-build kernel's GPU tests, then tools/topk_probe.py at B = 64 and 512 (i.i.d. and
 #             deep) against XLA's builder and the kernel without the running list's bound; B = 512 deep traced, its
 #             kernels by name; the top-k's skip_cold at K = 256, 512      -> bound_peak{0,20}/, trace512.txt, skip_cold/
@@ -194,17 +191,6 @@ for step in "$@"; do
         ${KERNEL_TESTS:-$changed} 2>&1 | tail -25
       timeout 150 python3 -m pytest -q --tb=short -o addopts=-ra -p no:cacheprovider tests/test_kernels_in_engine.py \
         -k "hybrid_with_pallas or ddtree_with_pallas" 2>&1 | tail -5
-      ;;
-    wide_build)
-      log "top-k and tree-build kernels' GPU tests (B and K up to 512)"
-      timeout -k 5 150 python3 -m pytest -q -o addopts="" -m gpu tests/kernels/test_vocab_top_k.py \
-        tests/kernels/test_tree_build.py 2>&1 | tail -3
-      for peak in 0 20; do
-        log "B = 256, 512, V = 151936, peak $peak: XLA against the kernels"
-        timeout -k 5 150 python3 tools/topk_probe.py --out "$OUT/wide_peak$peak" --vocab 151936 --budgets 256,512 \
-          --top-k threshold,pallas --tree-build reference,pallas,pallas:prune=1 --peak "$peak" 2>&1 | grep '^|'
-      done
-      rm -f "$OUT"/wide_peak*/topk_probe.md
       ;;
     running_bound)
       log "the tree-build kernel's GPU tests (the running list's bound, 2026-12-06)"
