@@ -58,8 +58,6 @@
 #   fanout    issue 19: the build kernel's GPU tests, then the build at B = 64, 512 (deep, i.i.d.) with the merge's
 #             search 16- and 32-fold (search_fanout) and 16 warps, then the 8B bf16 rounds (AR, DFlash, DDTree 15, 64)
 #                                                                          -> fanout_peak{0,20}/, rounds_8b/
-#   wide_rounds  prune 2 against 1 at B = 31-128 (the probe), then the 8B DDTree rounds at B = 256, 512 with the
-#             kernels and without (tools/with_knobs.py engine:tree_kernels_up_to=128) -> prune2_peak{0,20}/, wide_{xla,kernels}/
 #   knobs_rounds  the demo pair's rounds (tools/loop_cost.py) and end to end (the bench, 32 prompts x 128) at the
 #             defaults and with each ';'-separated set of $KNOBS (tools/with_knobs.py items, space-separated)
 #                                                                          -> lc_{0,1,..}.json, demo_{0,1,..}/bench.json
@@ -266,21 +264,6 @@ pallas:num_warps=16,pallas:merge_search=1:search_fanout=32:num_warps=16 --peak "
       timeout -k 5 "${FANOUT_BENCH_LIMIT:-120}" python3 -m ddtree_jax.bench --shape qwen3-8b --budgets 15,64 \
         --modes ar,dflash,ddtree --repeats 5 --kernels pallas --out "$OUT/rounds_8b" 2>&1 | grep -E '^\| (ar|dflash|ddtree)|rror'
       rm -f "$OUT/rounds_8b"/bench.{md,png,partial.json}
-      ;;
-    wide_rounds)
-      for peak in 0 20; do
-        log "B = 31, 63, 64, 128, V = 151936, peak $peak: prune 1 (the default up to 128) against 2"
-        timeout -k 5 120 python3 tools/topk_probe.py --out "$OUT/prune2_peak$peak" --vocab 151936 \
-          --budgets 31,63,64,128 --top-k pallas --tree-build pallas,pallas:prune=2 --peak "$peak" 2>&1 | grep '^|'
-      done
-      rm -f "$OUT"/prune2_peak*/topk_probe.md
-      for side in xla kernels; do
-        log "8B DDTree rounds at B = 256, 512, tree kernels: $side"
-        run="python3"; [ "$side" = xla ] && run="python3 tools/with_knobs.py engine:tree_kernels_up_to=128"
-        timeout -k 5 "${WIDE_BENCH_LIMIT:-150}" $run -m ddtree_jax.bench --shape qwen3-8b --budgets 256,512 \
-          --modes ddtree --repeats 3 --kernels pallas --out "$OUT/wide_$side" 2>&1 | grep -v '^{"mode"' | grep '^|'
-        rm -f "$OUT/wide_$side"/bench.{md,png,partial.json}
-      done
       ;;
     knobs_rounds)
       IFS=';' read -ra sets <<< ";${KNOBS:?}"  # the defaults first

@@ -262,20 +262,14 @@ def test_budget_above_the_kernel_maximum():
     assert_same_tree(build(lp, roots, budget, "pallas"), build(lp, roots, budget, "reference"))
 
 
-def test_config_is_validated():
-    with pytest.raises(ValueError, match="block=24"):
-        tb.TreeBuildConfig(block=24)
-    with pytest.raises(ValueError, match="block_rows=8"):
-        tb.TreeBuildConfig(block_rows=8)
-    with pytest.raises(ValueError, match="TreeBuildConfig.prune=3: must be 0, 1 or 2"):
-        tb.TreeBuildConfig(prune=3)
-    with pytest.raises(ValueError, match="TreeBuildConfig.exact_above=3: must be 1 or 2"):
-        tb.TreeBuildConfig(exact_above=3)
-    with pytest.raises(ValueError, match="TreeBuildConfig.search_fanout=24: must be a power of two >= 2"):
-        tb.TreeBuildConfig(search_fanout=24)
-    with pytest.raises(ValueError, match="TreeBuildConfig.search_fanout=128: must be at most 64"):
-        tb.TreeBuildConfig(search_fanout=128)
-    with pytest.raises(ValueError, match="TreeBuildConfig.fuse_above=2: must be 0 or 1"):
-        tb.TreeBuildConfig(fuse_above=2)
-    with pytest.raises(ValueError, match="TreeBuildConfig.hoist_pairs=-1: must be 0 or 1"):
-        tb.TreeBuildConfig(hoist_pairs=-1)
+@pytest.mark.parametrize("knobs,message", [
+    ({"block": 24}, "block=24"), ({"block_rows": 8}, "block_rows=8"),
+    ({"prune": 3}, "TreeBuildConfig.prune=3: must be 0, 1 or 2"),
+    ({"exact_above": 3}, "TreeBuildConfig.exact_above=3: must be 1 or 2"),
+    ({"search_fanout": 24}, "TreeBuildConfig.search_fanout=24: must be a power of two >= 2"),
+    ({"search_fanout": 128}, "TreeBuildConfig.search_fanout=128: must be at most 64"),
+    ({"fuse_above": 2}, "TreeBuildConfig.fuse_above=2: must be 0 or 1"),
+    ({"hoist_pairs": -1}, "TreeBuildConfig.hoist_pairs=-1: must be 0 or 1")])
+def test_config_is_validated(knobs: dict, message: str):
+    with pytest.raises(ValueError, match=message):
+        tb.TreeBuildConfig(**knobs)
