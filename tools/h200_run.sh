@@ -56,7 +56,8 @@
 #             wider tiles, merge by search, the bisection above B), then the 8B DDTree rounds at B = 256, 512 with the
 #             kernels and without                                     -> wide_peak{0,20}/, wide_{xla,kernels}/
 #   fanout    issue 19: the build kernel's GPU tests, then the build at B = 64, 512 (deep, i.i.d.) with the merge's
-#             search 16- and 32-fold (search_fanout) and 16 warps, then the 8B bf16 rounds (AR, DFlash, DDTree 15, 64)
+#             search 16- and 32-fold (search_fanout) and 16 warps, then the 8B bf16 rounds (AR, DFlash, DDTree 15, 64;
+#             FANOUT_ROUNDS=0: not; FANOUT_TESTS: a -k expression for the tests)
 #                                                                          -> fanout_peak{0,20}/, rounds_8b/
 #   knobs_rounds  the demo pair's rounds (tools/loop_cost.py) and end to end (the bench, 32 prompts x 128) at the
 #             defaults and with each ';'-separated set of $KNOBS (tools/with_knobs.py items, space-separated)
@@ -252,7 +253,7 @@ pallas:block_rows=256:merge_search=1,pallas:block_rows=256:merge_search=1:prune=
     fanout)
       log "the tree-build kernel's GPU tests (the merge's search search_fanout-fold, 2026-12-06)"
       timeout -k 5 120 python3 -m pytest -q -o addopts="" -p no:cacheprovider -m gpu tests/kernels/test_tree_build.py \
-        2>&1 | tail -2
+        -k "${FANOUT_TESTS:-}" 2>&1 | tail -2
       for peak in 20 0; do
         log "B = 64, 512, V = 151936, peak $peak: the merge's search 16- and 32-fold, 16 warps"
         timeout -k 5 120 python3 tools/topk_probe.py --out "$OUT/fanout_peak$peak" --vocab 151936 --budgets 64,512 \
@@ -260,6 +261,7 @@ pallas:block_rows=256:merge_search=1,pallas:block_rows=256:merge_search=1:prune=
 pallas:num_warps=16,pallas:merge_search=1:search_fanout=32:num_warps=16 --peak "$peak" 2>&1 | grep -E '^\||rror'
       done
       rm -f "$OUT"/fanout_peak*/topk_probe.md
+      [ "${FANOUT_ROUNDS:-1}" = 0 ] && continue  # (a short call: the probe alone)
       log "8B bf16 rounds (the goals' shape): AR, DFlash, DDTree 15, 64"
       timeout -k 5 "${FANOUT_BENCH_LIMIT:-120}" python3 -m ddtree_jax.bench --shape qwen3-8b --budgets 15,64 \
         --modes ar,dflash,ddtree --repeats 5 --kernels pallas --out "$OUT/rounds_8b" 2>&1 | grep -E '^\| (ar|dflash|ddtree)|rror'
