@@ -293,10 +293,10 @@ def _tree_build_kernel(
             # (shallower entries win ties) nor have a descendant that does (log-probs are <= 0, and the list's last
             # only rises), so it is dropped whatever the depth's beam; on a flat depth this keeps none, and the loop
             # stops. And the B-th best candidate scores at least the last of the B children (i, 0) (they all score
-            # at least its score: the beam is best first), or with prune 2, where the two keep more than exact_above x
-            # B, the B-th best itself. The rest are kept in (i, j) order: every candidate ahead of a kept one is kept, so
-            # places and ranks among the kept are those among all (labels only need the order), and a beam row
-            # past the kept count stays -inf.
+            # at least its score: the beam is best first), or with prune 2, where the two keep more than exact_above
+            # x B, the B-th best itself. The rest are kept in (i, j) order: every candidate ahead of a kept one is
+            # kept, so places and ranks among the kept are those among all (labels only need the order), and a beam
+            # row past the kept count stays -inf.
             run_last = run_key_ref[prev + b_ - 1]  # after the previous depth's barrier
             kept = cand_ok & (score >= score_ref[d - 1, b_ - 1] + lp_ref[d, 0])
             if running_bound:
@@ -498,10 +498,10 @@ def tree_build_pallas(top_lp, top_tok, root_tokens, *, budget: int, config: Tree
     kernel = functools.partial(
         _tree_build_kernel, budget=budget, k=k, depth_limit=depth_limit, num_pairs=num_pairs, bp=bp, cp=cp,
         tp=tp, block_c=min(config.block, cp), block_r=min(config.block_rows, cp), block_b=min(config.block, bp),
-        block_t=min(config.block, tp), prune=config.prune, exact_above=config.exact_above, fuse_above=bool(config.fuse_above),
-        hoist_pairs=bool(config.hoist_pairs) and bool(config.prune), running_bound=bool(config.running_bound),
-        merge_search=bool(config.merge_search) and not config.fuse_above, search_fanout=config.search_fanout,
-        interpret=interpret)
+        block_t=min(config.block, tp), prune=config.prune, exact_above=config.exact_above,
+        fuse_above=bool(config.fuse_above), hoist_pairs=bool(config.hoist_pairs) and bool(config.prune),
+        running_bound=bool(config.running_bound), merge_search=bool(config.merge_search) and not config.fuse_above,
+        search_fanout=config.search_fanout, interpret=interpret)
 
     def row(*shape):
         return pl.BlockSpec((None, *shape), lambda i: (i,) + (0,) * len(shape))

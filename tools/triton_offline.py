@@ -206,9 +206,10 @@ def main(argv: list[str] | None = None) -> int:
             stages = config.num_stages if which < 2 else 1
             jobs.append((f"vocab_top_k k={k} {launch}", dataclasses.replace(config, num_stages=stages), fn,
                          [sds((15, 151936), jnp.float32)], which))
+        # The hot chunks gathered a step at a time, other steps than the default's 1024 (62-71 registers, 3-4 programs
+        # a multiprocessor; 4096-entry steps: 128-197, 1-2)
         for gathered in [] if args.quick else [dataclasses.replace(config, skip_cold=2, step=step)
-                                               for step in (512, 2048, 4096)]:  # the hot chunks gathered a step at a time
-            # (4096-entry steps: 128-197 registers, 1-2 programs a multiprocessor; 1024, the default: 62-71, 3-4)
+                                               for step in (512, 2048, 4096)]:
             jobs.append((f"vocab_top_k k={k} compact", gathered,
                          functools.partial(vtk.vocab_top_k_pallas, k=k, config=gathered),
                          [sds((15, 151936), jnp.float32)], 1))
