@@ -98,6 +98,12 @@ class TreeBuildConfig:
                 program; the bisection keeps 512), and few on a confident drafter's deep tree (512-1023 at
                 B = 512), where the bisection's 32 reductions would cost more than they save
                 (tools/prune_counts.py). 0: every candidate.
+    rect_bound: 1 (with prune): the bound of prune 1 raised to the best, over a = 1..B, of the worst corner of the
+                a x ceil(B / a) rectangle of candidates (i < a, j < ceil(B / a)): B of them score at least that, so no
+                candidate below it is among the B best. On the probe's deep tree (V = 151936, peak 20) it keeps 515
+                candidates of depth 2 at B = 512 (the B-th best keeps 512) where the first bound and the running
+                list's keep 976, and 65 at B = 64 against 122, for a [B] gather and maximum per depth; other depths
+                keep the same (tools/prune_counts.py). 0: the first bound alone.
     exact_above: with prune 2, the bisection runs where the other bounds keep more than exact_above x B candidates
                 (2: the B = 512 deep tree's 976 kept at depth 2 are all counted against each other; 1: the bisection
                 cuts them to the 512 best, a quarter of the place counting's compares there, for 32 reductions).
@@ -141,6 +147,7 @@ class TreeBuildConfig:
     merge_search: int = 0
     exact_above: int = 2
     search_fanout: int = 2
+    rect_bound: int = 0
 
     def __post_init__(self):
         check_knobs(self, pow2={"block": 16, "block_rows": 16, "search_fanout": 2})
@@ -150,7 +157,7 @@ class TreeBuildConfig:
             raise ValueError(f"TreeBuildConfig.prune={self.prune!r}: must be 0, 1 or 2")
         if self.exact_above not in (1, 2) or isinstance(self.exact_above, bool):
             raise ValueError(f"TreeBuildConfig.exact_above={self.exact_above!r}: must be 1 or 2")
-        for name in ("fuse_above", "hoist_pairs", "running_bound", "merge_search"):
+        for name in ("fuse_above", "hoist_pairs", "running_bound", "merge_search", "rect_bound"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"TreeBuildConfig.{name}={getattr(self, name)!r}: must be 0 or 1")
 
@@ -228,6 +235,7 @@ def _tree_build_kernel(
     running_bound: bool,
     merge_search: bool,
     search_fanout: int,
+    rect_bound: bool,
     interpret: bool,
 ):
     b_, k_, l_, c_ = budget, k, depth_limit, num_pairs
@@ -293,12 +301,20 @@ def _tree_build_kernel(
             # (shallower entries win ties) nor have a descendant that does (log-probs are <= 0, and the list's last
             # only rises), so it is dropped whatever the depth's beam; on a flat depth this keeps none, and the loop
             # stops. And the B-th best candidate scores at least the last of the B children (i, 0) (they all score
-            # at least its score: the beam is best first), or with prune 2, where the two keep more than exact_above
-            # x B, the B-th best itself. The rest are kept in (i, j) order: every candidate ahead of a kept one is
-            # kept, so places and ranks among the kept are those among all (labels only need the order), and a beam
-            # row past the kept count stays -inf.
+            # at least its score: the beam is best first), with rect_bound at least the worst corner of any a x
+            # ceil(B / a) rectangle (i < a, j < ceil(B / a): B or more candidates, each at least its corner's sum, the
+            # same float addition being monotone; a = B is the first bound), or with prune 2, where the two keep more
+            # than exact_above x B, the B-th best itself. The rest are kept in (i, j) order: every candidate ahead of
+            # a kept one is kept, so places and ranks among the kept are those among all (labels only need the
+            # order), and a beam row past the kept count stays -inf.
             run_last = run_key_ref[prev + b_ - 1]  # after the previous depth's barrier
-            kept = cand_ok & (score >= score_ref[d - 1, b_ - 1] + lp_ref[d, 0])
+            if rect_bound:  # the best of the corners (i, j) = (a - 1, ceil(B / a) - 1), a = 1..B, with j < K
+                corner = (b_ - 1) // (pos + 1)
+                bound = jnp.max(jnp.where(in_beam & (corner < k_), score_ref[d - 1, pos]
+                                          + lp_ref[d, jnp.minimum(corner, k_ - 1)], _NEG_INF))
+            else:
+                bound = score_ref[d - 1, b_ - 1] + lp_ref[d, 0]
+            kept = cand_ok & (score >= bound)
             if running_bound:
                 kept = kept & (total_order_key(score) > run_last)
             if prune == 2:
@@ -501,7 +517,7 @@ def tree_build_pallas(top_lp, top_tok, root_tokens, *, budget: int, config: Tree
         block_t=min(config.block, tp), prune=config.prune, exact_above=config.exact_above,
         fuse_above=bool(config.fuse_above), hoist_pairs=bool(config.hoist_pairs) and bool(config.prune),
         running_bound=bool(config.running_bound), merge_search=bool(config.merge_search) and not config.fuse_above,
-        search_fanout=config.search_fanout, interpret=interpret)
+        search_fanout=config.search_fanout, rect_bound=bool(config.rect_bound), interpret=interpret)
 
     def row(*shape):
         return pl.BlockSpec((None, *shape), lambda i: (i,) + (0,) * len(shape))

@@ -55,6 +55,8 @@
 #             builder against the kernel, with the defaults above 128 of 2026-12-06 (gathered top-k, split selection;
 #             wider tiles, merge by search, the bisection above B), then the 8B DDTree rounds at B = 256, 512 with the
 #             kernels and without                                     -> wide_peak{0,20}/, wide_{xla,kernels}/
+#   rect_bound  issue 19: the build kernel's GPU tests of the rectangles' bound, then the build at B = 64, 512 (deep,
+#             i.i.d.) with it (rect_bound=1), and above B = 128 without the bisection (exact_above=2) -> rect_peak{0,20}/
 #   fanout    issue 19: the build kernel's GPU tests, then the build at B = 64, 512 (deep, i.i.d.) with the merge's
 #             search 16- and 32-fold (search_fanout) and 16 warps, then the 8B bf16 rounds (AR, DFlash, DDTree 15, 64;
 #             FANOUT_ROUNDS=0: not; FANOUT_TESTS: a -k expression for the tests)
@@ -249,6 +251,18 @@ pallas:block_rows=256:merge_search=1,pallas:block_rows=256:merge_search=1:prune=
           --modes ddtree --repeats 3 --kernels pallas --out "$OUT/wide_$side" 2>&1 | grep -v '^{"mode"' | grep '^|'
         rm -f "$OUT/wide_$side"/bench.{md,png,partial.json}
       done
+      ;;
+    rect_bound)
+      log "the tree-build kernel's GPU tests (the rectangles' bound, 2026-12-06)"
+      timeout -k 5 120 python3 -m pytest -q -o addopts="" -p no:cacheprovider -m gpu tests/kernels/test_tree_build.py \
+        -k "rectangles or bisection or merge_by" 2>&1 | tail -2
+      for peak in 20 0; do
+        log "B = 64, 512, V = 151936, peak $peak: the rectangles' bound, with and without the bisection above B"
+        timeout -k 5 120 python3 tools/topk_probe.py --out "$OUT/rect_peak$peak" --vocab 151936 --budgets 64,512 \
+          --top-k pallas --tree-build pallas,pallas:rect_bound=1,pallas:rect_bound=1:exact_above=2 --peak "$peak" 2>&1 \
+          | grep -E '^\||rror'
+      done
+      rm -f "$OUT"/rect_peak*/topk_probe.md
       ;;
     fanout)
       log "the tree-build kernel's GPU tests (the merge's search search_fanout-fold, 2026-12-06)"

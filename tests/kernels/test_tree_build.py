@@ -232,6 +232,44 @@ def test_a_best_child_tying_the_running_lists_last_stays_out(knobs: dict, interp
     assert_same_tree(got, want)
 
 
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("case", [CASES[3], CASES[4], CASES[6], CASES[9], "quarters", "one parent"], ids=str)
+def test_the_rectangles_bound_gives_the_same_tree(case: Case | str, interpret: bool):
+    """`rect_bound=1` (candidates below the best worst corner of the a x ceil(B / a) rectangles left out): the same
+    tree on tied inputs, deep ones at B = 64 and 512 (where it keeps far fewer of depth 2's candidates than the
+    first bound: checked, 515 against 718), a vocabulary smaller than B (corners past K left out), hand-made quarter
+    sums whose corners tie candidates (kept: at or above), and one parent whose 15 best children fill the tree
+    beside it (B = 16: a bound from rectangles of fewer than B - 1 candidates leaves some out and fails here)."""
+    if case == "quarters":
+        budget, lp = 16, at_the_running_lists_last([-0.25 * (k + 1) for k in range(16)])
+    elif case == "one parent":
+        budget, lp = 16, np.full((1, 2, 64), -30.0, np.float32)
+        lp[0, 0, :16] = [-0.25] + [-20.0] * 15
+        lp[0, 1, :16] = [-0.25 * (k + 1) for k in range(16)]
+        lp = jnp.asarray(lp)
+    else:
+        budget, lp = case.budget, log_probs(case)
+    roots = jnp.arange(lp.shape[0], dtype=jnp.int32) + 5
+    if case == CASES[9]:  # not vacuous: depth 2's kept count (with the running list's bound) drops (at B = 64 here,
+        # V = 1000, it does not)
+        kept = []  # (the first bound's, the rectangles') per row
+        for row in np.asarray(lp):
+            top = np.sort(row[:2], axis=-1)[:, ::-1][:, :budget]  # K = B here
+            i, j = np.array([(i, j) for i in range(budget) for j in range(budget // (i + 1))]).T
+            score, a = top[0, i] + top[1, j], np.arange(1, budget + 1)
+            corners = top[0, a - 1] + top[1, (budget - 1) // a]
+            above = score > top[0, -1]
+            kept.append((np.sum(above & (score >= corners[-1])), np.sum(above & (score >= corners.max()))))
+        assert any(rect < 0.9 * first for first, rect in kept), kept
+    want = build(lp, roots, budget, "reference")
+    if case == "one parent":
+        assert np.sum(np.asarray(want.depths)[0] == 2) == 15
+    config = dataclasses.replace(tb.default_config(budget), rect_bound=1)
+    got = jax.jit(functools.partial(build_tree, budget=budget, implementation="pallas", interpret=interpret,
+                                    kernel_config=config))(lp, roots)
+    assert_same_tree(got, want)
+
+
 def test_count_sorted_against_numpy():
     """The search's count of a non-increasing list's entries above (strict) or at and above each key, against
     NumPy's, on lists with runs of equal entries, keys below, between, on and above them, lengths 1 to 513, as a
@@ -269,7 +307,8 @@ def test_budget_above_the_kernel_maximum():
     ({"search_fanout": 24}, "TreeBuildConfig.search_fanout=24: must be a power of two >= 2"),
     ({"search_fanout": 128}, "TreeBuildConfig.search_fanout=128: must be at most 64"),
     ({"fuse_above": 2}, "TreeBuildConfig.fuse_above=2: must be 0 or 1"),
-    ({"hoist_pairs": -1}, "TreeBuildConfig.hoist_pairs=-1: must be 0 or 1")])
+    ({"hoist_pairs": -1}, "TreeBuildConfig.hoist_pairs=-1: must be 0 or 1"),
+    ({"rect_bound": 2}, "TreeBuildConfig.rect_bound=2: must be 0 or 1")])
 def test_config_is_validated(knobs: dict, message: str):
     with pytest.raises(ValueError, match=message):
         tb.TreeBuildConfig(**knobs)
