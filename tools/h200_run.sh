@@ -43,14 +43,6 @@
 #             alone (issue 20), bf16, T = $BITWISE_T, parts $BITWISE_PARTS (all)  -> bitwise/
 #   kernel_tests  the GPU tests of the kernels changed last ($KERNEL_TESTS) and the hybrid engine with the Pallas
 #             kernels, compiled (the greedy DDTree decoding tests are the `tests` step's)
-#   running_bound  issue 19: the tree-build kernel's GPU tests, then tools/topk_probe.py at B = 64 and 512 (i.i.d. and
-#             deep) against XLA's builder and the kernel without the running list's bound; B = 512 deep traced, its
-#             kernels by name; the top-k's skip_cold at K = 256, 512      -> bound_peak{0,20}/, trace512.txt, skip_cold/
-#   build_knobs  issue 19: the top-k's GPU tests, then tools/topk_probe.py at B = 64 and 512 (deep, i.i.d.): the
-#             top-k's hot chunks gathered (skip_cold=2) and its selection split over row blocks (split_select=1),
-#             and the build's knobs (block_rows=256, merge_search and both; fuse_above and hoist_pairs spill at
-#             B = 512 offline), against the defaults
-#                                                         -> topk_knobs_peak{0,20}/, build_knobs_peak{0,20}/
 #   wide_defaults  issue 19: the top-k and build kernels' GPU tests, the build at B = 128, 256, 512 (deep, i.i.d.), XLA's
 #             builder against the kernel, with the defaults above 128 of 2026-12-06 (gathered top-k, split selection;
 #             wider tiles, merge by search, the bisection above B), then the 8B DDTree rounds at B = 256, 512 with the
@@ -120,6 +112,24 @@ export PYTHONPATH="$PWD:$PWD/tests" PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
 OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
 log() { echo "== $* ($(date +%H:%M:%S))"; }
+# The GPU tests of tests/kernels/test_$2.py (a space-separated list) within $1 s, -k "$3" where given.
+kernel_gpu_tests() {
+  local files=() name
+  for name in $2; do files+=("tests/kernels/test_$name.py"); done
+  timeout -k 5 "$1" python3 -m pytest -q -o addopts="" -p no:cacheprovider -m gpu "${files[@]}" ${3:+-k "$3"} 2>&1 \
+    | tail -2
+}
+# tools/topk_probe.py at V = 151936, deep trees' logits (peak 20) then i.i.d. ones (peak 0), into $OUT/$1_peak{20,0}:
+# budgets $2, top-k forms $3, tree-build forms $4, each run within $5 s; the tables' rows printed.
+build_probe() {
+  local peak
+  for peak in 20 0; do
+    log "B = $2, V = 151936, peak $peak: top-k $3; build $4"
+    timeout -k 5 "$5" python3 tools/topk_probe.py --out "$OUT/$1_peak$peak" --vocab 151936 --budgets "$2" \
+      --top-k "$3" --tree-build "$4" --peak "$peak" 2>&1 | grep -E '^\||rror'
+    rm -f "$OUT/$1_peak$peak/topk_probe.md"
+  done
+}
 
 for step in "$@"; do
   case "$step" in
@@ -193,57 +203,10 @@ for step in "$@"; do
       timeout 150 python3 -m pytest -q --tb=short -o addopts=-ra -p no:cacheprovider tests/test_kernels_in_engine.py \
         -k "hybrid_with_pallas or ddtree_with_pallas" 2>&1 | tail -5
       ;;
-    running_bound)
-      log "the tree-build kernel's GPU tests (the running list's bound, 2026-12-06)"
-      timeout -k 5 140 python3 -m pytest -q -o addopts="" -p no:cacheprovider -m gpu tests/kernels/test_tree_build.py \
-        2>&1 | tail -3
-      for peak in 20 0; do
-        log "B = 64, 512, V = 151936, peak $peak: XLA's builder, the kernel with and without the running list's bound"
-        timeout -k 5 110 python3 tools/topk_probe.py --out "$OUT/bound_peak$peak" --vocab 151936 --budgets 64,512 \
-          --top-k pallas --tree-build reference,pallas,pallas:running_bound=0 --peak "$peak" 2>&1 | grep -E '^\||rror'
-        rm -f "$OUT/bound_peak$peak/topk_probe.md"
-      done
-      log "B = 512, deep, traced: the top-k's launches and the build kernel by kernel (64 passes a call)"
-      timeout -k 5 90 python3 tools/topk_probe.py --out /tmp/trace512 --vocab 151936 --budgets 512 --top-k pallas \
-        --tree-build pallas --peak 20 --trace /tmp/trace512/tr 2>&1 | grep -E '^\||rror'
-      timeout 60 python3 tools/trace_summary.py /tmp/trace512/tr --by-kernel --rounds 64 --top 10 | tee "$OUT/trace512.txt"
-      log "K = 256, 512: the top-k's compaction reading only the hot chunks (64 entries each there) or every entry"
-      timeout -k 5 90 python3 tools/topk_probe.py --out "$OUT/skip_cold" --vocab 151936 --budgets 256,512 \
-        --top-k pallas,pallas:skip_cold=0 --tree-build pallas --peak 20 2>&1 | grep -E '^\||rror'
-      rm -f "$OUT/skip_cold/topk_probe.md"
-      ;;
-    build_knobs)
-      log "the top-k and build kernels' GPU tests (skip_cold=2, split_select, merge_search: 2026-12-06)"
-      timeout -k 5 150 python3 -m pytest -q -o addopts="" -p no:cacheprovider -m gpu tests/kernels/test_vocab_top_k.py \
-        tests/kernels/test_tree_build.py 2>&1 | tail -2
-      # Deep trees' build first (the B = 512 goal is missed there), then the top-k's knobs, the i.i.d. build last.
-      build_knob_probe() {
-        log "B = 64, 512, V = 151936, peak $1: the build's wider row blocks, its merge by binary search, the bisection"
-        timeout -k 5 130 python3 tools/topk_probe.py --out "$OUT/build_knobs_peak$1" --vocab 151936 \
-          --budgets 64,512 --top-k pallas --tree-build pallas,pallas:block_rows=256,pallas:merge_search=1,\
-pallas:block_rows=256:merge_search=1,pallas:block_rows=256:merge_search=1:prune=2:exact_above=1 \
-          --peak "$1" 2>&1 | grep -E '^\||rror'
-      }
-      build_knob_probe 20
-      for peak in 20 0; do
-        log "B = 64, 512, V = 151936, peak $peak: the top-k's gathered compaction and split selection"
-        timeout -k 5 130 python3 tools/topk_probe.py --out "$OUT/topk_knobs_peak$peak" --vocab 151936 --budgets 64,512 \
-          --top-k pallas,pallas:skip_cold=2:step=1024,pallas:split_select=1,pallas:skip_cold=2:step=1024:split_select=1 \
-          --tree-build pallas --peak "$peak" 2>&1 | grep -E '^\||rror'
-      done
-      build_knob_probe 0
-      rm -f "$OUT"/*_knobs_peak*/topk_probe.md
-      ;;
     wide_defaults)
       log "top-k and tree-build kernels' GPU tests (the defaults above K = 128 of 2026-12-06)"
-      timeout -k 5 150 python3 -m pytest -q -o addopts="" -p no:cacheprovider -m gpu tests/kernels/test_vocab_top_k.py \
-        tests/kernels/test_tree_build.py 2>&1 | tail -2
-      for peak in 20 0; do
-        log "B = 128, 256, 512, V = 151936, peak $peak: XLA's builder against the kernel (the top-k kernel's defaults)"
-        timeout -k 5 120 python3 tools/topk_probe.py --out "$OUT/wide_peak$peak" --vocab 151936 --budgets 128,256,512 \
-          --top-k pallas --tree-build reference,pallas --peak "$peak" 2>&1 | grep -E '^\||rror'
-      done
-      rm -f "$OUT"/wide_peak*/topk_probe.md
+      kernel_gpu_tests 150 "vocab_top_k tree_build"
+      build_probe wide 128,256,512 pallas reference,pallas 120
       for side in xla kernels; do
         log "8B DDTree rounds at B = 256, 512, tree kernels: $side"
         run="python3"; [ "$side" = xla ] && run="python3 tools/with_knobs.py engine:tree_kernels_up_to=128"
@@ -254,27 +217,14 @@ pallas:block_rows=256:merge_search=1,pallas:block_rows=256:merge_search=1:prune=
       ;;
     rect_bound)
       log "the tree-build kernel's GPU tests (the rectangles' bound, 2026-12-06)"
-      timeout -k 5 120 python3 -m pytest -q -o addopts="" -p no:cacheprovider -m gpu tests/kernels/test_tree_build.py \
-        -k "rectangles or bisection or merge_by" 2>&1 | tail -2
-      for peak in 20 0; do
-        log "B = 64, 512, V = 151936, peak $peak: the rectangles' bound, with and without the bisection above B"
-        timeout -k 5 120 python3 tools/topk_probe.py --out "$OUT/rect_peak$peak" --vocab 151936 --budgets 64,512 \
-          --top-k pallas --tree-build pallas,pallas:rect_bound=1,pallas:rect_bound=1:exact_above=2 --peak "$peak" 2>&1 \
-          | grep -E '^\||rror'
-      done
-      rm -f "$OUT"/rect_peak*/topk_probe.md
+      kernel_gpu_tests 120 tree_build "rectangles or bisection or merge_by"
+      build_probe rect 64,512 pallas pallas,pallas:rect_bound=1,pallas:rect_bound=1:exact_above=2 120
       ;;
     fanout)
       log "the tree-build kernel's GPU tests (the merge's search search_fanout-fold, 2026-12-06)"
-      timeout -k 5 120 python3 -m pytest -q -o addopts="" -p no:cacheprovider -m gpu tests/kernels/test_tree_build.py \
-        -k "${FANOUT_TESTS:-}" 2>&1 | tail -2
-      for peak in 20 0; do
-        log "B = 64, 512, V = 151936, peak $peak: the merge's search 16- and 32-fold, 16 warps"
-        timeout -k 5 120 python3 tools/topk_probe.py --out "$OUT/fanout_peak$peak" --vocab 151936 --budgets 64,512 \
-          --top-k pallas --tree-build pallas,pallas:merge_search=1:search_fanout=16,pallas:merge_search=1:search_fanout=32,\
-pallas:num_warps=16,pallas:merge_search=1:search_fanout=32:num_warps=16 --peak "$peak" 2>&1 | grep -E '^\||rror'
-      done
-      rm -f "$OUT"/fanout_peak*/topk_probe.md
+      kernel_gpu_tests 120 tree_build "${FANOUT_TESTS:-}"
+      build_probe fanout 64,512 pallas pallas,pallas:merge_search=1:search_fanout=16,\
+pallas:merge_search=1:search_fanout=32,pallas:num_warps=16,pallas:merge_search=1:search_fanout=32:num_warps=16 120
       [ "${FANOUT_ROUNDS:-1}" = 0 ] && continue  # (a short call: the probe alone)
       log "8B bf16 rounds (the goals' shape): AR, DFlash, DDTree 15, 64"
       timeout -k 5 "${FANOUT_BENCH_LIMIT:-120}" python3 -m ddtree_jax.bench --shape qwen3-8b --budgets 15,64 \
