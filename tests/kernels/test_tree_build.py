@@ -236,7 +236,7 @@ def test_a_best_child_tying_the_running_lists_last_stays_out(knobs: dict, interp
 @pytest.mark.parametrize("case", [CASES[3], CASES[4], CASES[6], CASES[9], "quarters", "one parent"], ids=str)
 def test_the_rectangles_bound_gives_the_same_tree(case: Case | str, interpret: bool):
     """`rect_bound=1` (candidates below the best worst corner of the a x ceil(B / a) rectangles left out): the same
-    tree on tied inputs, deep ones at B = 64 and 512 (where it keeps far fewer of depth 2's candidates than the
+    tree on tied inputs, deep ones at B = 64 and 512 (at 512 it keeps far fewer of depth 2's candidates than the
     first bound: checked, 515 against 718), a vocabulary smaller than B (corners past K left out), hand-made quarter
     sums whose corners tie candidates (kept: at or above), and one parent whose 15 best children fill the tree
     beside it (B = 16: a bound from rectangles of fewer than B - 1 candidates leaves some out and fails here)."""
@@ -250,8 +250,8 @@ def test_the_rectangles_bound_gives_the_same_tree(case: Case | str, interpret: b
     else:
         budget, lp = case.budget, log_probs(case)
     roots = jnp.arange(lp.shape[0], dtype=jnp.int32) + 5
-    if case == CASES[9]:  # not vacuous: depth 2's kept count (with the running list's bound) drops (at B = 64 here,
-        # V = 1000, it does not)
+    if case == CASES[9]:  # not vacuous: depth 2's kept count (with the running list's bound) drops (at B = 64, V =
+        # 1000, it does not)
         kept = []  # (the first bound's, the rectangles') per row
         for row in np.asarray(lp):
             top = np.sort(row[:2], axis=-1)[:, ::-1][:, :budget]  # K = B here
