@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ddtree_jax.tree import build_tree
+from ddtree_jax.tree import build_tree, candidate_pairs
 from pallas_kernels import tree_build as tb
 
 INTERPRET = [pytest.param(True, id="interpret"), pytest.param(False, id="compiled", marks=pytest.mark.gpu)]
@@ -92,7 +92,7 @@ class TestTreeBuildKernel:
         if not (case.peak and case.budget == 64 or case.budget > 128):
             return
         top = np.sort(np.asarray(lp[0, :2]), axis=-1)[:, ::-1][:, :case.budget]  # depths 1 and 2, best first
-        i, j = np.array([(i, j) for i in range(case.budget) for j in range(case.budget // (i + 1))]).T
+        i, j = candidate_pairs(case.budget, case.budget)
         score = top[0, i] + top[1, j]  # depth 2's candidates (K = B here)
         bound = top[0, case.budget - 1] + top[1, 0]  # prune=1's: the worst of the B children (i, 0)
         if case.peak and case.budget == 64:  # the default prunes, and here not vacuously: at depth 2 at least two in
@@ -193,7 +193,7 @@ def test_the_bisection_keeps_a_depths_b_best_and_their_ties(interpret: bool):
     B-th best and its parent cannot both be among the B best)."""
     budget, lp, roots = 16, at_the_running_lists_last([-0.25 * (k + 1) for k in range(16)]), jnp.array([5], jnp.int32)
     top = np.asarray(lp)[0, :2, :budget]  # depths 1 and 2, best first
-    i, j = np.array([(i, j) for i in range(budget) for j in range(budget // (i + 1))]).T
+    i, j = candidate_pairs(budget, budget)
     assert np.sum(top[0, i] + top[1, j] > top[0, -1]) == 49  # above the last entry, hence the bound of prune 1 too
     want = build(lp, roots, budget, "reference")
     assert np.sum(np.asarray(want.depths)[0] == 2) == 10  # not vacuous: a wrong cut would leave some out
@@ -255,7 +255,7 @@ def test_the_rectangles_bound_gives_the_same_tree(case: Case | str, interpret: b
         kept = []  # (the first bound's, the rectangles') per row
         for row in np.asarray(lp):
             top = np.sort(row[:2], axis=-1)[:, ::-1][:, :budget]  # K = B here
-            i, j = np.array([(i, j) for i in range(budget) for j in range(budget // (i + 1))]).T
+            i, j = candidate_pairs(budget, budget)
             score, a = top[0, i] + top[1, j], np.arange(1, budget + 1)
             corners = top[0, a - 1] + top[1, (budget - 1) // a]
             above = score > top[0, -1]
