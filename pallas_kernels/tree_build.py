@@ -97,13 +97,10 @@ class TreeBuildConfig:
                 log-probs are flat (i.i.d. logits at B = 512: all 3280 at depth 2, ~10^7 compares in one
                 program; the bisection keeps 512), and few on a confident drafter's deep tree (512-1023 at
                 B = 512), where the bisection's 32 reductions would cost more than they save
-                (tools/prune_counts.py). 0: every candidate.
-    rect_bound: 1 (with prune): the bound of prune 1 raised to the best, over a = 1..B, of the worst corner of the
-                a x ceil(B / a) rectangle of candidates (i < a, j < ceil(B / a)): B of them score at least that, so no
-                candidate below it is among the B best. On the probe's deep tree (V = 151936, peak 20) it keeps 515
-                candidates of depth 2 at B = 512 (the B-th best keeps 512) where the first bound and the running
-                list's keep 976, and 65 at B = 64 against 122, for a [B] gather and maximum per depth; other depths
-                keep the same (tools/prune_counts.py). 0: the first bound alone.
+                (tools/prune_counts.py). 0: every candidate. (The first bound raised to the best worst corner of the
+                a x ceil(B / a) rectangles of candidates, each holding B or more, kept 515 of depth 2's candidates
+                at B = 512 on a deep tree where it keeps 976, but the build took as long on an H100, 262.8 against
+                262.2 us, and 266.9 without the bisection (2026-12-06): not kept.)
     exact_above: with prune 2, the bisection runs where the other bounds keep more than exact_above x B candidates
                 (2: the B = 512 deep tree's 976 kept at depth 2 are all counted against each other; 1: the bisection
                 cuts them to the 512 best, a quarter of the place counting's compares there, for 32 reductions).
@@ -124,11 +121,6 @@ class TreeBuildConfig:
                 each, where the counting passes compare every kept candidate with all B running entries ([bp,
                 block] tiles over the kept candidates: at B = 512 the deep tree's ~3400 kept candidates against 512
                 entries, twice); 0: those passes.
-    search_fanout: merge_search's fanout (a power of two, 2 to 64): each dependent step gathers up to fanout - 1
-                entries per key and narrows the count fanout-fold, so 2 is a binary search (10 dependent gathers at
-                B = 512) and 32 takes two steps of 30 and 16 gathers. 2: on an H100 (2026-12-06, top-k included) B = 512
-                took 285.0 / 298.9 us on deep trees with 16 / 32 against 252.0 binary (the wide steps' scattered
-                gathers cost more than the binary search's latency), B = 64 the same within 1 us.
     hoist_pairs: 1 (with prune): the candidate table loaded once, before the depth loop, and each kept candidate's
                 pair (i, j) compacted with it: each depth's gathers start from registers and the places' from the
                 compacted pairs, two dependent loads fewer per depth; 0: the table read at every depth.
@@ -146,18 +138,14 @@ class TreeBuildConfig:
     running_bound: int = 1
     merge_search: int = 0
     exact_above: int = 2
-    search_fanout: int = 2
-    rect_bound: int = 0
 
     def __post_init__(self):
-        check_knobs(self, pow2={"block": 16, "block_rows": 16, "search_fanout": 2})
-        if self.search_fanout > 64:
-            raise ValueError(f"TreeBuildConfig.search_fanout={self.search_fanout!r}: must be at most 64")
+        check_knobs(self, pow2={"block": 16, "block_rows": 16})
         if self.prune not in (0, 1, 2) or isinstance(self.prune, bool):
             raise ValueError(f"TreeBuildConfig.prune={self.prune!r}: must be 0, 1 or 2")
         if self.exact_above not in (1, 2) or isinstance(self.exact_above, bool):
             raise ValueError(f"TreeBuildConfig.exact_above={self.exact_above!r}: must be 1 or 2")
-        for name in ("fuse_above", "hoist_pairs", "running_bound", "merge_search", "rect_bound"):
+        for name in ("fuse_above", "hoist_pairs", "running_bound", "merge_search"):
             if getattr(self, name) not in (0, 1):
                 raise ValueError(f"TreeBuildConfig.{name}={getattr(self, name)!r}: must be 0 or 1")
 
@@ -234,8 +222,6 @@ def _tree_build_kernel(
     hoist_pairs: bool,
     running_bound: bool,
     merge_search: bool,
-    search_fanout: int,
-    rect_bound: bool,
     interpret: bool,
 ):
     b_, k_, l_, c_ = budget, k, depth_limit, num_pairs
@@ -301,20 +287,12 @@ def _tree_build_kernel(
             # (shallower entries win ties) nor have a descendant that does (log-probs are <= 0, and the list's last
             # only rises), so it is dropped whatever the depth's beam; on a flat depth this keeps none, and the loop
             # stops. And the B-th best candidate scores at least the last of the B children (i, 0) (they all score
-            # at least its score: the beam is best first), with rect_bound at least the worst corner of any a x
-            # ceil(B / a) rectangle (i < a, j < ceil(B / a): B or more candidates, each at least its corner's sum, the
-            # same float addition being monotone; a = B is the first bound), or with prune 2, where the two keep more
-            # than exact_above x B, the B-th best itself. The rest are kept in (i, j) order: every candidate ahead of
-            # a kept one is kept, so places and ranks among the kept are those among all (labels only need the
-            # order), and a beam row past the kept count stays -inf.
+            # at least its score: the beam is best first), or with prune 2, where the two keep more than exact_above
+            # x B, the B-th best itself. The rest are kept in (i, j) order: every candidate ahead of a kept one is
+            # kept, so places and ranks among the kept are those among all (labels only need the order), and a beam
+            # row past the kept count stays -inf.
             run_last = run_key_ref[prev + b_ - 1]  # after the previous depth's barrier
-            if rect_bound:  # the best of the corners (i, j) = (a - 1, ceil(B / a) - 1), a = 1..B, with j < K
-                corner = (b_ - 1) // (pos + 1)
-                bound = jnp.max(jnp.where(in_beam & (corner < k_), score_ref[d - 1, pos]
-                                          + lp_ref[d, jnp.minimum(corner, k_ - 1)], _NEG_INF))
-            else:
-                bound = score_ref[d - 1, b_ - 1] + lp_ref[d, 0]
-            kept = cand_ok & (score >= bound)
+            kept = cand_ok & (score >= score_ref[d - 1, b_ - 1] + lp_ref[d, 0])
             if running_bound:
                 kept = kept & (total_order_key(score) > run_last)
             if prune == 2:
@@ -398,8 +376,7 @@ def _tree_build_kernel(
                 merged = place + jnp.sum(((run_key[None, :] >= key[:, None]) & in_beam[None, :]).astype(jnp.int32),
                                          axis=1)
             elif merge_search:  # the list is sorted (keys non-increasing)
-                merged = place + count_sorted(lambda m: run_key_ref[prev + m], b_, key, strict=False,
-                                              fanout=search_fanout)
+                merged = place + count_sorted(lambda m: run_key_ref[prev + m], b_, key, strict=False)
             else:
                 merged = place + count_ahead(key, row_idx, run_key_ref, lax.div(prev, block_b),
                                              lax.div(prev, block_b) + run_blocks, block=block_b, num_cols=prev + b_,
@@ -418,8 +395,7 @@ def _tree_build_kernel(
         elif merge_search:
             lax.fori_loop(0, blocks(num, block_r), lambda r, _: place_block(r, False), None)
             barrier()  # the beam's rows, best first (-inf past the kept count), for every thread's search
-            place_running(count_sorted(lambda m: total_order_key(score_ref[d, m]), b_, run_key, strict=True,
-                                       fanout=search_fanout))
+            place_running(count_sorted(lambda m: total_order_key(score_ref[d, m]), b_, run_key, strict=True))
         else:
             lax.fori_loop(0, blocks(num, block_r), lambda r, _: place_block(r, False), None)
 
@@ -517,7 +493,7 @@ def tree_build_pallas(top_lp, top_tok, root_tokens, *, budget: int, config: Tree
         block_t=min(config.block, tp), prune=config.prune, exact_above=config.exact_above,
         fuse_above=bool(config.fuse_above), hoist_pairs=bool(config.hoist_pairs) and bool(config.prune),
         running_bound=bool(config.running_bound), merge_search=bool(config.merge_search) and not config.fuse_above,
-        search_fanout=config.search_fanout, rect_bound=bool(config.rect_bound), interpret=interpret)
+        interpret=interpret)
 
     def row(*shape):
         return pl.BlockSpec((None, *shape), lambda i: (i,) + (0,) * len(shape))

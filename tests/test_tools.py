@@ -390,7 +390,7 @@ def test_auto_counterfactual_rules_and_trajectory(tmp_path, capsys):
 
 
 def test_prune_counts_against_a_direct_count(capsys):
-    """tools/prune_counts.py: on hand-made rows (B = 3, up to three depths) the candidates, the bounds' and the B-th
+    """tools/prune_counts.py: on hand-made rows (B = 3, three depths) the candidates, the two bounds' and the B-th
     best's counts, and the early stop, as counted by hand; and its table at a small vocabulary runs to the stop."""
     def row(*depths):
         return np.log(np.array(depths, np.float32) + 1e-30)
@@ -399,18 +399,13 @@ def test_prune_counts_against_a_direct_count(capsys):
     # Products .15 .15 .1 .09 .06: the bound (the worst child (2, 0): .06) keeps all 5, the 3rd best (.1) keeps 3;
     # the running top 3 is depth 1's (.5 .3 .2), above every product: none kept, and no deeper prefix can enter.
     rows, stop = prune_counts.kept_per_depth(row([0.5, 0.3, 0.2, 0], [0.3, 0.3, 0.2, 0.2], [0.9, 0.1, 0, 0]), 3)
-    assert rows[0] == (2, 5, 5, 0, 0, 3) and stop == 2  # (main prints the depths up to the stop)
+    assert rows[0] == (2, 5, 5, 0, 3) and stop == 2  # (main prints the depths up to the stop)
     # Depth 2 .8 .1 .1: products .4 .05 .05 .24 .16; the bound (.16) keeps 3, of which 2 lie above the running
     # list's last (.2); the 3rd best is .16. The list becomes .5 .4 .3, the beam .4 .24 .16, its best above .3: depth
     # 3 (.9 .1 0) runs: products .36 .04 0 .216 .144, the bound (.144) keeps 3, one above .3; then the list's last
     # is .36, no longer below the beam's best: the stop.
     rows, stop = prune_counts.kept_per_depth(row([0.5, 0.3, 0.2, 0], [0.8, 0.1, 0.1, 0], [0.9, 0.1, 0, 0]), 3)
-    assert rows == [(2, 5, 3, 2, 2, 3), (3, 5, 3, 1, 1, 3)] and stop == 3
-    # The rectangles' bound: beam .8 .15 .05, depth 2 .45 .35 .15: products .36 .28 .12 .0675 .0225; the first bound
-    # (.05 x .45) keeps all 5, four above the running list's last (.05); the corners (0, 2) .12, (1, 1) .0525 and
-    # (2, 0) .0225: the best (.12) keeps 3, the B-th best's count.
-    rows, stop = prune_counts.kept_per_depth(row([0.8, 0.15, 0.05, 0], [0.45, 0.35, 0.15, 0.05]), 3)
-    assert rows == [(2, 5, 5, 4, 3, 3)] and stop is None
+    assert rows == [(2, 5, 3, 2, 3), (3, 5, 3, 1, 3)] and stop == 3
     assert prune_counts.main(["--vocab", "500", "--budgets", "8", "--depths", "3", "--peak", "0"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].startswith("| peak | B | depth |") and table[-1].startswith("| 0 | 8 | stops after depth")

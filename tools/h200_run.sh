@@ -47,12 +47,6 @@
 #             builder against the kernel, with the defaults above 128 of 2026-12-06 (gathered top-k, split selection;
 #             wider tiles, merge by search, the bisection above B), then the 8B DDTree rounds at B = 256, 512 with the
 #             kernels and without                                     -> wide_peak{0,20}/, wide_{xla,kernels}/
-#   rect_bound  issue 19: the build kernel's GPU tests of the rectangles' bound, then the build at B = 64, 512 (deep,
-#             i.i.d.) with it (rect_bound=1), and above B = 128 without the bisection (exact_above=2) -> rect_peak{0,20}/
-#   fanout    issue 19: the build kernel's GPU tests, then the build at B = 64, 512 (deep, i.i.d.) with the merge's
-#             search 16- and 32-fold (search_fanout) and 16 warps, then the 8B bf16 rounds (AR, DFlash, DDTree 15, 64;
-#             FANOUT_ROUNDS=0: not; FANOUT_TESTS: a -k expression for the tests)
-#                                                                          -> fanout_peak{0,20}/, rounds_8b/
 #   knobs_rounds  the demo pair's rounds (tools/loop_cost.py) and end to end (the bench, 32 prompts x 128) at the
 #             defaults and with each ';'-separated set of $KNOBS (tools/with_knobs.py items, space-separated)
 #                                                                          -> lc_{0,1,..}.json, demo_{0,1,..}/bench.json
@@ -214,22 +208,6 @@ for step in "$@"; do
           --modes ddtree --repeats 3 --kernels pallas --out "$OUT/wide_$side" 2>&1 | grep -v '^{"mode"' | grep '^|'
         rm -f "$OUT/wide_$side"/bench.{md,png,partial.json}
       done
-      ;;
-    rect_bound)
-      log "the tree-build kernel's GPU tests (the rectangles' bound, 2026-12-06)"
-      kernel_gpu_tests 120 tree_build "rectangles or bisection or merge_by"
-      build_probe rect 64,512 pallas pallas,pallas:rect_bound=1,pallas:rect_bound=1:exact_above=2 120
-      ;;
-    fanout)
-      log "the tree-build kernel's GPU tests (the merge's search search_fanout-fold, 2026-12-06)"
-      kernel_gpu_tests 120 tree_build "${FANOUT_TESTS:-}"
-      build_probe fanout 64,512 pallas pallas,pallas:merge_search=1:search_fanout=16,\
-pallas:merge_search=1:search_fanout=32,pallas:num_warps=16,pallas:merge_search=1:search_fanout=32:num_warps=16 120
-      [ "${FANOUT_ROUNDS:-1}" = 0 ] && continue  # (a short call: the probe alone)
-      log "8B bf16 rounds (the goals' shape): AR, DFlash, DDTree 15, 64"
-      timeout -k 5 "${FANOUT_BENCH_LIMIT:-120}" python3 -m ddtree_jax.bench --shape qwen3-8b --budgets 15,64 \
-        --modes ar,dflash,ddtree --repeats 5 --kernels pallas --out "$OUT/rounds_8b" 2>&1 | grep -E '^\| (ar|dflash|ddtree)|rror'
-      rm -f "$OUT/rounds_8b"/bench.{md,png,partial.json}
       ;;
     knobs_rounds)
       IFS=';' read -ra sets <<< ";${KNOBS:?}"  # the defaults first

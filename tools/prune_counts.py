@@ -6,8 +6,7 @@ For tools/topk_probe.py's drafter logits (2 x normal, key V; `--peak` added to o
 budget B: the candidates (beam entry i, token rank j; (i + 1)(j + 1) <= B) of every depth, and how many of them the
 tree-build kernel counts places among: all (`prune=0`), those at or above the worst of the B children (i, 0)
 (`prune=1` without `running_bound`), those of them above the running top B's last entry (`prune=1`, the default),
-those above it and at or above the best corner of the a x ceil(B / a) rectangles (`rect_bound=1`), those at or
-above the B-th best candidate itself (what `prune=2` keeps where the bounds keep more than 2 B); up to
+those at or above the B-th best candidate itself (what `prune=2` keeps where the bounds keep more than 2 B); up to
 the depth after which no deeper prefix can enter the running top B (the kernel's early stop). The counting tiles'
 work grows with the square of the kept count. Prints a table; writes nothing.
 """
@@ -20,8 +19,7 @@ import sys
 
 def kept_per_depth(log_probs, budget: int):
     """log_probs [L, V] one row's per-depth log-probs -> (rows of (depth, candidates, kept by the bound of
-    prune 1, kept by it and the running list's last entry, kept by the rectangles' bound and the running list's
-    last, kept at or above the B-th best score) for the depths the
+    prune 1, kept by it and the running list's last entry, kept at or above the B-th best score) for the depths the
     kernel runs, 2.., the depth after which the build stops early or None). prune 2 keeps the last where the two
     bounds keep more than 2 B, else those. Beams here are the depths' B best (the kernel's keep only the entries
     above the running list's last, which changes no count: the rest have no kept descendant)."""
@@ -40,11 +38,7 @@ def kept_per_depth(log_probs, budget: int):
         score = beam[i] + top[d, j]  # float32, as the kernel sums
         best = np.sort(score)[::-1][budget - 1]
         bound = score >= beam[budget - 1] + top[d, 0]
-        a = np.arange(1, budget + 1)
-        corner = (budget - 1) // a  # the token rank of rectangle a's worst corner (a - 1, ceil(B / a) - 1)
-        rect = score >= np.max(np.where(corner < k, beam[a - 1] + top[d, np.minimum(corner, k - 1)], -np.inf))
-        above = score > running[budget - 1]
-        rows.append((d + 1, len(score), int(np.sum(bound)), int(np.sum(bound & above)), int(np.sum(rect & above)),
+        rows.append((d + 1, len(score), int(np.sum(bound)), int(np.sum(bound & (score > running[budget - 1]))),
                      int(np.sum(score >= best))))
         beam = np.sort(score)[::-1][:budget]
         running = np.sort(np.concatenate([running, beam]))[::-1][:budget]
@@ -64,17 +58,17 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     print("| peak | B | depth | candidates | kept by the bound of prune 1 | and above the running list's last "
-          "(the default) | the rectangles' bound and above the running list's last | at or above the B-th best |")
-    print("|---|---|---|---|---|---|---|---|")
+          "(the default) | at or above the B-th best |")
+    print("|---|---|---|---|---|---|---|")
     for peak in (float(x) for x in args.peak.split(",")):
         logits = 2.0 * jax.random.normal(jax.random.key(args.vocab), (args.depths, args.vocab), jnp.float32)
         logits = logits.at[jnp.arange(args.depths), (7 * jnp.arange(args.depths)) % args.vocab].add(peak)
         log_probs = jax.nn.log_softmax(logits, axis=-1)
         for budget in (int(b) for b in args.budgets.split(",")):
             rows, stop = kept_per_depth(log_probs, budget)
-            for depth, candidates, bound, running, rect, exact in rows[:(stop or args.depths) - 1]:  # the kernel's
-                print(f"| {peak:g} | {budget} | {depth} | {candidates} | {bound} | {running} | {rect} | {exact} |")
-            print(f"| {peak:g} | {budget} | stops after depth {stop if stop else args.depths} | | | | | |")
+            for depth, candidates, bound, running, exact in rows[:(stop or args.depths) - 1]:  # the kernel's depths
+                print(f"| {peak:g} | {budget} | {depth} | {candidates} | {bound} | {running} | {exact} |")
+            print(f"| {peak:g} | {budget} | stops after depth {stop if stop else args.depths} | | | | |")
     return 0
 
 

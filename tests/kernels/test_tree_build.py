@@ -203,15 +203,14 @@ def test_the_bisection_keeps_a_depths_b_best_and_their_ties(interpret: bool):
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
-@pytest.mark.parametrize("case,running_bound,fanout", [(CASES[3], 1, 2), (CASES[3], 0, 16), (CASES[6], 1, 2),
-                                                       (CASES[9], 1, 32), (CASES[10], 1, 2)],
+@pytest.mark.parametrize("case,running_bound", [(CASES[3], 1), (CASES[3], 0), (CASES[6], 1), (CASES[9], 1),
+                                               (CASES[10], 1)],
                          ids=lambda x: str(x) if isinstance(x, Case) else None)
-def test_merge_by_search_gives_the_same_tree(case: Case, running_bound: int, fanout: int, interpret: bool):
-    """`merge_search=1` (the running list's merge by search over both sorted lists, binary or `search_fanout`-fold):
+def test_merge_by_search_gives_the_same_tree(case: Case, running_bound: int, interpret: bool):
+    """`merge_search=1` (the running list's merge by binary search over both sorted lists):
     the same tree on tied inputs at B = 64 (also without the running list's bound, where candidates at or below its
     last entry are merged too), padded ones, a deep tree at B = 512 and ties at B = 256."""
-    config = dataclasses.replace(tb.default_config(case.budget), merge_search=1, running_bound=running_bound,
-                                 search_fanout=fanout)
+    config = dataclasses.replace(tb.default_config(case.budget), merge_search=1, running_bound=running_bound)
     assert_knobs_give_the_reference_tree(case, config, interpret)
 
 
@@ -232,48 +231,9 @@ def test_a_best_child_tying_the_running_lists_last_stays_out(knobs: dict, interp
     assert_same_tree(got, want)
 
 
-@pytest.mark.parametrize("interpret", INTERPRET)
-@pytest.mark.parametrize("case", [CASES[3], CASES[4], CASES[6], CASES[9], "quarters", "one parent"], ids=str)
-def test_the_rectangles_bound_gives_the_same_tree(case: Case | str, interpret: bool):
-    """`rect_bound=1` (candidates below the best worst corner of the a x ceil(B / a) rectangles left out): the same
-    tree on tied inputs, deep ones at B = 64 and 512 (at 512 it keeps far fewer of depth 2's candidates than the
-    first bound: checked, 515 against 718), a vocabulary smaller than B (corners past K left out), hand-made quarter
-    sums whose corners tie candidates (kept: at or above), and one parent whose 15 best children fill the tree
-    beside it (B = 16: a bound from rectangles of fewer than B - 1 candidates leaves some out and fails here)."""
-    if case == "quarters":
-        budget, lp = 16, at_the_running_lists_last([-0.25 * (k + 1) for k in range(16)])
-    elif case == "one parent":
-        budget, lp = 16, np.full((1, 2, 64), -30.0, np.float32)
-        lp[0, 0, :16] = [-0.25] + [-20.0] * 15
-        lp[0, 1, :16] = [-0.25 * (k + 1) for k in range(16)]
-        lp = jnp.asarray(lp)
-    else:
-        budget, lp = case.budget, log_probs(case)
-    roots = jnp.arange(lp.shape[0], dtype=jnp.int32) + 5
-    if case == CASES[9]:  # not vacuous: depth 2's kept count (with the running list's bound) drops (at B = 64, V =
-        # 1000, it does not)
-        kept = []  # (the first bound's, the rectangles') per row
-        for row in np.asarray(lp):
-            top = np.sort(row[:2], axis=-1)[:, ::-1][:, :budget]  # K = B here
-            i, j = candidate_pairs(budget, budget)
-            score, a = top[0, i] + top[1, j], np.arange(1, budget + 1)
-            corners = top[0, a - 1] + top[1, (budget - 1) // a]
-            above = score > top[0, -1]
-            kept.append((np.sum(above & (score >= corners[-1])), np.sum(above & (score >= corners.max()))))
-        assert any(rect < 0.9 * first for first, rect in kept), kept
-    want = build(lp, roots, budget, "reference")
-    if case == "one parent":
-        assert np.sum(np.asarray(want.depths)[0] == 2) == 15
-    config = dataclasses.replace(tb.default_config(budget), rect_bound=1)
-    got = jax.jit(functools.partial(build_tree, budget=budget, implementation="pallas", interpret=interpret,
-                                    kernel_config=config))(lp, roots)
-    assert_same_tree(got, want)
-
-
 def test_count_sorted_against_numpy():
     """The search's count of a non-increasing list's entries above (strict) or at and above each key, against
-    NumPy's, on lists with runs of equal entries, keys below, between, on and above them, lengths 1 to 513, as a
-    binary search (fanout 2) and wider (up to 63 gathers a step)."""
+    NumPy's, on lists with runs of equal entries, keys below, between, on and above them, lengths 1 to 513."""
     from pallas_kernels._counting import count_sorted
 
     rng = np.random.default_rng(0)
@@ -282,11 +242,9 @@ def test_count_sorted_against_numpy():
         keys = rng.integers(-7, 7, 40).astype(np.int32)
         want = {strict: [np.sum(entries > key) if strict else np.sum(entries >= key) for key in keys]
                 for strict in (True, False)}
-        for fanout in (2, 4, 32, 64):
-            for strict in (True, False):
-                got = count_sorted(lambda m: jnp.asarray(entries)[m], n, jnp.asarray(keys), strict=strict,
-                                   fanout=fanout)
-                np.testing.assert_array_equal(np.asarray(got), want[strict], err_msg=f"n={n} {fanout=} {strict=}")
+        for strict in (True, False):
+            got = count_sorted(lambda m: jnp.asarray(entries)[m], n, jnp.asarray(keys), strict=strict)
+            np.testing.assert_array_equal(np.asarray(got), want[strict], err_msg=f"n={n} {strict=}")
 
 
 def test_budget_above_the_kernel_maximum():
@@ -304,11 +262,8 @@ def test_budget_above_the_kernel_maximum():
     ({"block": 24}, "block=24"), ({"block_rows": 8}, "block_rows=8"),
     ({"prune": 3}, "TreeBuildConfig.prune=3: must be 0, 1 or 2"),
     ({"exact_above": 3}, "TreeBuildConfig.exact_above=3: must be 1 or 2"),
-    ({"search_fanout": 24}, "TreeBuildConfig.search_fanout=24: must be a power of two >= 2"),
-    ({"search_fanout": 128}, "TreeBuildConfig.search_fanout=128: must be at most 64"),
     ({"fuse_above": 2}, "TreeBuildConfig.fuse_above=2: must be 0 or 1"),
-    ({"hoist_pairs": -1}, "TreeBuildConfig.hoist_pairs=-1: must be 0 or 1"),
-    ({"rect_bound": 2}, "TreeBuildConfig.rect_bound=2: must be 0 or 1")])
+    ({"hoist_pairs": -1}, "TreeBuildConfig.hoist_pairs=-1: must be 0 or 1")])
 def test_config_is_validated(knobs: dict, message: str):
     with pytest.raises(ValueError, match=message):
         tb.TreeBuildConfig(**knobs)
