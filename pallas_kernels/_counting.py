@@ -74,7 +74,8 @@ def count_sorted(load, n: int, keys, *, strict: bool):
     """keys [r] int32; load(m [r] int32 in [0, n)) -> the keys at positions m of a list of n sorted non-increasing.
     Per key, the number of the list's entries > it (strict) or >= it: a binary search, ceil(log2(n + 1)) dependent
     gathers instead of n compares per key. (Narrowing the count 16- or 32-fold a step, up to 31 independent gathers
-    each, took 13-19% longer at B = 512 on deep trees on two H100s, 2026-12-06: the scattered gathers cost more than the steps.)"""
+    each, took 13-19% longer at B = 512 on deep trees on two H100s, 2026-12-06: the scattered gathers cost more
+    than the steps saved.)"""
     count = jnp.zeros_like(keys)
     values = n + 1  # the count lies in [count, count + values)
     while values > 1:

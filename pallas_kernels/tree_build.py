@@ -124,8 +124,10 @@ class TreeBuildConfig:
     hoist_pairs: 1 (with prune): the candidate table loaded once, before the depth loop, and each kept candidate's
                 pair (i, j) compacted with it: each depth's gathers start from registers and the places' from the
                 compacted pairs, two dependent loads fewer per depth; 0: the table read at every depth.
-                Both off: on the H200 neither won across budgets (both: 16% faster at B = 31 on deep trees, 4-7%
-                slower at B = 63 and 64; 2026-12-05, docs/performance.md).
+                Both off up to B = 128: on the H200 neither won across budgets there (both: 16% faster at B = 31 on deep
+                trees, 4-7% slower at B = 63 and 64; 2026-12-05, docs/performance.md). hoist_pairs on above 128
+                (`default_config`): 3-5% faster on deep trees at B = 256 and 512 on an H100 (2026-12-06), though at
+                B = 512 its 4096 pairs take the program to 255 registers with 136 bytes of spill (245, none, without).
     """
 
     block: int = 32
@@ -153,15 +155,18 @@ class TreeBuildConfig:
 def default_config(budget: int) -> TreeBuildConfig:
     """The knobs for a budget B: the dataclass's defaults up to B = 128; above it the exact prune (`prune=2`, its
     bisection wherever the other bounds keep more than B: `exact_above=1`), 256-row tiles and the merge by binary
-    search. On the H200 no knob was faster at every budget up to 128 (2026-12-05, docs/performance.md): 64-row tiles
-    (`block_rows`) took 64.4 / 69.6 / 83.8 us against 71.1 / 69.6 / 85.1 at V = 8192, B = 15 / 31 / 63 with deep
-    trees, but 105.8 against 101.0 at V = 151936, B = 64, and the same within 2-4% elsewhere; on an H100 at B = 64
-    256-row tiles took 116.6 against 99.1 us, the merge by search 101.0 (2026-12-06). At B = 512 (V = 151936, top-k
-    included, an H100, 2026-12-06) deep trees took 304.1 us against 486.0 with `prune=2` alone (356.3 with the
-    merge by search alone, 330.3 with the wider tiles too), i.i.d. ones 148.5 against 149.5. A function, as the
-    other kernels have, so that `tools/with_knobs.py` can lay knobs over it for an A/B in whole rounds."""
+    search, with the candidate table held in registers. On the H200 no knob was faster at every budget up to 128
+    (2026-12-05, docs/performance.md): 64-row tiles (`block_rows`) took 64.4 / 69.6 / 83.8 us against 71.1 / 69.6 /
+    85.1 at V = 8192, B = 15 / 31 / 63 with deep trees, but 105.8 against 101.0 at V = 151936, B = 64, and the same
+    within 2-4% elsewhere; on an H100 at B = 64 256-row tiles took 116.6 against 99.1 us, the merge by search 101.0
+    (2026-12-06). At B = 512 (V = 151936, top-k included, an H100, 2026-12-06) deep trees took 304.1 us against
+    486.0 with `prune=2` alone (356.3 with the merge by search alone, 330.3 with the wider tiles too), i.i.d. ones
+    148.5 against 149.5; with the candidate table hoisted (`hoist_pairs`) deep trees 247.2-250.9 against 255.7-260.5
+    us at B = 512 and 161.7-163.9 against 168.8-169.2 at B = 256, i.i.d. ones within 2 us (three A/Bs on an H100,
+    2026-12-06 06:03-06:06). A function, as the other kernels have, so that `tools/with_knobs.py` can lay knobs over
+    it for an A/B in whole rounds."""
     if budget > 128:
-        return TreeBuildConfig(prune=2, exact_above=1, block_rows=256, merge_search=1)
+        return TreeBuildConfig(prune=2, exact_above=1, block_rows=256, merge_search=1, hoist_pairs=1)
     return TreeBuildConfig()
 
 

@@ -47,6 +47,9 @@
 #             builder against the kernel, with the defaults above 128 of 2026-12-06 (gathered top-k, split selection;
 #             wider tiles, merge by search, the bisection above B), then the 8B DDTree rounds at B = 256, 512 with the
 #             kernels and without                                     -> wide_peak{0,20}/, wide_{xla,kernels}/
+#   build_ncu issue 19: Nsight Compute on the tree-build kernel (deep trees, V = 151936, B = $NCU_BUDGETS): its report,
+#             the details page and the source page (warp stall samples per SASS line, with the kernel's Python
+#             lines where the PTX carries them)                      -> ncu_build_b*.ncu-rep, .txt, _source.csv
 #   knobs_rounds  the demo pair's rounds (tools/loop_cost.py) and end to end (the bench, 32 prompts x 128) at the
 #             defaults and with each ';'-separated set of $KNOBS (tools/with_knobs.py items, space-separated)
 #                                                                          -> lc_{0,1,..}.json, demo_{0,1,..}/bench.json
@@ -207,6 +210,27 @@ for step in "$@"; do
         timeout -k 5 "${WIDE_BENCH_LIMIT:-150}" $run -m ddtree_jax.bench --shape qwen3-8b --budgets 256,512 \
           --modes ddtree --repeats 3 --kernels pallas --out "$OUT/wide_$side" 2>&1 | grep -v '^{"mode"' | grep '^|'
         rm -f "$OUT/wide_$side"/bench.{md,png,partial.json}
+      done
+      ;;
+    build_ncu)
+      log "Nsight Compute: the tree-build kernel, deep trees"
+      command -v ncu >/dev/null || { log "no ncu on this machine"; continue; }
+      for b in ${NCU_BUDGETS:-512 64}; do
+        # One launch after two (the probe's compile-time runs), no preallocation (ncu saves and restores device
+        # memory around each replay pass), no CUDA graphs (under them the probe's process segfaulted, 2026-12-06)
+        XLA_FLAGS="--xla_gpu_enable_command_buffer=" XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 \
+          "${NCU_LIMIT:-150}" ncu --kernel-name regex:tree_build \
+          --launch-skip 2 --launch-count 1 --set full -f -o "$OUT/ncu_build_b$b" \
+          python3 tools/topk_probe.py --out /tmp/ncu_probe --vocab 151936 --budgets "$b" --top-k pallas \
+          --tree-build pallas --peak 20 --rounds 2 --passes 2 > /tmp/ncu_build.log 2>&1; echo "rc=$?"
+        grep -E '^\||rror|==ERROR|Segmentation' /tmp/ncu_build.log | tail -4
+        [ -f "$OUT/ncu_build_b$b.ncu-rep" ] || continue
+        ncu -i "$OUT/ncu_build_b$b.ncu-rep" --page details --print-details all > "$OUT/ncu_build_b$b.txt" 2>&1
+        grep -E "Duration|Registers Per|Warp Cycles Per Issued|Issued Warp|Stall" "$OUT/ncu_build_b$b.txt" | head -12
+        ncu -i "$OUT/ncu_build_b$b.ncu-rep" --page source --csv --print-source cuda,sass \
+          > "$OUT/ncu_build_b${b}_source.csv" 2>&1 || ncu -i "$OUT/ncu_build_b$b.ncu-rep" --page source --csv \
+          --print-source sass > "$OUT/ncu_build_b${b}_source.csv" 2>&1
+        head -c 600 "$OUT/ncu_build_b${b}_source.csv"; echo
       done
       ;;
     knobs_rounds)
