@@ -70,26 +70,14 @@ def count_ahead(rows, row_idx, col_ref, lo, hi, *, block: int, num_cols, tie: st
     return jnp.sum(acc, axis=1)
 
 
-def count_sorted(load, n: int, keys, *, strict: bool, samples: int = 0):
-    """keys [r] int32; load(m int32 in [0, n), any shape) -> the keys at positions m of a list of n sorted
-    non-increasing. Per key, the number of the list's entries > it (strict) or >= it: a binary search, ceil(log2(n +
-    1)) dependent gathers instead of n compares per key. samples > 1: its first step compares every key with up to
-    samples - 1 evenly spaced entries at once, one load shared by all keys (a [r, samples] compare in registers),
-    so the binary search continues within one part of about (n + 1) / samples: at n = 512 with 32, one load and five
-    dependent gathers instead of ten. (Narrowing each key's own count 16- or 32-fold a step, up to 31 gathers per key,
-    took 13-19% longer at B = 512 on deep trees on two H100s, 2026-12-06: the scattered gathers cost more than the
-    steps saved.)"""
+def count_sorted(load, n: int, keys, *, strict: bool):
+    """keys [r] int32; load(m [r] int32 in [0, n)) -> the keys at positions m of a list of n sorted non-increasing.
+    Per key, the number of the list's entries > it (strict) or >= it: a binary search, ceil(log2(n + 1)) dependent
+    gathers instead of n compares per key. (Narrowing the count 16- or 32-fold a step, up to 31 independent gathers
+    each, took 13-19% longer at B = 512 on deep trees on two H100s, 2026-12-06: the scattered gathers cost more
+    than the steps saved.)"""
     count = jnp.zeros_like(keys)
     values = n + 1  # the count lies in [count, count + values)
-    if samples > 1 and values > 2:
-        stride = -(-values // samples)
-        # The last entries of the first parts of `stride`; entries past the list are never ahead (the count is at
-        # most n), so the part found is the one after the last probe ahead.
-        pos = stride * (jnp.arange(samples, dtype=jnp.int32) + 1) - 1
-        entry, live = load(jnp.minimum(pos, n - 1)), pos < n
-        ahead = live[None, :] & ((entry[None, :] > keys[:, None]) if strict else (entry[None, :] >= keys[:, None]))
-        count = stride * jnp.sum(ahead.astype(jnp.int32), axis=1)
-        values = stride
     while values > 1:
         stride = -(-values // 2)
         pos = count + stride - 1  # if this entry is ahead, so is every one before it (the list is sorted)

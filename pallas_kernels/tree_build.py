@@ -121,10 +121,6 @@ class TreeBuildConfig:
                 each, where the counting passes compare every kept candidate with all B running entries ([bp,
                 block] tiles over the kept candidates: at B = 512 the deep tree's ~3400 kept candidates against 512
                 entries, twice); 0: those passes.
-    merge_samples: with merge_search, each search's first step over this many evenly spaced entries of the list,
-                one load for all keys and a [rows, merge_samples] compare in registers, before the binary steps
-                (`_counting.count_sorted`'s `samples`): at B = 512 with 32, one load and five dependent gathers per
-                search instead of ten, two searches a depth. 0: the binary search alone. A power of two up to 128.
     hoist_pairs: 1 (with prune): the candidate table loaded once, before the depth loop, and each kept candidate's
                 pair (i, j) compacted with it: each depth's gathers start from registers and the places' from the
                 compacted pairs, two dependent loads fewer per depth; 0: the table read at every depth.
@@ -144,15 +140,11 @@ class TreeBuildConfig:
     running_bound: int = 1
     merge_search: int = 0
     exact_above: int = 2
-    merge_samples: int = 0
 
     def __post_init__(self):
         check_knobs(self, pow2={"block": 16, "block_rows": 16})
         if self.prune not in (0, 1, 2) or isinstance(self.prune, bool):
             raise ValueError(f"TreeBuildConfig.prune={self.prune!r}: must be 0, 1 or 2")
-        if self.merge_samples not in (0, 2, 4, 8, 16, 32, 64, 128) or isinstance(self.merge_samples, bool):
-            raise ValueError(f"TreeBuildConfig.merge_samples={self.merge_samples!r}: must be 0 or a power of two "
-                             "from 2 to 128")
         if self.exact_above not in (1, 2) or isinstance(self.exact_above, bool):
             raise ValueError(f"TreeBuildConfig.exact_above={self.exact_above!r}: must be 1 or 2")
         for name in ("fuse_above", "hoist_pairs", "running_bound", "merge_search"):
@@ -235,7 +227,6 @@ def _tree_build_kernel(
     hoist_pairs: bool,
     running_bound: bool,
     merge_search: bool,
-    merge_samples: int,
     interpret: bool,
 ):
     b_, k_, l_, c_ = budget, k, depth_limit, num_pairs
@@ -390,8 +381,7 @@ def _tree_build_kernel(
                 merged = place + jnp.sum(((run_key[None, :] >= key[:, None]) & in_beam[None, :]).astype(jnp.int32),
                                          axis=1)
             elif merge_search:  # the list is sorted (keys non-increasing)
-                merged = place + count_sorted(lambda m: run_key_ref[prev + m], b_, key, strict=False,
-                                              samples=merge_samples)
+                merged = place + count_sorted(lambda m: run_key_ref[prev + m], b_, key, strict=False)
             else:
                 merged = place + count_ahead(key, row_idx, run_key_ref, lax.div(prev, block_b),
                                              lax.div(prev, block_b) + run_blocks, block=block_b, num_cols=prev + b_,
@@ -410,8 +400,7 @@ def _tree_build_kernel(
         elif merge_search:
             lax.fori_loop(0, blocks(num, block_r), lambda r, _: place_block(r, False), None)
             barrier()  # the beam's rows, best first (-inf past the kept count), for every thread's search
-            place_running(count_sorted(lambda m: total_order_key(score_ref[d, m]), b_, run_key, strict=True,
-                                       samples=merge_samples))
+            place_running(count_sorted(lambda m: total_order_key(score_ref[d, m]), b_, run_key, strict=True))
         else:
             lax.fori_loop(0, blocks(num, block_r), lambda r, _: place_block(r, False), None)
 
@@ -509,7 +498,7 @@ def tree_build_pallas(top_lp, top_tok, root_tokens, *, budget: int, config: Tree
         block_t=min(config.block, tp), prune=config.prune, exact_above=config.exact_above,
         fuse_above=bool(config.fuse_above), hoist_pairs=bool(config.hoist_pairs) and bool(config.prune),
         running_bound=bool(config.running_bound), merge_search=bool(config.merge_search) and not config.fuse_above,
-        merge_samples=config.merge_samples, interpret=interpret)
+        interpret=interpret)
 
     def row(*shape):
         return pl.BlockSpec((None, *shape), lambda i: (i,) + (0,) * len(shape))

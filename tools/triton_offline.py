@@ -194,8 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                     dict(block_rows=256), dict(num_warps=4), dict(block_rows=256, num_warps=4), dict(prune=0),
                     dict(fuse_above=1), dict(fuse_above=1, num_warps=4), dict(hoist_pairs=1),
                     dict(fuse_above=1, hoist_pairs=1), dict(merge_search=1), dict(block_rows=512), dict(block=64),
-                    dict(num_warps=16), dict(merge_search=1, merge_samples=16), dict(merge_search=1, merge_samples=32),
-                    dict(merge_search=1, merge_samples=64))])
+                    dict(num_warps=16))])
             for config in configs:
                 fn = functools.partial(tbk.tree_build_pallas, budget=budget, config=config)
                 jobs.append((f"tree_build B={budget} b={rows}", config, fn, build_args))

@@ -203,16 +203,14 @@ def test_the_bisection_keeps_a_depths_b_best_and_their_ties(interpret: bool):
 
 
 @pytest.mark.parametrize("interpret", INTERPRET)
-@pytest.mark.parametrize("case,running_bound,samples", [(CASES[3], 1, 0), (CASES[3], 0, 16), (CASES[6], 1, 0),
-                                                        (CASES[9], 1, 32), (CASES[10], 1, 8)],
+@pytest.mark.parametrize("case,running_bound", [(CASES[3], 1), (CASES[3], 0), (CASES[6], 1), (CASES[9], 1),
+                                               (CASES[10], 1)],
                          ids=lambda x: str(x) if isinstance(x, Case) else None)
-def test_merge_by_search_gives_the_same_tree(case: Case, running_bound: int, samples: int, interpret: bool):
-    """`merge_search=1` (the running list's merge by binary search over both sorted lists, or after a first step
-    over `merge_samples` shared entries): the same tree on tied inputs at B = 64 (also without the running list's
-    bound, where candidates at or below its last entry are merged too), padded ones, a deep tree at B = 512 and ties
-    at B = 256."""
-    config = dataclasses.replace(tb.default_config(case.budget), merge_search=1, running_bound=running_bound,
-                                 merge_samples=samples)
+def test_merge_by_search_gives_the_same_tree(case: Case, running_bound: int, interpret: bool):
+    """`merge_search=1` (the running list's merge by binary search over both sorted lists):
+    the same tree on tied inputs at B = 64 (also without the running list's bound, where candidates at or below its
+    last entry are merged too), padded ones, a deep tree at B = 512 and ties at B = 256."""
+    config = dataclasses.replace(tb.default_config(case.budget), merge_search=1, running_bound=running_bound)
     assert_knobs_give_the_reference_tree(case, config, interpret)
 
 
@@ -235,8 +233,7 @@ def test_a_best_child_tying_the_running_lists_last_stays_out(knobs: dict, interp
 
 def test_count_sorted_against_numpy():
     """The search's count of a non-increasing list's entries above (strict) or at and above each key, against
-    NumPy's, on lists with runs of equal entries, keys below, between, on and above them, lengths 1 to 513, as a
-    binary search and with a first step over 4 to 64 shared samples."""
+    NumPy's, on lists with runs of equal entries, keys below, between, on and above them, lengths 1 to 513."""
     from pallas_kernels._counting import count_sorted
 
     rng = np.random.default_rng(0)
@@ -245,11 +242,9 @@ def test_count_sorted_against_numpy():
         keys = rng.integers(-7, 7, 40).astype(np.int32)
         want = {strict: [np.sum(entries > key) if strict else np.sum(entries >= key) for key in keys]
                 for strict in (True, False)}
-        for samples in (0, 4, 32, 64):
-            for strict in (True, False):
-                got = count_sorted(lambda m: jnp.asarray(entries)[m], n, jnp.asarray(keys), strict=strict,
-                                   samples=samples)
-                np.testing.assert_array_equal(np.asarray(got), want[strict], err_msg=f"n={n} {samples=} {strict=}")
+        for strict in (True, False):
+            got = count_sorted(lambda m: jnp.asarray(entries)[m], n, jnp.asarray(keys), strict=strict)
+            np.testing.assert_array_equal(np.asarray(got), want[strict], err_msg=f"n={n} {strict=}")
 
 
 def test_budget_above_the_kernel_maximum():
@@ -267,7 +262,6 @@ def test_budget_above_the_kernel_maximum():
     ({"block": 24}, "block=24"), ({"block_rows": 8}, "block_rows=8"),
     ({"prune": 3}, "TreeBuildConfig.prune=3: must be 0, 1 or 2"),
     ({"exact_above": 3}, "TreeBuildConfig.exact_above=3: must be 1 or 2"),
-    ({"merge_samples": 24}, "TreeBuildConfig.merge_samples=24: must be 0 or a power of two from 2 to 128"),
     ({"fuse_above": 2}, "TreeBuildConfig.fuse_above=2: must be 0 or 1"),
     ({"hoist_pairs": -1}, "TreeBuildConfig.hoist_pairs=-1: must be 0 or 1")])
 def test_config_is_validated(knobs: dict, message: str):
