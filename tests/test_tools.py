@@ -28,6 +28,7 @@ import prune_counts  # noqa: E402
 import round_attribution  # noqa: E402
 import topk_probe  # noqa: E402
 import tp_layout  # noqa: E402
+import triton_offline  # noqa: E402
 import w8a8_check  # noqa: E402
 import trace_summary  # noqa: E402
 import with_knobs  # noqa: E402
@@ -387,6 +388,34 @@ def test_auto_counterfactual_rules_and_trajectory(tmp_path, capsys):
     capsys.readouterr()
     assert auto_counterfactual.main(["--costs", "4=1e-3"]) == 2
     assert capsys.readouterr().err.startswith("error: --costs '4=1e-3'")
+
+
+def test_instructions_by_line_counts_each_lines_instructions(tmp_path):
+    """tools/triton_offline.py --by-line: instructions counted under the line comment before them (labels, comments
+    and blank lines not), most first, each line named by the file the IR's locations give it, with its text; a
+    line no location names is shown bare."""
+    source = tmp_path / "kernel.py"
+    source.write_text("def k():\n    a = x + y\n    return a * 2\n")
+    ir_text = (f'#loc = loc(unknown)\n#loc3 = loc("{source}":2:8)\n#loc7 = loc("{source}":3:11 to :16)\n'
+               'module { tt.func @k() { tt.return } }\n')
+    sass = """
+        .text.k:
+        //## File "<unknown>", line 2
+        /*0000*/                   FADD R0, R1, R2 ;
+        /*0010*/              @!P0 FADD R3, R1, R2 ;
+.L_x_0:
+        //## File "<unknown>", line 3
+        /*0020*/                   FMUL R0, R0, 2 ;
+        //## File "<unknown>", line 9
+        /*0030*/                   EXIT ;
+        /*0040*/                   BRA 0x40;
+        /*0050*/                   NOP;
+"""
+    rows = triton_offline.instructions_by_line(sass, ir_text, top=3)
+    assert [count for count, _ in rows] == [3, 2, 1]
+    assert rows[0][1] == "line 9"
+    assert rows[1][1].endswith("kernel.py:2: a = x + y") and rows[2][1].endswith("kernel.py:3: return a * 2")
+    assert triton_offline.instructions_by_line(sass, ir_text, top=1) == rows[:1]
 
 
 def test_prune_counts_against_a_direct_count(capsys):

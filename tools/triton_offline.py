@@ -1,12 +1,14 @@
 """Compile the kernels for sm_90 on a machine without a GPU, and report their resources (a development aid).
 
-    pip install triton            # not a project dependency; 3.9 was used here
-    python tools/triton_offline.py [--quick]
+    pip install triton            # not a project dependency; 3.9 was used here (3.5 reads the same)
+    python tools/triton_offline.py [--quick] [--only TEXT] [--by-line N]
 
 For each kernel at the kernel_check shapes and configs: jax lowers the Pallas kernel to Triton IR (as it
 does on a GPU), the pip `triton` compiles that IR for compute capability 9.0, and `cuobjdump` (shipped
 with triton) reads the cubin's registers, spill stack and shared memory, from which programs per SM
 follow, and counts its F2F conversions (the FP8 streaming matmul's bound, `pallas_kernels.stream_matmul`).
+`--by-line N` adds the N kernel source lines with the most SASS instructions (`nvdisasm`'s line table, static
+counts: where a kernel's instructions are, for a kernel bound by its instruction issue on few multiprocessors).
 This catches Triton compile errors and shared-memory overflows before spending device time;
 XLA's own Triton (inside jaxlib) may still differ in detail, so the GPU run remains the judge.
 Reads a private jax hook (`jax._src.pallas.triton.lowering.lower_jaxpr_to_triton_module`).
@@ -49,9 +51,10 @@ REGS_PER_SM = 65536
 MERGE = ta.TreeAttentionConfig(num_warps=4, num_stages=1)  # the merge kernel's launch settings (tree_attention._merge_partials)
 
 
-def triton_ir(fn, args, which: int = 0) -> str:
+def triton_ir(fn, args, which: int = 0, debug_info: bool = False) -> str:
     """The Triton IR (text) of the `which`-th pallas_call that lowering `fn(*args)` for CUDA produces (the tree
-    attention's first is the attention, its second the merge of its chunks)."""
+    attention's first is the attention, its second the merge of its chunks); with debug_info, each op's source
+    location (`#loc` lines), which the compiled code's line table then carries."""
     from jax._src.pallas.triton import lowering
 
     captured = []
@@ -59,7 +62,7 @@ def triton_ir(fn, args, which: int = 0) -> str:
 
     def capture(*a, **k):
         result = original(*a, **k)
-        captured.append(result.module.operation.get_asm(enable_debug_info=False))
+        captured.append(result.module.operation.get_asm(enable_debug_info=debug_info))
         return result
 
     lowering.lower_jaxpr_to_triton_module = capture
@@ -71,7 +74,38 @@ def triton_ir(fn, args, which: int = 0) -> str:
     return captured[which]
 
 
-def resources(ir_text: str, num_warps: int, num_stages: int) -> dict:
+def instructions_by_line(sass: str, ir_text: str, top: int) -> list[tuple[int, str]]:
+    """The `top` source lines with the most SASS instructions, most first: (count, "file:line: text"), from
+    `nvdisasm -g -c`'s listing (a `//## File ..., line N` comment before the instructions of line N; its file
+    name is lost on the way) and the IR's `#loc` table, which names the files that have an op at line N (every
+    one of them is shown, with its text where the file can be read). Static counts: an instruction inside a loop
+    counts once, whatever its trips."""
+    files_at: dict[int, set[str]] = {}
+    for path, line in re.findall(r'^#loc\d* = loc\("([^"]+)":(\d+):', ir_text, re.M):
+        files_at.setdefault(int(line), set()).add(path)
+    counts: dict[int | None, int] = {}
+    line = None
+    for text in sass.splitlines():
+        found = re.search(r"//## File .*, line (\d+)", text)
+        if found:
+            line = int(found.group(1))
+        elif re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+\S", text):  # an instruction: /*offset*/ [predicate] OPCODE
+            counts[line] = counts.get(line, 0) + 1
+    rows = []
+    for line, count in sorted(counts.items(), key=lambda item: -item[1])[:top]:
+        places = []
+        for path in sorted(files_at.get(line, ())) if line is not None else ():
+            try:
+                with open(path) as f:
+                    source = f.read().splitlines()[line - 1].strip()
+            except (OSError, IndexError):
+                source = ""
+            places.append(f"{os.path.relpath(path)}:{line}: {source}")
+        rows.append((count, " | ".join(places) or f"line {line}"))
+    return rows
+
+
+def resources(ir_text: str, num_warps: int, num_stages: int, by_line: int = 0) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -88,14 +122,20 @@ def resources(ir_text: str, num_warps: int, num_stages: int) -> dict:
         usage = subprocess.run([tool, "-res-usage", cubin], capture_output=True, text=True, check=True).stdout
         sass = subprocess.run([tool, "-sass", cubin], capture_output=True, text=True, check=True).stdout
         ptx = kernel.asm["ptx"]
+        if by_line:
+            disasm = os.path.join(os.path.dirname(tool), "nvdisasm")
+            listing = subprocess.run([disasm, "-g", "-c", cubin], capture_output=True, text=True, check=True).stdout
     smem = int(kernel.metadata.shared)
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     threads = 32 * num_warps
     per_sm = min(SMEM_PER_SM // (smem + 1024), REGS_PER_SM // (-(-regs // 8) * 8 * threads), 64 // num_warps, 32)
-    return dict(smem=smem, regs=regs, spill_stack=stack, programs_per_sm=per_sm, fits=smem <= SMEM_PER_BLOCK,
-                mma=_mma(ptx), conversions=len(re.findall(r"\bF2F\.", sass)),
-                ptx_cvt=len(re.findall(r"\bcvt\.", ptx)))
+    found = dict(smem=smem, regs=regs, spill_stack=stack, programs_per_sm=per_sm, fits=smem <= SMEM_PER_BLOCK,
+                 mma=_mma(ptx), conversions=len(re.findall(r"\bF2F\.", sass)),
+                 ptx_cvt=len(re.findall(r"\bcvt\.", ptx)))
+    if by_line:
+        found["by_line"] = instructions_by_line(listing, ir_text, by_line)
+    return found
 
 
 def dense_streamed_weights(shape_names) -> list[tuple[str, tuple[int, int]]]:
@@ -140,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python tools/triton_offline.py", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="default configs only")
     parser.add_argument("--only", default="", help="only the kernels whose label contains this text")
+    parser.add_argument("--by-line", type=int, default=0, metavar="N",
+                        help="also the N source lines with the most SASS instructions (static counts), per kernel")
     args = parser.parse_args(argv)
     if importlib.util.find_spec("triton") is None:
         print("error: needs the `triton` package (pip install triton)", file=sys.stderr)
@@ -302,7 +344,12 @@ def main(argv: list[str] | None = None) -> int:
             "TreeBuildConfig", "").replace("VocabTopKConfig", "").replace("TreeDeltaRuleConfig", "").replace(
             "StreamMatmulConfig", "")
         try:
-            print(label, resources(triton_ir(fn, fn_args, *which), config.num_warps, config.num_stages), flush=True)
+            found = resources(triton_ir(fn, fn_args, *which, debug_info=bool(args.by_line)), config.num_warps,
+                              config.num_stages, by_line=args.by_line)
+            rows = found.pop("by_line", [])
+            print(label, found, flush=True)
+            for count, place in rows:
+                print(f"  {count:6d}  {place}", flush=True)
         except Exception as exc:  # noqa: BLE001 - report and go on
             print(label, "FAILED", kernel_check.error_text(exc, 400).replace("\n", " | "), flush=True)
     return 0
