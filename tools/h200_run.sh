@@ -48,8 +48,9 @@
 #             wider tiles, merge by search, the bisection above B), then the 8B DDTree rounds at B = 256, 512 with the
 #             kernels and without                                     -> wide_peak{0,20}/, wide_{xla,kernels}/
 #   build_ncu issue 19: Nsight Compute on the tree-build kernel (deep trees, V = 151936, B = $NCU_BUDGETS): its report,
-#             the details page and the source page (warp stall samples per SASS line, with the kernel's Python
-#             lines where the PTX carries them)                      -> ncu_build_b*.ncu-rep, .txt, _source.csv
+#             the details page and the source page (warp stall samples per SASS instruction; XLA's Triton writes no
+#             line table, so match them to source lines offline: tools/triton_offline.py --by-line)
+#                                                                    -> ncu_build_b*.ncu-rep, .txt, _source.csv
 #   knobs_rounds  the demo pair's rounds (tools/loop_cost.py) and end to end (the bench, 32 prompts x 128) at the
 #             defaults and with each ';'-separated set of $KNOBS (tools/with_knobs.py items, space-separated)
 #                                                                          -> lc_{0,1,..}.json, demo_{0,1,..}/bench.json
@@ -227,9 +228,8 @@ for step in "$@"; do
         [ -f "$OUT/ncu_build_b$b.ncu-rep" ] || continue
         ncu -i "$OUT/ncu_build_b$b.ncu-rep" --page details --print-details all > "$OUT/ncu_build_b$b.txt" 2>&1
         grep -E "Duration|Registers Per|Warp Cycles Per Issued|Issued Warp|Stall" "$OUT/ncu_build_b$b.txt" | head -12
-        ncu -i "$OUT/ncu_build_b$b.ncu-rep" --page source --csv --print-source cuda,sass \
-          > "$OUT/ncu_build_b${b}_source.csv" 2>&1 || ncu -i "$OUT/ncu_build_b$b.ncu-rep" --page source --csv \
-          --print-source sass > "$OUT/ncu_build_b${b}_source.csv" 2>&1
+        ncu -i "$OUT/ncu_build_b$b.ncu-rep" --page source --csv --print-source sass \
+          > "$OUT/ncu_build_b${b}_source.csv" 2>&1
         head -c 600 "$OUT/ncu_build_b${b}_source.csv"; echo
       done
       ;;
