@@ -73,7 +73,7 @@
 #             W8A8 smoke (tools/w8a8_check.py), the 8B FP8 W8A8 and bf16 rounds (AR, DFlash, DDTree 15, 64), the build
 #             at B = 64 / 512 (deep and i.i.d. logits, XLA against the kernels), W8A16 AR, the 8B DDTree rounds at
 #             B = 256 / 512 (the K/V-write A/B it ran until 2026-12-05 night: settled, on)
-#                                                               -> w8a8_check.txt, goals.tar (goals/NAME/bench.json), build/
+#                                                               -> w8a8_check.txt, goals.tar (goals/NAME/bench.json, goals/build_peak{20,0}/)
 #   dense_stream  the bf16 8B rounds (AR, DFlash, DDTree 15, 31) with the dense projections of small calls streamed
 #             (layers.DENSE_STREAM_MAX_ROWS: 32, the default since 2026-12-05, and 16), between two runs without (0;
 #             ten repeats each; ~160 s)                                              -> dense_stream.tar (N/bench.json)
@@ -314,9 +314,9 @@ for step in "$@"; do
       for peak in 20 0; do
         [ $(( goals_end - $(date +%s) )) -lt 100 ] && { log "skip build, peak $peak"; continue; }
         log "build B = 64, 512, peak $peak"
-        timeout -k 5 100 python3 tools/topk_probe.py --out "$OUT/build/peak$peak" --vocab 151936 --budgets 64,512 \
-          --top-k threshold,pallas --tree-build reference,pallas --peak "$peak" 2>&1 | grep -E '^\||rror'
-        rm -f "$OUT/build/peak$peak/topk_probe.md"
+        timeout -k 5 100 python3 tools/topk_probe.py --out "$OUT/goals/build_peak$peak" --vocab 151936 \
+          --budgets 64,512 --top-k threshold,pallas --tree-build reference,pallas --peak "$peak" 2>&1 | grep -E '^\||rror'
+        rm -f "$OUT/goals/build_peak$peak/topk_probe.md"  # (inside goals.tar: a call returns 8 files at most)
       done
       goal_bench stream 70 -m ddtree_jax.bench --shape qwen3-8b --weights fp8 --fp8-matmul stream --modes ar \
         --repeats 5 --kernels pallas
