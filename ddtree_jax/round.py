@@ -59,7 +59,8 @@ from pallas_kernels.tree_accept import tree_accept
 # 2026-12-06 (the running list's bound, wider tiles, the merge by binary search, the bisection above B): on an H100,
 # 106 / 260 us at B = 512 for shallow / deep trees against 302 / 318 for XLA's builder, 75 / 168 against 232 / 234
 # at B = 256, and the 8B's DDTree round at B = 256 11.64 against 11.83 ms (B = 512 18.28 against 18.13, within the
-# spread: its tree step 0.24 against 0.53 ms).
+# spread: its tree step 0.24 against 0.53 ms); with the candidate table in registers since, 243.5-254.3 us deep at
+# B = 512 on two more H100s.
 TREE_BUILD_KERNEL_UP_TO = 512
 # Budgets up to which the Pallas kernel takes the vocabulary top-k (`pallas_kernels.vocab_top_k`, lax.top_k's
 # bits): at every K measured it beat XLA's threshold top-k (H100, 2026-12-05: 82 / 120 us against 132 / 160 at
