@@ -25,7 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._dispatch import next_pow2, resolve_implementation, resolve_interpret
+from pallas_kernels._dispatch import kernel_body, next_pow2, resolve_implementation, resolve_interpret
 
 
 def _kernel(starts_ref, path_ref, *refs, arrays: int, s: int, t: int, p: int, width: int):
@@ -63,7 +63,7 @@ def commit_rows_pallas(caches, rows, starts, path=None, *, interpret: bool = Fal
     flat_rows = [r.reshape(b * t, width) for r in rows]
     flat_caches = [c.reshape(b * s, width) for c in caches]
     outs = pl.pallas_call(
-        functools.partial(_kernel, arrays=arrays, s=s, t=t, p=p, width=width),
+        kernel_body(functools.partial(_kernel, arrays=arrays, s=s, t=t, p=p, width=width), interpret),
         grid=(arrays, b, p),
         in_specs=[whole((b,)), whole((b, p))] + [whole((b * t, width))] * arrays + [whole((b * s, width))] * arrays,
         out_specs=[whole((b * s, width))] * arrays,

@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._dispatch import next_pow2, resolve_implementation, resolve_interpret
+from pallas_kernels._dispatch import kernel_body, next_pow2, resolve_implementation, resolve_interpret
 
 
 def _norm_rope(x, x_rot, w, w_rot, cos, sin, *, eps: float, d: int, dtype):
@@ -127,8 +127,9 @@ def qk_norm_rope_pallas(qkv, q_weight, k_weight, cos, sin, k_cache=None, v_cache
         out_specs += [whole(*rows), whole(*rows)]
         out_shape += [jax.ShapeDtypeStruct(rows, k_cache.dtype)] * 2
         operands += [starts.astype(jnp.int32), k_cache.reshape(rows), v_cache.reshape(rows)]
+    kernel = functools.partial(_kernel, eps=float(eps), n=n, g=g, d=d, t=lead[-1] if cached else 1, s=s)
     outs = pl.pallas_call(
-        functools.partial(_kernel, eps=float(eps), n=n, g=g, d=d, t=lead[-1] if cached else 1, s=s),
+        kernel_body(kernel, interpret),
         grid=(r,),
         in_specs=in_specs,
         out_specs=out_specs,

@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._dispatch import check_knobs, next_pow2, resolve_implementation, resolve_interpret
+from pallas_kernels._dispatch import check_knobs, kernel_body, next_pow2, resolve_implementation, resolve_interpret
 from pallas_kernels.stream_matmul import quantize_groups
 
 KINDS = ("qwen3", "zero_centered")  # HF's two RMSNorm scalings (`_scale`)
@@ -118,9 +118,10 @@ def add_rms_norm_pallas(x, delta, weight, *, eps: float, kind: str = "qwen3", qu
         out_specs.append(pl.BlockSpec((None, e // quantize_group), lambda i: (i, 0)))
         out_shape += [jax.ShapeDtypeStruct((r, e), jnp.float8_e4m3fn),
                       jax.ShapeDtypeStruct((r, e // quantize_group), jnp.float32)]
+    kernel = functools.partial(_kernel, eps=float(eps), width=e, padded=max(16, next_pow2(e)), kind=kind,
+                               has_delta=has_delta, group=quantize_group)
     outs = pl.pallas_call(
-        functools.partial(_kernel, eps=float(eps), width=e, padded=max(16, next_pow2(e)), kind=kind,
-                          has_delta=has_delta, group=quantize_group),
+        kernel_body(kernel, interpret),
         grid=(r,),
         in_specs=[row_spec] * (1 + has_delta) + [pl.BlockSpec((e,), lambda i: (0,))],
         out_specs=out_specs,

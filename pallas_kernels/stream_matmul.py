@@ -70,7 +70,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._dispatch import check_knobs, core_count, next_pow2, resolve_implementation, resolve_interpret
+from pallas_kernels._dispatch import (check_knobs, core_count, kernel_body, next_pow2, resolve_implementation,
+                                      resolve_interpret)
 from pallas_kernels._fp8_dot import fp8_dot
 
 
@@ -423,12 +424,13 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
     else:
         out_spec = pl.BlockSpec((None, tg, block_n), lambda i, s, g: (s, g, i))
         out_shape = jax.ShapeDtypeStruct((splits, tp, n), jnp.float32)
+    kernel = functools.partial(_kernel, block_k=config.block_k, steps=ks // config.block_k, precision=precision,
+                               scale_block=None if block is None else tuple(block), row_tiles=row_tiles, rows=t,
+                               fp8_bits=fp8_bits, fp8_rows=fp8_rows, quantize_x=quantize_x, whole_out=whole_out,
+                               asm=not interpret, glu_rows=n if fused_glu else None, prefetch=config.prefetch,
+                               promote_k=config.block_k if config.promote_k is None else config.promote_k)
     out = pl.pallas_call(
-        functools.partial(_kernel, block_k=config.block_k, steps=ks // config.block_k, precision=precision,
-                          scale_block=None if block is None else tuple(block), row_tiles=row_tiles, rows=t,
-                          fp8_bits=fp8_bits, fp8_rows=fp8_rows, quantize_x=quantize_x, whole_out=whole_out,
-                          asm=not interpret, glu_rows=n if fused_glu else None, prefetch=config.prefetch,
-                          promote_k=config.block_k if config.promote_k is None else config.promote_k),
+        kernel_body(kernel, interpret),
         grid=(n // block_n, splits, groups),
         in_specs=in_specs,
         out_specs=out_spec,

@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._dispatch import (cdiv, check_knobs, core_count, next_pow2, resolve_implementation,
+from pallas_kernels._dispatch import (cdiv, check_knobs, core_count, kernel_body, next_pow2, resolve_implementation,
                                       resolve_interpret, round_up)
 
 _NEG_INF = float("-inf")
@@ -145,7 +145,7 @@ def _argmax_partials(logits, *, config: TreeAcceptConfig, interpret: bool, debug
     kernel = functools.partial(_argmax_kernel, block_t=block_t, block_v=lay["block_v"], chunk=lay["chunk"],
                                num_tiles=lay["num_tiles"], num_nodes=t, vocab=v)
     maxes, idxs = pl.pallas_call(
-        kernel,
+        kernel_body(kernel, interpret),
         grid=(b, lay["node_blocks"], num_splits),
         in_specs=[pl.BlockSpec((None, t, v), lambda i, j, k: (i, 0, 0))],
         out_specs=[pl.BlockSpec((None, None, block_t), lambda i, j, k: (k, i, j)),

@@ -37,8 +37,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._dispatch import (cdiv, check_knobs, core_count, next_pow2, resolve_implementation,
-                                      resolve_interpret, round_up)
+from pallas_kernels._dispatch import (cdiv, check_knobs, core_count, kernel_body, next_pow2,
+                                      resolve_implementation, resolve_interpret, round_up)
 
 _NEG_INF = float("-inf")
 _LOG2_E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2 e)
@@ -483,7 +483,7 @@ def _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, n
             lean=config.lean_steps and window is None)  # a window masks inside whole blocks too
     block_q = lay["block_q"]
     o, lse = pl.pallas_call(
-        kernel,
+        kernel_body(kernel, interpret),
         grid=(b, n, lay["row_blocks"], num_splits),
         in_specs=[
             pl.BlockSpec((None, t, hq, dp), lambda i, h, r, c: (i, 0, 0, 0)),  # q (the kernel gathers its rows)
@@ -545,8 +545,10 @@ def _merge_partials(o, lse, lay, out_shape, dtype, *, interpret: bool):
     b, t, hq, d = out_shape
     num_splits, _, n, padded_rows, dp = o.shape
     mr, mc = min(_MERGE_ROWS, padded_rows), min(_MERGE_COLS, dp)  # both powers of two dividing theirs
+    kernel = functools.partial(_merge_kernel, num_splits=num_splits, group=lay["group"], heads=hq, rows=lay["rows"],
+                               d=d)
     out = pl.pallas_call(
-        functools.partial(_merge_kernel, num_splits=num_splits, group=lay["group"], heads=hq, rows=lay["rows"], d=d),
+        kernel_body(kernel, interpret),
         grid=(b, n, padded_rows // mr, dp // mc),
         in_specs=[pl.BlockSpec((num_splits, None, None, mr, mc), lambda i, h, r, c: (0, i, h, r, c)),
                   pl.BlockSpec((num_splits, None, None, mr), lambda i, h, r, c: (0, i, h, r))],

@@ -52,7 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._counting import INT32_MIN, count_ahead, count_sorted, kth_largest, total_order_key
-from pallas_kernels._dispatch import cdiv, check_knobs, next_pow2, resolve_interpret
+from pallas_kernels._dispatch import cdiv, check_knobs, kernel_body, next_pow2, resolve_interpret
 
 MAX_BUDGET = 512  # C = 3280 candidates per depth, 4096 padded (16 per thread of 8 warps): on sm_90 255 registers and
 # 136 bytes of spill with its default config (the candidate table in registers), 245 and none without
@@ -510,7 +510,7 @@ def tree_build_pallas(top_lp, top_tok, root_tokens, *, budget: int, config: Tree
                 ((depth_limit, bp), jnp.int32), ((bp,), jnp.int32), ((cp,), jnp.float32), ((cp,), jnp.int32),
                 ((cp,), jnp.int32), ((2 * bp,), jnp.int32), ((2 * bp,), jnp.int32)]
     outs = pl.pallas_call(
-        kernel,
+        kernel_body(kernel, interpret),
         grid=(b,),
         in_specs=[row(depth_limit, k), row(depth_limit, k), row(1), pl.BlockSpec((2, cp), lambda i: (0, 0))],
         out_specs=[row(*shape) for shape, _ in out_dims],

@@ -60,7 +60,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._dispatch import cdiv, check_knobs, next_pow2, resolve_interpret
+from pallas_kernels._dispatch import cdiv, check_knobs, kernel_body, next_pow2, resolve_interpret
 
 MAX_NODES = 128  # every node's keys, values and mask row fit one program; wider trees stay on the XLA path
 BLOCK = 16  # node rows per block: Triton's smallest matmul side
@@ -508,7 +508,7 @@ def tree_delta_rule_pallas(q, k, v, g, beta, initial_state, visible, *, precisio
         else:
             kernel = functools.partial(_kernel, t=t, precision=matmul_precision, interpret=interpret)
         return tuple(pl.pallas_call(
-            kernel,
+            kernel_body(kernel, interpret),
             grid=(b, h, dv // vb),
             in_specs=[key_spec, key_spec, value_rows, per_node, per_node, mask_spec, state_columns],
             # Every column block of a head writes the same G (the same float operations on the same inputs).
@@ -526,7 +526,7 @@ def tree_delta_rule_pallas(q, k, v, g, beta, initial_state, visible, *, precisio
     width = rows if config.unrolled_chain else next_pow2(rows)
     tile = pl.BlockSpec((None, None, n, n), lambda i, j, r, c: (i, j, r, c))
     a, qk, inv = pl.pallas_call(
-        functools.partial(_tiles_kernel, t=t, precision=matmul_precision),
+        kernel_body(functools.partial(_tiles_kernel, t=t, precision=matmul_precision), interpret),
         grid=(b, h, blocks, width // n),
         in_specs=[key_spec, key_spec, per_node, per_node, mask_spec],
         out_specs=[tile, tile, pl.BlockSpec((None, None, n, n), lambda i, j, r, c: (i, j, r, 0))],
@@ -543,8 +543,8 @@ def tree_delta_rule_pallas(q, k, v, g, beta, initial_state, visible, *, precisio
         terms = (q, k, v, cum, beta32, state32)
         term_specs = [key_spec, key_spec, value_rows, per_node, per_node, state_columns]
     out, v_new = pl.pallas_call(
-        functools.partial(_chain_kernel, t=t, precision=matmul_precision, s0_given=config.s0_in_xla,
-                          unrolled=config.unrolled_chain),
+        kernel_body(functools.partial(_chain_kernel, t=t, precision=matmul_precision, s0_given=config.s0_in_xla,
+                                      unrolled=config.unrolled_chain), interpret),
         grid=(b, h, dv // vb),
         in_specs=term_specs + [per_head(width), per_head(width), per_head(n)],
         out_specs=[value_rows, value_rows],

@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._counting import INT32_MIN, count_ahead, from_total_order_key, kth_largest, total_order_key
-from pallas_kernels._dispatch import cdiv, check_knobs, next_pow2, resolve_interpret
+from pallas_kernels._dispatch import cdiv, check_knobs, kernel_body, next_pow2, resolve_interpret
 
 MAX_K = 512  # the largest budget the tree-build kernel takes (its K = min(B, V)); M = 4 k slots at k >= 128
 
@@ -331,7 +331,7 @@ def vocab_top_k_pallas(x: jax.Array, k: int, *, config: VocabTopKConfig | None =
     x_spec = pl.BlockSpec((None, segment), lambda i, j: (i, j))
 
     cmax = pl.pallas_call(
-        functools.partial(_chunk_max_kernel, n=n, chunk=chunk, segment=segment, step=step),
+        kernel_body(functools.partial(_chunk_max_kernel, n=n, chunk=chunk, segment=segment, step=step), interpret),
         grid=(r, segments), in_specs=[x_spec], out_specs=pl.BlockSpec((None, seg_chunks), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((r, num_chunks), jnp.int32), compiler_params=params, interpret=interpret,
         debug=debug, name="vocab_top_k_chunk_max")(rows)
@@ -339,7 +339,8 @@ def vocab_top_k_pallas(x: jax.Array, k: int, *, config: VocabTopKConfig | None =
     chunks_p = next_pow2(num_chunks)
     if config.threshold_once:
         t = pl.pallas_call(
-            functools.partial(_threshold_kernel, k=k, num_chunks=num_chunks, chunks_p=chunks_p),
+            kernel_body(functools.partial(_threshold_kernel, k=k, num_chunks=num_chunks, chunks_p=chunks_p),
+                        interpret),
             grid=(r,), in_specs=[row(chunks_p)], out_specs=row(1), out_shape=jax.ShapeDtypeStruct((r, 1), jnp.int32),
             compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=1), interpret=interpret,
             debug=debug, name="vocab_top_k_threshold")(cmax)
@@ -349,10 +350,11 @@ def vocab_top_k_pallas(x: jax.Array, k: int, *, config: VocabTopKConfig | None =
     per_segment = jax.ShapeDtypeStruct((r, segments, 1), jnp.int32)
     t_out = 0 if config.threshold_once else 1  # the compact's outputs of t (one per segment)
     hot_out = int(config.skip_cold == 2)  # its scratch list of hot chunks (per segment)
+    compact = functools.partial(_compact_kernel, n=n, k=k, num_chunks=num_chunks, chunks_p=chunks_p, chunk=chunk,
+                                slots=slots, segment=segment, step=step, threshold_given=bool(config.threshold_once),
+                                skip_cold=config.skip_cold, interpret=interpret)
     above_key, above_idx, tie_idx, above_count, tie_count, *t_segments = pl.pallas_call(
-        functools.partial(_compact_kernel, n=n, k=k, num_chunks=num_chunks, chunks_p=chunks_p, chunk=chunk,
-                          slots=slots, segment=segment, step=step, threshold_given=bool(config.threshold_once),
-                          skip_cold=config.skip_cold, interpret=interpret),
+        kernel_body(compact, interpret),
         grid=(r, segments),
         in_specs=[x_spec, pl.BlockSpec((None, chunks_p), lambda i, j: (i, 0)),
                   *[pl.BlockSpec((None, 1), lambda i, j: (i, 0))] * (1 - t_out)],
@@ -374,9 +376,10 @@ def vocab_top_k_pallas(x: jax.Array, k: int, *, config: VocabTopKConfig | None =
 
     scratch = jax.ShapeDtypeStruct((r, programs, slots), jnp.int32)
     scratch_spec = pl.BlockSpec((None, None, slots), lambda i, j=0: (i, j, 0))
+    select = functools.partial(_select_kernel, k=k, slots=slots, segments=segments, block=min(config.block, slots),
+                               block_rows=block_rows, split=bool(config.split_select), interpret=interpret)
     values, indices, count, *_ = pl.pallas_call(
-        functools.partial(_select_kernel, k=k, slots=slots, segments=segments, block=min(config.block, slots),
-                          block_rows=block_rows, split=bool(config.split_select), interpret=interpret),
+        kernel_body(select, interpret),
         grid=(r, programs) if config.split_select else (r,),
         in_specs=[row(segments, slots), row(segments, slots), row(segments, k), row(segments_p), row(segments_p),
                   row(1 if config.threshold_once else segments_p)],

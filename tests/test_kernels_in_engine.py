@@ -107,11 +107,11 @@ def test_hybrid_with_pallas_kernels_under_tp_matches_one_device(hybrid_pair):
 # ---- the default: "auto" kernels (Pallas on a GPU, pure JAX elsewhere)
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="what auto resolves to on a CPU")
 def test_auto_kernels_resolve_to_jax_on_cpu(monkeypatch):
     from ddtree_jax.engine import resolve_options
 
     monkeypatch.delenv(ENV_VAR, raising=False)
-    assert jax.default_backend() == "cpu"
     options = DecodeOptions(mode=Mode.DDTREE)
     assert options.kernels == "auto" and options.runtime == Runtime(Kernels.JAX, None)
     pinned = resolve_options(DecodeOptions(), None)
