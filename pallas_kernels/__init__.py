@@ -19,6 +19,8 @@
   block-scaled FP8 weights: the models' `--fp8-matmul stream`, auto's choice on a GPU; FP8 rows times FP8 weights
   on Hopper's FP8 tensor cores, the rows quantised inside the kernel (`quantize_rows`' rule) or given with their
   scales: `--fp8-matmul w8a8`, through `pallas_kernels._fp8_dot`).
+- `pallas_kernels.launch`: the launch signal every kernel gives at its entry on Hopper (`kernel_body`), so XLA's
+  next kernel is placed while it runs.
 
 A dispatcher runs the kernel on a GPU and the reference elsewhere; `implementation=` or the
 environment variable DDTREE_JAX_KERNELS=pallas|reference overrides (`resolve_implementation`). Kernels

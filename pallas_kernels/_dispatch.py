@@ -14,9 +14,6 @@ from __future__ import annotations
 import os
 
 import jax
-import jax.numpy as jnp
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plt
 
 ENV_VAR = "DDTREE_JAX_KERNELS"
 IMPLEMENTATIONS = ("pallas", "reference")
@@ -90,45 +87,3 @@ def check_knobs(config, *, pow2: dict[str, int], optional_counts: tuple[str, ...
     if not isinstance(config.num_stages, int) or isinstance(config.num_stages, bool) or config.num_stages < 1:
         raise ValueError(f"{owner}.num_stages={config.num_stages!r}: must be an int >= 1")
 
-
-# Programmatic dependent launch (Hopper and later). XLA launches each kernel of a program as a dependent of the
-# kernel before it and puts the wait for that kernel at its entry; without a signal the next kernel is placed on the
-# multiprocessors only once every program of this one has exited. With EARLY_LAUNCH each Pallas kernel signals at
-# its entry (`griddepcontrol.launch_dependents`), so the next kernel's programs are placed while this one runs and
-# wait there. What a kernel reads is still ordered by the wait (XLA's, at its entry): the signal changes when a
-# kernel is placed, never what it reads. Where the next kernel is not launched as a dependent the signal does nothing.
-# H100s, 2026-12-06: the 8B AR step and DFlash round 1.0-1.5% faster, DDTree B = 15 / 64 0.4-0.7%, in every pair.
-EARLY_LAUNCH = True
-_SIGNAL = "griddepcontrol.launch_dependents;\n\tmov.u32 $0, $1;"  # the 0 it is given, through the asm
-
-
-def early_launch_supported() -> bool:
-    """Whether the first device takes the signal: a CUDA GPU of compute capability 9.0 or more (ptxas rejects
-    `griddepcontrol` below sm_90)."""
-    try:
-        device = jax.devices()[0]
-    except RuntimeError:
-        return False
-    if device.platform != "gpu":
-        return False
-    try:
-        return float(getattr(device, "compute_capability", "0")) >= 9.0
-    except ValueError:  # a ROCm device names its architecture (gfx...)
-        return False
-
-
-def kernel_body(body, interpret: bool):
-    """A Pallas kernel's body for `pl.pallas_call`: `body` itself, or (EARLY_LAUNCH, compiled for a GPU that takes
-    it) `body` behind the launch signal. The body runs under `pl.when` on the 0 that the signal's asm passes
-    through, so Triton keeps the asm (it sees no other effect of it) and issues it first."""
-    if not EARLY_LAUNCH or interpret or not early_launch_supported():
-        return body
-
-    def signalled(*refs):
-        (zero,) = plt.elementwise_inline_asm(_SIGNAL, args=[jnp.zeros((1,), jnp.int32)], constraints="=r,r",
-                                             pack=1, result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])
-        pl.when(jnp.max(zero) == 0)(lambda: body(*refs))
-
-    name = getattr(body, "__name__", None) or body.func.__name__  # the kernel's name in traces (a partial's)
-    signalled.__name__ = signalled.__qualname__ = name
-    return signalled

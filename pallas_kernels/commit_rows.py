@@ -25,7 +25,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._dispatch import kernel_body, next_pow2, resolve_implementation, resolve_interpret
+from pallas_kernels._dispatch import next_pow2, resolve_implementation, resolve_interpret
+from pallas_kernels.launch import kernel_body
 
 
 def _kernel(starts_ref, path_ref, *refs, arrays: int, s: int, t: int, p: int, width: int):

@@ -32,7 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._dispatch import check_knobs, kernel_body, next_pow2, resolve_implementation, resolve_interpret
+from pallas_kernels._dispatch import check_knobs, next_pow2, resolve_implementation, resolve_interpret
+from pallas_kernels.launch import kernel_body
 from pallas_kernels.stream_matmul import quantize_groups
 
 KINDS = ("qwen3", "zero_centered")  # HF's two RMSNorm scalings (`_scale`)

@@ -70,9 +70,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._dispatch import (check_knobs, core_count, kernel_body, next_pow2, resolve_implementation,
-                                      resolve_interpret)
+from pallas_kernels._dispatch import check_knobs, core_count, next_pow2, resolve_implementation, resolve_interpret
 from pallas_kernels._fp8_dot import fp8_dot
+from pallas_kernels.launch import kernel_body
 
 
 GROUP_ROWS = 128  # the most rows one program multiplies (its accumulators: block_n x 128 float32)

@@ -37,8 +37,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._dispatch import (cdiv, check_knobs, core_count, kernel_body, next_pow2,
-                                      resolve_implementation, resolve_interpret, round_up)
+from pallas_kernels._dispatch import (cdiv, check_knobs, core_count, next_pow2, resolve_implementation,
+                                      resolve_interpret, round_up)
+from pallas_kernels.launch import kernel_body
 
 _NEG_INF = float("-inf")
 _LOG2_E = 1.4426950408889634  # log2(e): exp(x) = exp2(x * log2 e)

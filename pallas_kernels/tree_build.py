@@ -52,7 +52,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._counting import INT32_MIN, count_ahead, count_sorted, kth_largest, total_order_key
-from pallas_kernels._dispatch import cdiv, check_knobs, kernel_body, next_pow2, resolve_interpret
+from pallas_kernels._dispatch import cdiv, check_knobs, next_pow2, resolve_interpret
+from pallas_kernels.launch import kernel_body
 
 MAX_BUDGET = 512  # C = 3280 candidates per depth, 4096 padded (16 per thread of 8 warps): on sm_90 255 registers and
 # 136 bytes of spill with its default config (the candidate table in registers), 245 and none without

@@ -60,7 +60,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from pallas_kernels._dispatch import cdiv, check_knobs, kernel_body, next_pow2, resolve_interpret
+from pallas_kernels._dispatch import cdiv, check_knobs, next_pow2, resolve_interpret
+from pallas_kernels.launch import kernel_body
 
 MAX_NODES = 128  # every node's keys, values and mask row fit one program; wider trees stay on the XLA path
 BLOCK = 16  # node rows per block: Triton's smallest matmul side

@@ -42,7 +42,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from pallas_kernels._counting import INT32_MIN, count_ahead, from_total_order_key, kth_largest, total_order_key
-from pallas_kernels._dispatch import cdiv, check_knobs, kernel_body, next_pow2, resolve_interpret
+from pallas_kernels._dispatch import cdiv, check_knobs, next_pow2, resolve_interpret
+from pallas_kernels.launch import kernel_body
 
 MAX_K = 512  # the largest budget the tree-build kernel takes (its K = min(B, V)); M = 4 k slots at k >= 128
 

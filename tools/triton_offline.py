@@ -33,8 +33,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import kernel_check  # noqa: E402
-from pallas_kernels import _dispatch  # noqa: E402
 from pallas_kernels import commit_rows as cr  # noqa: E402
+from pallas_kernels import launch as kernel_launch  # noqa: E402
 from pallas_kernels import tree_accept as tac  # noqa: E402
 from pallas_kernels import tree_attention as ta  # noqa: E402
 from pallas_kernels import qk_norm_rope as qk  # noqa: E402
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     if importlib.util.find_spec("triton") is None:
         print("error: needs the `triton` package (pip install triton)", file=sys.stderr)
         return 2
-    _dispatch.early_launch_supported = lambda: True  # compiled for sm_90: with the launch signal, as a GPU runs them
+    kernel_launch.early_launch_supported = lambda: True  # for sm_90: with the launch signal, as a GPU runs them
     shape = kernel_check.FULL
     sds = jax.ShapeDtypeStruct
     b, hq, n, d = (shape[k] for k in ("b", "hq", "n", "d"))

@@ -27,7 +27,7 @@ kernel's `default_config`, which is what the engine uses when it passes no confi
   bf16 projections of calls of more rows than `dense_stream_max_rows`, up to N, streamed with the knobs of
   `dense_stream_wide:...`, `...layers.DENSE_STREAM_WIDE_KNOBS`; 0, off), `w8a8_rows_from_norm`
   (`...layers.W8A8_ROWS_FROM_NORM`: W8A8's rows for q|k|v and gate|up quantised by the norm kernel before them; off),
-  `early_launch` (`pallas_kernels._dispatch.EARLY_LAUNCH`: each Pallas kernel lets the next kernel be launched at
+  `early_launch` (`pallas_kernels.launch.EARLY_LAUNCH`: each Pallas kernel lets the next kernel be launched at
   its entry, Hopper's programmatic dependent launch; on).
 A module path after -m may be a file's (tools/loop_cost.py): it is run as a script then.
 """
@@ -70,7 +70,7 @@ ENGINE = {"tree_kernels_up_to": ("ddtree_jax.round", "TREE_BUILD_KERNEL_UP_TO", 
           "commit_rows_kernel": ("ddtree_jax.round", "COMMIT_ROWS_KERNEL", bool),
           "glu_in_epilogue": ("ddtree_jax.models.layers", "GLU_IN_EPILOGUE", bool),
           "w8a8_rows_from_norm": ("ddtree_jax.models.layers", "W8A8_ROWS_FROM_NORM", bool),
-          "early_launch": ("pallas_kernels._dispatch", "EARLY_LAUNCH", bool)}
+          "early_launch": ("pallas_kernels.launch", "EARLY_LAUNCH", bool)}
 
 
 def parse_knobs(text: str, config_class) -> dict:
