@@ -86,4 +86,3 @@ def check_knobs(config, *, pow2: dict[str, int], optional_counts: tuple[str, ...
         raise ValueError(f"{owner}.num_warps={config.num_warps!r}: must be 1, 2, 4, 8 or 16")
     if not isinstance(config.num_stages, int) or isinstance(config.num_stages, bool) or config.num_stages < 1:
         raise ValueError(f"{owner}.num_stages={config.num_stages!r}: must be an int >= 1")
-
