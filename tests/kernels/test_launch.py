@@ -6,10 +6,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 from pallas_kernels import launch
 from pallas_kernels.rms_norm import add_rms_norm_pallas
+from pallas_kernels.stream_matmul import stream_matmul_pallas
+from pallas_kernels.tree_attention import tree_attention_pallas
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import triton_offline  # noqa: E402
@@ -49,3 +54,34 @@ def test_no_signal_when_interpreted_or_where_the_gpu_lacks_it(monkeypatch):
     monkeypatch.undo()
     assert not launch.early_launch_supported()  # this machine: no GPU
     assert SIGNAL not in _norm_ir()
+
+
+def _with_and_without_signal(monkeypatch) -> dict:
+    """A norm, a streamed projection (one row and 16) and the attention over a cache (16 masked new rows), each
+    compiled and run with the signal and without: {on: [arrays]}."""
+    rng = np.random.default_rng(0)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)  # noqa: E731
+    b, t, s, hq, n, d = 1, 16, 256, 8, 2, 128
+    norm_args = (normal(3, 4096), normal(3, 4096), normal(4096))
+    w = normal(4096, 4096)
+    rows = [normal(1, 4096), normal(16, 4096)]
+    attention_args = (normal(b, t, hq, d), normal(b, s, n, d), normal(b, s, n, d), jnp.array([200], jnp.int32),
+                      normal(b, t, n, d), normal(b, t, n, d), jnp.tril(jnp.ones((t, t), bool))[None],
+                      200 + jnp.arange(t, dtype=jnp.int32)[None])
+    results = {}
+    for on in (True, False):
+        monkeypatch.setattr(launch, "EARLY_LAUNCH", on)
+        jax.clear_caches()  # the kernels are jitted: the signal is decided when they are traced
+        results[on] = [add_rms_norm_pallas(*norm_args, eps=1e-6),
+                       *[stream_matmul_pallas(x, w) for x in rows],
+                       tree_attention_pallas(*attention_args, scale=d ** -0.5)]
+    return {on: [np.asarray(a, np.float32) for a in jax.tree.leaves(r)] for on, r in results.items()}
+
+
+@pytest.mark.gpu
+def test_signalled_kernels_give_the_unsignalled_bits(monkeypatch):
+    if not launch.early_launch_supported():
+        pytest.skip("this GPU does not take the signal (below sm_90)")
+    results = _with_and_without_signal(monkeypatch)
+    for signalled, plain in zip(results[True], results[False], strict=True):
+        np.testing.assert_array_equal(signalled, plain)
