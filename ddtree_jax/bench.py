@@ -68,6 +68,14 @@ def _out_of_memory(e: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
 
 
+def _launch_signal() -> bool:
+    """Whether this run's Pallas kernels signal their dependents at entry (`pallas_kernels.launch`; Hopper GPUs):
+    rows timed before 2026-12-06 08:00 ran without it."""
+    from pallas_kernels import launch
+
+    return bool(launch.EARLY_LAUNCH and launch.early_launch_supported())
+
+
 def run_shape(args, parallel) -> dict:
     import jax
     import jax.numpy as jnp
@@ -176,7 +184,8 @@ def run_shape(args, parallel) -> dict:
         r["round_over_ar_step"] = r["round_s"] / ar["round_s"] if ar and ar["round_s"] > 0 else None
     return {"kind": "shape", "shape": args.shape, "context": args.context, "batch": args.batch,
             "device": str(jax.devices()[0].device_kind), "devices": parallel.size, "parallel": parallel.mode,
-            "jax": jax.__version__, "ceilings": ceilings, "dtype": args.dtype, "weights": args.weights,
+            "jax": jax.__version__, "kernel_launch_signal": _launch_signal(), "ceilings": ceilings, "dtype": args.dtype,
+            "weights": args.weights,
             "matmul_precision": plan_options[0].matmul_precision if plan_options else None,
             "target_bytes": costs.param_bytes(target), "drafter_bytes": costs.param_bytes(drafter),
             "mtp_bytes": costs.param_bytes(head) if head else None, "mtp_steps": args.mtp_steps if head else None,
@@ -325,7 +334,8 @@ def run_checkpoints(args, parallel) -> dict:
         r["speedup_over_ar"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
     return {"kind": "checkpoints", "target": shown_path(args.target), "drafter": shown_path(args.drafter),
             "prompts": len(prompts), "device": str(jax.devices()[0].device_kind), "devices": parallel.size,
-            "parallel": parallel.mode, "jax": jax.__version__, "dtype": args.dtype,
+            "parallel": parallel.mode, "jax": jax.__version__, "kernel_launch_signal": _launch_signal(),
+            "dtype": args.dtype,
             "matmul_precision": resolve_options(options, drafter, dtype).matmul_precision, "rows": rows}
 
 

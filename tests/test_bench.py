@@ -187,6 +187,7 @@ def test_shape_mode_under_tp(tmp_path):
                  "--devices", "2", "--parallel", "tp", "--out", str(out)]) == 0
     report = json.loads((out / "bench.json").read_text())
     assert report["devices"] == 2 and report["parallel"] == "tp" and not report["hybrid"]
+    assert report["kernel_launch_signal"] is False  # a CPU: no Pallas kernel compiled, no signal
     assert [r["mode"] for r in report["rows"]] == ["ar"]
     assert_round_times(report["rows"])
 
