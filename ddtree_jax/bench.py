@@ -68,12 +68,17 @@ def _out_of_memory(e: Exception) -> bool:
     return "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
 
 
-def _launch_signal() -> bool:
-    """Whether this run's Pallas kernels signal their dependents at entry (`pallas_kernels.launch`; Hopper GPUs):
-    rows timed before 2026-12-06 08:00 ran without it."""
+def _run_facts(parallel) -> dict:
+    """What every bench.json records of the machine and software: the device, how many and how they are used,
+    jax's version, and whether the Pallas kernels signal their dependents at entry (`pallas_kernels.launch`;
+    Hopper GPUs; rows timed before 2026-12-06 08:00 ran without it)."""
+    import jax
+
     from pallas_kernels import launch
 
-    return bool(launch.EARLY_LAUNCH and launch.early_launch_supported())
+    signal = bool(launch.EARLY_LAUNCH and launch.early_launch_supported())
+    return {"device": str(jax.devices()[0].device_kind), "devices": parallel.size, "parallel": parallel.mode,
+            "jax": jax.__version__, "kernel_launch_signal": signal}
 
 
 def run_shape(args, parallel) -> dict:
@@ -183,9 +188,7 @@ def run_shape(args, parallel) -> dict:
                   None)
         r["round_over_ar_step"] = r["round_s"] / ar["round_s"] if ar and ar["round_s"] > 0 else None
     return {"kind": "shape", "shape": args.shape, "context": args.context, "batch": args.batch,
-            "device": str(jax.devices()[0].device_kind), "devices": parallel.size, "parallel": parallel.mode,
-            "jax": jax.__version__, "kernel_launch_signal": _launch_signal(), "ceilings": ceilings, "dtype": args.dtype,
-            "weights": args.weights,
+            **_run_facts(parallel), "ceilings": ceilings, "dtype": args.dtype, "weights": args.weights,
             "matmul_precision": plan_options[0].matmul_precision if plan_options else None,
             "target_bytes": costs.param_bytes(target), "drafter_bytes": costs.param_bytes(drafter),
             "mtp_bytes": costs.param_bytes(head) if head else None, "mtp_steps": args.mtp_steps if head else None,
@@ -224,7 +227,6 @@ def costs_of(warm) -> dict:
 
 
 def run_checkpoints(args, parallel) -> dict:
-    import jax
     import jax.numpy as jnp
     from tqdm import tqdm
 
@@ -333,9 +335,7 @@ def run_checkpoints(args, parallel) -> dict:
     for r in rows:
         r["speedup_over_ar"] = r["tokens_per_s"] / rows[0]["tokens_per_s"]
     return {"kind": "checkpoints", "target": shown_path(args.target), "drafter": shown_path(args.drafter),
-            "prompts": len(prompts), "device": str(jax.devices()[0].device_kind), "devices": parallel.size,
-            "parallel": parallel.mode, "jax": jax.__version__, "kernel_launch_signal": _launch_signal(),
-            "dtype": args.dtype,
+            "prompts": len(prompts), **_run_facts(parallel), "dtype": args.dtype,
             "matmul_precision": resolve_options(options, drafter, dtype).matmul_precision, "rows": rows}
 
 

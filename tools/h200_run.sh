@@ -11,8 +11,6 @@
 #   equality  tools/greedy_equality.py in bf16 with the default kernels: random 8B weights, the demo pair
 #   kernels   tools/kernel_check.py (per-layer attention/acceptance timing and checks) -> kernels/
 #   tests     the GPU-marked tests and the greedy DDTree decoding tests, compiled on the GPU
-#   demo      issue 19's demo goal: the shipped demo pair end to end (bench, AR, DFlash, DDTree 15, 31, 63, 32
-#             held-out prompts x 128 tokens)                                                     -> demo/bench.json
 #   hybrid    python -m ddtree_jax.bench --shape qwen3.6-27b                        -> hybrid/
 #   bench_ab  the bench ($AB_SHAPE: qwen3-8b, $AB_MODES, $AB_BUDGETS, pallas) at a baseline tree ($BASELINE, e.g. a `git archive` of an
 #             older commit, carried) and at this one (with $AB_TREE_RULE, the tree rule's knobs as tools/with_tree_rule.py
@@ -164,12 +162,6 @@ for step in "$@"; do
       timeout "${KERNEL_LIMIT:-300}" python3 tools/kernel_check.py --out "$OUT/kernels" ${KERNEL_ARGS:-} \
         > /tmp/kernels.log 2>&1; echo "rc=$?"
       tail -60 /tmp/kernels.log
-      ;;
-    demo)
-      log "demo pair end to end"
-      timeout "${DEMO_LIMIT:-150}" python3 -m ddtree_jax.bench --modes ar,dflash,ddtree --budgets 15,31,63 \
-        --num-prompts 32 --max-new-tokens 128 --out "$OUT/demo" 2>&1 | grep -E '^\||rror'
-      rm -f "$OUT/demo"/bench.{md,png,partial.json}
       ;;
     tests)
       log "GPU tests"
