@@ -16,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 import auto_counterfactual  # noqa: E402
 import auto_projection  # noqa: E402
+import barrier_probe  # noqa: E402
 import bitwise_probe  # noqa: E402
 import gdn_probe  # noqa: E402
 import gpu_probe  # noqa: E402
@@ -569,6 +570,46 @@ def test_l2_probe_smoke_times_every_form(tmp_path):
     assert flags.shape == (5,) and int(flags[0]) == 7 and int(flags[3]) == 3
     quarter = l2_probe.host(chain, w, chase=7, fraction=0.25, interpret=True)  # rows 0-7: programs 1-2, no NaN
     assert quarter.shape == (3,) and int(quarter[0]) == 7 and 3 not in [int(v) for v in quarter]
+
+
+def test_barrier_probe_smoke_times_every_form_and_checks_its_chain(tmp_path):
+    """tools/barrier_probe.py at a tiny shape, interpreted: every form timed, each persistent config's chained result
+    against XLA's (FMAs and tensor cores), and a wrong chain is seen: phases that read the layer's input instead of
+    the last phase's output."""
+    assert barrier_probe.main(["--out", str(tmp_path), "--smoke"]) == 0
+    records = json.loads((tmp_path / "barrier_probe.json").read_text())["records"]
+    assert [r["form"] for r in records] == ["empty", "barriers", "launches"] + ["persistent", "unsynced"] * 2
+    assert all(r["us_per_layer"] >= 0 for r in records)
+    checked = [r["check_rel_error"] for r in records if r["form"] == "persistent"]
+    assert len(checked) == 2 and max(checked) < 1e-2  # the tensor cores' form rounds x to bf16
+    (ws,) = barrier_probe.make_layers(barrier_probe.LAYER_SMOKE, 1, seed=7)
+    x = jax.random.normal(jax.random.PRNGKey(2), (128,), jnp.float32)
+    config = barrier_probe.PersistentConfig(8, 64, 4, 2)
+    unsynced, _ = barrier_probe.persistent_layer(x, jnp.zeros((256,), jnp.float32), ws, jnp.zeros((1,), jnp.int32),
+                                                 config=config, synced=False, interpret=True)
+    want = barrier_probe.chain_reference(x, ws)
+    np.testing.assert_allclose(unsynced[0], want[0], rtol=1e-5, atol=1e-5)  # its first phase reads x, as chained
+    assert np.max(np.abs(np.asarray(unsynced[1]) - np.asarray(want[1]))) > 0.1
+
+
+def test_barrier_probe_compiled_kernel_meets_three_times():
+    """The persistent layer lowered for CUDA on this machine: three barriers between four phases, each one arrival
+    (an acq_rel add of 1) and a poll loop (adds of 0) between CTA barriers; unsynced, none."""
+    import triton_offline
+
+    sds = jax.ShapeDtypeStruct
+    args = [sds((4096,), jnp.float32), sds((12288,), jnp.float32),
+            tuple(sds(s, jnp.bfloat16) for s in barrier_probe.LAYER_8B), sds((1,), jnp.int32)]
+
+    def ir(synced):
+        return triton_offline.triton_ir(
+            lambda x, h, ws, c: barrier_probe.persistent_layer(x, h, ws, c, config=barrier_probe.PersistentConfig(),
+                                                               synced=synced, interpret=False, programs=132), args)
+
+    synced = ir(True)
+    assert synced.count("tt.atomic_rmw add, acq_rel, gpu") == 6 and synced.count("scf.while") == 3
+    assert synced.count("gpu.barrier") == 9  # before each arrival, in each poll, after each barrier
+    assert "atomic_rmw" not in ir(False)
 
 
 def _weight_copies(fn, *args, shape):

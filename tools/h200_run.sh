@@ -103,6 +103,8 @@
 #   stream27b issue 19: the 27B's DFlash round streamed / not, traced: kernels by name and the streamed projections
 #             against the XLA kernels they replace (trace_summary --against)
 #                                                 -> stream27b_{on,off}/, kernels27b_{on,off}.json, against27b.txt
+#   barrier   tools/barrier_probe.py: a layer's four 8B projections in one persistent kernel met at grid barriers,
+#             against a launch each ($BARRIER_CONFIGS: its configs)                              -> barrier/
 # Variables: BENCH_LIMIT, BUDGETS, KERNELS, MODES, REPEATS, KERNEL_LIMIT, KERNEL_ARGS, HYBRID_BUDGETS, HYBRID_MODES
 # (e.g. ar,dflash,mtp,ddtree: the 27B's MTP head beside DFlash and DDTree).
 set -uo pipefail
@@ -627,6 +629,12 @@ fp8_bits=$bits); runpy.run_module('ddtree_jax.bench', run_name='__main__')" --sh
         python3 tools/trace_summary.py "/tmp/traces27b/$side" --top 60 --by-kernel --json > "$OUT/kernels27b_$side.json"
       done
       python3 tools/trace_summary.py /tmp/traces27b/on --against /tmp/traces27b/off --top 40 | tee "$OUT/against27b.txt"
+      ;;
+    barrier)
+      # Would a layer in one persistent kernel (programs met at grid barriers) beat a launch per projection
+      log "barrier probe"
+      timeout -k 5 "${BARRIER_LIMIT:-240}" python3 tools/barrier_probe.py --out "$OUT/barrier" \
+        ${BARRIER_CONFIGS:+--configs "$BARRIER_CONFIGS"} 2>&1 | grep -E '^\||rror'
       ;;
     *)
       echo "unknown step $step"; exit 2 ;;
