@@ -74,14 +74,15 @@ class PersistentConfig:
 def _barrier(count_ref, programs: int) -> None:
     """Every program of the grid waits here until all have arrived (module docstring)."""
     plt.debug_barrier()  # this program's threads have issued their stores
-    arrived = plt.atomic_add(count_ref, 0, jnp.int32(1))
+    arrived = plt.atomic_add(count_ref, 0, jnp.int32(1))  # acq_rel: the stores above are released with it
     target = (arrived // programs + 1) * programs
 
-    def poll(_):
+    def poll(_):  # plain loads of the count from L2 (volatile: never from L1), shared by every poller at once
         plt.debug_barrier()  # every thread has read the last poll's value before the next one overwrites it
-        return plt.atomic_add(count_ref, 0, jnp.int32(0))
+        return plt.load(count_ref.at[pl.ds(0, 1)], volatile=True)[0]
 
     lax.while_loop(lambda seen: seen < target, poll, arrived + 1)
+    plt.atomic_add(count_ref, 0, jnp.int32(0))  # acquire: what the other programs stored is seen after it
     plt.debug_barrier()
 
 
@@ -169,9 +170,13 @@ def persistent_layer(x, h, ws, count, *, config: PersistentConfig, synced: bool 
     return tuple(ys), count
 
 
+PROGRAMS_PER_SM = 1  # resident programs a multiprocessor; more than fit at once would wait at the first barrier forever
+
+
 def _multiprocessors() -> int:
+    """The grid of a persistent kernel: PROGRAMS_PER_SM programs a multiprocessor."""
     count = getattr(jax.devices()[0], "core_count", None)
-    return int(count) if isinstance(count, int) and count > 0 else 132
+    return PROGRAMS_PER_SM * (int(count) if isinstance(count, int) and count > 0 else 132)
 
 
 def chain_reference(x, ws):
@@ -220,16 +225,20 @@ def layer_loop(form: str, layers_ws, *, config: PersistentConfig, interpret: boo
             x, count = carry
             if form == "launches":
                 xb, hb = x.astype(jnp.bfloat16)[None], h.astype(jnp.bfloat16)[None]
+                used = jnp.float32(0)  # every projection's output feeds the carry: none is dead code
                 for ws in layers_ws:
-                    ys = [sm.stream_matmul(hb if i == 3 else xb, w, config=stream_config, implementation="pallas",
-                                           interpret=interpret) for i, w in enumerate(ws)]
-                return x.at[0].add(1e-3 * ys[3][0, 0].astype(jnp.float32)), count
+                    for i, w in enumerate(ws):
+                        y = sm.stream_matmul(hb if i == 3 else xb, w, config=stream_config, implementation="pallas",
+                                             interpret=interpret)
+                        used = used + y[0, 0].astype(jnp.float32)
+                return x.at[0].add(1e-3 * used), count
             if form in ("persistent", "unsynced"):
                 for ws in layers_ws:
                     ys, count = persistent_layer(x, h, ws, count, config=config, synced=form == "persistent",
                                                  interpret=interpret)
                     if form == "persistent":
                         x = ys[3]  # the next layer's input (a layer's output has its input's size)
+                # the count, donated from each kernel to the next, keeps every layer's kernel (none is dead code)
                 return x.at[0].add(1e-3 * ys[3][0]), count
             for _ in layers_ws:  # barriers / empty: the persistent kernel's launch (and barriers) with no weights
                 count = _bare(count, barriers=3 if form == "barriers" else 0, interpret=interpret)
@@ -277,6 +286,7 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default="8x1024x8x3,16x512x8x3,16x256x4x4d,32x256x4x4d",
                    help="comma list of persistent-kernel configs: rows x inputs a step x warps x stages, a trailing "
                         "d for the tensor cores")
+    p.add_argument("--programs-per-sm", type=int, default=1, help="resident programs a multiprocessor (all must fit)")
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--smoke", action="store_true", help="tiny shapes, interpreted (CPU)")
     args = p.parse_args(argv)
@@ -290,6 +300,8 @@ def main(argv=None) -> int:
     if args.smoke:
         shapes, layers, repeats, iterations = LAYER_SMOKE, 2, 1, 2
         configs = [PersistentConfig(8, 64, 4, 2), PersistentConfig(16, 64, 4, 2, dot=True)]
+    global PROGRAMS_PER_SM
+    PROGRAMS_PER_SM = args.programs_per_sm
     interpret = args.smoke or not on_gpu()
     layers_ws = make_layers(shapes, layers)
     records = []
@@ -315,6 +327,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python tools/barrier_probe.py", *(sys.argv[1:] if argv is None else argv)])
     report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "command": command,
+              "programs_per_sm": PROGRAMS_PER_SM,
               "layer_shapes": [list(s) for s in shapes], "layers": layers, "records": records}
     (args.out / "barrier_probe.json").write_text(json.dumps(report, indent=1))
     return 0
