@@ -594,7 +594,8 @@ def test_barrier_probe_smoke_times_every_form_and_checks_its_chain(tmp_path):
 
 def test_barrier_probe_compiled_kernel_meets_three_times():
     """The persistent layer lowered for CUDA on this machine: three barriers between four phases, each one arrival
-    (an acq_rel add of 1) and a poll loop (adds of 0) between CTA barriers; unsynced, none."""
+    (an acq_rel add of 1) and a loop polling by adds of 0 (one value for every thread), between CTA barriers;
+    unsynced, none."""
     import triton_offline
 
     sds = jax.ShapeDtypeStruct

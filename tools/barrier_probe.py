@@ -74,15 +74,17 @@ class PersistentConfig:
 def _barrier(count_ref, programs: int) -> None:
     """Every program of the grid waits here until all have arrived (module docstring)."""
     plt.debug_barrier()  # this program's threads have issued their stores
-    arrived = plt.atomic_add(count_ref, 0, jnp.int32(1))  # acq_rel: the stores above are released with it
+    arrived = plt.atomic_add(count_ref, 0, jnp.int32(1))  # acq_rel: releases the stores above
     target = (arrived // programs + 1) * programs
 
-    def poll(_):  # plain loads of the count from L2 (volatile: never from L1), shared by every poller at once
+    def poll(_):  # an atomic read: its value comes to thread 0 and is shared with every thread of the program
         plt.debug_barrier()  # every thread has read the last poll's value before the next one overwrites it
-        return plt.load(count_ref.at[pl.ds(0, 1)], volatile=True)[0]
+        return plt.atomic_add(count_ref, 0, jnp.int32(0))
 
+    # Not a volatile load by each thread: warps reading different counts could leave the loop on different polls and
+    # then meet at different CTA barriers (the probe's second GPU run, which polled so, never finished its first
+    # persistent row). The atomic's value is the same for every thread.
     lax.while_loop(lambda seen: seen < target, poll, arrived + 1)
-    plt.atomic_add(count_ref, 0, jnp.int32(0))  # acquire: what the other programs stored is seen after it
     plt.debug_barrier()
 
 
@@ -305,14 +307,22 @@ def main(argv=None) -> int:
     interpret = args.smoke or not on_gpu()
     layers_ws = make_layers(shapes, layers)
     records = []
+    command = " ".join(["python tools/barrier_probe.py", *(sys.argv[1:] if argv is None else argv)])
+    args.out.mkdir(parents=True, exist_ok=True)
     print("| form | config | us per layer | GB/s | chained result, max rel. error |")
     print("|---|---|---|---|---|")
 
-    def emit(r):
+    def emit(r):  # the report rewritten after each row (temporary file, then rename): a cut run keeps its rows
         records.append(r)
         gbs = f"{r['gb_per_s']:.0f}" if r.get("gb_per_s") else ""
         err = f"{r['check_rel_error']:.1e}" if "check_rel_error" in r else ""
         print(f"| {r['form']} | {r.get('config', '')} | {r['us_per_layer']:.2f} | {gbs} | {err} |", flush=True)
+        report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "command": command,
+                  "programs_per_sm": PROGRAMS_PER_SM, "layer_shapes": [list(s) for s in shapes], "layers": layers,
+                  "records": records}
+        partial = args.out / "barrier_probe.json.partial"
+        partial.write_text(json.dumps(report, indent=1))
+        partial.replace(args.out / "barrier_probe.json")
 
     for form in ("empty", "barriers", "launches"):
         emit(measure(form, layers_ws, shapes, config=configs[0], repeats=repeats, iterations=iterations,
@@ -324,12 +334,6 @@ def main(argv=None) -> int:
             if form == "persistent":
                 r["check_rel_error"] = check_chain(config, shapes, interpret=interpret)
             emit(r)
-    args.out.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["python tools/barrier_probe.py", *(sys.argv[1:] if argv is None else argv)])
-    report = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "command": command,
-              "programs_per_sm": PROGRAMS_PER_SM,
-              "layer_shapes": [list(s) for s in shapes], "layers": layers, "records": records}
-    (args.out / "barrier_probe.json").write_text(json.dumps(report, indent=1))
     return 0
 
 

@@ -167,7 +167,7 @@ for step in "$@"; do
       ;;
     tests)
       log "GPU tests"
-      timeout "${TESTS_LIMIT:-330}" python3 -m pytest -q -o addopts=-ra -p no:cacheprovider -m gpu tests --ignore=tests/test_notebooks.py 2>&1 | tail -15
+      timeout "${TESTS_LIMIT:-420}" python3 -m pytest -q -o addopts=-ra -p no:cacheprovider -m gpu tests --ignore=tests/test_notebooks.py 2>&1 | tail -15
       timeout 150 python3 -m pytest -q -x -o addopts=-ra -p no:cacheprovider tests/test_ddtree_decoding.py \
         -k "greedy or transfers" 2>&1 | tail -5
       ;;
