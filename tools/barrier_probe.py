@@ -1,11 +1,11 @@
 """Would a layer's projections run faster in one persistent kernel, its phases met at grid barriers, than a launch each?
 
-    PYTHONPATH=. python tools/barrier_probe.py --out DIR [--layers 8] [--configs 8x1024x8x3,...] [--smoke]
+    PYTHONPATH=. python tools/barrier_probe.py --out DIR [--layers 2] [--configs 16x256x4x4d,...] [--smoke]
 
 What stands between the 8B AR step and its floor is fixed cost per kernel: ~13 launches a layer, each filling and
-draining its pipeline, each waiting for every program of the one before (docs/performance.md). The lever left is
-fewer boundaries: a layer in one kernel whose programs stay resident and meet at grid barriers (an arrival count in
-global memory). Before building that, this probe measures what the form costs at the Qwen3-8B AR shapes (one row,
+draining its pipeline, each waiting for every program of the one before (docs/performance.md). The form left to try
+was fewer boundaries: a layer in one kernel whose programs stay resident and meet at grid barriers (an arrival count
+in global memory). Before building that, this probe measures what the form costs at the Qwen3-8B AR shapes (one row,
 bf16 weights: q|k|v 6144 x 4096, o_proj 4096 x 4096, gate|up 24576 x 4096, down_proj 4096 x 12288; 386 MB a layer),
 microseconds per layer over `--layers` distinct layers in one device loop (`measure.timing.in_loop_seconds`):
 
@@ -25,6 +25,7 @@ by atomic adds of 0 until then, `bar.sync` again. P programs must all be residen
 count, one program each. The count only grows (int32: ~16M barriers, enough for a probe; an engine would reset it).
 `--smoke` runs tiny shapes interpreted on a CPU, the phases as separate kernels (interpreted programs run one after
 another, so a barrier would wait forever).
+Measured on an H100 (2026-12-06, docs/performance.md): a barrier costs what a kernel boundary costs (2.6-2.9 us).
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def persistent_layer(x, h, ws, count, *, config: PersistentConfig, synced: bool 
     ws four bf16 [n_i, k_i], count int32 [1] (donated through) -> ((y_0, ..., y_3) float32, count)."""
     if programs is None:
         programs = 4 if interpret else _multiprocessors()
-    for (n, _), in_k in zip([w.shape for w in ws], [w.shape[1] for w in ws]):
+    for n, in_k in (w.shape for w in ws):
         if n % config.block_n or in_k % min(config.block_k, in_k):
             raise ValueError(f"{config.label()}: block_n must divide every weight's rows and block_k its inputs")
     out_shape = [jax.ShapeDtypeStruct((w.shape[0],), jnp.float32) for w in ws] + [count]
@@ -164,7 +165,7 @@ def persistent_layer(x, h, ws, count, *, config: PersistentConfig, synced: bool 
         *ys, count = call((0, 1, 2, 3), (x, h, *ws, count))
         return tuple(ys), count
     ys = []
-    for i in range(4):  # each phase its own kernel: y_i from it, the others' outputs taken from the last call
+    for i in range(4):  # each phase its own kernel; only its own output y_i is kept from each call
         source = x if i == 0 or not synced else ys[-1][: ws[i].shape[1]]  # a compiled phase reads these in place
         outs = call((i,), (source, h, *ws, count))
         ys.append(outs[i])
