@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +77,13 @@ from pallas_kernels.launch import kernel_body
 
 
 GROUP_ROWS = 128  # the most rows one program multiplies (its accumulators: block_n x 128 float32)
+
+# The partial sums of more than one split added by a small Pallas kernel of their own (`_sum_splits`: the same adds in
+# split order, the same bits), not by the XLA fusion after the streaming kernel. Every Pallas kernel signals its
+# dependents at its entry (`pallas_kernels.launch`) and XLA's fusions do not, so a fusion's successor is placed on
+# the multiprocessors only once the fusion has ended: at the 8B AR step three of a layer's four XLA kernels are these
+# sums. Off until timed on a GPU (`python tools/with_knobs.py engine:split_sums_kernel=1 -m ddtree_jax.bench ...`).
+SPLIT_SUMS_KERNEL = False
 
 
 def fp8_row_scales(amax: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -443,10 +451,48 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
     )(*operands)
     if whole_out:
         return out
+    if SPLIT_SUMS_KERNEL:
+        return _sum_splits(out, t, row_tiles, out_dtype, interpret=interpret)
     total = out[0]  # out [splits, tp, n]: added in split order in float32 (the same bits every call), rounded once
     for part in range(1, splits):
         total = total + out[part]
     return total[:t].astype(out_dtype)
+
+
+def _sum_splits_kernel(partial_ref, out_ref, *, splits: int, tiles: tuple[tuple[int, int], ...], rows: int):
+    # partial_ref [splits, tp, block] float32: every split's partial sums of these columns, rows in the streaming
+    # kernel's tiles (`tiles`: (first row, rows) of each, powers of two, the ones that hold rows < `rows`); out_ref
+    # [rows, block] in the result's dtype. Added in split order in float32, rounded once: the XLA epilogue's
+    # arithmetic.
+    for start, size in tiles:
+        row_ok = start + jnp.arange(size, dtype=jnp.int32) < rows
+        mask = jnp.broadcast_to(row_ok[:, None], (size, out_ref.shape[1]))  # padding rows: neither read nor written
+        rows_at = pl.ds(jnp.int32(start), size)  # (a traced start: a last tile may reach past out_ref's rows, masked)
+        total = plt.load(partial_ref.at[jnp.int32(0), rows_at, :], mask=mask, other=0.0)
+        for part in range(1, splits):
+            total = total + plt.load(partial_ref.at[jnp.int32(part), rows_at, :], mask=mask, other=0.0)
+        plt.store(out_ref.at[rows_at, :], total.astype(out_ref.dtype), mask=mask)
+
+
+def _sum_splits(partials: jax.Array, t: int, row_tiles: tuple[int, ...], out_dtype, *, interpret: bool) -> jax.Array:
+    """partials [splits, tp, n] float32 (each group of rows in `row_tiles`; rows past t padding) -> [t, n] in
+    out_dtype: their sum in split order, in a Pallas kernel of its own (`SPLIT_SUMS_KERNEL`), one program per block
+    of columns."""
+    splits, tp, n = partials.shape
+    block = math.gcd(n, 4096 // max(row_tiles))  # a [tile, block] float32 sum in at most 32 registers a thread
+    starts = [sum(row_tiles[:i]) for i in range(len(row_tiles))]
+    tiles = tuple((g + start, size) for g in range(0, tp, sum(row_tiles)) for start, size in zip(starts, row_tiles)
+                  if g + start < t)
+    return pl.pallas_call(
+        kernel_body(functools.partial(_sum_splits_kernel, splits=splits, tiles=tiles, rows=t), interpret),
+        grid=(n // block,),
+        in_specs=[pl.BlockSpec((splits, tp, block), lambda j: (0, 0, j))],
+        out_specs=pl.BlockSpec((t, block), lambda j: (0, j)),
+        out_shape=jax.ShapeDtypeStruct((t, n), out_dtype),
+        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret,
+        name="stream_matmul_split_sums",
+    )(partials)
 
 
 def stream_matmul(x, w, scale_inv=None, *, block: tuple[int, int] | None = None, x_scale=None,

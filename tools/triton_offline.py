@@ -177,6 +177,17 @@ def _mma(ptx: str) -> str:
     return f"mma.sync {found.group(1)}" if found else "none"
 
 
+def _with_split_sums_kernel(fn):
+    """fn traced with `stream_matmul.SPLIT_SUMS_KERNEL` on (read when the kernel's program is traced)."""
+    def traced(*args):
+        smm.SPLIT_SUMS_KERNEL, before = True, smm.SPLIT_SUMS_KERNEL
+        try:
+            return fn(*args)
+        finally:
+            smm.SPLIT_SUMS_KERNEL = before
+    return traced
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python tools/triton_offline.py", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="default configs only")
@@ -298,6 +309,11 @@ def main(argv: list[str] | None = None) -> int:
                 jobs.append((f"stream_matmul dense glu {label} {w[0]}x{w[1]} rows={rows}", glu,
                              functools.partial(smm.stream_matmul_pallas, config=glu, glu=True),
                              [sds((rows, w[1]), jnp.bfloat16), sds(w, jnp.bfloat16)]))
+    for rows in (1, 17, 32, 65):  # the split sums' own kernel (`SPLIT_SUMS_KERNEL`), the second launch
+        config = smm.StreamMatmulConfig(splits=4)
+        jobs.append((f"stream_matmul split sums rows={rows}", types.SimpleNamespace(num_warps=4, num_stages=1),
+                     _with_split_sums_kernel(functools.partial(smm.stream_matmul_pallas, config=config)),
+                     [sds((rows, 4096), jnp.bfloat16), sds((6144, 4096), jnp.bfloat16)], 1))
     arrays = 72  # every layer's K and V at the Qwen3-8B shape: a round's kept rows in one launch
     commit = types.SimpleNamespace(num_warps=1, num_stages=1)
     jobs.append((f"commit_rows arrays={arrays} P=16", commit,

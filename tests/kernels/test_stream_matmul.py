@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import ml_dtypes
 import numpy as np
 import jax.numpy as jnp
@@ -54,6 +55,32 @@ def test_a_row_gets_the_same_bits_in_every_call_under_row_tile(interpret):
     for start, rows in ((0, 1), (140, 1), (130, 17)):
         part = sm.stream_matmul_pallas(x[start:start + rows], w, config=config, interpret=interpret)
         np.testing.assert_array_equal(np.asarray(part, np.float32), whole[start:start + rows])
+
+
+# (t, n, k, dtype, config) with more than one split: one row, 17 rows (a tile of 32), a tree of 65 (64 + 16), rows
+# past one group (tiles of 16)
+SPLIT_SUM_CASES = [(1, 64, 256, "bfloat16", sm.StreamMatmulConfig(block_n=32, block_k=64, splits=2)),
+                   (17, 128, 384, "bfloat16", sm.StreamMatmulConfig(block_n=64, block_k=64, splits=3)),
+                   (65, 64, 512, "float32", sm.StreamMatmulConfig(block_n=16, block_k=128, splits=4)),
+                   (150, 32, 128, "bfloat16", sm.StreamMatmulConfig(block_n=16, block_k=32, splits=2, row_tile=16))]
+
+
+@pytest.mark.parametrize("interpret", INTERPRET)
+def test_split_sums_kernel_gives_the_epilogue_bits(monkeypatch, interpret):
+    """`SPLIT_SUMS_KERNEL`: the partial sums added by a Pallas kernel of their own give the bits of XLA's epilogue
+    (the same adds in split order), and the kernel is really there (two pallas_calls against one)."""
+    for t, n, k, dtype, config in SPLIT_SUM_CASES:
+        x, w = _inputs(t, n, k, dtype, seed=t + k)
+        got, calls = {}, {}
+        for on in (False, True):
+            monkeypatch.setattr(sm, "SPLIT_SUMS_KERNEL", on)
+            jax.clear_caches()  # the knob is read when the kernel's program is traced
+            calls[on] = str(jax.make_jaxpr(lambda x, w: sm.stream_matmul_pallas(x, w, config=config,
+                                                                                 interpret=interpret))(x, w))
+            got[on] = np.asarray(sm.stream_matmul_pallas(x, w, config=config, interpret=interpret), np.float32)
+        assert calls[False].count("pallas_call[") == 1 and calls[True].count("pallas_call[") == 2
+        assert got[True].shape == (t, n)
+        np.testing.assert_array_equal(got[True], got[False])
 
 
 def test_row_tiles():
