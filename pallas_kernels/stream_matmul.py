@@ -9,9 +9,9 @@ TB/s for 65 (docs/performance.md). Here every row count runs the same streaming 
   weight tile by x^T's rows in power-of-two tiles >= 16 (65 rows as 64 + 16: padding to one power of two
   would multiply 128; 17 as one tile of 32, not 16 + 16) into float32 [block_n, tile] accumulators;
 - the `splits` partial sums are added in a fixed order outside the kernel (split order, in float32, then one
-  rounding; by XLA, or by a small Pallas kernel with `SPLIT_SUMS_KERNEL`), so that small matrices still give every streaming multiprocessor work (`splits` defaults to about
-  two programs per multiprocessor); with one split the kernel writes y itself ([t, n] in its dtype: no XLA
-  epilogue);
+  rounding; by XLA, or by a small Pallas kernel with `SPLIT_SUMS_KERNEL`), so that small matrices still give every
+  streaming multiprocessor work (`splits` defaults to about two programs per multiprocessor); with one split the
+  kernel writes y itself ([t, n] in its dtype: no XLA epilogue);
 - more than GROUP_ROWS rows (a batch of trees under `Runtime.row_invariant`) go in groups of GROUP_ROWS, a grid
   axis: each group's programs stream the weight again (from L2 where its tiles are still there), and a row's
   arithmetic is the same in every group;
