@@ -28,6 +28,6 @@ import nothing from the application. Submodules are not imported here, so import
 cheap. GPU checks and timing live outside the package, in `tools/kernel_check.py`.
 """
 
-from pallas_kernels._dispatch import ENV_VAR, on_gpu, resolve_implementation
+from pallas_kernels._dispatch import ENV_VAR, core_count, on_gpu, resolve_implementation
 
-__all__ = ["ENV_VAR", "on_gpu", "resolve_implementation"]
+__all__ = ["ENV_VAR", "core_count", "on_gpu", "resolve_implementation"]

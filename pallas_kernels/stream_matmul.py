@@ -214,6 +214,11 @@ def _fp8_tile_as_bf16(w: jax.Array, asm: bool) -> jax.Array:
     return lax.bitcast_convert_type(((h >> 3) & 0x0FFF) | (h & 0x8000), jnp.bfloat16)
 
 
+def _tile_starts(row_tiles: tuple[int, ...]) -> list[int]:
+    """The first row of each row tile inside a group: (64, 16) -> [0, 64]."""
+    return [sum(row_tiles[:i]) for i in range(len(row_tiles))]
+
+
 def _row_tiles(t: int, row_tile: int | None = None) -> tuple[int, ...]:
     """t rows as row tiles that are powers of two >= 16, largest first, a rest of 17-32 rows in one tile of 32:
     65 -> (64, 16), 17 -> (32,), 49 -> (32, 32), 128 -> (128,). Padding t to one power of two would multiply 65
@@ -262,7 +267,7 @@ def _kernel(x_ref, w_ref, *refs, block_k: int, steps: int, precision, scale_bloc
         weight_scale_rows = [(j * (glu_rows or 0) + pl.program_id(0) * block_n) // scale_block[0]
                              for j in range(len(w_refs))]
         first_col = pl.program_id(1) * steps * block_k
-    starts = [sum(row_tiles[:i]) for i in range(len(row_tiles))]
+    starts = _tile_starts(row_tiles)
     group_row = pl.program_id(2) * sum(row_tiles)  # this group's first row in x_ref and xs_ref
     split_col = pl.program_id(1) * steps * block_k  # this split's first column of x_ref
 
@@ -480,7 +485,7 @@ def _sum_splits(partials: jax.Array, t: int, row_tiles: tuple[int, ...], out_dty
     of columns."""
     splits, tp, n = partials.shape
     block = math.gcd(n, 4096 // max(row_tiles))  # a [tile, block] float32 sum in at most 32 registers a thread
-    starts = [sum(row_tiles[:i]) for i in range(len(row_tiles))]
+    starts = _tile_starts(row_tiles)
     tiles = tuple((g + start, size) for g in range(0, tp, sum(row_tiles)) for start, size in zip(starts, row_tiles)
                   if g + start < t)
     return pl.pallas_call(

@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from ddtree_jax.measure.timing import in_loop_seconds
-from pallas_kernels import on_gpu
+from pallas_kernels import core_count, on_gpu
 from pallas_kernels import stream_matmul as sm
 
 # [out, in] of a Qwen3-8B layer's projections in the order a layer runs them; each phase reads the first `in`
@@ -178,8 +178,7 @@ PROGRAMS_PER_SM = 1  # resident programs a multiprocessor; more than fit at once
 
 def _multiprocessors() -> int:
     """The grid of a persistent kernel: PROGRAMS_PER_SM programs a multiprocessor."""
-    count = getattr(jax.devices()[0], "core_count", None)
-    return PROGRAMS_PER_SM * (int(count) if isinstance(count, int) and count > 0 else 132)
+    return PROGRAMS_PER_SM * core_count()
 
 
 def chain_reference(x, ws):
