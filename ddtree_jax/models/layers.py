@@ -121,6 +121,17 @@ GLU_IN_EPILOGUE = False
 # 5.83); not yet timed on an H200.
 W8A8_ROWS_FROM_NORM = False
 
+# W8A8's rows of a streamed call of more than this many rows quantised once, first (`fp8.quantize_rows`, an XLA
+# fusion), and streamed as given (`x_scale`), not inside the streaming kernel (`quantize_x`: every program quantises
+# each step's row tile itself, a reduction across the tile's columns per row); 0: inside the kernel at any row
+# count. The same bits either way (tests/kernels/test_stream_matmul.py). At 65 rows the in-kernel form took 12 layers'
+# packed W8A8 projections 2.66 ms against 1.14 at 16 rows on an H100 (2026-12-05,
+# docs/data/matmul_probe_h100_2026-12-05_w8a8_splits.json), and the FP8 B = 64 round is slower than bf16's; the
+# rows quantised first are not yet timed there (`python tools/gpu_probe.py --forms
+# stream_w8a8_fused,stream_w8a8_apart_fused --tokens 16,65 ...`, then `python tools/with_knobs.py
+# engine:w8a8_quantize_first_above=32 -m ddtree_jax.bench ...`).
+W8A8_QUANTIZE_FIRST_ABOVE = 0
+
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["codes", "scales"], meta_fields=["dtype"])
 @dataclasses.dataclass(frozen=True)
@@ -270,7 +281,8 @@ def fp8_linear(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, block: tup
         quantize_x, dtype = False, x.dtype
         rows_x, x_scale = x.codes.reshape(rows, x.shape[-1]), x.scales.reshape(rows, -1)
     else:
-        quantize_x = w8a8 and config is not None and config.block_k == block[1]
+        quantize_x = (w8a8 and config is not None and config.block_k == block[1]
+                      and not 0 < W8A8_QUANTIZE_FIRST_ABOVE < rows)
         dtype, rows_x, x_scale = x.dtype, x.reshape(rows, x.shape[-1]), None
         if w8a8 and not quantize_x:
             rows_x, x_scale = fp8.quantize_rows(rows_x, block[1])

@@ -176,17 +176,25 @@ def _quantised_rows(x: np.ndarray, group: int) -> np.ndarray:
     return (codes * p).reshape(x.shape)
 
 
-@pytest.mark.parametrize("block,rows,runtime,streams,outside", [
-    ((16, 32), (2, 3), W8A8, True, False),  # the kernel quantising its rows itself (a step is one group), interpreted
-    ((16, 96), (2, 3), W8A8, True, True),  # groups of 96 span three 32-feature steps: quantised first, then streamed
-    ((16, 32), (2, 3), Runtime(Kernels.JAX, fp8_matmul=Fp8Matmul.W8A8), False, False),  # its jnp reference
-    ((16, 32), (1, STREAM_MAX_ROWS + 1), W8A8, False, True),  # a prefill's rows: quantised, dequantised, XLA's einsum
-], ids=["w8a8", "w8a8-quantised-first", "w8a8-reference", "w8a8-many-rows"])
-def test_w8a8_linear_quantises_each_row_then_multiplies(block, rows, runtime, streams, outside):
+@pytest.mark.parametrize("block,rows,runtime,streams,outside,first_above", [
+    ((16, 32), (2, 3), W8A8, True, False, 0),  # the kernel quantises its rows itself (a step is one group), interpreted
+    ((16, 32), (2, 3), W8A8, True, True, 5),  # 6 rows > `W8A8_QUANTIZE_FIRST_ABOVE`: quantised first, then streamed
+    ((16, 32), (2, 3), W8A8, True, False, 6),  # ... but not 6 rows at 6
+    ((16, 96), (2, 3), W8A8, True, True, 0),  # groups of 96 span three 32-feature steps: quantised first, streamed
+    ((16, 32), (2, 3), Runtime(Kernels.JAX, fp8_matmul=Fp8Matmul.W8A8), False, False, 0),  # its jnp reference
+    ((16, 32), (1, STREAM_MAX_ROWS + 1), W8A8, False, True, 0),  # a prefill's rows: quantised, dequantised, XLA's
+], ids=["w8a8", "w8a8-first-above", "w8a8-first-above-not", "w8a8-quantised-first", "w8a8-reference",
+        "w8a8-many-rows"])
+def test_w8a8_linear_quantises_each_row_then_multiplies(block, rows, runtime, streams, outside, first_above,
+                                                         monkeypatch):
     """Under `Fp8Matmul.W8A8` every path gives the float64 product of each row's FP8 quantisation (NumPy,
     `_quantised_rows`, per group of the weight block's input size) with the dequantised weight; not the unquantised
-    rows' product (what "stream" gives). The quantisation runs inside the kernel where a step is one group, else
-    in XLA before it (a reduction outside the kernel)."""
+    rows' product (what "stream" gives). The quantisation runs inside the kernel where a step is one group and the
+    call has at most `layers.W8A8_QUANTIZE_FIRST_ABOVE` rows (0: any), else in XLA before it (a reduction outside
+    the kernel)."""
+    from ddtree_jax.models import layers
+
+    monkeypatch.setattr(layers, "W8A8_QUANTIZE_FIRST_ABOVE", first_above)
     linear = _fp8_linear(96, 48, block)
     x = jnp.asarray(np.random.default_rng(3).standard_normal((*rows, 96)), jnp.float32)
     want = _float64(linear, _quantised_rows(np.asarray(x), block[1]))
