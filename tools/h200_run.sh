@@ -31,8 +31,9 @@
 #             traces summarised: where a small model's round goes           -> demo_shape/, demo_trace_summary.json
 #   matmul    tools/gpu_probe.py projections at T = 1..128 ($MATMUL_FORMS, streaming configs in $MATMUL_ARGS), and the
 #             $MATMUL_VARIANT_FORMS (hf) under each further XLA_FLAGS variant of $MATMUL_VARIANTS  -> matmul/
-#   sweeps    the bench at qwen3-8b over --batch 1,4,16 (context 2048) and --context 8192,32768 (batch 1), AR, DFlash
-#             and DDTree $SWEEP_BUDGETS, pallas                                           -> sweep_batch/, sweep_context/
+#   sweeps    the bench at qwen3-8b over --batch $SWEEP_BATCH (1,4,16; context 2048) and --context $SWEEP_CONTEXT
+#             (8192,32768; batch 1), AR, DFlash and DDTree $SWEEP_BUDGETS (15,64), pallas; $SWEEPS (batch context):
+#             one a call, each within $SWEEP_LIMIT (500) s                              -> sweep_batch/, sweep_context/
 #   float32   the float32 GPU tests (float64 reference) and the float32 AR/DDTree cost at --matmul-precision
 #             highest and default                                                        -> f32_highest/, f32_default/
 #   loop_cost what a decode-loop call costs beyond its rounds (tools/loop_cost.py; $LOOP_ARGS), with XLA's default
@@ -540,13 +541,20 @@ fp8_bits=$bits); runpy.run_module('ddtree_jax.bench', run_name='__main__')" --sh
       done
       ;;
     sweeps)
-      log "batch and context sweeps"
-      for sweep in "batch 1,4,16 --context 2048" "context 8192,32768 --batch 1"; do
-        set -- $sweep
+      # Each of $SWEEPS (default both; one a call: on an H100 on 2026-12-06 each took more than 275 s, its rows
+      # compiled in parallel before any was timed) with its rows compiled one at a time, just before each is timed,
+      # so a cut run keeps the rows it timed (printed, and in bench.partial.json).
+      for sweep in ${SWEEPS:-batch context}; do
+        case "$sweep" in
+          batch) args="--batch ${SWEEP_BATCH:-1,4,16} --context 2048" ;;
+          context) args="--context ${SWEEP_CONTEXT:-8192,32768} --batch 1" ;;
+        esac
+        log "$sweep sweep: $args"
         # shellcheck disable=SC2086
-        timeout "${SWEEP_LIMIT:-200}" python3 -m ddtree_jax.bench --shape qwen3-8b --budgets "${SWEEP_BUDGETS:-16,64}" \
-          --modes ar,dflash,ddtree --repeats 5 --kernels pallas --$sweep --out "$OUT/sweep_$1" 2>&1 \
-          | grep -v '^{"mode"' | grep '^|'
+        timeout -k 5 "${SWEEP_LIMIT:-500}" python3 -m ddtree_jax.bench --shape qwen3-8b --budgets "${SWEEP_BUDGETS:-15,64}" \
+          --modes ar,dflash,ddtree --repeats "${SWEEP_REPEATS:-3}" --kernels pallas --compile-workers 1 $args \
+          --out "$OUT/sweep_$sweep" 2>&1 | grep -E '^\{"mode"|^\||rror'
+        rm -f "$OUT/sweep_$sweep/bench.md"
       done
       ;;
     float32)
