@@ -551,8 +551,9 @@ fp8_bits=$bits); runpy.run_module('ddtree_jax.bench', run_name='__main__')" --sh
         esac
         log "$sweep sweep: $args"
         # shellcheck disable=SC2086
-        timeout -k 5 "${SWEEP_LIMIT:-500}" python3 -m ddtree_jax.bench --shape qwen3-8b --budgets "${SWEEP_BUDGETS:-15,64}" \
-          --modes ar,dflash,ddtree --repeats "${SWEEP_REPEATS:-3}" --kernels pallas --compile-workers 1 $args \
+        timeout -k 5 "${SWEEP_LIMIT:-500}" python3 -m ddtree_jax.bench --shape qwen3-8b \
+          --budgets "${SWEEP_BUDGETS:-15,64}" --modes ar,dflash,ddtree --repeats "${SWEEP_REPEATS:-3}" --kernels pallas \
+          --compile-workers 1 $args \
           --out "$OUT/sweep_$sweep" 2>&1 | grep -E '^\{"mode"|^\||rror'
         rm -f "$OUT/sweep_$sweep/bench.md"
       done

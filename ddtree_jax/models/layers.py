@@ -272,10 +272,10 @@ def fp8_linear(x: jax.Array, weight: jax.Array, scale_inv: jax.Array, block: tup
     accumulating in float32 (the Pallas kernel on the Pallas path, `runtime.kernels`; its jnp reference, which
     dequantises in float32 first, otherwise). With `runtime.fp8_matmul` W8A8 each row of x is quantised to FP8 per
     group of the block's input features (`fp8.quantize_rows`): inside the streaming kernel where its step is one
-    group (`quantize_x`: no launch of its own), else first, then streamed with its scales (FP8 tensor cores), or
-    where nothing streams, dequantised again to x's dtype and multiplied as above: the same products up to that
-    rounding (none in float32) and the order of float32 sums. x may come quantised already (`QuantizedRows`, the
-    norm's)."""
+    group (`quantize_x`: no launch of its own) and the call has at most `W8A8_QUANTIZE_FIRST_ABOVE` rows (0: any),
+    else first, then streamed with its scales (FP8 tensor cores), or where nothing streams, dequantised again to
+    x's dtype and multiplied as above: the same products up to that rounding (none in float32) and the order of
+    float32 sums. x may come quantised already (`QuantizedRows`, the norm's)."""
     rows = math.prod(x.shape[:-1])
     config = fp8_stream_config(weight.shape, block, rows, runtime, glu=glu)
     w8a8 = runtime.fp8_matmul is Fp8Matmul.W8A8
