@@ -548,6 +548,7 @@ fp8_bits=$bits); runpy.run_module('ddtree_jax.bench', run_name='__main__')" --sh
         case "$sweep" in
           batch) args="--batch ${SWEEP_BATCH:-1,4,16} --context 2048" ;;
           context) args="--context ${SWEEP_CONTEXT:-8192,32768} --batch 1" ;;
+          *) log "unknown sweep '$sweep' (batch, context)"; continue ;;
         esac
         log "$sweep sweep: $args"
         # shellcheck disable=SC2086
