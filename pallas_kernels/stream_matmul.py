@@ -84,8 +84,9 @@ GROUP_ROWS = 128  # the most rows one program multiplies (its accumulators: bloc
 # the multiprocessors only once the fusion has ended: at the 8B AR step three of a layer's four XLA kernels are these
 # sums. Off: on an H100 (2026-12-06, `python tools/with_knobs.py engine:split_sums_kernel=1 -m ddtree_jax.bench
 # --shape qwen3-8b --budgets 64 ...`, alternating with the defaults, two runs each) the AR step took 5.97 / 5.94 ms
-# against 5.91 / 6.03 (no gain), the DFlash round 7.86 / 7.87 against 7.63 / 7.61 (3% slower: a 16-row call's sums
-# in 16-24 programs), B = 64 8.43 / 8.43 against 8.37 / 8.45; with SwiGLU in the epilogue too, the same.
+# against 5.91 / 6.03 (no gain), the DFlash round 7.86 / 7.87 against 7.63 / 7.61 (3% slower; untraced: the
+# kernel's grid at 16 rows is 16-24 programs), B = 64 8.43 / 8.43 against 8.37 / 8.45; with SwiGLU in the epilogue
+# too, the same.
 SPLIT_SUMS_KERNEL = False
 
 
