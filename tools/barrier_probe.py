@@ -221,7 +221,7 @@ def layer_loop(form: str, layers_ws, *, config: PersistentConfig, interpret: boo
     input depends on the last pass's output, so nothing leaves the loop)."""
     stream_config = sm.StreamMatmulConfig()
 
-    @jax.jit  # `passes` traced: one compile for every count (each call site compiles its kernels again)
+    @jax.jit  # `passes` traced: one compile for every count
     def run(passes, x, h):
         def one_pass(_, carry):
             x, count = carry
