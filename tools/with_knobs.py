@@ -14,6 +14,8 @@ kernel's `default_config`, which is what the engine uses when it passes no confi
 - `dense_stream`, `fp8_stream`: `pallas_kernels.stream_matmul.StreamMatmulConfig` over
   `ddtree_jax.models.layers.DENSE_STREAM_KNOBS` / `FP8_STREAM_KNOBS`, the knobs of the dense and FP8 projections
   that stream (`dense_stream:balance=1`: k split so the programs spread evenly over the multiprocessors);
+- `attention`: `pallas_kernels.tree_attention.TreeAttentionConfig` over `ddtree_jax.models.layers.ATTENTION_CONFIG`,
+  the fast kernel's config in every model (`attention:merge_in_kernel=1`: the chunks merged inside the kernel);
 - `engine`: the engine's own choices, `tree_kernels_up_to=N` (`ddtree_jax.round.TREE_BUILD_KERNEL_UP_TO`: the
   budgets whose tree build runs in the Pallas kernel, 512 by default: e.g. 128 to time B = 256 and 512 with XLA's
   builder), `top_k_kernel_up_to=N`
@@ -46,7 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pallas_kernels import stream_matmul, tree_build, tree_delta_rule, vocab_top_k  # noqa: E402
+from pallas_kernels import stream_matmul, tree_attention, tree_build, tree_delta_rule, vocab_top_k  # noqa: E402
 
 # kernel -> (module holding default_config, its config class, the config's samples to validate knobs against)
 KERNELS = {
@@ -59,6 +61,7 @@ KERNELS = {
     "dense_stream": (None, stream_matmul.StreamMatmulConfig, None),  # module attributes (STREAM_KNOBS), not
     "fp8_stream": (None, stream_matmul.StreamMatmulConfig, None),    # a default_config
     "dense_stream_wide": (None, stream_matmul.StreamMatmulConfig, None),
+    "attention": (None, tree_attention.TreeAttentionConfig, None),  # layers.ATTENTION_CONFIG, not a default_config
 }
 # The streaming kernel's knobs the models read, by kernel name: attributes of ddtree_jax.models.layers.
 STREAM_KNOBS = {"dense_stream": "DENSE_STREAM_KNOBS", "fp8_stream": "FP8_STREAM_KNOBS",
@@ -109,6 +112,12 @@ def override(kernel: str, knobs: dict) -> None:
 
         name = STREAM_KNOBS[kernel]
         setattr(layers, name, dataclasses.replace(getattr(layers, name), **knobs))
+        return
+    if kernel == "attention":
+        from ddtree_jax.models import layers
+
+        layers.ATTENTION_CONFIG = dataclasses.replace(layers.ATTENTION_CONFIG or tree_attention.TreeAttentionConfig(),
+                                                      **knobs)
         return
     module, _, samples = KERNELS[kernel]
     for config in samples():  # fail now, not at the first trace

@@ -39,7 +39,8 @@ class Case:
     def __str__(self):
         return (f"t{self.t}-n{self.n}g{self.g}-s{self.s}-len{'_'.join(map(str, self.lengths))}-d{self.d}"
                 f"-w{self.window}-{self.dtype}" + ("-lean" if self.config.lean_steps else "")
-                + ("-row-invariant" if self.config.row_invariant else ""))
+                + ("-row-invariant" if self.config.row_invariant else "")
+                + ("-merged" if self.config.merge_in_kernel else ""))
 
 
 CASES = [
@@ -73,6 +74,14 @@ CASES = [
          config=ta.TreeAttentionConfig(block_k=16, row_invariant=True)),
     Case(t=65, n=1, g=4, s=40, lengths=(33, 0), d=16, dtype="bfloat16",
          config=ta.TreeAttentionConfig(block_k=16, chunk=16, row_invariant=True, num_stages=1)),
+    # The partials merged inside the kernel: the AR step over 3 chunks (an empty cache, a full one); 65 nodes in
+    # five row blocks with a window and padding nodes; bf16 with a head dim padded to 32 (columns past d masked).
+    Case(t=1, n=2, g=1, s=37, lengths=(0, 37),
+         config=ta.TreeAttentionConfig(block_q=16, block_k=16, num_chunks=3, merge_in_kernel=True)),
+    Case(t=65, n=1, g=4, s=20, lengths=(20, 3), d=16, window=40, valid=50,
+         config=ta.TreeAttentionConfig(block_q=64, block_k=16, num_chunks=2, merge_in_kernel=True)),
+    Case(t=5, n=2, g=4, s=50, lengths=(13, 50), d=24, valid=3, dtype="bfloat16",
+         config=ta.TreeAttentionConfig(block_k=16, merge_in_kernel=True)),
 ]
 
 
@@ -113,10 +122,12 @@ def make_inputs(case: Case, seed: int):
 def kernel_with_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions, *, scale,
                          sliding_window, config, interpret):
     """What tree_attention_pallas computes, plus the raw per-chunk outputs (to check every element is written)."""
-    o, lse, lay = ta._tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions,
-                                              scale=scale, sliding_window=sliding_window, config=config,
-                                              interpret=interpret)
-    return ta._merge_partials(o, lse, lay, q.shape, q.dtype, interpret=interpret), o, lse
+    o, lse, lay, out = ta._tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask,
+                                                   positions, scale=scale, sliding_window=sliding_window,
+                                                   config=config, interpret=interpret)
+    if out is None:
+        out = ta._merge_partials(o, lse, lay, q.shape, q.dtype, interpret=interpret)
+    return out, o, lse
 
 
 def tolerance(dtype: str) -> dict:
@@ -232,6 +243,30 @@ def test_row_invariant_rows_equal_the_ar_step_bitwise(interpret: bool):
     assert differing["fast"] > 0
 
 
+@pytest.mark.parametrize("interpret", INTERPRET)
+@pytest.mark.parametrize("t", [1, 65])
+def test_merge_in_kernel_gives_the_merge_kernels_bits(t: int, interpret: bool):
+    """merge_in_kernel: the program of a row block that arrives last merges its partials with the merge kernel's
+    arithmetic (weights, order, column tiles), so the output has the two-launch form's bits. Compiled, at the
+    Qwen3-8B attention shape (8 KV heads of 4 query heads, d = 128, bf16, 2048 slots: 5-17 splits of a row block
+    run at once), over several inputs: a merge that ran before every partial was written, or read a stale one,
+    gives other bits. Interpreted (programs one after another), a small shape: the merge's own arithmetic."""
+    if interpret:
+        case = Case(t=t, n=2, g=4, s=40, lengths=(40, 9), d=16, dtype="bfloat16",
+                    config=ta.TreeAttentionConfig(block_q=16, block_k=16, num_chunks=3))
+        seeds = [31]
+    else:
+        case = Case(t=t, n=8, g=4, s=2048, lengths=(2048,), d=128, dtype="bfloat16", config=ta.TreeAttentionConfig())
+        seeds = range(40, 46)
+    merged = dataclasses.replace(case.config, merge_in_kernel=True)
+    for seed in seeds:
+        x = make_inputs(case, seed=seed)
+        two = ta.tree_attention_pallas(**x, scale=0.1, config=case.config, interpret=interpret)
+        one = ta.tree_attention_pallas(**x, scale=0.1, config=merged, interpret=interpret)
+        assert not np.isnan(np.asarray(one, np.float32)).any()
+        np.testing.assert_array_equal(np.asarray(one, np.float32), np.asarray(two, np.float32))
+
+
 def test_row_invariant_takes_no_window():
     x = make_inputs(Case(t=5, n=1, g=4, s=20, lengths=(7,)), seed=1)
     with pytest.raises(ValueError, match="no sliding window"):
@@ -303,10 +338,14 @@ class TestDispatchAndConfig:
 
     @pytest.mark.parametrize("field,value", [("block_q", 8), ("block_q", 48), ("block_k", 0), ("block_k", True),
                                              ("block_u", 24), ("num_chunks", 0), ("num_warps", 3), ("num_stages", 0),
-                                             ("lean_steps", 1), ("row_invariant", "yes")])
+                                             ("lean_steps", 1), ("row_invariant", "yes"), ("merge_in_kernel", 1)])
     def test_bad_config_names_the_value(self, field, value):
         with pytest.raises(ValueError, match=rf"TreeAttentionConfig\.{field}={value!r}"):
             ta.TreeAttentionConfig(**{field: value})
+
+    def test_merge_in_kernel_is_the_fast_kernels(self):
+        with pytest.raises(ValueError, match="merge_in_kernel=True: a knob of the fast kernel only"):
+            ta.TreeAttentionConfig(row_invariant=True, merge_in_kernel=True)
 
     def test_bad_shapes(self):
         x = make_inputs(Case(t=5, n=2, g=4, s=20, lengths=(3,)), seed=0)
