@@ -104,6 +104,25 @@ def test_hybrid_with_pallas_kernels_under_tp_matches_one_device(hybrid_pair):
     assert_tp_matches_one_device(hybrid_pair, 6, 20)
 
 
+def test_attention_merged_in_kernel_gives_the_same_tokens(dense_pair, monkeypatch):
+    """`TreeAttentionConfig.merge_in_kernel` laid over the models' attention (`layers.ATTENTION_CONFIG`, as
+    `tools/with_knobs.py attention:merge_in_kernel=1` does): the target's and the drafter's attention merge their
+    chunks inside the kernel, and AR and DDTree give the pure-JAX path's tokens and acceptance, on one device and
+    (with two) under tensor parallelism."""
+    import collections
+
+    from ddtree_jax import engine
+    from ddtree_jax.models import layers
+    from pallas_kernels.tree_attention import TreeAttentionConfig
+
+    monkeypatch.setattr(layers, "ATTENTION_CONFIG", TreeAttentionConfig(merge_in_kernel=True))
+    jax.clear_caches()  # the config is read when tracing: every program traced afresh
+    monkeypatch.setattr(engine, "_COMPILED", collections.OrderedDict())
+    assert_pallas_matches_jax(dense_pair, 8, 6)
+    if len(jax.devices()) >= 2:
+        assert_tp_matches_one_device(dense_pair, 8, 6)
+
+
 # ---- the default: "auto" kernels (Pallas on a GPU, pure JAX elsewhere)
 
 
