@@ -83,9 +83,10 @@ class TreeAttentionConfig:
     merge_in_kernel: the chunks' partials merged inside the kernel, not by a second launch (`_merge_kernel`): each
                 program writes its partial, then arrives on a count of its (row, KV head, row block) (an acq_rel
                 atomic add); the program that arrives last merges the group's partials in the fixed order the merge
-                kernel uses (the same arithmetic) and writes the output in q's layout. One launch a layer fewer in
-                every mode; the counts are a zeroed buffer per call. The fast kernel only. Off until a GPU has timed
-                it (`tools/kernel_check.py --attention-configs merge_in_kernel=true`, `tools/with_knobs.py
+                kernel uses (the same arithmetic) and writes the output in q's layout, then sets the count back to
+                0. One launch a layer fewer in every mode. The counts (`merge_counts`) are the caller's to pass
+                from call to call (the models thread one buffer through their layers), or a zeroed buffer made for
+                the call (one more small XLA kernel). The fast kernel only. Off until a GPU has timed it (`tools/kernel_check.py --attention-configs merge_in_kernel=true`, `tools/with_knobs.py
                 attention:merge_in_kernel=1`).
     """
 
@@ -468,11 +469,11 @@ def _layout(b: int, t: int, hq: int, n: int, s: int, d: int, config: TreeAttenti
 
 def _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions, *,
                              scale: float, sliding_window: int | None, config: TreeAttentionConfig,
-                             interpret: bool, debug: bool = False):
+                             interpret: bool, debug: bool = False, counts: jax.Array | None = None):
     """Runs the kernel. Returns (o [c', b, n, padded rows, dp] f32, lse [c', b, n, padded rows] f32, layout dict,
-    out) with c' = layout["num_splits"] partials: the cache's chunks, then the new tokens' (the row-invariant
-    kernel's chunks cover both); out: None, or with `config.merge_in_kernel` the merged output [b, t, n*g, d] in
-    q's dtype."""
+    out, counts) with c' = layout["num_splits"] partials: the cache's chunks, then the new tokens' (the row-invariant
+    kernel's chunks cover both); out, counts: None, or with `config.merge_in_kernel` the merged output [b, t, n*g, d]
+    in q's dtype and the arrival counts, zero again (`counts` given, or zeros made here; `merge_counts`)."""
     _check_shapes(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions)
     b, t, hq, d = q.shape
     s, n = k_cache.shape[1], k_cache.shape[2]
@@ -537,13 +538,16 @@ def _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, n
             name="tree_attention_row_invariant" if config.row_invariant else "tree_attention",
             **common,
         )(*args)
-        return o, lse, lay, None
+        return o, lse, lay, None, None
     # merge_in_kernel: every program of a (batch row, KV head) sees the whole of its partials (the last to arrive
-    # reads them all), the output in q's layout, and its row blocks' arrival counts (zeroed for each call).
-    count = jnp.zeros((b, n, row_blocks), jnp.int32)
+    # reads them all), the output in q's layout, and its row blocks' arrival counts (zero in, zero out).
+    count = jnp.zeros((b, n, row_blocks), jnp.int32) if counts is None else counts
+    if count.shape != (b, n, row_blocks) or count.dtype != jnp.int32:
+        raise ValueError(f"counts must be int32 [b, n, row blocks] = {(b, n, row_blocks)} (merge_counts), got "
+                         f"{count.dtype} {count.shape}")
     kernel = functools.partial(kernel, merge=dict(num_splits=num_splits, heads=hq, barrier=not interpret))
     count_spec = pl.BlockSpec((None, None, row_blocks), lambda i, h, r, c: (i, h, 0))
-    o, lse, out, _ = pl.pallas_call(
+    o, lse, out, count = pl.pallas_call(
         kernel_body(kernel, interpret),
         in_specs=[*in_specs, count_spec],
         out_specs=[
@@ -558,7 +562,7 @@ def _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, n
         name="tree_attention_merged",
         **common,
     )(*args, count)
-    return o, lse, lay, out.reshape(b, t, hq, d)
+    return o, lse, lay, out.reshape(b, t, hq, d), count
 
 
 _MERGE_ROWS, _MERGE_COLS = 16, 32  # a merge program's tile: many programs, since one row block's partials of
@@ -611,7 +615,8 @@ def _merge_in_place(o_ref, lse_ref, out_ref, count_ref, *, rows, row0, row_block
                     d_out: int, num_splits: int, heads: int, barrier: bool):
     """merge_in_kernel: this program's partial is written (o_ref [splits, R, dp], lse_ref [splits, R]); it arrives on
     its row block's count, and the program that arrives last (count num_splits - 1 before it) merges the row block's
-    partials as `_merge_kernel` does (the same weights, order and columns of 32) into out_ref [t * heads, d].
+    partials as `_merge_kernel` does (the same weights, order and columns of 32) into out_ref [t * heads, d], then
+    sets the count back to 0 (every other program of the row block has arrived: none reads it again in this call).
 
     The arrival is an acq_rel atomic at GPU scope after a CTA barrier: the barrier orders this program's stores
     before it, the release publishes them, and the last program's acquire (its value comes to every thread through
@@ -630,6 +635,7 @@ def _merge_in_place(o_ref, lse_ref, out_ref, count_ref, *, rows, row0, row_block
             out = _merged(weights, total, lambda c: o_ref[c, pl.ds(row0, block_q), pl.ds(col0, mc)], (block_q, mc))
             _store_in_q_layout(out_ref, out, rows, col0 + jnp.arange(mc, dtype=jnp.int32), kv_head=kv_head,
                                group=group, heads=heads, rows=num_rows, d=d_out)
+        count_ref[row_block] = jnp.int32(0)  # the next call that takes these counts finds them as this one did
 
 
 def _merge_partials(o, lse, lay, out_shape, dtype, *, interpret: bool):
@@ -658,36 +664,55 @@ def _merge_partials(o, lse, lay, out_shape, dtype, *, interpret: bool):
 # Public functions
 
 
+def merge_counts(b: int, t: int, hq: int, n: int, config: TreeAttentionConfig | None = None) -> jax.Array | None:
+    """The arrival counts of calls of this shape (b rows, t new tokens, hq query and n KV heads) under `config`
+    (None: the defaults) with merge_in_kernel: zeros [b, n, row blocks] int32, which every call leaves at zero, so
+    one buffer serves a forward's layers in turn (passed as `counts`, taken back from the result); None where
+    `config` does not merge in the kernel."""
+    config = TreeAttentionConfig() if config is None else config
+    if not config.merge_in_kernel:
+        return None
+    return jnp.zeros((b, n, _layout(b, t, hq, n, 1, 16, config)["row_blocks"]), jnp.int32)  # (rows: not s or d)
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "config", "interpret", "debug"))
-def tree_attention_pallas(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions, *,
+def tree_attention_pallas(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions, counts=None, *,
                           scale: float, sliding_window: int | None = None,
                           config: TreeAttentionConfig | None = None, interpret: bool = False,
-                          debug: bool = False) -> jax.Array:
+                          debug: bool = False):
     """The Pallas kernel; arguments and result as `tree_attention_reference`, plus the knobs.
 
     config: TreeAttentionConfig (None: defaults). interpret: run the kernel in the Pallas interpreter
-    (CPU). debug: print the kernel's jaxpr and Triton IR.
+    (CPU). debug: print the kernel's jaxpr and Triton IR. counts: None, or (config.merge_in_kernel) the arrival
+    counts from `merge_counts` or an earlier call's result: the result is then (out, counts), zero again.
     """
     config = TreeAttentionConfig() if config is None else config
-    o, lse, lay, out = _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask,
-                                                positions, scale=scale, sliding_window=sliding_window,
-                                                config=config, interpret=interpret, debug=debug)
-    return out if out is not None else _merge_partials(o, lse, lay, q.shape, q.dtype, interpret=interpret)
+    if counts is not None and not config.merge_in_kernel:
+        raise ValueError("counts: only a config with merge_in_kernel takes them (merge_counts gives None otherwise)")
+    o, lse, lay, out, counts_out = _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new,
+                                                            new_mask, positions, scale=scale,
+                                                            sliding_window=sliding_window, config=config,
+                                                            interpret=interpret, debug=debug, counts=counts)
+    if out is None:
+        out = _merge_partials(o, lse, lay, q.shape, q.dtype, interpret=interpret)
+    return out if counts is None else (out, counts_out)
 
 
-def tree_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions, *,
+def tree_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions, counts=None, *,
                    scale: float, sliding_window: int | None = None, implementation: str | None = None,
-                   config: TreeAttentionConfig | None = None, interpret: bool | None = None) -> jax.Array:
+                   config: TreeAttentionConfig | None = None, interpret: bool | None = None):
     """Dispatcher: the Pallas kernel on a GPU, the reference elsewhere.
 
     implementation: None (see `pallas_kernels._dispatch`: argument, then $DDTREE_JAX_KERNELS, then the
     backend), "pallas" or "reference". interpret: None interprets the kernel where there is no GPU.
-    Arguments and result as `tree_attention_reference`.
+    Arguments and result as `tree_attention_reference`; with `counts` (see `tree_attention_pallas`) the result is
+    (out, counts), the reference's counts passed through.
     """
     if resolve_implementation(implementation) == "reference":
-        return tree_attention_reference(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions,
-                                        scale=scale, sliding_window=sliding_window)
-    return tree_attention_pallas(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions,
+        out = tree_attention_reference(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions,
+                                       scale=scale, sliding_window=sliding_window)
+        return out if counts is None else (out, counts)
+    return tree_attention_pallas(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions, counts,
                                  scale=scale, sliding_window=sliding_window, config=config,
                                  interpret=resolve_interpret(interpret))
 

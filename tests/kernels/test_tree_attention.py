@@ -122,9 +122,9 @@ def make_inputs(case: Case, seed: int):
 def kernel_with_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions, *, scale,
                          sliding_window, config, interpret):
     """What tree_attention_pallas computes, plus the raw per-chunk outputs (to check every element is written)."""
-    o, lse, lay, out = ta._tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask,
-                                                   positions, scale=scale, sliding_window=sliding_window,
-                                                   config=config, interpret=interpret)
+    o, lse, lay, out, _ = ta._tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask,
+                                                      positions, scale=scale, sliding_window=sliding_window,
+                                                      config=config, interpret=interpret)
     if out is None:
         out = ta._merge_partials(o, lse, lay, q.shape, q.dtype, interpret=interpret)
     return out, o, lse
@@ -247,24 +247,43 @@ def test_row_invariant_rows_equal_the_ar_step_bitwise(interpret: bool):
 @pytest.mark.parametrize("t", [1, 65])
 def test_merge_in_kernel_gives_the_merge_kernels_bits(t: int, interpret: bool):
     """merge_in_kernel: the program of a row block that arrives last merges its partials with the merge kernel's
-    arithmetic (weights, order, column tiles), so the output has the two-launch form's bits. Compiled, at the
-    Qwen3-8B attention shape (8 KV heads of 4 query heads, d = 128, bf16, 2048 slots: 5-17 splits of a row block
-    run at once), over several inputs: a merge that ran before every partial was written, or read a stale one,
-    gives other bits. Interpreted (programs one after another), a small shape: the merge's own arithmetic."""
+    arithmetic (weights, order, column tiles), so the output has the two-launch form's bits, whether the call makes
+    its zeroed counts or takes the last call's (`merge_counts`, threaded from call to call as the models do: each
+    call must leave them at zero, or the next one's merge never runs). Compiled, at the Qwen3-8B attention shape (8
+    KV heads of 4 query heads, d = 128, bf16, 2048 slots: 5-17 splits of a row block run at once), over several
+    inputs: a merge that ran before every partial was written, or read a stale one, gives other bits. Interpreted
+    (programs one after another), a small shape: the merge's own arithmetic and the counts' reset."""
     if interpret:
         case = Case(t=t, n=2, g=4, s=40, lengths=(40, 9), d=16, dtype="bfloat16",
                     config=ta.TreeAttentionConfig(block_q=16, block_k=16, num_chunks=3))
-        seeds = [31]
+        seeds = [31, 32]
     else:
         case = Case(t=t, n=8, g=4, s=2048, lengths=(2048,), d=128, dtype="bfloat16", config=ta.TreeAttentionConfig())
         seeds = range(40, 46)
     merged = dataclasses.replace(case.config, merge_in_kernel=True)
+    b, hq = len(case.lengths), case.n * case.g
+    counts = ta.merge_counts(b, case.t, hq, case.n, merged)
+    assert counts.shape == (b, case.n, -(-case.t * case.g // ta._layout(b, case.t, hq, case.n, case.s, case.d,
+                                                                        merged)["block_q"]))
+    assert ta.merge_counts(b, case.t, hq, case.n, case.config) is None
     for seed in seeds:
         x = make_inputs(case, seed=seed)
-        two = ta.tree_attention_pallas(**x, scale=0.1, config=case.config, interpret=interpret)
-        one = ta.tree_attention_pallas(**x, scale=0.1, config=merged, interpret=interpret)
-        assert not np.isnan(np.asarray(one, np.float32)).any()
-        np.testing.assert_array_equal(np.asarray(one, np.float32), np.asarray(two, np.float32))
+        two = np.asarray(ta.tree_attention_pallas(**x, scale=0.1, config=case.config, interpret=interpret), np.float32)
+        made = ta.tree_attention_pallas(**x, scale=0.1, config=merged, interpret=interpret)
+        threaded, counts = ta.tree_attention_pallas(**x, counts=counts, scale=0.1, config=merged, interpret=interpret)
+        assert not np.isnan(two).any()
+        np.testing.assert_array_equal(np.asarray(made, np.float32), two)
+        np.testing.assert_array_equal(np.asarray(threaded, np.float32), two)
+        np.testing.assert_array_equal(np.asarray(counts), 0)
+
+
+def test_counts_are_checked():
+    x = make_inputs(Case(t=5, n=2, g=4, s=20, lengths=(7,)), seed=1)
+    merged = ta.TreeAttentionConfig(block_q=16, block_k=16, merge_in_kernel=True)
+    with pytest.raises(ValueError, match="only a config with merge_in_kernel takes them"):
+        ta.tree_attention_pallas(**x, counts=ta.merge_counts(1, 5, 8, 2, merged), scale=0.5, interpret=True)
+    with pytest.raises(ValueError, match=r"counts must be int32 \[b, n, row blocks\] = \(1, 2, 2\)"):
+        ta.tree_attention_pallas(**x, counts=jnp.zeros((1, 2, 1), jnp.int32), scale=0.5, config=merged, interpret=True)
 
 
 def test_row_invariant_takes_no_window():
