@@ -125,15 +125,15 @@ W8A8_ROWS_FROM_NORM = False
 # W8A8's rows of a streamed call of more than this many rows quantised once, first (`fp8.quantize_rows`, an XLA
 # fusion), and streamed as given (`x_scale`), not inside the streaming kernel (`quantize_x`: every program quantises
 # each step's row tile itself, a reduction across the tile's columns per row); 0: inside the kernel at any row
-# count. The same bits either way (tests/kernels/test_stream_matmul.py). At 65 rows the in-kernel form took 12 layers'
-# packed W8A8 projections 2.66 ms against 1.14 at 16 rows on an H100 (2026-12-05,
-# docs/data/matmul_probe_h100_2026-12-05_w8a8_splits.json), and the FP8 B = 64 round is slower than bf16's. Offline
-# for sm_90 at 65 rows (`python tools/triton_offline.py --quick --only w8a8 --by-line 8`) the in-kernel form takes
-# 100 KiB of shared memory (2 programs a multiprocessor) and ~365 more instructions a step for the quantisation,
-# against 72 KiB (3) given FP8 rows. Quantised first is not yet timed (`python tools/gpu_probe.py --forms
-# stream_w8a8_fused,stream_w8a8_apart_fused --tokens 16,65 ...`, then `python tools/with_knobs.py
-# engine:w8a8_quantize_first_above=32 -m ddtree_jax.bench ...`).
-W8A8_QUANTIZE_FIRST_ABOVE = 0
+# count. The same bits either way (tests/kernels/test_stream_matmul.py). Offline for sm_90 at 65 rows (`python
+# tools/triton_offline.py --quick --only w8a8 --by-line 8`) the in-kernel form takes 100 KiB of shared memory (2
+# programs a multiprocessor) and ~365 more instructions a step, against 72 KiB (3) given FP8 rows. 16: on an H100
+# (2026-12-06, docs/performance.md) 12 layers' packed W8A8 projections took 1.565 ms at 65 rows quantised first
+# against 2.669 inside (1.332 against 1.146 at 16 rows, where the kernel's own quantisation wins), and alternating
+# in the rounds (`python tools/with_knobs.py engine:w8a8_quantize_first_above=16 -m ddtree_jax.bench --weights fp8
+# --fp8-matmul w8a8 ...`) the 8B FP8 B = 64 round 7.21 / 7.20 ms against 11.01 / 10.84 and the Qwen3.6-27B's B = 63
+# 21.46 against 30.50, DFlash and B = 15 (16 rows) unchanged.
+W8A8_QUANTIZE_FIRST_ABOVE = 16
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["codes", "scales"], meta_fields=["dtype"])
