@@ -17,6 +17,8 @@ inference", 2023; the online softmax of FlashAttention-2, arXiv 2307.08691, Algo
   under `new_mask`. Each program writes its normalised partial output and its log-sum-exp;
   `_merge_partials` combines the C + 1 partials in a second, small kernel that writes the output in q's
   layout (in plain jnp that merge was three XLA kernels per layer). The cache split lets batch 1 fill the GPU.
+  (The merge inside this kernel instead, by the program of a row block that arrives last on an atomic count, was
+  slower on an H100, 2026-12-06: one program then merges what the merge kernel spreads over many; docs/kernels.md.)
 
 Triton wants power-of-two tiles of at least 16 for dots: the wrapper pads the head dim to a power of two
 (>= 16); query rows past t * g, key blocks past the cache length or past T are masked loads, so rows, S
@@ -80,14 +82,6 @@ class TreeAttentionConfig:
     chunk:      the row-invariant kernel's cache chunk in positions, a multiple of block_k (None: ROW_INVARIANT_CHUNK);
                 fixed, not derived from the capacity, which differs between AR and a verify (`engine.cache_shape`).
                 The fast kernel takes `num_chunks` instead.
-    merge_in_kernel: the chunks' partials merged inside the kernel, not by a second launch (`_merge_kernel`): each
-                program writes its partial, then arrives on a count of its (row, KV head, row block) (an acq_rel
-                atomic add); the program that arrives last merges the group's partials in the fixed order the merge
-                kernel uses (the same arithmetic) and writes the output in q's layout, then sets the count back to
-                0. One launch a layer fewer in every mode. The counts (`merge_counts`) are the caller's to pass
-                from call to call (the models thread one buffer through their layers), or a zeroed buffer made for
-                the call (one more small XLA kernel). The fast kernel only. Off until a GPU has timed it (`tools/kernel_check.py --attention-configs merge_in_kernel=true`, `tools/with_knobs.py
-                attention:merge_in_kernel=1`).
     """
 
     block_q: int = 64
@@ -99,17 +93,14 @@ class TreeAttentionConfig:
     lean_steps: bool = True
     row_invariant: bool = False
     chunk: int | None = None
-    merge_in_kernel: bool = False
 
     def __post_init__(self):
         check_knobs(self, pow2={"block_q": 16, "block_k": 16, "block_u": 16}, optional_counts=("num_chunks", "chunk"))
-        for knob in ("lean_steps", "row_invariant", "merge_in_kernel"):
+        for knob in ("lean_steps", "row_invariant"):
             if not isinstance(getattr(self, knob), bool):
                 raise ValueError(f"TreeAttentionConfig.{knob}={getattr(self, knob)!r}: must be True or False")
         if self.row_invariant and self.num_chunks is not None:
             raise ValueError("TreeAttentionConfig.num_chunks: the row-invariant kernel's chunks are `chunk` positions")
-        if self.row_invariant and self.merge_in_kernel:
-            raise ValueError("TreeAttentionConfig.merge_in_kernel=True: a knob of the fast kernel only")
         if self.chunk is not None and not self.row_invariant:
             raise ValueError(f"TreeAttentionConfig.chunk={self.chunk}: a knob of the row-invariant kernel only")
         if self.row_invariant and (self.chunk or ROW_INVARIANT_CHUNK) % self.block_k:
@@ -185,12 +176,10 @@ def _tree_attention_kernel(
     mask_ref,  # [t, t] int8, 1 where query token i sees new token j
     pos_ref,   # [t] int32 positions of the new tokens
     len_ref,   # [] int32 committed slots of this row
-    # (merge_in_kernel: the count [row blocks] int32 as an input, aliased to the last output)
     # outputs
-    o_ref,     # [block_q, d] float32 this chunk's output, normalised within the chunk (merge_in_kernel: [splits, R, d])
-    lse_ref,   # [block_q] float32 this chunk's log-sum-exp of scores, -inf: the chunk showed nothing ([splits, R])
-    # (merge_in_kernel: out_ref [t * heads, d] the output in q's layout, count_ref [row blocks] int32)
-    *more_refs,
+    o_ref,     # [block_q, d] float32 this chunk's output, normalised within the chunk
+    lse_ref,   # [block_q] float32 this chunk's log-sum-exp of scores (-inf: the chunk showed nothing)
+    *,
     scale: float,
     window: int | None,
     num_chunks: int,
@@ -203,13 +192,7 @@ def _tree_attention_kernel(
     num_slots: int,
     precision,
     lean: bool,
-    merge: dict | None = None,
 ):
-    """One (batch row, KV head, row block, chunk): the chunk's partial output and log-sum-exp; with `merge`
-    (merge_in_kernel: the number of splits, q's head count, whether to emit the CTA barrier, which the interpreter
-    lacks) the last program of its (batch row, KV head, row block) to finish merges them (`_merge_in_place`)."""
-    if merge is not None:  # the refs come as inputs..., count (input), o, lse, out, count (output)
-        o_ref, lse_ref, out_ref, count_ref = lse_ref, *more_refs
     kv_head, row_block, chunk_id = pl.program_id(1), pl.program_id(2), pl.program_id(3)
     d = q_ref.shape[-1]
     rows = row_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
@@ -281,16 +264,9 @@ def _tree_attention_kernel(
     acc, m, l = lax.cond(chunk_id < num_chunks, cache_chunk, new_tokens)
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
+    o_ref[...] = acc / l_safe[:, None]
     lse = (m + jnp.log2(l_safe)) * _LN_2 if lean else m + jnp.log(l_safe)  # natural units for the merge
-    if merge is None:
-        o_ref[...] = acc / l_safe[:, None]
-        lse_ref[...] = jnp.where(empty, _NEG_INF, lse)
-        return
-    row0 = row_block * block_q
-    o_ref[chunk_id, pl.ds(row0, block_q), :] = acc / l_safe[:, None]
-    lse_ref[chunk_id, pl.ds(row0, block_q)] = jnp.where(empty, _NEG_INF, lse)
-    _merge_in_place(o_ref, lse_ref, out_ref, count_ref, rows=rows, row0=row0, row_block=row_block, kv_head=kv_head,
-                    group=group, num_rows=num_new * group, d_out=out_ref.shape[-1], **merge)
+    lse_ref[...] = jnp.where(empty, _NEG_INF, lse)
 
 
 ROW_INVARIANT_ROWS = 16  # rows per program of the row-invariant kernel: one mma tile shape for every call
@@ -469,11 +445,10 @@ def _layout(b: int, t: int, hq: int, n: int, s: int, d: int, config: TreeAttenti
 
 def _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions, *,
                              scale: float, sliding_window: int | None, config: TreeAttentionConfig,
-                             interpret: bool, debug: bool = False, counts: jax.Array | None = None):
-    """Runs the kernel. Returns (o [c', b, n, padded rows, dp] f32, lse [c', b, n, padded rows] f32, layout dict,
-    out, counts) with c' = layout["num_splits"] partials: the cache's chunks, then the new tokens' (the row-invariant
-    kernel's chunks cover both); out, counts: None, or with `config.merge_in_kernel` the merged output [b, t, n*g, d]
-    in q's dtype and the arrival counts, zero again (`counts` given, or zeros made here; `merge_counts`)."""
+                             interpret: bool, debug: bool = False):
+    """Runs the kernel. Returns (o [c', b, n, padded rows, dp] f32, lse [c', b, n, padded rows] f32, layout dict)
+    with c' = layout["num_splits"] partials: the cache's chunks, then the new tokens' (the row-invariant
+    kernel's chunks cover both)."""
     _check_shapes(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions)
     b, t, hq, d = q.shape
     s, n = k_cache.shape[1], k_cache.shape[2]
@@ -509,94 +484,38 @@ def _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, n
             chunk=lay["chunk"], block_q=lay["block_q"], block_k=lay["block_k"], block_u=lay["block_u"],
             group=group, num_new=t, num_slots=s, precision=precision,
             lean=config.lean_steps and window is None)  # a window masks inside whole blocks too
-    block_q, row_blocks = lay["block_q"], lay["row_blocks"]
-    in_specs = [
-        pl.BlockSpec((None, t, hq, dp), lambda i, h, r, c: (i, 0, 0, 0)),  # q (the kernel gathers its rows)
-        pl.BlockSpec((None, s, None, dp), lambda i, h, r, c: (i, 0, h, 0)),  # k_cache
-        pl.BlockSpec((None, s, None, dp), lambda i, h, r, c: (i, 0, h, 0)),  # v_cache
-        pl.BlockSpec((None, t, None, dp), lambda i, h, r, c: (i, 0, h, 0)),  # k_new
-        pl.BlockSpec((None, t, None, dp), lambda i, h, r, c: (i, 0, h, 0)),  # v_new
-        pl.BlockSpec((None, t, t), lambda i, h, r, c: (i, 0, 0)),  # new_mask (or the ancestor table)
-        pl.BlockSpec((None, t), lambda i, h, r, c: (i, 0)),  # positions
-        pl.BlockSpec((None,), lambda i, h, r, c: (i,)),  # cache_lengths
-    ]
-    partials_shape = [jax.ShapeDtypeStruct((num_splits, b, n, lay["padded_rows"], dp), jnp.float32),
-                      jax.ShapeDtypeStruct((num_splits, b, n, lay["padded_rows"]), jnp.float32)]
-    args = (q, k_cache, v_cache, k_new, v_new, seen, positions, lengths)
-    common = dict(grid=(b, n, row_blocks, num_splits),
-                  compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-                  interpret=interpret, debug=debug)
-    if not config.merge_in_kernel:
-        o, lse = pl.pallas_call(
-            kernel_body(kernel, interpret),
-            in_specs=in_specs,
-            out_specs=[
-                pl.BlockSpec((None, None, None, block_q, dp), lambda i, h, r, c: (c, i, h, r, 0)),
-                pl.BlockSpec((None, None, None, block_q), lambda i, h, r, c: (c, i, h, r)),
-            ],
-            out_shape=partials_shape,
-            name="tree_attention_row_invariant" if config.row_invariant else "tree_attention",
-            **common,
-        )(*args)
-        return o, lse, lay, None, None
-    # merge_in_kernel: every program of a (batch row, KV head) sees the whole of its partials (the last to arrive
-    # reads them all), the output in q's layout, and its row blocks' arrival counts (zero in, zero out).
-    count = jnp.zeros((b, n, row_blocks), jnp.int32) if counts is None else counts
-    if count.shape != (b, n, row_blocks) or count.dtype != jnp.int32:
-        raise ValueError(f"counts must be int32 [b, n, row blocks] = {(b, n, row_blocks)} (merge_counts), got "
-                         f"{count.dtype} {count.shape}")
-    kernel = functools.partial(kernel, merge=dict(num_splits=num_splits, heads=hq, barrier=not interpret))
-    count_spec = pl.BlockSpec((None, None, row_blocks), lambda i, h, r, c: (i, h, 0))
-    o, lse, out, count = pl.pallas_call(
+    block_q = lay["block_q"]
+    o, lse = pl.pallas_call(
         kernel_body(kernel, interpret),
-        in_specs=[*in_specs, count_spec],
-        out_specs=[
-            pl.BlockSpec((num_splits, None, None, lay["padded_rows"], dp), lambda i, h, r, c: (0, i, h, 0, 0)),
-            pl.BlockSpec((num_splits, None, None, lay["padded_rows"]), lambda i, h, r, c: (0, i, h, 0)),
-            pl.BlockSpec((None, t * hq, d), lambda i, h, r, c: (i, 0, 0)),
-            count_spec,
+        grid=(b, n, lay["row_blocks"], num_splits),
+        in_specs=[
+            pl.BlockSpec((None, t, hq, dp), lambda i, h, r, c: (i, 0, 0, 0)),  # q (the kernel gathers its rows)
+            pl.BlockSpec((None, s, None, dp), lambda i, h, r, c: (i, 0, h, 0)),  # k_cache
+            pl.BlockSpec((None, s, None, dp), lambda i, h, r, c: (i, 0, h, 0)),  # v_cache
+            pl.BlockSpec((None, t, None, dp), lambda i, h, r, c: (i, 0, h, 0)),  # k_new
+            pl.BlockSpec((None, t, None, dp), lambda i, h, r, c: (i, 0, h, 0)),  # v_new
+            pl.BlockSpec((None, t, t), lambda i, h, r, c: (i, 0, 0)),  # new_mask (or the ancestor table)
+            pl.BlockSpec((None, t), lambda i, h, r, c: (i, 0)),  # positions
+            pl.BlockSpec((None,), lambda i, h, r, c: (i,)),  # cache_lengths
         ],
-        out_shape=[*partials_shape, jax.ShapeDtypeStruct((b, t * hq, d), q.dtype),
-                   jax.ShapeDtypeStruct(count.shape, count.dtype)],
-        input_output_aliases={len(args): 3},
-        name="tree_attention_merged",
-        **common,
-    )(*args, count)
-    return o, lse, lay, out.reshape(b, t, hq, d), count
+        out_specs=[
+            pl.BlockSpec((None, None, None, block_q, dp), lambda i, h, r, c: (c, i, h, r, 0)),
+            pl.BlockSpec((None, None, None, block_q), lambda i, h, r, c: (c, i, h, r)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((num_splits, b, n, lay["padded_rows"], dp), jnp.float32),
+            jax.ShapeDtypeStruct((num_splits, b, n, lay["padded_rows"]), jnp.float32),
+        ],
+        compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        debug=debug,
+        name="tree_attention_row_invariant" if config.row_invariant else "tree_attention",
+    )(q, k_cache, v_cache, k_new, v_new, seen, positions, lengths)
+    return o, lse, lay
 
 
 _MERGE_ROWS, _MERGE_COLS = 16, 32  # a merge program's tile: many programs, since one row block's partials of
 # every chunk (at T = 16, 18 chunks x 64 rows x 128) took one program 5.5 us on the H200
-
-
-def _merge_weights(lse: list) -> tuple[list, jax.Array]:
-    """The merge's weights: each split's lse [mr] f32 (in split order) -> (exp(lse - max) per split, their sum with 0
-    made 1: rows that saw nothing get weights 0 and output 0)."""
-    top = lse[0]
-    for part in lse[1:]:
-        top = jnp.maximum(top, part)
-    top = jnp.where(top == _NEG_INF, 0.0, top)
-    weights = [jnp.exp(part - top) for part in lse]
-    total = jnp.zeros(top.shape, jnp.float32)
-    for weight in weights:  # a fixed order
-        total += weight
-    return weights, jnp.where(total == 0.0, 1.0, total)
-
-
-def _merged(weights: list, total, load_partial, shape: tuple[int, int]) -> jax.Array:
-    """sum over splits c (in order) of weights[c] * load_partial(c) [mr, mc] f32, over total -> shape [mr, mc] f32."""
-    acc = jnp.zeros(shape, jnp.float32)
-    for c, weight in enumerate(weights):
-        acc += weight[:, None] * load_partial(c)
-    return acc / total[:, None]
-
-
-def _store_in_q_layout(out_ref, tile, row, cols, *, kv_head, group: int, heads: int, rows: int, d: int) -> None:
-    """Rows `row` [mr] (token * group + head in group) of KV head `kv_head`, columns `cols` [mc]: tile [mr, mc] into
-    out_ref [t * heads, d] (row = token * heads + query head), in out's dtype; padding rows and columns masked."""
-    flat = lax.div(row, jnp.int32(group)) * heads + kv_head * group + lax.rem(row, jnp.int32(group))
-    plt.store(out_ref.at[flat[:, None], cols[None, :]], tile.astype(out_ref.dtype),
-              mask=(row < rows)[:, None] & (cols < d)[None, :])
 
 
 def _merge_kernel(o_ref, lse_ref, out_ref, *, num_splits: int, group: int, heads: int, rows: int, d: int):
@@ -604,38 +523,23 @@ def _merge_kernel(o_ref, lse_ref, out_ref, *, num_splits: int, group: int, heads
     [c, mr] f32 -> its part of out_ref [t * heads, d] (row = token * heads + query head), in out's dtype."""
     h, row_tile, col_tile = pl.program_id(1), pl.program_id(2), pl.program_id(3)
     mr, mc = o_ref.shape[1:]
-    weights, total = _merge_weights([lse_ref[c, :] for c in range(num_splits)])
-    out = _merged(weights, total, lambda c: o_ref[c, :, :], (mr, mc))
-    _store_in_q_layout(out_ref, out, row_tile * mr + jnp.arange(mr, dtype=jnp.int32),
-                       col_tile * mc + jnp.arange(mc, dtype=jnp.int32), kv_head=h, group=group, heads=heads,
-                       rows=rows, d=d)
-
-
-def _merge_in_place(o_ref, lse_ref, out_ref, count_ref, *, rows, row0, row_block, kv_head, group: int, num_rows: int,
-                    d_out: int, num_splits: int, heads: int, barrier: bool):
-    """merge_in_kernel: this program's partial is written (o_ref [splits, R, dp], lse_ref [splits, R]); it arrives on
-    its row block's count, and the program that arrives last (count num_splits - 1 before it) merges the row block's
-    partials as `_merge_kernel` does (the same weights, order and columns of 32) into out_ref [t * heads, d], then
-    sets the count back to 0 (every other program of the row block has arrived: none reads it again in this call).
-
-    The arrival is an acq_rel atomic at GPU scope after a CTA barrier: the barrier orders this program's stores
-    before it, the release publishes them, and the last program's acquire (its value comes to every thread through
-    the atomic's broadcast) orders the partials' loads after every other arrival. Interpreted, the programs run one
-    after another and there is no barrier to emit."""
-    if barrier:
-        plt.debug_barrier()  # every thread's stores of the partial are issued before the arrival
-    arrived = plt.atomic_add(count_ref, (row_block,), jnp.int32(1))
-    block_q, dp = rows.shape[0], o_ref.shape[-1]
-    mc = min(_MERGE_COLS, dp)
-
-    @pl.when(arrived == num_splits - 1)
-    def _():
-        weights, total = _merge_weights([lse_ref[c, pl.ds(row0, block_q)] for c in range(num_splits)])
-        for col0 in range(0, dp, mc):  # columns of 32, as `_merge_kernel`'s tiles (fewer live registers)
-            out = _merged(weights, total, lambda c: o_ref[c, pl.ds(row0, block_q), pl.ds(col0, mc)], (block_q, mc))
-            _store_in_q_layout(out_ref, out, rows, col0 + jnp.arange(mc, dtype=jnp.int32), kv_head=kv_head,
-                               group=group, heads=heads, rows=num_rows, d=d_out)
-        count_ref[row_block] = jnp.int32(0)  # the next call that takes these counts finds them as this one did
+    lse = [lse_ref[c, :] for c in range(num_splits)]
+    top = lse[0]
+    for c in range(1, num_splits):
+        top = jnp.maximum(top, lse[c])
+    top = jnp.where(top == _NEG_INF, 0.0, top)  # rows that saw nothing: all weights 0, output 0
+    acc = jnp.zeros((mr, mc), jnp.float32)
+    total = jnp.zeros(top.shape, jnp.float32)
+    for c in range(num_splits):  # a fixed order
+        weight = jnp.exp(lse[c] - top)
+        acc += weight[:, None] * o_ref[c, :, :]
+        total += weight
+    out = acc / jnp.where(total == 0.0, 1.0, total)[:, None]
+    row = row_tile * mr + jnp.arange(mr, dtype=jnp.int32)
+    flat = lax.div(row, jnp.int32(group)) * heads + h * group + lax.rem(row, jnp.int32(group))
+    cols = col_tile * mc + jnp.arange(mc, dtype=jnp.int32)
+    plt.store(out_ref.at[flat[:, None], cols[None, :]], out.astype(out_ref.dtype),
+              mask=(row < rows)[:, None] & (cols < d)[None, :])
 
 
 def _merge_partials(o, lse, lay, out_shape, dtype, *, interpret: bool):
@@ -664,55 +568,36 @@ def _merge_partials(o, lse, lay, out_shape, dtype, *, interpret: bool):
 # Public functions
 
 
-def merge_counts(b: int, t: int, hq: int, n: int, config: TreeAttentionConfig | None = None) -> jax.Array | None:
-    """The arrival counts of calls of this shape (b rows, t new tokens, hq query and n KV heads) under `config`
-    (None: the defaults) with merge_in_kernel: zeros [b, n, row blocks] int32, which every call leaves at zero, so
-    one buffer serves a forward's layers in turn (passed as `counts`, taken back from the result); None where
-    `config` does not merge in the kernel."""
-    config = TreeAttentionConfig() if config is None else config
-    if not config.merge_in_kernel:
-        return None
-    return jnp.zeros((b, n, _layout(b, t, hq, n, 1, 16, config)["row_blocks"]), jnp.int32)  # (rows: not s or d)
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "config", "interpret", "debug"))
-def tree_attention_pallas(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions, counts=None, *,
+def tree_attention_pallas(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions, *,
                           scale: float, sliding_window: int | None = None,
                           config: TreeAttentionConfig | None = None, interpret: bool = False,
-                          debug: bool = False):
+                          debug: bool = False) -> jax.Array:
     """The Pallas kernel; arguments and result as `tree_attention_reference`, plus the knobs.
 
     config: TreeAttentionConfig (None: defaults). interpret: run the kernel in the Pallas interpreter
-    (CPU). debug: print the kernel's jaxpr and Triton IR. counts: None, or (config.merge_in_kernel) the arrival
-    counts from `merge_counts` or an earlier call's result: the result is then (out, counts), zero again.
+    (CPU). debug: print the kernel's jaxpr and Triton IR.
     """
     config = TreeAttentionConfig() if config is None else config
-    if counts is not None and not config.merge_in_kernel:
-        raise ValueError("counts: only a config with merge_in_kernel takes them (merge_counts gives None otherwise)")
-    o, lse, lay, out, counts_out = _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new,
-                                                            new_mask, positions, scale=scale,
-                                                            sliding_window=sliding_window, config=config,
-                                                            interpret=interpret, debug=debug, counts=counts)
-    if out is None:
-        out = _merge_partials(o, lse, lay, q.shape, q.dtype, interpret=interpret)
-    return out if counts is None else (out, counts_out)
+    o, lse, lay = _tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask,
+                                           positions, scale=scale, sliding_window=sliding_window,
+                                           config=config, interpret=interpret, debug=debug)
+    return _merge_partials(o, lse, lay, q.shape, q.dtype, interpret=interpret)
 
 
-def tree_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions, counts=None, *,
+def tree_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions, *,
                    scale: float, sliding_window: int | None = None, implementation: str | None = None,
-                   config: TreeAttentionConfig | None = None, interpret: bool | None = None):
+                   config: TreeAttentionConfig | None = None, interpret: bool | None = None) -> jax.Array:
     """Dispatcher: the Pallas kernel on a GPU, the reference elsewhere.
 
     implementation: None (see `pallas_kernels._dispatch`: argument, then $DDTREE_JAX_KERNELS, then the
     backend), "pallas" or "reference". interpret: None interprets the kernel where there is no GPU.
-    Arguments and result as `tree_attention_reference`; with `counts` (see `tree_attention_pallas`) the result is
-    (out, counts), the reference's counts passed through.
+    Arguments and result as `tree_attention_reference`.
     """
     if resolve_implementation(implementation) == "reference":
-        out = tree_attention_reference(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions,
-                                       scale=scale, sliding_window=sliding_window)
-        return out if counts is None else (out, counts)
-    return tree_attention_pallas(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions, counts,
+        return tree_attention_reference(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions,
+                                        scale=scale, sliding_window=sliding_window)
+    return tree_attention_pallas(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions,
                                  scale=scale, sliding_window=sliding_window, config=config,
                                  interpret=resolve_interpret(interpret))
 

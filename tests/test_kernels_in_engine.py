@@ -104,45 +104,6 @@ def test_hybrid_with_pallas_kernels_under_tp_matches_one_device(hybrid_pair):
     assert_tp_matches_one_device(hybrid_pair, 6, 20)
 
 
-def test_attention_merged_in_kernel_gives_the_same_tokens(dense_pair, hybrid_pair, monkeypatch):
-    """`TreeAttentionConfig.merge_in_kernel` laid over the models' attention (`layers.ATTENTION_CONFIG`, as
-    `tools/with_knobs.py attention:merge_in_kernel=1` does): the target's and the drafter's attention merge their
-    chunks inside the kernel, their arrival counts threaded through the layers (`layers.attention_counts`), and AR
-    and DDTree give the pure-JAX path's tokens and acceptance: the dense pair on one device and (with two) under
-    tensor parallelism (the counts split by KV head), the hybrid on one device."""
-    import collections
-
-    from ddtree_jax import engine
-    from ddtree_jax.models import layers
-    from pallas_kernels.tree_attention import TreeAttentionConfig
-
-    from ddtree_jax.models import qwen3
-    from ddtree_jax.models.contract import ForwardMeta
-    from jaxprs import equations, pallas_call_names
-
-    monkeypatch.setattr(layers, "ATTENTION_CONFIG", TreeAttentionConfig(merge_in_kernel=True))
-    jax.clear_caches()  # the config is read when tracing: every program traced afresh
-    monkeypatch.setattr(engine, "_COMPILED", collections.OrderedDict())
-    # An AR step's program: every layer's attention in one launch, and one zeroed count buffer for them all.
-    target = load_target(dense_pair[0], jnp.float32)
-    cache = qwen3.create_cache(target.config, 2, 32, jnp.float32)
-    meta = ForwardMeta.step(jnp.array([3, 7]), jnp.array([True, True]))
-    runtime = DecodeOptions(kernels="pallas").runtime
-    program = jax.make_jaxpr(lambda p, t: qwen3.forward(p, t, meta, cache, runtime=runtime))(target,
-                                                                                               jnp.array([[5], [6]]))
-    names = pallas_call_names(program)
-    assert names.count("tree_attention_merged") == target.config.num_layers and "tree_attention_merge" not in names
-    counts_shape = layers.attention_counts(runtime, 2, 1, target.config.num_heads, target.config.num_kv_heads).shape
-    zero_fills = [eqn for eqn, outer in equations(program) if "pallas_call" not in outer
-                  and eqn.primitive.name == "broadcast_in_dim" and eqn.outvars[0].aval.shape == counts_shape
-                  and eqn.outvars[0].aval.dtype == jnp.int32]
-    assert len(zero_fills) == 1
-    assert_pallas_matches_jax(dense_pair, 8, 6)
-    if len(jax.devices()) >= 2:
-        assert_tp_matches_one_device(dense_pair, 8, 6)
-    assert_pallas_matches_jax(hybrid_pair, 6, 20)
-
-
 # ---- the default: "auto" kernels (Pallas on a GPU, pure JAX elsewhere)
 
 

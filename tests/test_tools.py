@@ -464,14 +464,14 @@ def test_with_knobs_lays_knobs_over_each_kernels_defaults(tmp_path, monkeypatch,
         "vocab_top_k.default_config(8192).segment, tree_build.default_config(31).block_rows, "
         "tree_build.default_config(512).prune, rounds.TREE_BUILD_KERNEL_UP_TO, layers.FUSED_KV_WRITE, "
         "layers.DENSE_STREAM_KNOBS.block_n, layers.DENSE_STREAM_KNOBS.splits, layers.FP8_STREAM_KNOBS.balance, "
-        "layers.FP8_STREAM_KNOBS.fp8_bits, (layers.ATTENTION_CONFIG or 0) and layers.ATTENTION_CONFIG.merge_in_kernel, "
+        "layers.FP8_STREAM_KNOBS.fp8_bits, (layers.ATTENTION_CONFIG or 0) and layers.ATTENTION_CONFIG.num_stages, "
         "sys.argv[1:])\n")
     assert (vocab_top_k.default_config(8192).threshold_once, tree_build.default_config(31).block_rows) == (0, 128)
     assert (tree_build.default_config(31).prune, tree_build.default_config(512).prune) == (1, 2)
     assert with_knobs.main(["top_k:threshold_once=1", "tree_build:block_rows=64",
                             "engine:tree_kernels_up_to=128,fused_kv_write=1", "dense_stream:block_n=16,splits=1",
-                            "fp8_stream:balance=1", "attention:merge_in_kernel=1", "-m", str(script), "--y"]) == 0
-    assert capsys.readouterr().out.strip() == "1 1 2048 64 2 128 True 16 1 1 1 True ['--y']"  # fp8_bits=1 kept
+                            "fp8_stream:balance=1", "attention:num_stages=2", "-m", str(script), "--y"]) == 0
+    assert capsys.readouterr().out.strip() == "1 1 2048 64 2 128 True 16 1 1 1 2 ['--y']"  # fp8_bits=1 kept
     assert with_knobs.main(["engine:fused_kv_write=0", "-m", str(script)]) == 0  # a switch that is on by default
     assert capsys.readouterr().out.strip().split()[-7] == "False"
     assert with_knobs.parse_item("engine:dense_stream_max_rows=0") == ("engine", {"dense_stream_max_rows": 0})
@@ -480,7 +480,7 @@ def test_with_knobs_lays_knobs_over_each_kernels_defaults(tmp_path, monkeypatch,
     for bad in ("topk:threshold_once=1", "top_k:one_launch=1", "tree_build:block_rows=48", "top_k:skip_cold=x",
                 "engine:tree_kernels_up_to=0", "engine:up_to=512", "engine:fused_kv_write=2",
                 "dense_stream:block_n=24", "fp8_stream:balance=3", "dense_stream_wide:prefetch=2",
-                "attention:block_q=48", "attention:row_invariant=1,merge_in_kernel=1"):
+                "attention:block_q=48", "attention:row_invariant=1,num_chunks=2"):
         assert with_knobs.main([bad, "-m", str(script)]) == 2
         assert capsys.readouterr().err.startswith(f"error: {bad!r}")
     assert with_knobs.main(["-m", str(script)]) == 2

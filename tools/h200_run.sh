@@ -106,8 +106,6 @@
 #                                                 -> stream27b_{on,off}/, kernels27b_{on,off}.json, against27b.txt
 #   barrier   tools/barrier_probe.py: a layer's four 8B projections in one persistent kernel met at grid barriers,
 #             against a launch each ($BARRIER_CONFIGS: its configs)                              -> barrier/
-#   merge_in_kernel  issue 19: the attention with its chunks merged inside the kernel: its GPU tests, then us per
-#             layer beside the default (S = 2048, T = 1, 16, 65)                                -> merge_kc/
 # Variables: BENCH_LIMIT, BUDGETS, KERNELS, MODES, REPEATS, KERNEL_LIMIT, KERNEL_ARGS, HYBRID_BUDGETS, HYBRID_MODES
 # (e.g. ar,dflash,mtp,ddtree: the 27B's MTP head beside DFlash and DDTree).
 set -uo pipefail
@@ -647,16 +645,6 @@ fp8_bits=$bits); runpy.run_module('ddtree_jax.bench', run_name='__main__')" --sh
       log "barrier probe"
       timeout -k 5 "${BARRIER_LIMIT:-240}" python3 tools/barrier_probe.py --out "$OUT/barrier" \
         ${BARRIER_CONFIGS:+--configs "$BARRIER_CONFIGS"} 2>&1 | grep -E '^\||rror'
-      ;;
-    merge_in_kernel)
-      # Issue 19: the attention's chunks merged inside the kernel (TreeAttentionConfig.merge_in_kernel, off): its GPU
-      # tests compiled (the two-launch form's bits at the 8B shape, six inputs), then us per layer beside the
-      # default at S = 2048 (the rounds: knobs_bench with KNOBS="attention:merge_in_kernel=1")
-      log "merge in kernel: GPU tests"
-      kernel_gpu_tests 200 tree_attention "merge"
-      log "merge in kernel: per layer, S = 2048"
-      timeout -k 5 "${MERGE_LIMIT:-150}" python3 tools/kernel_check.py --out "$OUT/merge_kc" --only attention \
-        --s 2048 --t 1,16,65 --attention-configs merge_in_kernel=true --no-alternatives 2>&1 | grep -E '^\||rror'
       ;;
     *)
       echo "unknown step $step"; exit 2 ;;

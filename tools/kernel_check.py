@@ -217,22 +217,14 @@ def dpa_mask(shared: dict, s: int) -> jax.Array:
 # Programs: L layers back to back in one jitted function
 
 
-def attention_program(layer_fn, layers: int, counts=None):
+def attention_program(layer_fn, layers: int):
     """L layers back to back, `repeats` passes (a device loop; each pass's outputs are the next pass's
-    queries, so no pass can be hoisted or skipped). Returns the last pass's outputs. With `counts` (a merging
-    config's `merge_counts`) layer_fn takes and returns them, and the layers thread one buffer, as the models do."""
+    queries, so no pass can be hoisted or skipped). Returns the last pass's outputs."""
     def run(q, k_cache, v_cache, k_new, v_new, cache_lengths, new_mask, positions, repeats):
-        def one_pass(_, carry):
-            qs, arrivals = carry
-            outs = []
-            for i in range(layers):
-                args = (qs[i], k_cache[i], v_cache[i], cache_lengths, k_new[i], v_new[i], new_mask, positions)
-                out = layer_fn(*args) if arrivals is None else layer_fn(*args, arrivals)
-                if arrivals is not None:
-                    out, arrivals = out
-                outs.append(out.astype(qs[i].dtype))
-            return tuple(outs), arrivals
-        return jax.lax.fori_loop(0, repeats, one_pass, (tuple(q), counts))[0]
+        def one_pass(_, qs):
+            return tuple(layer_fn(qs[i], k_cache[i], v_cache[i], cache_lengths, k_new[i], v_new[i], new_mask,
+                                  positions).astype(qs[i].dtype) for i in range(layers))
+        return jax.lax.fori_loop(0, repeats, one_pass, tuple(q))
     return run
 
 
@@ -326,8 +318,7 @@ def time_attention(shape: dict, ceilings: dict, records: list, save, *, interpre
                 reference = run_variant("reference (jnp, XLA)", "", ref_fn, args, timed=alternatives)
                 for config in variants:
                     fn = attention_program(functools.partial(ta.tree_attention_pallas, scale=scale, config=config,
-                                                             interpret=interpret), layers,
-                                           ta.merge_counts(b, t, shape["hq"], shape["n"], config))
+                                                             interpret=interpret), layers)
                     run_variant("pallas", _short(config), fn, args, reference)
                 if not alternatives:
                     records_here = [r for r in records_here if r["variant"] != "reference (jnp, XLA)"]

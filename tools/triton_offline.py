@@ -210,11 +210,9 @@ def main(argv: list[str] | None = None) -> int:
             attn_args = [sds((b, t, hq, d), dtype), sds((b, s, n, d), dtype), sds((b, s, n, d), dtype),
                          sds((b,), jnp.int32), sds((b, t, n, d), dtype), sds((b, t, n, d), dtype),
                          sds((b, t, t), bool), sds((b, t), jnp.int32)]
-            for config in configs + [ta.TreeAttentionConfig(merge_in_kernel=True)] + [
-                    ta.TreeAttentionConfig(row_invariant=True, num_stages=st) for st in (1, 2)]:
+            for config in configs + [ta.TreeAttentionConfig(row_invariant=True, num_stages=st) for st in (1, 2)]:
                 fn = functools.partial(ta.tree_attention_pallas, scale=d ** -0.5, config=config)
-                kind = ("tree_attention row_invariant" if config.row_invariant
-                        else "tree_attention merged" if config.merge_in_kernel else "tree_attention")
+                kind = "tree_attention row_invariant" if config.row_invariant else "tree_attention"
                 jobs.append((f"{kind} {jnp.dtype(dtype).name} T={t}", config, fn, attn_args))
             fn = functools.partial(ta.tree_attention_pallas, scale=d ** -0.5)
             jobs.append((f"attention merge {jnp.dtype(dtype).name} T={t}", MERGE, fn, attn_args, 1))

@@ -15,7 +15,7 @@ kernel's `default_config`, which is what the engine uses when it passes no confi
   `ddtree_jax.models.layers.DENSE_STREAM_KNOBS` / `FP8_STREAM_KNOBS`, the knobs of the dense and FP8 projections
   that stream (`dense_stream:balance=1`: k split so the programs spread evenly over the multiprocessors);
 - `attention`: `pallas_kernels.tree_attention.TreeAttentionConfig` over `ddtree_jax.models.layers.ATTENTION_CONFIG`,
-  the fast kernel's config in every model (`attention:merge_in_kernel=1`: the chunks merged inside the kernel);
+  the fast attention kernel's config in every model (`attention:num_stages=2,block_k=32`);
 - `engine`: the engine's own choices, `tree_kernels_up_to=N` (`ddtree_jax.round.TREE_BUILD_KERNEL_UP_TO`: the
   budgets whose tree build runs in the Pallas kernel, 512 by default: e.g. 128 to time B = 256 and 512 with XLA's
   builder), `top_k_kernel_up_to=N`

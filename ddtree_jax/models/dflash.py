@@ -26,8 +26,7 @@ from ddtree_jax.cache import KVCache, advance, write_layers
 from ddtree_jax.config import DFlashConfig
 from ddtree_jax.models import qwen3
 from ddtree_jax.models.contract import Runtime
-from ddtree_jax.models.layers import (Linear, RMSNorm, add_and_norm, apply_rope, attention_counts, cached_attention,
-                                      project_qk_norm_rope,
+from ddtree_jax.models.layers import (Linear, RMSNorm, add_and_norm, apply_rope, cached_attention, project_qk_norm_rope,
                                       rope_cos_sin)
 from ddtree_jax.models.params import ModelParams, abstract_params, random_params
 
@@ -111,15 +110,14 @@ def draft_hidden(params: ModelParams, target: ModelParams, block_tokens: jax.Arr
     cos, sin = rope_cos_sin(positions, config.rope, config.head_dim)
     d = config.head_dim
     delta = None  # what the previous layer's MLP adds to the stream: added by the next norm's call
-    counts = attention_counts(runtime, b, bs, config.num_heads, config.num_kv_heads)
     for i, layer in enumerate(model.layers):
         with jax.named_scope(f"draft_layer_{i}"):
             attn = layer.self_attn
             h, x = add_and_norm(layer.input_layernorm, h, delta, runtime, into=attn.qkv_proj)
             q, k, v = project_qk_norm_rope(attn, x, cos, sin, runtime)
-            out, counts = cached_attention(q, cache.k[i], cache.v[i], cache.lengths, k, v,
-                                           block_mask(b, bs, config.layer_causal[i]), positions, scale=d ** -0.5,
-                                           sliding_window=config.layer_windows[i], runtime=runtime, counts=counts)
+            out = cached_attention(q, cache.k[i], cache.v[i], cache.lengths, k, v,
+                                   block_mask(b, bs, config.layer_causal[i]), positions,
+                                   scale=d ** -0.5, sliding_window=config.layer_windows[i], runtime=runtime)
             attn_out = attn.o_proj(out.reshape(b, bs, -1), runtime)
             h, x = add_and_norm(layer.post_attention_layernorm, h, attn_out, runtime, into=layer.mlp.gate_up_proj)
             delta = layer.mlp(x, runtime)

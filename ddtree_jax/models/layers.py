@@ -23,7 +23,7 @@ from ddtree_jax.models.contract import Fp8Matmul, Runtime
 from pallas_kernels.qk_norm_rope import qk_norm_rope
 from pallas_kernels.rms_norm import add_rms_norm
 from pallas_kernels.stream_matmul import StreamMatmulConfig, fitted_config, stream_matmul, swiglu
-from pallas_kernels.tree_attention import ROW_INVARIANT_CONFIG, TreeAttentionConfig, merge_counts, tree_attention
+from pallas_kernels.tree_attention import ROW_INVARIANT_CONFIG, TreeAttentionConfig, tree_attention
 
 from ddtree_jax.config import RopeConfig
 
@@ -59,8 +59,10 @@ FUSED_KV_WRITE = True
 # The fast attention kernel's knobs (None: its defaults). The kernel in one launch without the chunks' merge (a
 # `single_pass` knob, removed since) was slower on the H200 at every point timed (2026-12-05): 7.8 against 6.3 us at
 # S = 256, T = 1 (a demo cache) and 29.7 against 9.5 at S = 2048, T = 1 (too few programs once the keys are not
-# split into chunks). `merge_in_kernel` (the chunks merged inside the kernel, no second launch; off until timed):
-# `tools/with_knobs.py attention:merge_in_kernel=1`.
+# split into chunks). The chunks merged inside the kernel by the program of a row block that arrives last on an
+# atomic count (`merge_in_kernel`, removed; its code in git history at 23923ba) was slower on an H100 (2026-12-06):
+# 12.9 / 27.5 / 25.6 against 9.1 / 11.1 / 22.1 us a layer at S = 2048 and T = 1 / 16 / 65 (one program merges
+# what the merge kernel spreads over many). `tools/with_knobs.py attention:KNOB=N` lays knobs over this in rounds.
 ATTENTION_CONFIG: TreeAttentionConfig | None = None
 
 # The streaming kernel's row tile under `Runtime.row_invariant`: one mma shape (Triton's mma.sync on Hopper) for
@@ -588,43 +590,28 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def attention_counts(runtime: Runtime, batch: int, new_tokens: int, heads: int, kv_heads: int) -> jax.Array | None:
-    """The arrival counts a forward threads through its `cached_attention` calls (`pallas_kernels.tree_attention.
-    merge_counts`: zeros [b, KV heads, row blocks] int32, left at zero by every call) where the fast attention
-    kernel merges its chunks inside the kernel (`ATTENTION_CONFIG.merge_in_kernel`) and the Pallas kernels run;
-    else None. One buffer for all layers: one zero fill a forward instead of one a layer."""
-    return merge_counts(batch, new_tokens, heads, kv_heads, ATTENTION_CONFIG) if runtime.pallas else None
-
-
 def cached_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, cache_lengths: jax.Array,
                      k_new: jax.Array, v_new: jax.Array, new_mask: jax.Array, positions: jax.Array, *, scale: float,
-                     sliding_window: int | None = None, runtime: Runtime = Runtime(),
-                     counts: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+                     sliding_window: int | None = None, runtime: Runtime = Runtime()) -> jax.Array:
     """Attention of new tokens over the committed cache plus the new tokens themselves: the models' one
     call of `pallas_kernels.tree_attention.tree_attention`, whose arguments and result it has (q [b, t, n*g, d],
     K/V cache [b, s, n, d], lengths [b], new K/V [b, t, n, d], new_mask [b, t, t], positions [b, t] ->
-    [b, t, n*g, d]), with the arrival counts beside (`attention_counts`; None, or passed through where this call's
-    kernel does not merge its chunks): -> (out, counts). `runtime.kernels` picks the Pallas kernel or its pure-JAX
-    reference (which is the models' jnp path, not a copy of it). Under tensor parallelism the kernel runs under
-    `shard_map` on each device's own heads (q heads are kv-head-major, so GQA groups stay whole; the counts are split
-    by KV head too); when the KV heads do not divide by the mesh size it runs unsplit. XLA partitions the reference
-    itself.
+    [b, t, n*g, d]). `runtime.kernels` picks the Pallas kernel or its pure-JAX reference (which is the
+    models' jnp path, not a copy of it). Under tensor parallelism the kernel runs under `shard_map` on each
+    device's own heads (q heads are kv-head-major, so GQA groups stay whole); when the KV heads do not
+    divide by the mesh size it runs unsplit. XLA partitions the reference itself.
     """
     implementation = "pallas" if runtime.pallas else "reference"
     # The row-invariant kernel has no sliding window: a windowed layer keeps the fast kernel.
     invariant = runtime.row_invariant and sliding_window is None
-    config = ROW_INVARIANT_CONFIG if invariant else ATTENTION_CONFIG
     attend = functools.partial(tree_attention, scale=scale, sliding_window=sliding_window,
-                               implementation=implementation, config=config)
+                               implementation=implementation,
+                               config=ROW_INVARIANT_CONFIG if invariant else ATTENTION_CONFIG)
     args = (q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions)
-    threaded = counts is not None and runtime.pallas and config is not None and config.merge_in_kernel
     mesh = runtime.tp_mesh
     if not runtime.pallas or mesh is None or k_cache.shape[2] % mesh.size:
-        return attend(*args, counts) if threaded else (attend(*args), counts)
+        return attend(*args)
     heads, rep = P(None, None, "model", None), P()
-    specs = (heads, heads, heads, rep, heads, heads, rep, rep)
-    if not threaded:
-        return jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)(*args), counts
-    by_head = P(None, "model", None)
-    return jax.shard_map(attend, mesh=mesh, in_specs=(*specs, by_head), out_specs=(heads, by_head),
-                         check_vma=False)(*args, counts)
+    sharded = jax.shard_map(attend, mesh=mesh, in_specs=(heads, heads, heads, rep, heads, heads, rep, rep),
+                            out_specs=heads, check_vma=False)
+    return sharded(*args)

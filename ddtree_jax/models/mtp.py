@@ -48,7 +48,7 @@ from ddtree_jax.cache import KVCache, MTPCache, advance, write_pending
 from ddtree_jax.config import FULL_ATTENTION, MTPConfig
 from ddtree_jax.models import qwen3, qwen3_5
 from ddtree_jax.models.contract import Runtime, causal_mask
-from ddtree_jax.models.layers import Linear, add_and_norm, attention_counts, cached_attention, rope_cos_sin
+from ddtree_jax.models.layers import Linear, add_and_norm, cached_attention, rope_cos_sin
 from ddtree_jax.models.params import ModelParams, abstract_params, random_params
 
 PREFIX = "mtp."  # where a checkpoint keeps the head's tensors, beside the target's
@@ -155,8 +155,8 @@ def ingest_outputs(params: ModelParams, target: ModelParams, tokens: jax.Array, 
     positions = kv.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
     x = fuse(head, target, tokens, hidden.astype(kv.k[0].dtype), runtime)
     q, gate, k, v = project(head, config, x, positions, runtime)
-    attended, _ = cached_attention(q, kv.k[0], kv.v[0], kv.lengths, k, v, causal_mask(counts, t), positions,
-                                   scale=config.layers.head_dim ** -0.5, runtime=runtime)
+    attended = cached_attention(q, kv.k[0], kv.v[0], kv.lengths, k, v, causal_mask(counts, t), positions,
+                                scale=config.layers.head_dim ** -0.5, runtime=runtime)
     out = finish(head, x, attended, gate, runtime)
     last = jnp.take_along_axis(out, jnp.maximum(counts - 1, 0)[:, None, None], axis=1)[:, 0]
     kv = KVCache(k=(write_pending(kv.k[0], k, kv.lengths),), v=(write_pending(kv.v[0], v, kv.lengths),),
@@ -187,7 +187,6 @@ def draft_logits(params: ModelParams, target: ModelParams, cache: MTPCache, step
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((chain, chain), bool)), (b, chain, chain))
     buffer_k = jnp.zeros((b, chain, n, d), kv.k[0].dtype)
     buffer_v = jnp.zeros((b, chain, n, d), kv.v[0].dtype)
-    arrivals = attention_counts(runtime, b, chain, config.layers.num_heads, n)  # one buffer for the chain's calls
     for i in range(chain):
         with jax.named_scope(f"mtp_step_{i + 2}"):
             token = jnp.argmax(logits[-1], axis=-1).astype(jnp.int32) if tokens is None else tokens[:, i]
@@ -195,10 +194,8 @@ def draft_logits(params: ModelParams, target: ModelParams, cache: MTPCache, step
             q, gate, k, v = project(head, config, x, positions[:, i:i + 1], runtime)
             buffer_k, buffer_v = buffer_k.at[:, i].set(k[:, 0]), buffer_v.at[:, i].set(v[:, 0])
             rows = jnp.broadcast_to(q, (b, chain) + q.shape[2:])
-            attended, arrivals = cached_attention(rows, kv.k[0], kv.v[0], kv.lengths, buffer_k, buffer_v, mask,
-                                                  positions, scale=config.layers.head_dim ** -0.5, runtime=runtime,
-                                                  counts=arrivals)
-            attended = attended[:, i:i + 1]
+            attended = cached_attention(rows, kv.k[0], kv.v[0], kv.lengths, buffer_k, buffer_v, mask, positions,
+                                        scale=config.layers.head_dim ** -0.5, runtime=runtime)[:, i:i + 1]
             hidden = finish(head, x, attended, gate, runtime)[:, 0]
             logits.append(qwen3.logits(target, hidden, runtime))
     return jnp.stack(logits, axis=1)

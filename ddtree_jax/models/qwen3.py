@@ -18,8 +18,8 @@ from ddtree_jax.cache import KVCache, PendingKV, write_pending
 from ddtree_jax.config import Qwen3Config
 from ddtree_jax.models.contract import ForwardMeta, ForwardOut, Runtime
 from ddtree_jax.models.layers import (Embedding, Linear, PackedProjections, Part, RMSNorm, SwiGLU, add_and_norm,
-                                      attention_counts, cached_attention, fuses_kv_write, linear,
-                                      project_qk_norm_rope, rope_cos_sin)
+                                      cached_attention, fuses_kv_write, linear, project_qk_norm_rope,
+                                      rope_cos_sin)
 from ddtree_jax.models.params import ModelParams, abstract_params, random_params
 
 RECURRENT = False  # attention only: the cache is a KVCache
@@ -40,13 +40,11 @@ class Attention(nnx.Module):
         self.head_dim = d
 
     def __call__(self, x, cos, sin, k_cache, v_cache, cache_lengths, meta: ForwardMeta, *,
-                 sliding_window: int | None, runtime: Runtime, write_starts: jax.Array | None = None,
-                 counts: jax.Array | None = None):
-        """x [b, t, e], cos/sin [b, t, d] -> (out [b, t, e], k_new [b, t, n, d], v_new [b, t, n, d], written,
-        counts): written None, or where `write_starts` [b] is given and `fuses_kv_write`, the caches (k, v
-        [b, s, n, d]) with the new K/V written at slots [write_starts, write_starts + t) by the q/k-norm-RoPE kernel
-        (the attention then reads the committed slots from them: the caches are updated in place); counts: the
-        attention's arrival counts, threaded (`layers.attention_counts`)."""
+                 sliding_window: int | None, runtime: Runtime, write_starts: jax.Array | None = None):
+        """x [b, t, e], cos/sin [b, t, d] -> (out [b, t, e], k_new [b, t, n, d], v_new [b, t, n, d], written):
+        written None, or where `write_starts` [b] is given and `fuses_kv_write`, the caches (k, v [b, s, n, d])
+        with the new K/V written at slots [write_starts, write_starts + t) by the q/k-norm-RoPE kernel (the
+        attention then reads the committed slots from them: the caches are updated in place)."""
         b, t, _ = x.shape
         d = self.head_dim
         written = None
@@ -56,9 +54,9 @@ class Attention(nnx.Module):
             written = (k_cache, v_cache)
         else:
             q, k, v = project_qk_norm_rope(self, x, cos, sin, runtime)
-        out, counts = cached_attention(q, k_cache, v_cache, cache_lengths, k, v, meta.new_mask, meta.positions,
-                                       scale=d ** -0.5, sliding_window=sliding_window, runtime=runtime, counts=counts)
-        return self.o_proj(out.reshape(b, t, -1), runtime), k, v, written, counts
+        out = cached_attention(q, k_cache, v_cache, cache_lengths, k, v, meta.new_mask, meta.positions,
+                               scale=d ** -0.5, sliding_window=sliding_window, runtime=runtime)
+        return self.o_proj(out.reshape(b, t, -1), runtime), k, v, written
 
 
 class DecoderLayer(nnx.Module):
@@ -117,15 +115,14 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: KV
     # Where the rows go in the caches (a call that writes them): `write_pending`'s slots, clamped as it clamps.
     starts = None if meta.is_tree else jnp.minimum(cache.lengths, cache.capacity - tokens.shape[1]).astype(jnp.int32)
     delta = None  # what the previous layer's MLP adds to the stream: added by the next norm's call
-    counts = attention_counts(runtime, *tokens.shape, config.num_heads, config.num_kv_heads)
     for i, layer in enumerate(model.model.layers):
         with jax.named_scope(f"layer_{i}"):
             x, h = add_and_norm(layer.input_layernorm, x, delta, runtime, into=layer.self_attn.qkv_proj)
             if i - 1 in tap_layers:
                 taps[i - 1] = x
-            attn_out, k, v, caches, counts = layer.self_attn(
-                h, cos, sin, cache.k[i], cache.v[i], cache.lengths, meta, sliding_window=config.sliding_windows[i],
-                runtime=runtime, write_starts=starts, counts=counts)
+            attn_out, k, v, caches = layer.self_attn(h, cos, sin, cache.k[i], cache.v[i], cache.lengths, meta,
+                                                     sliding_window=config.sliding_windows[i], runtime=runtime,
+                                                     write_starts=starts)
             x, h = add_and_norm(layer.post_attention_layernorm, x, attn_out, runtime, into=layer.mlp.gate_up_proj)
             delta = layer.mlp(h, runtime)
         new_k.append(k)

@@ -41,7 +41,7 @@ from ddtree_jax.config import FULL_ATTENTION, Qwen3_5Config
 from ddtree_jax.models import qwen3
 from ddtree_jax.models.contract import ForwardMeta, ForwardOut, Runtime
 from ddtree_jax.models.layers import (Embedding, Linear, PackedProjections, Part, SwiGLU, add_and_norm, apply_rope,
-                                      attention_counts, cached_attention, param, rope_cos_sin)
+                                      cached_attention, param, rope_cos_sin)
 from ddtree_jax.models.params import ModelParams, abstract_params, random_params
 from ddtree_jax.parallel import MODEL_AXIS
 from pallas_kernels import tree_delta_rule as tree_rule_kernel
@@ -314,14 +314,12 @@ class GatedAttention(nnx.Module):
         b, t = attended.shape[:2]
         return self.o_proj(attended.reshape(b, t, -1) * jax.nn.sigmoid(gate), runtime)
 
-    def __call__(self, x, cos, sin, k_cache, v_cache, cache_lengths, meta: ForwardMeta, *, runtime: Runtime,
-                 counts: jax.Array | None = None):
-        """x [b, t, e], cos/sin [b, t, rotary_dim] -> (out [b, t, e], k_new [b, t, n, d], v_new [b, t, n, d],
-        counts: the attention's arrival counts, threaded (`layers.attention_counts`))."""
+    def __call__(self, x, cos, sin, k_cache, v_cache, cache_lengths, meta: ForwardMeta, *, runtime: Runtime):
+        """x [b, t, e], cos/sin [b, t, rotary_dim] -> (out [b, t, e], k_new [b, t, n, d], v_new [b, t, n, d])."""
         q, gate, k, v = self.project(x, cos, sin, runtime)
-        out, counts = cached_attention(q, k_cache, v_cache, cache_lengths, k, v, meta.new_mask, meta.positions,
-                                       scale=self.head_dim ** -0.5, runtime=runtime, counts=counts)
-        return self.output(out, gate, runtime), k, v, counts
+        out = cached_attention(q, k_cache, v_cache, cache_lengths, k, v, meta.new_mask, meta.positions,
+                               scale=self.head_dim ** -0.5, runtime=runtime)
+        return self.output(out, gate, runtime), k, v
 
 
 def _tree_rule_kernel(q, k, v, g, beta, initial_state, visible, *, precision: str, mesh: jax.sharding.Mesh | None):
@@ -547,7 +545,6 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: Hy
     attn_index = {layer: j for j, layer in enumerate(config.attention_layers)}
     linear_index = {layer: j for j, layer in enumerate(config.linear_layers)}
     delta = None  # what the previous layer's MLP adds to the stream: added by the next norm's call
-    counts = attention_counts(runtime, *tokens.shape, config.num_heads, config.num_kv_heads)
     for i, layer in enumerate(model.model.layers):
         with jax.named_scope(f"layer_{i}"):
             x, h = add_and_norm(layer.input_layernorm, x, delta, runtime)
@@ -555,8 +552,7 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: Hy
                 taps[i - 1] = x
             if i in attn_index:
                 j = attn_index[i]
-                mixed, k, v, counts = layer.self_attn(h, cos, sin, kv.k[j], kv.v[j], lengths, meta, runtime=runtime,
-                                                      counts=counts)
+                mixed, k, v = layer.self_attn(h, cos, sin, kv.k[j], kv.v[j], lengths, meta, runtime=runtime)
                 new_k[j], new_v[j] = (k, v) if tree else (write_pending(kv.k[j], k, lengths),
                                                           write_pending(kv.v[j], v, lengths))
             else:

@@ -39,8 +39,7 @@ class Case:
     def __str__(self):
         return (f"t{self.t}-n{self.n}g{self.g}-s{self.s}-len{'_'.join(map(str, self.lengths))}-d{self.d}"
                 f"-w{self.window}-{self.dtype}" + ("-lean" if self.config.lean_steps else "")
-                + ("-row-invariant" if self.config.row_invariant else "")
-                + ("-merged" if self.config.merge_in_kernel else ""))
+                + ("-row-invariant" if self.config.row_invariant else ""))
 
 
 CASES = [
@@ -74,14 +73,6 @@ CASES = [
          config=ta.TreeAttentionConfig(block_k=16, row_invariant=True)),
     Case(t=65, n=1, g=4, s=40, lengths=(33, 0), d=16, dtype="bfloat16",
          config=ta.TreeAttentionConfig(block_k=16, chunk=16, row_invariant=True, num_stages=1)),
-    # The partials merged inside the kernel: the AR step over 3 chunks (an empty cache, a full one); 65 nodes in
-    # five row blocks with a window and padding nodes; bf16 with a head dim padded to 32 (columns past d masked).
-    Case(t=1, n=2, g=1, s=37, lengths=(0, 37),
-         config=ta.TreeAttentionConfig(block_q=16, block_k=16, num_chunks=3, merge_in_kernel=True)),
-    Case(t=65, n=1, g=4, s=20, lengths=(20, 3), d=16, window=40, valid=50,
-         config=ta.TreeAttentionConfig(block_q=64, block_k=16, num_chunks=2, merge_in_kernel=True)),
-    Case(t=5, n=2, g=4, s=50, lengths=(13, 50), d=24, valid=3, dtype="bfloat16",
-         config=ta.TreeAttentionConfig(block_k=16, merge_in_kernel=True)),
 ]
 
 
@@ -122,12 +113,10 @@ def make_inputs(case: Case, seed: int):
 def kernel_with_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions, *, scale,
                          sliding_window, config, interpret):
     """What tree_attention_pallas computes, plus the raw per-chunk outputs (to check every element is written)."""
-    o, lse, lay, out, _ = ta._tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask,
-                                                      positions, scale=scale, sliding_window=sliding_window,
-                                                      config=config, interpret=interpret)
-    if out is None:
-        out = ta._merge_partials(o, lse, lay, q.shape, q.dtype, interpret=interpret)
-    return out, o, lse
+    o, lse, lay = ta._tree_attention_partials(q, k_cache, v_cache, cache_lengths, k_new, v_new, new_mask, positions,
+                                              scale=scale, sliding_window=sliding_window, config=config,
+                                              interpret=interpret)
+    return ta._merge_partials(o, lse, lay, q.shape, q.dtype, interpret=interpret), o, lse
 
 
 def tolerance(dtype: str) -> dict:
@@ -243,49 +232,6 @@ def test_row_invariant_rows_equal_the_ar_step_bitwise(interpret: bool):
     assert differing["fast"] > 0
 
 
-@pytest.mark.parametrize("interpret", INTERPRET)
-@pytest.mark.parametrize("t", [1, 65])
-def test_merge_in_kernel_gives_the_merge_kernels_bits(t: int, interpret: bool):
-    """merge_in_kernel: the program of a row block that arrives last merges its partials with the merge kernel's
-    arithmetic (weights, order, column tiles), so the output has the two-launch form's bits, whether the call makes
-    its zeroed counts or takes the last call's (`merge_counts`, threaded from call to call as the models do: each
-    call must leave them at zero, or the next one's merge never runs). Compiled, at the Qwen3-8B attention shape (8
-    KV heads of 4 query heads, d = 128, bf16, 2048 slots: 5-17 splits of a row block run at once), over several
-    inputs: a merge that ran before every partial was written, or read a stale one, gives other bits. Interpreted
-    (programs one after another), a small shape: the merge's own arithmetic and the counts' reset."""
-    if interpret:
-        case = Case(t=t, n=2, g=4, s=40, lengths=(40, 9), d=16, dtype="bfloat16",
-                    config=ta.TreeAttentionConfig(block_q=16, block_k=16, num_chunks=3))
-        seeds = [31, 32]
-    else:
-        case = Case(t=t, n=8, g=4, s=2048, lengths=(2048,), d=128, dtype="bfloat16", config=ta.TreeAttentionConfig())
-        seeds = range(40, 46)
-    merged = dataclasses.replace(case.config, merge_in_kernel=True)
-    b, hq = len(case.lengths), case.n * case.g
-    counts = ta.merge_counts(b, case.t, hq, case.n, merged)
-    assert counts.shape == (b, case.n, -(-case.t * case.g // ta._layout(b, case.t, hq, case.n, case.s, case.d,
-                                                                        merged)["block_q"]))
-    assert ta.merge_counts(b, case.t, hq, case.n, case.config) is None
-    for seed in seeds:
-        x = make_inputs(case, seed=seed)
-        two = np.asarray(ta.tree_attention_pallas(**x, scale=0.1, config=case.config, interpret=interpret), np.float32)
-        made = ta.tree_attention_pallas(**x, scale=0.1, config=merged, interpret=interpret)
-        threaded, counts = ta.tree_attention_pallas(**x, counts=counts, scale=0.1, config=merged, interpret=interpret)
-        assert not np.isnan(two).any()
-        np.testing.assert_array_equal(np.asarray(made, np.float32), two)
-        np.testing.assert_array_equal(np.asarray(threaded, np.float32), two)
-        np.testing.assert_array_equal(np.asarray(counts), 0)
-
-
-def test_counts_are_checked():
-    x = make_inputs(Case(t=5, n=2, g=4, s=20, lengths=(7,)), seed=1)
-    merged = ta.TreeAttentionConfig(block_q=16, block_k=16, merge_in_kernel=True)
-    with pytest.raises(ValueError, match="only a config with merge_in_kernel takes them"):
-        ta.tree_attention_pallas(**x, counts=ta.merge_counts(1, 5, 8, 2, merged), scale=0.5, interpret=True)
-    with pytest.raises(ValueError, match=r"counts must be int32 \[b, n, row blocks\] = \(1, 2, 2\)"):
-        ta.tree_attention_pallas(**x, counts=jnp.zeros((1, 2, 1), jnp.int32), scale=0.5, config=merged, interpret=True)
-
-
 def test_row_invariant_takes_no_window():
     x = make_inputs(Case(t=5, n=1, g=4, s=20, lengths=(7,)), seed=1)
     with pytest.raises(ValueError, match="no sliding window"):
@@ -357,14 +303,10 @@ class TestDispatchAndConfig:
 
     @pytest.mark.parametrize("field,value", [("block_q", 8), ("block_q", 48), ("block_k", 0), ("block_k", True),
                                              ("block_u", 24), ("num_chunks", 0), ("num_warps", 3), ("num_stages", 0),
-                                             ("lean_steps", 1), ("row_invariant", "yes"), ("merge_in_kernel", 1)])
+                                             ("lean_steps", 1), ("row_invariant", "yes")])
     def test_bad_config_names_the_value(self, field, value):
         with pytest.raises(ValueError, match=rf"TreeAttentionConfig\.{field}={value!r}"):
             ta.TreeAttentionConfig(**{field: value})
-
-    def test_merge_in_kernel_is_the_fast_kernels(self):
-        with pytest.raises(ValueError, match="merge_in_kernel=True: a knob of the fast kernel only"):
-            ta.TreeAttentionConfig(row_invariant=True, merge_in_kernel=True)
 
     def test_bad_shapes(self):
         x = make_inputs(Case(t=5, n=2, g=4, s=20, lengths=(3,)), seed=0)
