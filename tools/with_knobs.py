@@ -30,7 +30,7 @@ kernel's `default_config`, which is what the engine uses when it passes no confi
   `dense_stream_wide:...`, `...layers.DENSE_STREAM_WIDE_KNOBS`; 0, off), `w8a8_rows_from_norm`
   (`...layers.W8A8_ROWS_FROM_NORM`: W8A8's rows for q|k|v and gate|up quantised by the norm kernel before them; off),
   `w8a8_quantize_first_above=N` (`...layers.W8A8_QUANTIZE_FIRST_ABOVE`: W8A8's rows of streamed calls of more than N
-  rows quantised first, not inside the streaming kernel; 0, off),
+  rows quantised first, not inside the streaming kernel; 16 by default, 0: inside at any row count),
   `early_launch` (`pallas_kernels.launch.EARLY_LAUNCH`: each Pallas kernel lets the next kernel be launched at
   its entry, Hopper's programmatic dependent launch; on), `split_sums_kernel`
   (`pallas_kernels.stream_matmul.SPLIT_SUMS_KERNEL`: a streamed projection's split sums added by a Pallas kernel,
