@@ -227,7 +227,7 @@ def _fp8_bf16_step(tmp_path):
 
 
 def test_w8a8_rows_from_the_norm_give_the_same_bits(tmp_path, monkeypatch):
-    """`layers.W8A8_ROWS_FROM_NORM` (off by default): under W8A8 the add + RMSNorm kernel before q|k|v and gate|up
+    """`layers.W8A8_ROWS_FROM_NORM` (on by default): under W8A8 the add + RMSNorm kernel before q|k|v and gate|up
     hands them FP8 rows (codes and scales, `QuantizedRows`), which the streaming kernel takes as given instead of
     quantising each step's tile: an AR step's program runs the quantising norm kernel twice a layer, and its hidden
     states and caches keep their bits (bf16, kernels interpreted). Under W8A16 nothing changes."""

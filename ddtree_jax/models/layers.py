@@ -118,11 +118,14 @@ GLU_IN_EPILOGUE = False
 # `quantize_group`: FP8 codes and each group's scale, `QuantizedRows`) and streamed as given (`stream_matmul`'s
 # `x_scale`), instead of each streaming program quantising every step's row tile itself (`quantize_x`: a
 # cross-warp reduction, a conversion, a store and a barrier in every step of every program). The same bits
-# (`quantize_rows`' power-of-two scales either way). Off: no gain on an H100 (2026-12-05 late, docs/performance.md;
-# `python tools/with_knobs.py engine:w8a8_rows_from_norm=1 -m ddtree_jax.bench --shape qwen3-8b --weights fp8
-# --fp8-matmul w8a8 ...`, alternating: AR 4.16 / 4.13 ms against 4.11 / 4.16, DFlash 5.83 / 5.72 against 5.74 /
-# 5.83); not yet timed on an H200.
-W8A8_ROWS_FROM_NORM = False
+# (`quantize_rows`' power-of-two scales either way). On since 2026-12-06: on an H100 (docs/performance.md; `python
+# tools/with_knobs.py engine:w8a8_rows_from_norm=1 -m ddtree_jax.bench --shape qwen3-8b --weights fp8 --fp8-matmul
+# w8a8 ...`, alternating) the 8B FP8 B = 64 round took 6.90 / 6.93 ms against 7.11 / 7.03 (its 65 rows otherwise
+# quantised first by an XLA fusion before q|k|v and gate|up, `W8A8_QUANTIZE_FIRST_ABOVE`), the DFlash round 5.71 /
+# 5.69 against 5.71 / 5.69, and on 2026-12-05 late the AR step 4.16 / 4.13 against 4.11 / 4.16 and DFlash 5.83 /
+# 5.72 against 5.74 / 5.83: a gain where a verify's rows would be quantised first, nothing lost elsewhere. Not yet
+# timed on an H200.
+W8A8_ROWS_FROM_NORM = True
 
 # W8A8's rows of a streamed call of more than this many rows quantised once, first (`fp8.quantize_rows`, an XLA
 # fusion), and streamed as given (`x_scale`), not inside the streaming kernel (`quantize_x`: every program quantises
