@@ -27,7 +27,7 @@ from ddtree_jax.engine import DecodeOptions, Mode, generate
 from ddtree_jax.models import qwen3
 from ddtree_jax.models.contract import ForwardMeta
 from ddtree_jax.random_checkpoint import (tiny_qwen3_5_config, tiny_qwen3_config, write_random_dflash,
-                                          write_random_qwen3)
+                                          write_random_qwen3, write_random_qwen3_5)
 
 TOL = 1e-4
 BLOCK = 128
@@ -216,35 +216,46 @@ def test_streamed_fp8_matmul_gives_the_dequantize_tokens(pair):
     assert max(n for row in got.acceptance_lengths for n in row) >= 2
 
 
-def _fp8_bf16_step(tmp_path):
-    """A random Qwen3 quantised to FP8 in 16 x 32 blocks (q|k|v and gate|up packed), loaded in bf16, a one-row
-    cache and an AR step's meta at position 3: (target, cache, meta)."""
-    src = write_random_qwen3(tmp_path / "f32", seed=6, with_tokenizer=False, vocab_size=64)
+def _fp8_bf16_step(tmp_path, family: str = "qwen3"):
+    """A random Qwen3 (or Qwen3.5-style hybrid, `family` "qwen3_5") quantised to FP8 in 16 x 32 blocks (q|k|v and
+    gate|up packed), loaded in bf16, its model module, a one-row cache and an AR step's meta at position 3:
+    (target, module, cache, meta)."""
+    from ddtree_jax.models import qwen3_5
+
+    if family == "qwen3":
+        module, src = qwen3, write_random_qwen3(tmp_path / "f32", seed=6, with_tokenizer=False, vocab_size=64)
+    else:
+        module, src = qwen3_5, write_random_qwen3_5(tmp_path / "f32", seed=6, vocab_size=64)
     assert convert_main(["quantize-fp8", str(src), str(tmp_path / "fp8"), "--block", "16,32"]) == 0
     target = load_target(tmp_path / "fp8", jnp.bfloat16)
-    return target, qwen3.create_cache(target.config, 1, 32, jnp.bfloat16), ForwardMeta.step(jnp.array([3]),
-                                                                                            jnp.array([True]))
+    return (target, module, module.create_cache(target.config, 1, 32, jnp.bfloat16),
+            ForwardMeta.step(jnp.array([3]), jnp.array([True])))
 
 
-def test_w8a8_rows_from_the_norm_give_the_same_bits(tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5"])
+def test_w8a8_rows_from_the_norm_give_the_same_bits(tmp_path, monkeypatch, family):
     """`layers.W8A8_ROWS_FROM_NORM` (on by default): under W8A8 the add + RMSNorm kernel before q|k|v and gate|up
     hands them FP8 rows (codes and scales, `QuantizedRows`), which the streaming kernel takes as given instead of
-    quantising each step's tile: an AR step's program runs the quantising norm kernel twice a layer, and its hidden
-    states and caches keep their bits (bf16, kernels interpreted). Under W8A16 nothing changes."""
+    quantising each step's tile: an AR step's program runs the quantising norm kernel before every layer's gate|up
+    and every full-attention layer's q|k|v (not before a Gated DeltaNet's four projections), and its hidden states
+    and caches keep their bits (bf16, kernels interpreted). Under W8A16 nothing changes."""
     from jaxprs import pallas_call_names
 
     from ddtree_jax.models import layers
 
-    target, cache, meta = _fp8_bf16_step(tmp_path)
+    target, module, cache, meta = _fp8_bf16_step(tmp_path, family)
+    config = target.config
+    attention_layers = len(getattr(config, "attention_layers", range(config.num_layers)))
     for fp8_matmul in ("w8a8", "stream"):
         runtime = DecodeOptions(kernels="pallas", fp8_matmul=fp8_matmul).runtime
         outs = {}
         for from_norm in (False, True):
             monkeypatch.setattr(layers, "W8A8_ROWS_FROM_NORM", from_norm)
-            step = lambda p, t: qwen3.forward(p, t, meta, cache, runtime=runtime)  # noqa: E731
+            step = lambda p, t: module.forward(p, t, meta, cache, runtime=runtime)  # noqa: E731
             names = pallas_call_names(jax.make_jaxpr(step)(target, jnp.array([[5]])))
             quantising = sum(name == "add_rms_norm_fp8" for name in names)
-            assert quantising == (2 * target.config.num_layers if from_norm and fp8_matmul == "w8a8" else 0), names
+            want = config.num_layers + attention_layers if from_norm and fp8_matmul == "w8a8" else 0
+            assert quantising == want, names
             out = jax.jit(step)(target, jnp.array([[5]]))
             outs[from_norm] = [np.asarray(leaf, np.float32) for leaf in jax.tree.leaves(out)]  # hidden, caches
         for a, b in zip(outs[False], outs[True]):

@@ -547,7 +547,9 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: Hy
     delta = None  # what the previous layer's MLP adds to the stream: added by the next norm's call
     for i, layer in enumerate(model.model.layers):
         with jax.named_scope(f"layer_{i}"):
-            x, h = add_and_norm(layer.input_layernorm, x, delta, runtime)
+            # A full-attention layer's norm feeds q|k|v alone (W8A8 rows from the norm); a Gated DeltaNet's feeds four.
+            x, h = add_and_norm(layer.input_layernorm, x, delta, runtime,
+                                into=layer.self_attn.qkv_proj if i in attn_index else None)
             if i - 1 in tap_layers:
                 taps[i - 1] = x
             if i in attn_index:
@@ -560,7 +562,7 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: Hy
                 mixed, new_states[j], nodes[j] = layer.linear_attn(
                     h, cache.recurrent[j], meta.valid, meta.parents, depths, meta.new_mask if tree else None,
                     runtime=runtime)
-            x, h = add_and_norm(layer.post_attention_layernorm, x, mixed, runtime)
+            x, h = add_and_norm(layer.post_attention_layernorm, x, mixed, runtime, into=layer.mlp.gate_up_proj)
             delta = layer.mlp(h, runtime)
     x, hidden = add_and_norm(model.model.norm, x, delta, runtime)
     if config.num_layers - 1 in tap_layers:
