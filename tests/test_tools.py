@@ -18,6 +18,7 @@ import auto_counterfactual  # noqa: E402
 import auto_projection  # noqa: E402
 import barrier_probe  # noqa: E402
 import bitwise_probe  # noqa: E402
+import fa3_probe  # noqa: E402
 import gdn_probe  # noqa: E402
 import gpu_probe  # noqa: E402
 import greedy_equality  # noqa: E402
@@ -664,3 +665,15 @@ def test_trace_summary_against_groups_the_swapped_kernels(tmp_path, capsys):
         ("add_rms_norm", ["stream_matmul__3", "loop_slice_fusion_5"], ["gemm_fusion_dot_7"], 1, 11.0, 12.0)]
     assert trace_summary.main([str(tmp_path / "on"), "--rounds", "2", "--against", str(tmp_path / "off")]) == 0
     assert "stream_matmul__4  |  nvjet_sm90_x" in capsys.readouterr().out
+
+
+def test_fa3_probe_smoke_times_the_tree_attention_and_records_what_cannot_run(tmp_path):
+    """tools/fa3_probe.py --smoke on a CPU: the tree attention row timed (interpreted), jax's Mosaic GPU kernel's rows
+    each carrying the reason it could not run (it needs a GPU), and no machine path in the record's command."""
+    assert fa3_probe.main(["--out", str(tmp_path), "--smoke"]) == 0
+    record = json.loads((tmp_path / "fa3_probe.json").read_text())
+    rows = record["records"]
+    assert [r["kernel"] for r in rows] == ["tree_attention", "fa3_mgpu", "fa3_mgpu", "fa3_mgpu"]
+    assert rows[0]["us"] > 0 and "error" not in rows[0]
+    assert all("error" in r and "us" not in r for r in rows[1:])
+    assert record["command"] == "python tools/fa3_probe.py --out DIR --smoke"
