@@ -123,8 +123,10 @@ GLU_IN_EPILOGUE = False
 # w8a8 ...`, alternating) the 8B FP8 B = 64 round took 6.90 / 6.93 ms against 7.11 / 7.03 (its 65 rows otherwise
 # quantised first by an XLA fusion before q|k|v and gate|up, `W8A8_QUANTIZE_FIRST_ABOVE`), the DFlash round 5.71 /
 # 5.69 against 5.71 / 5.69, and on 2026-12-05 late the AR step 4.16 / 4.13 against 4.11 / 4.16 and DFlash 5.83 /
-# 5.72 against 5.74 / 5.83: a gain where a verify's rows would be quantised first, nothing lost elsewhere. Not yet
-# timed on an H200.
+# 5.72 against 5.74 / 5.83: a gain where a verify's rows would be quantised first, nothing lost elsewhere. The hybrid
+# (qwen3_5: a full-attention layer's q|k|v, every layer's gate|up) since 2026-12-06 evening: the Qwen3.6-27B's W8A8
+# AR step 13.09 / 13.15 ms against 13.95 / 14.04, DFlash 16.54 / 16.52 against 17.62 / 17.66, B = 63 20.63 / 20.72
+# against 21.02 / 21.21 (an H100, alternating). Not yet timed on an H200.
 W8A8_ROWS_FROM_NORM = True
 
 # W8A8's rows of a streamed call of more than this many rows quantised once, first (`fp8.quantize_rows`, an XLA
