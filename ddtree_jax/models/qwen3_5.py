@@ -40,8 +40,8 @@ from ddtree_jax.cache import HybridCache, KVCache, NodeStates, PendingKV, Recurr
 from ddtree_jax.config import FULL_ATTENTION, Qwen3_5Config
 from ddtree_jax.models import qwen3
 from ddtree_jax.models.contract import ForwardMeta, ForwardOut, Runtime
-from ddtree_jax.models.layers import (Embedding, Linear, PackedProjections, Part, SwiGLU, add_and_norm, apply_rope,
-                                      cached_attention, param, rope_cos_sin)
+from ddtree_jax.models.layers import (Embedding, Linear, PackedProjections, Part, QuantizedRows, SwiGLU, add_and_norm,
+                                      apply_rope, cached_attention, param, rope_cos_sin)
 from ddtree_jax.models.params import ModelParams, abstract_params, random_params
 from ddtree_jax.parallel import MODEL_AXIS
 from pallas_kernels import tree_delta_rule as tree_rule_kernel
@@ -382,7 +382,10 @@ class GatedDeltaNet(nnx.Module):
         node's conv input) so that the caller installs an accepted node's.
 
         runtime.tp_mesh: split the layer by key heads over it (when they divide; module docstring).
+        x may come as W8A8 rows from the norm with the norm's output beside them (`QuantizedRows.normed`): the rows
+        go to in_proj_qkv and in_proj_z, the output to in_proj_a and in_proj_b.
         """
+        rows, x = (x, x.normed) if isinstance(x, QuantizedRows) else (x, x)
         b, t, _ = x.shape
         kernel = self.conv1d.weight.shape[-1]
         tree = parents is not None
@@ -392,7 +395,7 @@ class GatedDeltaNet(nnx.Module):
         pin = functools.partial(_pin, mesh=mesh)
 
         # Causal depthwise conv over [window | new inputs]; the new window is each row's last K-1 real inputs.
-        mixed = pin(self.in_proj_qkv(x, runtime), 2)  # [b, t, C]; tp: in the weight's contiguous blocks of channels
+        mixed = pin(self.in_proj_qkv(rows, runtime), 2)  # [b, t, C]; tp: in the weight's contiguous blocks of channels
         window_in = jnp.swapaxes(state.conv, 1, 2).astype(mixed.dtype)  # [b, K-1, C], oldest first
         w = self.conv1d.weight[...][:, 0, :].astype(jnp.float32)  # [C, K]
         if tree:
@@ -461,7 +464,7 @@ class GatedDeltaNet(nnx.Module):
             beta, g = jnp.where(is_valid[..., None], beta, 0.0), jnp.where(is_valid[..., None], g, 0.0)
             rule = recurrent_gated_delta_rule if t == 1 else chunk_gated_delta_rule
             core, new_state = rule(q, k, v, g, beta, state.state)
-        core = self.norm(core.astype(x.dtype), self.in_proj_z(x, runtime).reshape(b, t, -1, self.value_head_dim))
+        core = self.norm(core.astype(x.dtype), self.in_proj_z(rows, runtime).reshape(b, t, -1, self.value_head_dim))
         out = self.out_proj(core.reshape(b, t, -1), runtime)
         return out, RecurrentState(state=new_state, conv=new_conv), nodes
 
@@ -547,9 +550,12 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: Hy
     delta = None  # what the previous layer's MLP adds to the stream: added by the next norm's call
     for i, layer in enumerate(model.model.layers):
         with jax.named_scope(f"layer_{i}"):
-            # A full-attention layer's norm feeds q|k|v alone (W8A8 rows from the norm); a Gated DeltaNet's feeds four.
+            # W8A8 rows from the norm: a full-attention layer's norm feeds q|k|v alone; a Gated DeltaNet's feeds its FP8
+            # in_proj_qkv and in_proj_z and, unquantised, in_proj_a and in_proj_b (`shared`).
+            linear = None if i in attn_index else layer.linear_attn
             x, h = add_and_norm(layer.input_layernorm, x, delta, runtime,
-                                into=layer.self_attn.qkv_proj if i in attn_index else None)
+                                into=(linear.in_proj_qkv, linear.in_proj_z) if linear else layer.self_attn.qkv_proj,
+                                shared=linear is not None)
             if i - 1 in tap_layers:
                 taps[i - 1] = x
             if i in attn_index:
