@@ -385,7 +385,7 @@ class GatedDeltaNet(nnx.Module):
         x may come as W8A8 rows from the norm with the norm's output beside them (`QuantizedRows.normed`): the rows
         go to in_proj_qkv and in_proj_z, the output to in_proj_a and in_proj_b.
         """
-        rows, x = (x, x.normed) if isinstance(x, QuantizedRows) else (x, x)
+        x_rows, x = (x, x.normed) if isinstance(x, QuantizedRows) else (x, x)
         b, t, _ = x.shape
         kernel = self.conv1d.weight.shape[-1]
         tree = parents is not None
@@ -395,7 +395,8 @@ class GatedDeltaNet(nnx.Module):
         pin = functools.partial(_pin, mesh=mesh)
 
         # Causal depthwise conv over [window | new inputs]; the new window is each row's last K-1 real inputs.
-        mixed = pin(self.in_proj_qkv(rows, runtime), 2)  # [b, t, C]; tp: in the weight's contiguous blocks of channels
+        # [b, t, C]; tp: in the weight's contiguous blocks of channels
+        mixed = pin(self.in_proj_qkv(x_rows, runtime), 2)
         window_in = jnp.swapaxes(state.conv, 1, 2).astype(mixed.dtype)  # [b, K-1, C], oldest first
         w = self.conv1d.weight[...][:, 0, :].astype(jnp.float32)  # [C, K]
         if tree:
@@ -464,7 +465,7 @@ class GatedDeltaNet(nnx.Module):
             beta, g = jnp.where(is_valid[..., None], beta, 0.0), jnp.where(is_valid[..., None], g, 0.0)
             rule = recurrent_gated_delta_rule if t == 1 else chunk_gated_delta_rule
             core, new_state = rule(q, k, v, g, beta, state.state)
-        core = self.norm(core.astype(x.dtype), self.in_proj_z(rows, runtime).reshape(b, t, -1, self.value_head_dim))
+        core = self.norm(core.astype(x.dtype), self.in_proj_z(x_rows, runtime).reshape(b, t, -1, self.value_head_dim))
         out = self.out_proj(core.reshape(b, t, -1), runtime)
         return out, RecurrentState(state=new_state, conv=new_conv), nodes
 
@@ -553,9 +554,8 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: Hy
             # W8A8 rows from the norm: a full-attention layer's norm feeds q|k|v alone; a Gated DeltaNet's feeds its FP8
             # in_proj_qkv and in_proj_z and, unquantised, in_proj_a and in_proj_b (`shared`).
             linear = None if i in attn_index else layer.linear_attn
-            x, h = add_and_norm(layer.input_layernorm, x, delta, runtime,
-                                into=(linear.in_proj_qkv, linear.in_proj_z) if linear else layer.self_attn.qkv_proj,
-                                shared=linear is not None)
+            into = layer.self_attn.qkv_proj if linear is None else (linear.in_proj_qkv, linear.in_proj_z)
+            x, h = add_and_norm(layer.input_layernorm, x, delta, runtime, into=into, shared=linear is not None)
             if i - 1 in tap_layers:
                 taps[i - 1] = x
             if i in attn_index:
