@@ -104,6 +104,9 @@
 #   stream27b issue 19: the 27B's DFlash round streamed / not, traced: kernels by name and the streamed projections
 #             against the XLA kernels they replace (trace_summary --against)
 #                                                 -> stream27b_{on,off}/, kernels27b_{on,off}.json, against27b.txt
+#   gdn_trace  the 27B's AR step, DFlash and B = 63 rounds (bf16; $GDN_TRACE_ARGS, e.g. "--weights fp8 --fp8-matmul
+#             w8a8") traced: kernels by name, and $GDN_TRACE_SEQ (300:120) of each trace in launch order (what a Gated
+#             DeltaNet layer launches besides its projections and its delta rule)    -> gdn_trace/, kernels27b.json, seq27b.txt
 #   barrier   tools/barrier_probe.py: a layer's four 8B projections in one persistent kernel met at grid barriers,
 #             against a launch each ($BARRIER_CONFIGS: its configs)                              -> barrier/
 # Variables: BENCH_LIMIT, BUDGETS, KERNELS, MODES, REPEATS, KERNEL_LIMIT, KERNEL_ARGS, HYBRID_BUDGETS, HYBRID_MODES
@@ -639,6 +642,17 @@ fp8_bits=$bits); runpy.run_module('ddtree_jax.bench', run_name='__main__')" --sh
         python3 tools/trace_summary.py "/tmp/traces27b/$side" --top 60 --by-kernel --json > "$OUT/kernels27b_$side.json"
       done
       python3 tools/trace_summary.py /tmp/traces27b/on --against /tmp/traces27b/off --top 40 | tee "$OUT/against27b.txt"
+      ;;
+    gdn_trace)
+      log "27B rounds traced, ${GDN_TRACE_ARGS:-bf16}"
+      # shellcheck disable=SC2086
+      timeout -k 5 "${GDN_TRACE_LIMIT:-260}" python3 -m ddtree_jax.bench --shape qwen3.6-27b --modes ar,dflash,ddtree \
+        --budgets 63 --repeats 3 --kernels pallas ${GDN_TRACE_ARGS:-} --trace /tmp/gdn_trace --out "$OUT/gdn_trace" 2>&1 \
+        | grep -E '^\| (ar|dflash|ddtree)|rror'
+      rm -f "$OUT/gdn_trace"/bench.{md,png,partial.json}
+      python3 tools/trace_summary.py /tmp/gdn_trace --top 80 --by-kernel --json > "$OUT/kernels27b.json"
+      python3 tools/trace_summary.py /tmp/gdn_trace --top 5 --sequence "${GDN_TRACE_SEQ:-300:120}" > "$OUT/seq27b.txt"
+      tail -5 "$OUT/seq27b.txt"
       ;;
     barrier)
       # Would a layer in one persistent kernel (programs met at grid barriers) beat a launch per projection
