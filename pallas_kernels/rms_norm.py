@@ -16,9 +16,7 @@ with rms(s) = sqrt(mean(s^2) + eps) over the row, in float32.
 With `quantize_group` = g the normalised row comes back as FP8 W8A8 rows instead: float8_e4m3fn codes [..., e] and
 float32 scales [..., e / g], one a group of g features (`stream_matmul.quantize_groups`), the bits of
 `ddtree_jax.models.fp8.quantize_rows` on the normalised row, so that the FP8 projection after the norm streams them
-as given (`stream_matmul`'s `x_scale`) instead of quantising each step's row tile itself; `keep_normed` writes the
-normalised row as well, for the consumers of the same norm that take it unquantised (a Gated DeltaNet's in_proj_a and
-in_proj_b beside its FP8 in_proj_qkv and in_proj_z).
+as given (`stream_matmul`'s `x_scale`) instead of quantising each step's row tile itself.
 
 Letters: r rows (batch x tokens), e features (the row), ep = e padded to a power of two (masked loads).
 """
@@ -78,8 +76,7 @@ def _fp8_rows(y, group: int):
     return quantize_groups(_bfloat16_bits(y32) if y.dtype == jnp.bfloat16 else y32, group)
 
 
-def _kernel(*refs, eps: float, width: int, padded: int, kind: str, has_delta: bool, group: int | None,
-            keep_normed: bool):
+def _kernel(*refs, eps: float, width: int, padded: int, kind: str, has_delta: bool, group: int | None):
     if has_delta:
         x_ref, delta_ref, w_ref, s_ref, *y_refs = refs
     else:
@@ -101,16 +98,14 @@ def _kernel(*refs, eps: float, width: int, padded: int, kind: str, has_delta: bo
     plt.store(y_refs[0].at[pl.ds(0, padded)], codes, mask=ok)
     groups = jnp.arange(padded // group, dtype=jnp.int32)
     plt.store(y_refs[1].at[pl.ds(0, padded // group)], scales, mask=groups < width // group)
-    if keep_normed:
-        plt.store(y_refs[2].at[pl.ds(0, padded)], y, mask=ok)
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "kind", "quantize_group", "keep_normed", "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("eps", "kind", "quantize_group", "config", "interpret"))
 def add_rms_norm_pallas(x, delta, weight, *, eps: float, kind: str = "qwen3", quantize_group: int | None = None,
-                        keep_normed: bool = False, config: RMSNormConfig | None = None, interpret: bool = False):
+                        config: RMSNormConfig | None = None, interpret: bool = False):
     """The Pallas kernel; arguments and result as `add_rms_norm_reference`, plus the knobs."""
     config = RMSNormConfig() if config is None else config
-    _check(x, delta, weight, kind, quantize_group, keep_normed)
+    _check(x, delta, weight, kind, quantize_group)
     shape, e = x.shape, x.shape[-1]
     rows = x.reshape(-1, e)
     r = rows.shape[0]
@@ -124,11 +119,8 @@ def add_rms_norm_pallas(x, delta, weight, *, eps: float, kind: str = "qwen3", qu
         out_specs.append(pl.BlockSpec((None, e // quantize_group), lambda i: (i, 0)))
         out_shape += [jax.ShapeDtypeStruct((r, e), jnp.float8_e4m3fn),
                       jax.ShapeDtypeStruct((r, e // quantize_group), jnp.float32)]
-        if keep_normed:
-            out_specs.append(row_spec)
-            out_shape.append(jax.ShapeDtypeStruct((r, e), x.dtype))
     kernel = functools.partial(_kernel, eps=float(eps), width=e, padded=max(16, next_pow2(e)), kind=kind,
-                               has_delta=has_delta, group=quantize_group, keep_normed=keep_normed)
+                               has_delta=has_delta, group=quantize_group)
     outs = pl.pallas_call(
         kernel_body(kernel, interpret),
         grid=(r,),
@@ -143,18 +135,16 @@ def add_rms_norm_pallas(x, delta, weight, *, eps: float, kind: str = "qwen3", qu
     normed = outs[has_delta:]
     if quantize_group is None:
         return s, normed[0].reshape(shape)
-    return s, (normed[0].reshape(shape), normed[1].reshape(*shape[:-1], e // quantize_group),
-               *([normed[2].reshape(shape)] if keep_normed else []))
+    return s, (normed[0].reshape(shape), normed[1].reshape(*shape[:-1], e // quantize_group))
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "kind", "quantize_group", "keep_normed"))
-def add_rms_norm_reference(x, delta, weight, *, eps: float, kind: str = "qwen3", quantize_group: int | None = None,
-                           keep_normed: bool = False):
+@functools.partial(jax.jit, static_argnames=("eps", "kind", "quantize_group"))
+def add_rms_norm_reference(x, delta, weight, *, eps: float, kind: str = "qwen3", quantize_group: int | None = None):
     """x [..., e] the residual stream, delta [..., e] what a block adds to it (None: nothing), weight [e].
     Returns (s, y): s = x + delta in x's dtype (x itself when delta is None) and y = the RMSNorm of s (`kind`, the
     module docstring), in x's dtype; with `quantize_group`, y as FP8 rows instead: (codes [..., e], scales
-    [..., e / quantize_group]), `_fp8_rows`; with `keep_normed` as well, (codes, scales, y)."""
-    _check(x, delta, weight, kind, quantize_group, keep_normed)
+    [..., e / quantize_group]), `_fp8_rows`."""
+    _check(x, delta, weight, kind, quantize_group)
     s = x if delta is None else x + delta.astype(x.dtype)
     s32 = s.astype(jnp.float32)
     rms_inv = lax.rsqrt(jnp.mean(s32 * s32, axis=-1, keepdims=True) + eps)
@@ -162,27 +152,21 @@ def add_rms_norm_reference(x, delta, weight, *, eps: float, kind: str = "qwen3",
         y = weight.astype(x.dtype) * (s32 * rms_inv).astype(x.dtype)
     else:
         y = (s32 * rms_inv * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
-    if quantize_group is None:
-        return s, y
-    return s, (*_fp8_rows(y, quantize_group), *([y] if keep_normed else []))
+    return s, (y if quantize_group is None else _fp8_rows(y, quantize_group))
 
 
 def add_rms_norm(x, delta, weight, *, eps: float, kind: str = "qwen3", quantize_group: int | None = None,
-                 keep_normed: bool = False, implementation: str | None = None, config: RMSNormConfig | None = None,
-                 interpret: bool | None = None):
+                 implementation: str | None = None, config: RMSNormConfig | None = None, interpret: bool | None = None):
     """Dispatcher: the Pallas kernel on a GPU, the reference elsewhere (see `pallas_kernels.resolve_implementation`)."""
     if resolve_implementation(implementation) == "reference":
-        return add_rms_norm_reference(x, delta, weight, eps=eps, kind=kind, quantize_group=quantize_group,
-                                      keep_normed=keep_normed)
-    return add_rms_norm_pallas(x, delta, weight, eps=eps, kind=kind, quantize_group=quantize_group,
-                               keep_normed=keep_normed, config=config, interpret=resolve_interpret(interpret))
+        return add_rms_norm_reference(x, delta, weight, eps=eps, kind=kind, quantize_group=quantize_group)
+    return add_rms_norm_pallas(x, delta, weight, eps=eps, kind=kind, quantize_group=quantize_group, config=config,
+                               interpret=resolve_interpret(interpret))
 
 
-def _check(x, delta, weight, kind, quantize_group=None, keep_normed=False):
+def _check(x, delta, weight, kind, quantize_group=None):
     if kind not in KINDS:
         raise ValueError(f"kind={kind!r}: expected one of {', '.join(KINDS)}")
-    if keep_normed and quantize_group is None:
-        raise ValueError("keep_normed: the normalised row beside its FP8 rows needs quantize_group")
     if quantize_group is not None and (quantize_group < 16 or quantize_group & (quantize_group - 1)
                                        or x.shape[-1] % quantize_group):
         raise ValueError(f"quantize_group={quantize_group}: must be a power of two >= 16 dividing the row's "

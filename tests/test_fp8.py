@@ -237,9 +237,8 @@ def test_w8a8_rows_from_the_norm_give_the_same_bits(tmp_path, monkeypatch, famil
     """`layers.W8A8_ROWS_FROM_NORM` (on by default): under W8A8 the add + RMSNorm kernel before q|k|v and gate|up
     hands them FP8 rows (codes and scales, `QuantizedRows`), which the streaming kernel takes as given instead of
     quantising each step's tile: an AR step's program runs the quantising norm kernel before every layer's gate|up
-    and every full-attention layer's q|k|v, and with `W8A8_SHARED_ROWS_FROM_NORM` (off) before a Gated DeltaNet's
-    in_proj_qkv and in_proj_z too (its in_proj_a and in_proj_b taking the norm's output beside the rows); its hidden
-    states and caches keep their bits either way (bf16, kernels interpreted). Under W8A16 nothing changes."""
+    and every full-attention layer's q|k|v (not before a Gated DeltaNet's four projections), and its hidden states
+    and caches keep their bits (bf16, kernels interpreted). Under W8A16 nothing changes."""
     from jaxprs import pallas_call_names
 
     from ddtree_jax.models import layers
@@ -247,23 +246,20 @@ def test_w8a8_rows_from_the_norm_give_the_same_bits(tmp_path, monkeypatch, famil
     target, module, cache, meta = _fp8_bf16_step(tmp_path, family)
     config = target.config
     attention_layers = len(getattr(config, "attention_layers", range(config.num_layers)))
-    settings = [(False, False), (True, False)] + [(True, True)] * (family == "qwen3_5")
     for fp8_matmul in ("w8a8", "stream"):
         runtime = DecodeOptions(kernels="pallas", fp8_matmul=fp8_matmul).runtime
-        outs = []
-        for from_norm, shared in settings:
+        outs = {}
+        for from_norm in (False, True):
             monkeypatch.setattr(layers, "W8A8_ROWS_FROM_NORM", from_norm)
-            monkeypatch.setattr(layers, "W8A8_SHARED_ROWS_FROM_NORM", shared)
             step = lambda p, t: module.forward(p, t, meta, cache, runtime=runtime)  # noqa: E731
             names = pallas_call_names(jax.make_jaxpr(step)(target, jnp.array([[5]])))
             quantising = sum(name == "add_rms_norm_fp8" for name in names)
-            want = config.num_layers + (config.num_layers if shared else attention_layers) if from_norm else 0
-            assert quantising == (want if fp8_matmul == "w8a8" else 0), (from_norm, shared, names)
+            want = config.num_layers + attention_layers if from_norm and fp8_matmul == "w8a8" else 0
+            assert quantising == want, names
             out = jax.jit(step)(target, jnp.array([[5]]))
-            outs.append([np.asarray(leaf, np.float32) for leaf in jax.tree.leaves(out)])  # hidden, caches
-        for other in outs[1:]:
-            for a, b in zip(outs[0], other):
-                np.testing.assert_array_equal(a, b)
+            outs[from_norm] = [np.asarray(leaf, np.float32) for leaf in jax.tree.leaves(out)]  # hidden, caches
+        for a, b in zip(outs[False], outs[True]):
+            np.testing.assert_array_equal(a, b)
 
 def test_packed_fp8_projections_stream_as_one_matmul_each(tmp_path):
     """Blocks of 16 x 32 divide the heads (16) and the MLP halves: q|k|v and gate|up stay packed as FP8, so an AR

@@ -226,11 +226,9 @@ def main(argv: list[str] | None = None) -> int:
                          [sds((rows, n, hq // n + 2, d), dtype), sds((d,), dtype), sds((d,), dtype),
                           sds((rows, d), jnp.float32), sds((rows, d), jnp.float32)]))
             if dtype == jnp.bfloat16:  # W8A8's rows quantised here
-                for keep in (False, True):  # keep_normed: the normalised row too (a Gated DeltaNet's norm)
-                    jobs.append((f"add_rms_norm fp8 rows{' kept' * keep} rows={rows}", rn.RMSNormConfig(),
-                                 functools.partial(rn.add_rms_norm_pallas, eps=1e-6, quantize_group=128,
-                                                   keep_normed=keep),
-                                 [sds((rows, 4096), dtype), sds((rows, 4096), dtype), sds((4096,), dtype)]))
+                jobs.append((f"add_rms_norm fp8 rows rows={rows}", rn.RMSNormConfig(),
+                             functools.partial(rn.add_rms_norm_pallas, eps=1e-6, quantize_group=128),
+                             [sds((rows, 4096), dtype), sds((rows, 4096), dtype), sds((4096,), dtype)]))
             jobs.append((f"qk_norm_rope kv_write {jnp.dtype(dtype).name} rows={rows}", rn.RMSNormConfig(),
                          functools.partial(qk.qk_norm_rope_pallas, eps=1e-6),
                          [sds((1, rows, n, hq // n + 2, d), dtype), sds((d,), dtype), sds((d,), dtype),

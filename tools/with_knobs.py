@@ -29,8 +29,6 @@ kernel's `default_config`, which is what the engine uses when it passes no confi
   bf16 projections of calls of more rows than `dense_stream_max_rows`, up to N, streamed with the knobs of
   `dense_stream_wide:...`, `...layers.DENSE_STREAM_WIDE_KNOBS`; 0, off), `w8a8_rows_from_norm`
   (`...layers.W8A8_ROWS_FROM_NORM`: W8A8's rows for q|k|v and gate|up quantised by the norm kernel before them; on),
-  `w8a8_shared_rows_from_norm` (`...layers.W8A8_SHARED_ROWS_FROM_NORM`: and a Gated DeltaNet's for in_proj_qkv and
-  in_proj_z, the norm's output kept beside them for in_proj_a and in_proj_b; off),
   `w8a8_quantize_first_above=N` (`...layers.W8A8_QUANTIZE_FIRST_ABOVE`: W8A8's rows of streamed calls of more than N
   rows quantised first, not inside the streaming kernel; 16 by default, 0: inside at any row count),
   `early_launch` (`pallas_kernels.launch.EARLY_LAUNCH`: each Pallas kernel lets the next kernel be launched at
@@ -81,7 +79,6 @@ ENGINE = {"tree_kernels_up_to": ("ddtree_jax.round", "TREE_BUILD_KERNEL_UP_TO", 
           "commit_rows_kernel": ("ddtree_jax.round", "COMMIT_ROWS_KERNEL", bool),
           "glu_in_epilogue": ("ddtree_jax.models.layers", "GLU_IN_EPILOGUE", bool),
           "w8a8_rows_from_norm": ("ddtree_jax.models.layers", "W8A8_ROWS_FROM_NORM", bool),
-          "w8a8_shared_rows_from_norm": ("ddtree_jax.models.layers", "W8A8_SHARED_ROWS_FROM_NORM", bool),
           "w8a8_quantize_first_above": ("ddtree_jax.models.layers", "W8A8_QUANTIZE_FIRST_ABOVE", 0),
           "early_launch": ("pallas_kernels.launch", "EARLY_LAUNCH", bool),
           "split_sums_kernel": ("pallas_kernels.stream_matmul", "SPLIT_SUMS_KERNEL", bool),

@@ -129,13 +129,6 @@ GLU_IN_EPILOGUE = False
 # against 21.02 / 21.21 (an H100, alternating). Not yet timed on an H200.
 W8A8_ROWS_FROM_NORM = True
 
-# With W8A8_ROWS_FROM_NORM, also where the norm's output feeds projections that take it unquantised beside the FP8
-# ones: a Gated DeltaNet's input norm feeds its FP8 in_proj_qkv and in_proj_z and its unquantised in_proj_a and
-# in_proj_b. The norm kernel then writes the normalised row too (`keep_normed`; `QuantizedRows.normed`), and the two
-# FP8 projections stream its FP8 rows (the same bits). Off: not yet timed on a device (the 27B has 48 such layers a
-# step; `tools/with_knobs.py engine:w8a8_shared_rows_from_norm=1`).
-W8A8_SHARED_ROWS_FROM_NORM = False
-
 # W8A8's rows of a streamed call of more than this many rows quantised once, first (`fp8.quantize_rows`, an XLA
 # fusion), and streamed as given (`x_scale`), not inside the streaming kernel (`quantize_x`: every program quantises
 # each step's row tile itself, a reduction across the tile's columns per row); 0: inside the kernel at any row
@@ -150,19 +143,17 @@ W8A8_SHARED_ROWS_FROM_NORM = False
 W8A8_QUANTIZE_FIRST_ABOVE = 16
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["codes", "scales", "normed"], meta_fields=["dtype"])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["codes", "scales"], meta_fields=["dtype"])
 @dataclasses.dataclass(frozen=True)
 class QuantizedRows:
     """An RMSNorm's output as W8A8 rows (`W8A8_ROWS_FROM_NORM`): codes [..., e] float8_e4m3fn, scales [..., e / g]
     float32 (one per group of g input features: `ddtree_jax.models.fp8.quantize_rows`' bits), and `dtype`, the
     norm output's dtype (the projection's result's). Only an FP8 projection that streams W8A8 takes them
-    (`fp8_linear`). `normed` [..., e]: the norm's output itself in `dtype`, where other consumers take it
-    unquantised (`W8A8_SHARED_ROWS_FROM_NORM`), else None."""
+    (`fp8_linear`)."""
 
     codes: jax.Array
     scales: jax.Array
     dtype: object
-    normed: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -262,20 +253,6 @@ class Linear(nnx.Module):
     def stream_config(self, rows: int, runtime: Runtime) -> StreamMatmulConfig | None:
         """`fp8_stream_config` for this weight (None while it is dense)."""
         return None if self.block is None else fp8_stream_config(self.weight[...].shape, self.block, rows, runtime)
-
-    def fp8_rows_group(self, rows: int, runtime: Runtime) -> int | None:
-        """`fp8_rows_group` of this weight (None while it is dense)."""
-        return None if self.block is None else fp8_rows_group(self.weight[...].shape, self.block, rows, runtime)
-
-
-def fp8_rows_group(weight_shape: tuple[int, int], block: tuple[int, int], rows: int, runtime: Runtime) -> int | None:
-    """The input features a group of FP8 rows spans where a call of `rows` rows streams an FP8 weight [out, in] in
-    `block`s W8A8 with each step one group (the rows the kernel would quantise itself, which the norm before may hand
-    quantised: `QuantizedRows`), else None."""
-    if runtime.fp8_matmul is not Fp8Matmul.W8A8:
-        return None
-    config = fp8_stream_config(weight_shape, block, rows, runtime)
-    return block[1] if config is not None and config.block_k == block[1] else None
 
 
 def fp8_stream_config(weight_shape: tuple[int, int], block: tuple[int, int], rows: int,
@@ -408,24 +385,19 @@ def project_qk_norm_rope(attn, x: jax.Array, cos: jax.Array, sin: jax.Array, run
 
 
 def add_and_norm(norm, x: jax.Array, delta: jax.Array | None, runtime: Runtime,
-                 into: "PackedProjections | Linear | tuple | None" = None,
-                 shared: bool = False) -> tuple[jax.Array, jax.Array | QuantizedRows]:
+                 into: "PackedProjections | None" = None) -> tuple[jax.Array, jax.Array | QuantizedRows]:
     """The residual stream after a block and the next norm of it: (s, norm(s)) with s = x + delta (x when delta is
     None), x/delta [..., e]. `norm` is an RMSNorm module with `kind`, `eps` and `weight`. On the Pallas path one
     kernel (`pallas_kernels.rms_norm`: XLA ran two or three per norm), replicated under tensor parallelism (the
-    stream is); else the jnp ops of `x + delta` and `norm`. `into`: the projection (or tuple of projections) that
-    take norm(s) as FP8 rows; where each streams W8A8 in groups of the same size and `W8A8_ROWS_FROM_NORM` is on,
-    norm(s) comes back as `QuantizedRows` (the norm kernel's FP8 codes and scales). `shared`: other consumers take
-    norm(s) unquantised too; then only with `W8A8_SHARED_ROWS_FROM_NORM`, and `QuantizedRows.normed` holds it."""
+    stream is); else the jnp ops of `x + delta` and `norm`. `into`: the projection that alone takes norm(s); where
+    it streams W8A8 and `W8A8_ROWS_FROM_NORM` is on, norm(s) comes back as `QuantizedRows` (the norm kernel's FP8
+    codes and scales)."""
     rows = math.prod(x.shape[:-1])
-    projections = into if isinstance(into, tuple) else (into,) if into is not None else ()
-    wanted = W8A8_ROWS_FROM_NORM and runtime.pallas and bool(projections) and (W8A8_SHARED_ROWS_FROM_NORM or not shared)
-    groups = {p.fp8_rows_group(rows, runtime) for p in projections} if wanted else {None}
-    group = groups.pop() if len(groups) == 1 else None
-    if group is not None:  # the projections' W8A8 rows quantised here (`QuantizedRows`)
-        s, (codes, scales, *normed) = add_rms_norm(x, delta, norm.weight[...], eps=norm.eps, kind=norm.kind,
-                                                   quantize_group=group, keep_normed=shared, implementation="pallas")
-        return s, QuantizedRows(codes, scales, x.dtype, *normed)
+    group = into.fp8_rows_group(rows, runtime) if W8A8_ROWS_FROM_NORM and into is not None and runtime.pallas else None
+    if group is not None:  # the projection's W8A8 rows quantised here (`QuantizedRows`)
+        s, (codes, scales) = add_rms_norm(x, delta, norm.weight[...], eps=norm.eps, kind=norm.kind,
+                                          quantize_group=group, implementation="pallas")
+        return s, QuantizedRows(codes, scales, x.dtype)
     if not runtime.pallas:
         s = x if delta is None else x + delta
         return s, norm(s)
@@ -534,10 +506,11 @@ class PackedProjections(nnx.Module):
         """The input features a group of FP8 rows spans where a call of `rows` rows streams the packed FP8 weight
         W8A8 with each step one group (the rows the kernel would quantise itself, which the norm before may hand
         quantised: `QuantizedRows`), else None."""
-        if not self.packed or self.block is None:
+        if not self.packed or self.block is None or runtime.fp8_matmul is not Fp8Matmul.W8A8:
             return None
         g, u, r, n_in = self.weight.shape
-        return fp8_rows_group((g * u * r, n_in), self.block, rows, runtime)
+        config = fp8_stream_config((g * u * r, n_in), self.block, rows, runtime)
+        return self.block[1] if config is not None and config.block_k == self.block[1] else None
 
     def fp8_packs(self, block: tuple[int, int]) -> bool:
         """Whether FP8 blocks of `block` keep this module packed: their rows divide R, so each lies inside one unit

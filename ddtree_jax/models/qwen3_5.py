@@ -40,8 +40,8 @@ from ddtree_jax.cache import HybridCache, KVCache, NodeStates, PendingKV, Recurr
 from ddtree_jax.config import FULL_ATTENTION, Qwen3_5Config
 from ddtree_jax.models import qwen3
 from ddtree_jax.models.contract import ForwardMeta, ForwardOut, Runtime
-from ddtree_jax.models.layers import (Embedding, Linear, PackedProjections, Part, QuantizedRows, SwiGLU, add_and_norm,
-                                      apply_rope, cached_attention, param, rope_cos_sin)
+from ddtree_jax.models.layers import (Embedding, Linear, PackedProjections, Part, SwiGLU, add_and_norm, apply_rope,
+                                      cached_attention, param, rope_cos_sin)
 from ddtree_jax.models.params import ModelParams, abstract_params, random_params
 from ddtree_jax.parallel import MODEL_AXIS
 from pallas_kernels import gdn_prologue as gdn_prologue_kernel, tree_delta_rule as tree_rule_kernel
@@ -434,10 +434,7 @@ class GatedDeltaNet(nnx.Module):
         node's conv input) so that the caller installs an accepted node's.
 
         runtime.tp_mesh: split the layer by key heads over it (when they divide; module docstring).
-        x may come as W8A8 rows from the norm with the norm's output beside them (`QuantizedRows.normed`): the rows
-        go to in_proj_qkv and in_proj_z, the output to in_proj_a and in_proj_b.
         """
-        x_rows, x = (x, x.normed) if isinstance(x, QuantizedRows) else (x, x)
         b, t, _ = x.shape
         tree = parents is not None
         mesh = runtime.tp_mesh
@@ -447,7 +444,7 @@ class GatedDeltaNet(nnx.Module):
 
         # Causal depthwise conv over [window | new inputs]; the new window is each row's last K-1 real inputs.
         # [b, t, C]; tp: in the weight's contiguous blocks of channels
-        mixed = pin(self.in_proj_qkv(x_rows, runtime), 2)
+        mixed = pin(self.in_proj_qkv(x, runtime), 2)
         pre_conv = mixed
         f32 = jnp.float32
         a_in, b_in = self.in_proj_a(x, runtime), self.in_proj_b(x, runtime)  # [b, t, H]
@@ -487,7 +484,7 @@ class GatedDeltaNet(nnx.Module):
             beta, g = jnp.where(is_valid[..., None], beta, 0.0), jnp.where(is_valid[..., None], g, 0.0)
             rule = recurrent_gated_delta_rule if t == 1 else chunk_gated_delta_rule
             core, new_state = rule(q, k, v, g, beta, state.state)
-        core = self.norm(core.astype(x.dtype), self.in_proj_z(x_rows, runtime).reshape(b, t, -1, self.value_head_dim))
+        core = self.norm(core.astype(x.dtype), self.in_proj_z(x, runtime).reshape(b, t, -1, self.value_head_dim))
         out = self.out_proj(core.reshape(b, t, -1), runtime)
         return out, RecurrentState(state=new_state, conv=new_conv), nodes
 
@@ -573,11 +570,10 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: Hy
     delta = None  # what the previous layer's MLP adds to the stream: added by the next norm's call
     for i, layer in enumerate(model.model.layers):
         with jax.named_scope(f"layer_{i}"):
-            # W8A8 rows from the norm: a full-attention layer's norm feeds q|k|v alone; a Gated DeltaNet's feeds its FP8
-            # in_proj_qkv and in_proj_z and, unquantised, in_proj_a and in_proj_b (`shared`).
-            linear = None if i in attn_index else layer.linear_attn
-            into = layer.self_attn.qkv_proj if linear is None else (linear.in_proj_qkv, linear.in_proj_z)
-            x, h = add_and_norm(layer.input_layernorm, x, delta, runtime, into=into, shared=linear is not None)
+            # W8A8 rows from the norm: a full-attention layer's norm feeds q|k|v alone; a Gated DeltaNet's feeds four
+            # projections, two of them unquantised (their rows from the norm too: no faster on an H100, 2026-12-06).
+            x, h = add_and_norm(layer.input_layernorm, x, delta, runtime,
+                                into=layer.self_attn.qkv_proj if i in attn_index else None)
             if i - 1 in tap_layers:
                 taps[i - 1] = x
             if i in attn_index:
