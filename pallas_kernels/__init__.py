@@ -12,9 +12,6 @@
 - `pallas_kernels.tree_delta_rule`: the Gated DeltaNet rule over a tree's nodes (the hybrid's verify), one launch
   per layer for one block of 16 nodes and two past it; the models call it for trees of up to 128 nodes on the
   Pallas path.
-- `pallas_kernels.gdn_prologue`: a Gated DeltaNet tree verify's step before the tree rule (the conv over each
-  node's root path, SiLU, the q/k norms, the gates) in one launch; the models call it on the Pallas path with
-  `qwen3_5.PROLOGUE_KERNEL` (off until timed on a GPU).
 - `pallas_kernels.rms_norm`: the residual add and the RMSNorm after it (`add_rms_norm`), per token row.
 - `pallas_kernels.qk_norm_rope`: a Qwen3 attention's q|k|v split, q/k RMSNorm and RoPE (`qk_norm_rope`).
 - `pallas_kernels.stream_matmul`: a weight-streaming matmul for few rows whose arithmetic for a row does not depend

@@ -41,7 +41,6 @@ from pallas_kernels import qk_norm_rope as qk  # noqa: E402
 from pallas_kernels import rms_norm as rn  # noqa: E402
 from pallas_kernels import stream_matmul as smm  # noqa: E402
 from pallas_kernels import tree_build as tbk  # noqa: E402
-from pallas_kernels import gdn_prologue as gpk  # noqa: E402
 from pallas_kernels import tree_delta_rule as tdr  # noqa: E402
 from pallas_kernels import vocab_top_k as vtk  # noqa: E402
 from ddtree_jax.models import layers  # noqa: E402
@@ -357,14 +356,6 @@ def main(argv: list[str] | None = None) -> int:
                 jobs.append((f"tree_delta_rule {precision} T={t} chain {','.join(knobs)}", variant,
                              functools.partial(tdr.tree_delta_rule_pallas, precision=precision, config=variant),
                              rule_args, 1))
-    for t in (1, 16, 64):  # the Gated DeltaNet prologue at the Qwen3.6-27B shape (C = 10240, 48 value heads)
-        for dtype in (jnp.bfloat16, jnp.float32):
-            warps = types.SimpleNamespace(num_warps=gpk._warps(t), num_stages=1)  # as gdn_prologue_pallas's
-            jobs.append((f"gdn_prologue {jnp.dtype(dtype).name} T={t}", warps,
-                         functools.partial(gpk.gdn_prologue_pallas, key_heads=16, key_dim=128, value_dim=128),
-                         [sds((1, t, 10240), dtype), sds((1, 10240, 3), dtype), sds((10240, 4), dtype),
-                          sds((1, t), jnp.int32), sds((1, t), jnp.int32), sds((1, t, 48), dtype), sds((1, t, 48), dtype),
-                          sds((48,), dtype), sds((48,), dtype)]))
     jobs = [job for job in jobs if args.only in job[0]]
     for name, config, fn, fn_args, *which in jobs:
         label = f"{name:<32} {config!r}".replace("TreeAttentionConfig", "").replace("TreeAcceptConfig", "").replace(

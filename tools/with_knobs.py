@@ -34,9 +34,7 @@ kernel's `default_config`, which is what the engine uses when it passes no confi
   `early_launch` (`pallas_kernels.launch.EARLY_LAUNCH`: each Pallas kernel lets the next kernel be launched at
   its entry, Hopper's programmatic dependent launch; on), `split_sums_kernel`
   (`pallas_kernels.stream_matmul.SPLIT_SUMS_KERNEL`: a streamed projection's split sums added by a Pallas kernel,
-  which signals its dependents, not by XLA's fusion; off), `gdn_prologue_kernel`
-  (`ddtree_jax.models.qwen3_5.PROLOGUE_KERNEL`: a Gated DeltaNet tree verify's conv, SiLU, q/k norms and gates in
-  one kernel, `pallas_kernels.gdn_prologue`).
+  which signals its dependents, not by XLA's fusion; off).
 A module path after -m may be a file's (tools/loop_cost.py): it is run as a script then.
 """
 
@@ -81,8 +79,7 @@ ENGINE = {"tree_kernels_up_to": ("ddtree_jax.round", "TREE_BUILD_KERNEL_UP_TO", 
           "w8a8_rows_from_norm": ("ddtree_jax.models.layers", "W8A8_ROWS_FROM_NORM", bool),
           "w8a8_quantize_first_above": ("ddtree_jax.models.layers", "W8A8_QUANTIZE_FIRST_ABOVE", 0),
           "early_launch": ("pallas_kernels.launch", "EARLY_LAUNCH", bool),
-          "split_sums_kernel": ("pallas_kernels.stream_matmul", "SPLIT_SUMS_KERNEL", bool),
-          "gdn_prologue_kernel": ("ddtree_jax.models.qwen3_5", "PROLOGUE_KERNEL", bool)}
+          "split_sums_kernel": ("pallas_kernels.stream_matmul", "SPLIT_SUMS_KERNEL", bool)}
 
 
 def parse_knobs(text: str, config_class) -> dict:

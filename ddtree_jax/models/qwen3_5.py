@@ -44,14 +44,11 @@ from ddtree_jax.models.layers import (Embedding, Linear, PackedProjections, Part
                                       cached_attention, param, rope_cos_sin)
 from ddtree_jax.models.params import ModelParams, abstract_params, random_params
 from ddtree_jax.parallel import MODEL_AXIS
-from pallas_kernels import gdn_prologue as gdn_prologue_kernel, tree_delta_rule as tree_rule_kernel
+from pallas_kernels import tree_delta_rule as tree_rule_kernel
 
 RECURRENT = True  # the cache is a HybridCache: K/V beside a recurrent state per Gated DeltaNet layer
 CHUNK = 64  # tokens per chunk of the chunked (WY) delta rule, as HF
 BLOCKED_SOLVE_ABOVE = 128  # systems larger than this are solved by blocks (`unit_lower_solve`)
-# A tree verify's conv, SiLU, q/k norms and gates in one kernel (`pallas_kernels.gdn_prologue`) on the Pallas path
-# without a tp mesh, for trees the kernel takes; else XLA's six to eight kernels a layer (the jnp form).
-PROLOGUE_KERNEL = False
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -371,15 +368,34 @@ class GatedDeltaNet(nnx.Module):
         self.key_dim, self.value_dim = config.linear_key_dim, config.linear_value_dim
         self.key_head_dim, self.value_head_dim = config.linear_key_head_dim, config.linear_value_head_dim
 
-    def _conv_heads(self, mixed, state: RecurrentState, valid, parents, depths, pin):
-        """The jnp form of the conv, SiLU and the q/k norms: mixed [b, t, C] (in_proj_qkv's output) -> (q, k
-        [b, t, H, K] repeated to the value heads, v [b, t, H, V], q and k by key head [b, t, Hk, K], all float32;
-        the new conv window [b, C, K-1]). Tree mode (parents given): each node's window is its root path's."""
-        b, t, _ = mixed.shape
+    def __call__(self, x: jax.Array, state: RecurrentState, valid: jax.Array, parents: jax.Array | None = None,
+                 depths: jax.Array | None = None, visible: jax.Array | None = None, *, runtime: Runtime = Runtime(),
+                 ) -> tuple[jax.Array, RecurrentState, NodeStates | None]:
+        """x [b, t, e]; valid [b] int, real tokens per row (the rest are right padding and leave the state
+        alone) -> (out [b, t, e], the state advanced over each row's valid tokens, None).
+
+        Tree mode (parents [b, t], depths [b, t] and visible [b, t, t], the ancestor mask, given; the t tokens
+        are the nodes of a tree hanging below the committed tokens, parents before children): each node's
+        conv window is made of its ancestors' inputs (the committed window above the root) and its
+        recurrence continues its parent's (the committed state for depth 0; `tree_gated_delta_rule`).
+        Returns (out, the committed state unchanged, NodeStates with what forms any node's state, and every
+        node's conv input) so that the caller installs an accepted node's.
+
+        runtime.tp_mesh: split the layer by key heads over it (when they divide; module docstring).
+        """
+        b, t, _ = x.shape
         kernel = self.conv1d.weight.shape[-1]
+        tree = parents is not None
+        mesh = runtime.tp_mesh
+        if mesh is not None and self.key_heads % mesh.size:
+            mesh = None  # the key heads do not divide: the weights are whole on every device, and so is all this
+        pin = functools.partial(_pin, mesh=mesh)
+
+        # Causal depthwise conv over [window | new inputs]; the new window is each row's last K-1 real inputs.
+        mixed = pin(self.in_proj_qkv(x, runtime), 2)  # [b, t, C]; tp: in the weight's contiguous blocks of channels
         window_in = jnp.swapaxes(state.conv, 1, 2).astype(mixed.dtype)  # [b, K-1, C], oldest first
         w = self.conv1d.weight[...][:, 0, :].astype(jnp.float32)  # [C, K]
-        if parents is not None:
+        if tree:
             # The input `back` steps up the root path of every node: ancestor node `back` levels up while
             # depth - back >= 0, else slot K-1 + depth - back of the committed window.
             ancestors, node = [], jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -400,12 +416,14 @@ class GatedDeltaNet(nnx.Module):
             conv = sum(full[:, j:j + t].astype(jnp.float32) * w[:, j] for j in range(kernel))
             window = jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, kernel - 1, axis=0))(full, valid)
             new_conv = jnp.swapaxes(window, 1, 2).astype(state.conv.dtype)  # [b, C, K-1]
-        mixed = jax.nn.silu(conv).astype(mixed.dtype)
+        pre_conv = mixed
+        mixed = jax.nn.silu(conv).astype(x.dtype)
         # tp: the channels are [q | k | v], so a device's heads are three pieces of them, not the contiguous
         # block its weight rows give. One all-gather of these activations gives every device all channels;
         # each then slices its own heads locally (pinning every slice whole first: otherwise XLA moves the
         # pieces with one collective-permute each).
         mixed = pin(mixed, None)
+
         f32 = jnp.float32
 
         def heads(start: int, stop: int, head_dim: int) -> jax.Array:  # [b, t, heads, head_dim], split by heads
@@ -417,51 +435,10 @@ class GatedDeltaNet(nnx.Module):
         q = q * jax.lax.rsqrt(jnp.sum(q * q, axis=-1, keepdims=True) + 1e-6) * self.key_head_dim ** -0.5
         k = k * jax.lax.rsqrt(jnp.sum(k * k, axis=-1, keepdims=True) + 1e-6)
         repeat = v.shape[2] // k.shape[2]  # value head h reads key head h // repeat (HF repeat_interleave)
-        # q and k by key head too: the tree-rule kernel reads key head h // repeat itself
-        return pin(jnp.repeat(q, repeat, axis=2), 2), pin(jnp.repeat(k, repeat, axis=2), 2), v, q, k, new_conv
-
-    def __call__(self, x: jax.Array, state: RecurrentState, valid: jax.Array, parents: jax.Array | None = None,
-                 depths: jax.Array | None = None, visible: jax.Array | None = None, *, runtime: Runtime = Runtime(),
-                 ) -> tuple[jax.Array, RecurrentState, NodeStates | None]:
-        """x [b, t, e]; valid [b] int, real tokens per row (the rest are right padding and leave the state
-        alone) -> (out [b, t, e], the state advanced over each row's valid tokens, None).
-
-        Tree mode (parents [b, t], depths [b, t] and visible [b, t, t], the ancestor mask, given; the t tokens
-        are the nodes of a tree hanging below the committed tokens, parents before children): each node's
-        conv window is made of its ancestors' inputs (the committed window above the root) and its
-        recurrence continues its parent's (the committed state for depth 0; `tree_gated_delta_rule`).
-        Returns (out, the committed state unchanged, NodeStates with what forms any node's state, and every
-        node's conv input) so that the caller installs an accepted node's.
-
-        runtime.tp_mesh: split the layer by key heads over it (when they divide; module docstring).
-        """
-        b, t, _ = x.shape
-        tree = parents is not None
-        mesh = runtime.tp_mesh
-        if mesh is not None and self.key_heads % mesh.size:
-            mesh = None  # the key heads do not divide: the weights are whole on every device, and so is all this
-        pin = functools.partial(_pin, mesh=mesh)
-
-        # Causal depthwise conv over [window | new inputs]; the new window is each row's last K-1 real inputs.
-        # [b, t, C]; tp: in the weight's contiguous blocks of channels
-        mixed = pin(self.in_proj_qkv(x, runtime), 2)
-        pre_conv = mixed
-        f32 = jnp.float32
-        a_in, b_in = self.in_proj_a(x, runtime), self.in_proj_b(x, runtime)  # [b, t, H]
-        if tree and mesh is None and runtime.pallas and PROLOGUE_KERNEL \
-                and gdn_prologue_kernel.supports(t, self.key_head_dim, self.value_head_dim):
-            # The conv, SiLU, the q/k norms and the gates in one launch (`pallas_kernels.gdn_prologue`).
-            q_keyed, k_keyed, v, g, beta = gdn_prologue_kernel.gdn_prologue(
-                mixed, state.conv, self.conv1d.weight[...][:, 0, :], parents, depths, a_in, b_in, self.A_log[...],
-                self.dt_bias[...], key_heads=self.key_heads, key_dim=self.key_head_dim, value_dim=self.value_head_dim,
-                implementation="pallas")
-            repeat = v.shape[2] // k_keyed.shape[2]
-            q, k = jnp.repeat(q_keyed, repeat, axis=2), jnp.repeat(k_keyed, repeat, axis=2)
-            new_conv = state.conv
-        else:
-            q, k, v, q_keyed, k_keyed, new_conv = self._conv_heads(mixed, state, valid, parents, depths, pin)
-            beta = jax.nn.sigmoid(b_in).astype(f32)  # [b, t, H]
-            g = -jnp.exp(self.A_log[...].astype(f32)) * jax.nn.softplus(a_in.astype(f32)
+        q_keyed, k_keyed = q, k  # [b, t, Hk, K]: the kernel reads key head h // repeat itself
+        q, k = pin(jnp.repeat(q, repeat, axis=2), 2), pin(jnp.repeat(k, repeat, axis=2), 2)
+        beta = jax.nn.sigmoid(self.in_proj_b(x, runtime)).astype(f32)  # [b, t, H]
+        g = -jnp.exp(self.A_log[...].astype(f32)) * jax.nn.softplus(self.in_proj_a(x, runtime).astype(f32)
                                                                        + self.dt_bias[...].astype(f32))
         nodes = None
         if tree:
@@ -570,8 +547,8 @@ def forward(params: ModelParams, tokens: jax.Array, meta: ForwardMeta, cache: Hy
     delta = None  # what the previous layer's MLP adds to the stream: added by the next norm's call
     for i, layer in enumerate(model.model.layers):
         with jax.named_scope(f"layer_{i}"):
-            # W8A8 rows from the norm: a full-attention layer's norm feeds q|k|v alone; a Gated DeltaNet's feeds four
-            # projections, two of them unquantised (their rows from the norm too: no faster on an H100, 2026-12-06).
+            # A full-attention layer's norm feeds q|k|v alone (W8A8 rows from the norm); a Gated DeltaNet's feeds four,
+            # two of them unquantised (their two FP8 ones' rows from the norm were no faster on an H100, 2026-12-06).
             x, h = add_and_norm(layer.input_layernorm, x, delta, runtime,
                                 into=layer.self_attn.qkv_proj if i in attn_index else None)
             if i - 1 in tap_layers:
