@@ -19,11 +19,11 @@
 #   build     the tree-build and vocabulary top-k kernels compiled (their GPU tests), then tools/topk_probe.py: XLA
 #             builder against the kernel and its $BUILD_KERNELS knob variants, with the vocabulary top-ks of
 #             $BUILD_TOP_K (and alone), $BUILD_VOCAB x $BUILD_BUDGETS                          -> build/
-#   hlo       the bench (qwen3-8b, $HLO_MODES, DDTree $HLO_BUDGETS, pallas) traced, with XLA's optimised HLO dumped:
-#             which fusion each kernel of a round is                                  -> hlo.tar.xz, hlo_traces.tar
-#   xla       the bench (qwen3-8b, AR, DFlash, DDTree $XLA_BUDGETS, pallas, traced) under each XLA_FLAGS variant of
-#             $XLA_VARIANTS (e.g. split-K forced off: its final reductions no longer fuse into the Pallas kernels
-#             after the GEMMs)                                                                -> xla/v1, xla/v2, ...
+#   hlo       the bench ($HLO_SHAPE: qwen3-8b, $HLO_MODES, DDTree $HLO_BUDGETS, pallas) traced, with XLA's optimised
+#             HLO dumped: which fusion each kernel of a round is                      -> hlo.tar.xz, hlo_traces.tar
+#   xla       the bench ($XLA_SHAPE: qwen3-8b, $XLA_MODES: AR, DFlash, DDTree $XLA_BUDGETS, pallas, traced) under each
+#             XLA_FLAGS variant of $XLA_VARIANTS (e.g. split-K forced off: its final reductions no longer fuse into
+#             the Pallas kernels after the GEMMs)                                              -> xla/v1, xla/v2, ...
 #   ncu       Nsight Compute (--set full: stall reasons, source counters) on the tree attention and its merge
 #             (tools/attention_once.py) at T = $NCU_T
 #                                                                                          -> ncu_t65.txt, ...
@@ -478,7 +478,7 @@ fp8_bits=$bits); runpy.run_module('ddtree_jax.bench', run_name='__main__')" --sh
     hlo)
       log "HLO dump and traces"
       XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text" timeout "${HLO_LIMIT:-150}" python3 -m ddtree_jax.bench \
-        --shape qwen3-8b --context 2048 --budgets "${HLO_BUDGETS:-64}" --modes "${HLO_MODES:-ar,dflash,ddtree}" \
+        --shape "${HLO_SHAPE:-qwen3-8b}" --context 2048 --budgets "${HLO_BUDGETS:-64}" --modes "${HLO_MODES:-ar,dflash,ddtree}" \
         --repeats 3 --kernels pallas --trace /tmp/hlo_traces --out /tmp/hlo_bench 2>&1 | grep '^|'
       (cd /tmp/hlo && ls -S | grep 'after_optimizations.txt$' | head -"${HLO_FILES:-12}" | tar -cJf "$OUT/hlo.tar.xz" -T -)
       (cd /tmp/hlo_traces && find . -name perfetto_trace.json.gz | tar -cf "$OUT/hlo_traces.tar" -T -)
@@ -493,8 +493,9 @@ fp8_bits=$bits); runpy.run_module('ddtree_jax.bench', run_name='__main__')" --sh
       for flags in "${variants[@]}"; do
         i=$((i + 1)); [ "$flags" = default ] && flags=""
         echo "-- variant $i: XLA_FLAGS='$flags'"
-        XLA_FLAGS="$flags" timeout "${XLA_LIMIT:-150}" python3 -m ddtree_jax.bench --shape qwen3-8b --context 2048 \
-          --budgets "${XLA_BUDGETS:-64}" --modes ar,dflash,ddtree --repeats 10 --kernels pallas --trace "/tmp/xla_$i" \
+        XLA_FLAGS="$flags" timeout "${XLA_LIMIT:-150}" python3 -m ddtree_jax.bench --shape "${XLA_SHAPE:-qwen3-8b}" \
+          --context 2048 --budgets "${XLA_BUDGETS:-64}" --modes "${XLA_MODES:-ar,dflash,ddtree}" --repeats "${XLA_REPEATS:-10}" \
+          --kernels pallas --trace "/tmp/xla_$i" \
           --out "$OUT/xla/v$i" 2>&1 | grep '^|\|rror'
         rm -f "$OUT/xla/v$i"/bench.{md,png,partial.json}
         timeout 60 python3 tools/trace_summary.py "/tmp/xla_$i" --top 8 2>&1 | grep -v '^    '
