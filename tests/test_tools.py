@@ -640,6 +640,19 @@ def test_l2_probe_passes_each_weight_as_it_is():
     assert _weight_copies(sliced, stacked, x, shape=(32, 128)) != []
 
 
+def test_trace_summary_charges_a_kernel_placed_early_from_its_predecessors_end(tmp_path):
+    """A kernel placed while the one before it runs (programmatic dependent launch) waits at its entry: its own time
+    starts at that kernel's end. Here a 30-us projection, a norm placed at 10 us that ends at 35, a fusion 1 us after."""
+    kernels = [(0.0, 30.0, "stream_matmul"), (10.0, 25.0, "add_rms_norm"), (36.0, 2.0, "loop_add_fusion_3")]
+    path = tmp_path / "ar-pallas" / "plugins" / "profile" / "x" / "perfetto_trace.json.gz"
+    _write_trace(path, kernels)
+    assert trace_summary.gpu_kernels(path) == [(0.0, 30.0, "stream_matmul"), (30.0, 5.0, "add_rms_norm"),
+                                               (36.0, 2.0, "loop_add_fusion_3")]
+    s = trace_summary.summarise(path, rounds=1)
+    assert s["busy_ms_per_round"] == pytest.approx(37e-3) and s["idle_ms_per_round"] == pytest.approx(1e-3)
+    assert trace_summary.largest_gaps(path, 1)[0]["us"] == 1.0
+
+
 def test_trace_summary_against_groups_the_swapped_kernels(tmp_path, capsys):
     """--against: two traces of one program, two projections swapped (a streamed one with its split sum against
     XLA's GEMM, and one against cuBLAS's), aligned on the kernels both run; each swap reported once a round with

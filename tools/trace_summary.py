@@ -9,7 +9,9 @@ first kernel's start to the last kernel's end, the sum of kernel times (busy), t
 Per round = divided by the number of rounds traced (`--rounds`: the bench traces one call of its device
 loop, `bench.LOOP_ROUNDS` = 8 rounds; its checkpoint mode traces one decode and writes its round count in
 ROW/rounds.json). Times come from the profiler, which slows dispatch but not kernels: busy time is the figure
-to compare with the bench's round time.
+to compare with the bench's round time. A kernel's time is its own: from the end of the kernel before it where it was
+placed before that ended (`gpu_kernels`; before 2026-12-06 evening the profiler's spans were summed, so a Pallas
+kernel's successor, placed early since the kernels signal at entry, counted its wait too and busy could exceed wall).
 `--against DIR_B` aligns each row's first round with the same row traced under DIR_B (a knob's A/B) and lists the
 stretches where their kernels differ, grouped, with each side's time a round: which swapped kernels gain or lose.
 `--gaps N` prints each trace's N longest idle gaps with the kernels around them (where a call waits for the
@@ -30,14 +32,23 @@ from pathlib import Path
 
 
 def gpu_kernels(path: Path) -> list[tuple[float, float, str]]:
-    """(start us, duration us, name) of every event on the GPU's streams, sorted by start."""
+    """(start us, duration us, name) of every event on the GPU's streams, in launch order: each kernel's own time,
+    from the later of its start and the end of every kernel before it (a kernel placed early, behind one that lets
+    it be launched, Hopper's programmatic dependent launch, shows from its placement, but waits at its entry until
+    that kernel has ended), so that the times add up to the busy time and the gaps are idle."""
     data = json.load(gzip.open(path))
     events = data["traceEvents"] if isinstance(data, dict) else data
     gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
                 and "GPU" in str(e.get("args", {}).get("name", ""))}
-    out = [(float(e["ts"]), float(e.get("dur", 0.0)), e.get("name", "?")) for e in events
-           if e.get("ph") == "X" and e.get("pid") in gpu_pids]
-    return sorted(out)
+    spans = sorted((float(e["ts"]), float(e.get("dur", 0.0)), e.get("name", "?")) for e in events
+                   if e.get("ph") == "X" and e.get("pid") in gpu_pids)
+    out, last_end = [], float("-inf")
+    for start, dur, name in spans:
+        end = start + dur
+        own_start = min(max(start, last_end), end)
+        out.append((own_start, end - own_start, name))
+        last_end = max(last_end, end)
+    return out
 
 
 def family(name: str) -> str:
