@@ -478,6 +478,8 @@ def test_with_knobs_lays_knobs_over_each_kernels_defaults(tmp_path, monkeypatch,
     assert with_knobs.parse_item("engine:dense_stream_max_rows=0") == ("engine", {"dense_stream_max_rows": 0})
     assert with_knobs.parse_item("engine:commit_rows_kernel=1") == ("engine", {"commit_rows_kernel": True})
     assert with_knobs.parse_item("engine:early_launch=0") == ("engine", {"early_launch": False})
+    assert with_knobs.parse_item("engine:dense_stream_wide_max_bytes=40000000") == (
+        "engine", {"dense_stream_wide_max_bytes": 40000000})
     for bad in ("topk:threshold_once=1", "top_k:one_launch=1", "tree_build:block_rows=48", "top_k:skip_cold=x",
                 "engine:tree_kernels_up_to=0", "engine:up_to=512", "engine:fused_kv_write=2",
                 "dense_stream:block_n=24", "fp8_stream:balance=3", "dense_stream_wide:prefetch=2",

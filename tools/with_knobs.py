@@ -27,7 +27,8 @@ kernel's `default_config`, which is what the engine uses when it passes no confi
   written by one kernel for every layer; on), `glu_in_epilogue` (`...layers.GLU_IN_EPILOGUE`: SwiGLU in a streamed
   gate|up projection's epilogue; off), `dense_stream_wide_max_rows=N` (`...layers.DENSE_STREAM_WIDE_MAX_ROWS`:
   bf16 projections of calls of more rows than `dense_stream_max_rows`, up to N, streamed with the knobs of
-  `dense_stream_wide:...`, `...layers.DENSE_STREAM_WIDE_KNOBS`; 0, off), `w8a8_rows_from_norm`
+  `dense_stream_wide:...`, `...layers.DENSE_STREAM_WIDE_KNOBS`; 0, off), `dense_stream_wide_max_bytes=N`
+  (`...layers.DENSE_STREAM_WIDE_MAX_BYTES`: only weights of at most N bytes so; any by default), `w8a8_rows_from_norm`
   (`...layers.W8A8_ROWS_FROM_NORM`: W8A8's rows for q|k|v and gate|up quantised by the norm kernel before them; on),
   `w8a8_quantize_first_above=N` (`...layers.W8A8_QUANTIZE_FIRST_ABOVE`: W8A8's rows of streamed calls of more than N
   rows quantised first, not inside the streaming kernel; 16 by default, 0: inside at any row count),
@@ -73,6 +74,7 @@ ENGINE = {"tree_kernels_up_to": ("ddtree_jax.round", "TREE_BUILD_KERNEL_UP_TO", 
           "top_k_kernel_up_to": ("ddtree_jax.round", "VOCAB_TOP_K_KERNEL_UP_TO", 1),
           "dense_stream_max_rows": ("ddtree_jax.models.layers", "DENSE_STREAM_MAX_ROWS", 0),
           "dense_stream_wide_max_rows": ("ddtree_jax.models.layers", "DENSE_STREAM_WIDE_MAX_ROWS", 0),
+          "dense_stream_wide_max_bytes": ("ddtree_jax.models.layers", "DENSE_STREAM_WIDE_MAX_BYTES", 0),
           "fused_kv_write": ("ddtree_jax.models.layers", "FUSED_KV_WRITE", bool),
           "commit_rows_kernel": ("ddtree_jax.round", "COMMIT_ROWS_KERNEL", bool),
           "glu_in_epilogue": ("ddtree_jax.models.layers", "GLU_IN_EPILOGUE", bool),

@@ -103,6 +103,13 @@ DENSE_STREAM_KNOBS = StreamMatmulConfig()
 # qwen3-8b --modes ddtree --budgets 64 ...`, alternating): B = 64 8.76 and 8.63 ms against 8.33 and 8.37. Off.
 DENSE_STREAM_WIDE_MAX_ROWS = 0
 DENSE_STREAM_WIDE_KNOBS = StreamMatmulConfig(block_k=64)
+# ... and of those weights only the ones of at most this many bytes (None: any). At 65 rows cuBLAS tiles a weight
+# of 4096 or 6144 output features into too few programs for the H200: in its B = 64 trace (2026-12-05 evening,
+# `docs/data/trace_summary_qwen3_8b_h200_2026-12-05_evening.json`) the 8B's gate|up streamed at 3.8 TB/s but its
+# 128 x 40 kernel of a 34-50 MB weight (o_proj or q|k|v) at 2.1-3.1, while a streamed projection's split sums grow
+# with its output features (gate|up: 65 x 24576 float32 partials a split), so a cap keeps the wide streaming to the
+# short weights (`engine:dense_stream_wide_max_bytes=N`).
+DENSE_STREAM_WIDE_MAX_BYTES: int | None = None
 
 # SwiGLU's silu(gate) * up computed in the epilogue of a streamed gate|up projection (`stream_matmul`'s `glu`: each
 # program streams its gate rows and the same up rows, one split), not by an XLA kernel of its own after it (36 a
@@ -165,18 +172,21 @@ def dense_stream_config(weight_shape: tuple[int, int], rows: int, runtime: Runti
     """The streaming kernel's knobs for a dense [out, in] weight on `rows` rows if it streams, else None: under
     `Runtime.row_invariant` (any number of rows, the lm_head too; never with a tensor-parallel mesh, which `Runtime`
     refuses), or, not the lm_head, for at most `DENSE_STREAM_MAX_ROWS` rows (`DENSE_STREAM_KNOBS`), or more up to
-    `DENSE_STREAM_WIDE_MAX_ROWS` (`DENSE_STREAM_WIDE_KNOBS`), on the Pallas path without a tensor-parallel mesh and a
-    weight of at least `DENSE_STREAM_MIN_BYTES` (in `dtype`, what the kernel reads); for
+    `DENSE_STREAM_WIDE_MAX_ROWS` (`DENSE_STREAM_WIDE_KNOBS`, weights of at most `DENSE_STREAM_WIDE_MAX_BYTES`), on the
+    Pallas path without a tensor-parallel mesh and a weight of at least `DENSE_STREAM_MIN_BYTES` (in `dtype`, what the
+    kernel reads); for
     a weight the kernel tiles (`fitted_config`: out and in features multiples of 16; `glu`: the weight is gate|up,
     tiled by its halves)."""
     n, k = weight_shape[0] // 2 if glu else weight_shape[0], weight_shape[1]
     if runtime.row_invariant:
         return fitted_config(n, k, config=_glu_tiles(StreamMatmulConfig(row_tile=ROW_INVARIANT_ROW_TILE), glu))
-    small = math.prod(weight_shape) * jnp.dtype(dtype).itemsize < DENSE_STREAM_MIN_BYTES
+    nbytes = math.prod(weight_shape) * jnp.dtype(dtype).itemsize
+    wide = rows > DENSE_STREAM_MAX_ROWS
     if (lm_head or rows > max(DENSE_STREAM_MAX_ROWS, DENSE_STREAM_WIDE_MAX_ROWS) or not runtime.pallas
-            or runtime.tp_mesh is not None or small):
+            or runtime.tp_mesh is not None or nbytes < DENSE_STREAM_MIN_BYTES
+            or (wide and DENSE_STREAM_WIDE_MAX_BYTES is not None and nbytes > DENSE_STREAM_WIDE_MAX_BYTES)):
         return None
-    knobs = DENSE_STREAM_KNOBS if rows <= DENSE_STREAM_MAX_ROWS else DENSE_STREAM_WIDE_KNOBS
+    knobs = DENSE_STREAM_WIDE_KNOBS if wide else DENSE_STREAM_KNOBS
     return fitted_config(n, k, config=_glu_tiles(knobs, glu))
 
 

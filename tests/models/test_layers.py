@@ -276,6 +276,14 @@ def test_wider_calls_stream_with_their_own_knobs_where_chosen(monkeypatch):
     assert layers.dense_stream_config(shape, 65, runtime) == wide
     assert layers.dense_stream_config(shape, 66, runtime) is None
     assert layers.dense_stream_config(shape, 65, runtime, lm_head=True) is None
+    # `DENSE_STREAM_WIDE_MAX_BYTES`: the wide calls of larger weights go back to XLA, the small calls stream still.
+    nbytes = 256 * 512 * 2  # bf16
+    monkeypatch.setattr(layers, "DENSE_STREAM_WIDE_MAX_BYTES", nbytes)
+    assert layers.dense_stream_config(shape, 65, runtime) == wide
+    monkeypatch.setattr(layers, "DENSE_STREAM_WIDE_MAX_BYTES", nbytes - 1)
+    assert layers.dense_stream_config(shape, 65, runtime) is None
+    assert layers.dense_stream_config(shape, layers.DENSE_STREAM_MAX_ROWS, runtime) == small
+
 
 def test_row_invariant_streams_in_16_row_tiles_and_needs_the_pallas_kernels():
     """Every row count multiplies in 16-row tiles (one mma shape), dense and FP8 weights alike, however many rows;
