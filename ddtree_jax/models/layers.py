@@ -105,10 +105,10 @@ DENSE_STREAM_WIDE_MAX_ROWS = 0
 DENSE_STREAM_WIDE_KNOBS = StreamMatmulConfig(block_k=64)
 # ... and of those weights only the ones of at most this many bytes (None: any). In the H200's B = 64 trace
 # (2026-12-05 evening, `docs/data/trace_summary_qwen3_8b_h200_2026-12-05_evening.json`) cuBLAS's 65-row kernels
-# streamed the 8B's gate|up at 3.8 TB/s (52.9 us) and, by their counts and times, q|k|v and down_proj at ~3.6 (72 of
-# one kernel, 20.9 us on average), but o_proj's 33.5 MB at 2.1 (its 128 x 40 kernel: 16.3 us, 36 a round), while a
-# streamed projection's split sums grow with its output features (gate|up: 65 x 24576 float32 partials a split).
-# A cap keeps the wide streaming to the short weights (`engine:dense_stream_wide_max_bytes=N`; not yet timed).
+# streamed the 8B's gate|up at 3.8 TB/s but q|k|v, o_proj and down_proj at 2.1-3.6 (docs/performance.md, 2026-12-06
+# night), while a streamed projection's split sums grow with its output features (gate|up: 65 x 24576 float32
+# partials a split). A cap keeps the wide streaming to the shorter weights (`engine:dense_stream_wide_max_bytes=N`:
+# 40000000 o_proj alone, 110000000 all but gate|up; not yet timed).
 DENSE_STREAM_WIDE_MAX_BYTES: int | None = None
 
 # SwiGLU's silu(gate) * up computed in the epilogue of a streamed gate|up projection (`stream_matmul`'s `glu`: each
