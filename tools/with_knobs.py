@@ -28,8 +28,9 @@ kernel's `default_config`, which is what the engine uses when it passes no confi
   gate|up projection's epilogue; off), `dense_stream_wide_max_rows=N` (`...layers.DENSE_STREAM_WIDE_MAX_ROWS`:
   bf16 projections of calls of more rows than `dense_stream_max_rows`, up to N, streamed with the knobs of
   `dense_stream_wide:...`, `...layers.DENSE_STREAM_WIDE_KNOBS`; 0, off), `dense_stream_wide_max_bytes=N`
-  (`...layers.DENSE_STREAM_WIDE_MAX_BYTES`: only weights of at most N bytes so; any by default), `w8a8_rows_from_norm`
-  (`...layers.W8A8_ROWS_FROM_NORM`: W8A8's rows for q|k|v and gate|up quantised by the norm kernel before them; on),
+  (`...layers.DENSE_STREAM_WIDE_MAX_BYTES`: of those, only weights of at most N bytes; any by default),
+  `w8a8_rows_from_norm` (`...layers.W8A8_ROWS_FROM_NORM`: W8A8's rows for q|k|v and gate|up quantised by the norm
+  kernel before them; on),
   `w8a8_quantize_first_above=N` (`...layers.W8A8_QUANTIZE_FIRST_ABOVE`: W8A8's rows of streamed calls of more than N
   rows quantised first, not inside the streaming kernel; 16 by default, 0: inside at any row count),
   `early_launch` (`pallas_kernels.launch.EARLY_LAUNCH`: each Pallas kernel lets the next kernel be launched at

@@ -174,9 +174,8 @@ def dense_stream_config(weight_shape: tuple[int, int], rows: int, runtime: Runti
     refuses), or, not the lm_head, for at most `DENSE_STREAM_MAX_ROWS` rows (`DENSE_STREAM_KNOBS`), or more up to
     `DENSE_STREAM_WIDE_MAX_ROWS` (`DENSE_STREAM_WIDE_KNOBS`, weights of at most `DENSE_STREAM_WIDE_MAX_BYTES`), on the
     Pallas path without a tensor-parallel mesh and a weight of at least `DENSE_STREAM_MIN_BYTES` (in `dtype`, what the
-    kernel reads); for
-    a weight the kernel tiles (`fitted_config`: out and in features multiples of 16; `glu`: the weight is gate|up,
-    tiled by its halves)."""
+    kernel reads); for a weight the kernel tiles (`fitted_config`: out and in features multiples of 16; `glu`: the
+    weight is gate|up, tiled by its halves)."""
     n, k = weight_shape[0] // 2 if glu else weight_shape[0], weight_shape[1]
     if runtime.row_invariant:
         return fitted_config(n, k, config=_glu_tiles(StreamMatmulConfig(row_tile=ROW_INVARIANT_ROW_TILE), glu))
