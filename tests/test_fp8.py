@@ -261,6 +261,7 @@ def test_w8a8_rows_from_the_norm_give_the_same_bits(tmp_path, monkeypatch, famil
         for a, b in zip(outs[False], outs[True]):
             np.testing.assert_array_equal(a, b)
 
+
 def test_packed_fp8_projections_stream_as_one_matmul_each(tmp_path):
     """Blocks of 16 x 32 divide the heads (16) and the MLP halves: q|k|v and gate|up stay packed as FP8, so an AR
     step streams four FP8 matmuls a layer (not seven) and runs the Pallas q/k-norm-and-RoPE kernel on the packed
