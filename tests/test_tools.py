@@ -33,6 +33,7 @@ import tp_layout  # noqa: E402
 import triton_offline  # noqa: E402
 import w8a8_check  # noqa: E402
 import trace_summary  # noqa: E402
+import tree_temperature  # noqa: E402
 import with_knobs  # noqa: E402
 import with_tree_rule  # noqa: E402
 from jaxprs import equations  # noqa: E402
@@ -440,6 +441,25 @@ def test_prune_counts_against_a_direct_count(capsys):
     assert prune_counts.main(["--vocab", "500", "--budgets", "8", "--depths", "3", "--peak", "0"]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].startswith("| peak | B | depth |") and table[-1].startswith("| 0 | 8 | stops after depth")
+
+
+def test_tree_temperature_divides_only_ddtree_logits_by_each_depths_temperature(capsys):
+    """tools/tree_temperature.py: a ramp 1:0.5 over three depths is 1, 0.75, 0.5; the wrapped propose gets DDTree's
+    logits divided by them depth by depth and DFlash's as they were; a temperature of 0 is one error line, exit 2."""
+    from types import SimpleNamespace
+
+    from ddtree_jax.engine import Mode
+
+    temps = tree_temperature.temperatures("1:0.5", 3)
+    np.testing.assert_allclose(temps, [1.0, 0.75, 0.5])
+    np.testing.assert_allclose(tree_temperature.temperatures("2", 3), [2.0, 2.0, 2.0])
+    propose = tree_temperature.tempered(lambda logits, last_token, options: logits, temps)
+    logits = jnp.arange(1.0, 25.0).reshape(2, 3, 4)
+    got = propose(logits, None, SimpleNamespace(mode=Mode.DDTREE))
+    np.testing.assert_allclose(got, np.asarray(logits) / np.array([1.0, 0.75, 0.5])[None, :, None], rtol=1e-6)
+    np.testing.assert_array_equal(propose(logits, None, SimpleNamespace(mode=Mode.DFLASH)), logits)
+    assert tree_temperature.main(["--temps", "1,0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --temps/--ramps: 0: temperatures must be > 0"
 
 
 def test_with_knobs_lays_knobs_over_each_kernels_defaults(tmp_path, monkeypatch, capsys):
