@@ -108,7 +108,8 @@ DENSE_STREAM_WIDE_KNOBS = StreamMatmulConfig(block_k=64)
 # streamed the 8B's gate|up at 3.8 TB/s but q|k|v, o_proj and down_proj at 2.1-3.6 (docs/performance.md, 2026-12-06
 # night), while a streamed projection's split sums grow with its output features (gate|up: 65 x 24576 float32
 # partials a split). A cap keeps the wide streaming to the shorter weights (`engine:dense_stream_wide_max_bytes=N`:
-# 40000000 o_proj alone, 110000000 all but gate|up; not yet timed).
+# 40000000 o_proj alone, 110000000 all but gate|up). On an H100 (2026-12-06 night) neither gained: the 8B's B = 63 /
+# 64 rounds 0-4% slower, the 27B's B = 63 2.5% slower at 110 MB; the H200 has not timed it.
 DENSE_STREAM_WIDE_MAX_BYTES: int | None = None
 
 # SwiGLU's silu(gate) * up computed in the epilogue of a streamed gate|up projection (`stream_matmul`'s `glu`: each
