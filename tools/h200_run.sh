@@ -71,7 +71,7 @@
 #             four times the programs; below 64 Triton leaves FP8 wgmma for mma.sync on f16 copies)
 #                                                                                                -> w8a8_splits/
 #   goals     both issues' goal figures in one call ($GOALS_S, 560 s; each part skipped or cut to what is left): the
-#             W8A8 smoke (tools/w8a8_check.py), the 8B FP8 W8A8 and bf16 rounds (AR, DFlash, DDTree 15, 64), the build
+#             W8A8 smoke (tools/w8a8_check.py), the 8B bf16 and FP8 W8A8 rounds (AR, DFlash, DDTree 15, 64), the build
 #             at B = 64 / 512 (deep and i.i.d. logits, XLA against the kernels), W8A16 AR, the 8B DDTree rounds at
 #             B = 256 / 512 (the K/V-write A/B it ran until 2026-12-05 night: settled, on)
 #                                                               -> w8a8_check.txt, goals.tar (goals/NAME/bench.json, goals/build_peak{20,0}/)
@@ -313,10 +313,11 @@ for step in "$@"; do
           | grep -E '^\| (ar|dflash|ddtree)|rror'
         rm -f "$OUT/goals/$name"/bench.{md,png,partial.json}
       }
-      goal_bench w8a8 150 -m ddtree_jax.bench --shape qwen3-8b --weights fp8 --fp8-matmul w8a8 --budgets 15,64 \
-        --modes ar,dflash,ddtree --repeats 5 --kernels pallas
+      # bf16 first: issue 19's rounds are the figures a call cut short should still bring back
       goal_bench bf16 150 -m ddtree_jax.bench --shape qwen3-8b --budgets 15,64 --modes ar,dflash,ddtree --repeats 5 \
         --kernels pallas
+      goal_bench w8a8 150 -m ddtree_jax.bench --shape qwen3-8b --weights fp8 --fp8-matmul w8a8 --budgets 15,64 \
+        --modes ar,dflash,ddtree --repeats 5 --kernels pallas
       for peak in 20 0; do
         [ $(( goals_end - $(date +%s) )) -lt 100 ] && { log "skip build, peak $peak"; continue; }
         log "build B = 64, 512, peak $peak"
