@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from ddtree_jax.measure.timing import median_seconds
+from ddtree_jax.measure.timing import in_loop_seconds, median_seconds
 
 
 def measure_ceilings(repeats: int, small: bool) -> dict:
@@ -13,11 +13,13 @@ def measure_ceilings(repeats: int, small: bool) -> dict:
     Bandwidth is measured several ways, because XLA's kernels reach different fractions of the hardware
     rate: `copy` (`a * 2 + 1` over 2 GiB of bf16, bytes read + written), `read` (a float32 sum of the same
     array, bytes read), `gemv` (a 1 GiB bf16 matrix times a vector, the matrix's bytes: the access pattern
-    of a batch-1 decode step) and, where PyTorch sees a CUDA GPU, `torch_copy` (a 4 GiB device-to-device
-    copy timed with CUDA events, bytes read + written: the method the device notes use). On the H200 the
-    three XLA figures came out at 2.4-3.4 TB/s while torch's copy and XLA's own matmul kernels inside a
-    decode step reached 4.1-4.3 TB/s (docs/performance.md). `bandwidth_bytes_per_s` is the highest of them:
-    the floors use it, so that no row can look closer to its floor because one measurement came out low.
+    of a batch-1 decode step), `gemv_loop` (a [1, n] row times a 2 GiB [n, n] matrix, each product the next
+    row, timed per iteration inside a device loop: the form and timing of a decode step's lm_head) and,
+    where PyTorch sees a CUDA GPU, `torch_copy` (a 4 GiB device-to-device copy timed with CUDA events,
+    bytes read + written: the method the device notes use). On the H200 the first three came out at
+    2.3-3.4 TB/s while torch's copy reached 4.26 and XLA's lm_head GEMV inside a decode step 4.34 TB/s
+    (docs/performance.md). `bandwidth_bytes_per_s` is the highest of them: the floors use it, so that no row
+    can look closer to its floor because one measurement came out low.
     """
     import jax
     import jax.numpy as jnp
@@ -33,6 +35,7 @@ def measure_ceilings(repeats: int, small: bool) -> dict:
     v = jax.random.normal(jax.random.key(3), (w.shape[1],), jnp.bfloat16)
     gemv = jax.jit(lambda m, u: jnp.einsum("oi,i->o", m, u))
     gemv_bw = w.nbytes / median_seconds(lambda: gemv(w, v), repeats)
+    loop_s = gemv_loop_seconds(x, repeats)  # 0 where noise swamps a tiny matrix (small, on a CPU)
     m = 512 if small else 8192
     a = jax.random.normal(jax.random.key(1), (m, m), jnp.bfloat16)
     b = jax.random.normal(jax.random.key(2), (m, m), jnp.bfloat16)
@@ -40,11 +43,34 @@ def measure_ceilings(repeats: int, small: bool) -> dict:
     matmul = 2 * m**3 / median_seconds(lambda: mm(a, b), repeats)
     out = {"copy_bytes_per_s": copy_bw, "read_bytes_per_s": read_bw, "gemv_bytes_per_s": gemv_bw,
            "bf16_flops_per_s": matmul}
+    if loop_s > 0:
+        out["gemv_loop_bytes_per_s"] = x.nbytes / loop_s
     torch_bw = None if small else torch_copy_bandwidth()
     if torch_bw:
         out["torch_copy_bytes_per_s"] = torch_bw
     out["bandwidth_bytes_per_s"] = max(v for k, v in out.items() if k.endswith("bytes_per_s"))
     return out
+
+
+def gemv_loop_seconds(x, repeats: int) -> float:
+    """Seconds one [1, n] x [n, n] product adds inside a device loop: the array `x` (n^2 elements: 2^22 or
+    2^30) reshaped square; 0 where the loop's noise exceeds its work (a small matrix on a CPU). Each
+    product, scaled by 1/sqrt(n) to keep its magnitude, is the next row: XLA can neither hoist a product
+    out of the loop nor run two at once."""
+    import jax
+    import jax.numpy as jnp
+
+    n = int(round(x.size ** 0.5))
+    w = x.reshape(n, n)
+    scale = 1.0 / n ** 0.5
+
+    @jax.jit
+    def chain(m, row, iterations):
+        body = lambda _, r: (jnp.dot(r, m, preferred_element_type=jnp.float32) * scale).astype(m.dtype)  # noqa: E731
+        return jax.lax.fori_loop(0, iterations, body, row)
+
+    row = jax.random.normal(jax.random.key(4), (1, n), w.dtype)
+    return in_loop_seconds(lambda iterations: chain(w, row, jnp.int32(iterations)), repeats)[0]
 
 
 def torch_copy_bandwidth(n_bytes: int = 4 << 30, repeats: int = 10) -> float | None:
@@ -80,5 +106,6 @@ def ceilings_text(c: dict) -> str:
     """One sentence with the measured ceilings (`measure_ceilings`)."""
     tb = lambda k: f"{c[k] / 1e12:.2f}" if k in c else "-"  # noqa: E731
     return (f"Measured ceilings: bandwidth {tb('bandwidth_bytes_per_s')} TB/s (the highest of copy "
-            f"{tb('copy_bytes_per_s')}, read {tb('read_bytes_per_s')}, gemv {tb('gemv_bytes_per_s')}, torch copy "
+            f"{tb('copy_bytes_per_s')}, read {tb('read_bytes_per_s')}, gemv {tb('gemv_bytes_per_s')}, gemv in a loop "
+            f"{tb('gemv_loop_bytes_per_s')}, torch copy "
             f"{tb('torch_copy_bytes_per_s')}), bf16 matmul {c['bf16_flops_per_s'] / 1e12:.0f} TFLOP/s.")
