@@ -155,6 +155,12 @@ class StreamMatmulConfig:
               their own precision before the sum joins float32 (`pallas_kernels._fp8_dot`; >= 32); None: block_k,
               one promotion a step; 0: no FP8 wgmma, Pallas's own dot (Triton then multiplies float16 copies of
               both tiles with mma.sync: the same products in float32). No effect otherwise.
+    max_stages: 0: `num_stages` as given; more: the deepest pipeline up to this many stages (never fewer than
+              `num_stages`) with which every program of the grid still fits on the multiprocessors at once by shared
+              memory (`fitting_stages`). A program keeps (stages - 1) steps' tiles in flight; at one row an FP8 step
+              is half a bf16 one's bytes (8 KiB at 64 x 128), so at the default depth an FP8 grid has half the bytes
+              in flight that a bf16 one has, and a stream bound by its loads' latency runs at what is in flight over
+              that latency, not at the bandwidth.
     prefetch: 1: a step's small operands (an FP8 weight block's scale, FP8 rows' scales) are loaded one step
               ahead and carried into the next step. Triton's pipeliner copies the weight and row tiles ahead
               asynchronously (cp.async) but not these: each is a synchronous global load inside the loop (a scalar,
@@ -173,9 +179,12 @@ class StreamMatmulConfig:
     promote_k: int | None = None
     balance: int = 0
     prefetch: int = 0
+    max_stages: int = 0
 
     def __post_init__(self):
         check_knobs(self, pow2={"block_n": 16, "block_k": 16}, optional_counts=("splits",))
+        if not isinstance(self.max_stages, int) or isinstance(self.max_stages, bool) or self.max_stages < 0:
+            raise ValueError(f"StreamMatmulConfig.max_stages={self.max_stages!r}: must be an int >= 0")
         for knob, values in (("balance", (0, 1, 2)), ("prefetch", (0, 1))):
             if getattr(self, knob) not in values or isinstance(getattr(self, knob), bool):
                 raise ValueError(f"StreamMatmulConfig.{knob}={getattr(self, knob)!r}: must be one of {values}")
@@ -361,6 +370,25 @@ def fitted_config(n: int, k: int, block: tuple[int, int] | None = None,
     return dataclasses.replace(config, block_n=block_n, block_k=block_k, splits=splits)
 
 
+# Shared memory of one multiprocessor on sm_90 (H100, H200: 228 KiB), of which each resident program reserves 1 KiB.
+SHARED_MEMORY_PER_CORE = 233472
+SHARED_MEMORY_RESERVED = 1024
+
+
+def fitting_stages(programs: int, stage_bytes: int, least: int, most: int, cores: int) -> int:
+    """The most pipeline stages s in [least, most] with which `programs` programs of s x `stage_bytes` shared memory
+    each all fit on `cores` multiprocessors at once (ceil(programs / cores) a multiprocessor, each program reserving
+    SHARED_MEMORY_RESERVED more); `least` where none does. `stage_bytes` is one step's tiles (the weight tiles and
+    the row tile as loaded), an upper bound of what Triton's pipeliner keeps a stage (sm_90 builds, 2026-12-07,
+    `tools/triton_offline.py`: 10 KiB a stage for a 64 x 128 FP8 weight tile with 16 FP8 rows, exactly; 12 less 2
+    KiB in all with 16 bfloat16 rows). Example: 384 programs (3 a multiprocessor of 132) of 10 KiB steps: 7 stages
+    (3 x 71 KiB fit 228, 3 x 81 do not)."""
+    per_core = -(-programs // cores)
+    fits = [s for s in range(least, most + 1)
+            if per_core * (s * stage_bytes + SHARED_MEMORY_RESERVED) <= SHARED_MEMORY_PER_CORE]
+    return max(fits, default=least)
+
+
 def _splits(k: int, n_blocks: int, config: StreamMatmulConfig) -> int:
     if config.splits is not None:
         if k % (config.splits * config.block_k):
@@ -441,6 +469,12 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
     else:
         out_spec = pl.BlockSpec((None, tg, block_n), lambda i, s, g: (s, g, i))
         out_shape = jax.ShapeDtypeStruct((splits, tp, n), jnp.float32)
+    num_stages = config.num_stages
+    if config.max_stages > num_stages:  # one step's tiles: the weight's (gate and up with glu) and the rows' as loaded
+        stage_bytes = config.block_k * ((2 if fused_glu else 1) * block_n * w.dtype.itemsize
+                                        + tg * (1 if fp8_rows and not quantize_x else x.dtype.itemsize))
+        num_stages = fitting_stages(n // block_n * splits * groups, stage_bytes, num_stages, config.max_stages,
+                                    core_count())
     kernel = functools.partial(_kernel, block_k=config.block_k, steps=ks // config.block_k, precision=precision,
                                scale_block=None if block is None else tuple(block), row_tiles=row_tiles, rows=t,
                                fp8_bits=fp8_bits, fp8_rows=fp8_rows, quantize_x=quantize_x, whole_out=whole_out,
@@ -452,7 +486,7 @@ def stream_matmul_pallas(x, w, scale_inv=None, *, block: tuple[int, int] | None 
         in_specs=in_specs,
         out_specs=out_spec,
         out_shape=out_shape,
-        compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        compiler_params=plt.CompilerParams(num_warps=config.num_warps, num_stages=num_stages),
         interpret=interpret,
         debug=debug,
         name=("stream_matmul" if block is None else "stream_matmul_w8a8" if fp8_rows else "stream_matmul_fp8")

@@ -120,6 +120,33 @@ def test_splits_by_rule(monkeypatch, k, n_blocks, two_per_core, even, even_where
     assert sm._splits(k, n_blocks, sm.StreamMatmulConfig(balance=2)) == even_where_few
 
 
+@pytest.mark.parametrize("programs,stage_bytes,want", [
+    (384, 10240, 7),   # 8B gate|up at one row, FP8 rows: 3 a multiprocessor, 3 x 71 KiB fit 228, 3 x 81 do not
+    (192, 10240, 8),   # 8B q|k|v: 2 a multiprocessor, 2 x 81 KiB
+    (192, 18432, 6),   # its 65-row verify (row tiles 64 + 16): 2 x 109 KiB fit, 2 x 127 do not
+    (1000, 40960, 4)])  # 8 a multiprocessor fit at no depth: `least`
+def test_fitting_stages_by_hand(programs, stage_bytes, want):
+    assert sm.fitting_stages(programs, stage_bytes, 4, 8, 132) == want
+
+
+def test_max_stages_reaches_the_compiler(monkeypatch):
+    """The depth `fitting_stages` gives is the one the kernel is compiled with (the product is the same at any
+    depth: `num_stages` changes when loads are issued, not what is summed)."""
+    seen = []
+    original = sm.plt.CompilerParams
+    monkeypatch.setattr(sm.plt, "CompilerParams", lambda **kw: seen.append(kw["num_stages"]) or original(**kw))
+    monkeypatch.setattr(sm, "core_count", lambda: 132)
+    x, w = _inputs(1, 64, 256, "bfloat16", seed=6)
+    for config in (sm.StreamMatmulConfig(block_n=16, block_k=64), sm.StreamMatmulConfig(block_n=16, block_k=64,
+                                                                                         max_stages=6)):
+        got = sm.stream_matmul_pallas.__wrapped__(x, w, config=config, interpret=True)  # traced anew: no jit cache
+        np.testing.assert_allclose(np.asarray(got, np.float64),
+                                   np.asarray(x, np.float64) @ np.asarray(w, np.float64).T, atol=2e-2, rtol=2e-2)
+    # 16 programs (4 row blocks x 4 splits) of 4 KiB steps (16 x 64 bf16 weights, 16 x 64 bf16 rows): one a
+    # multiprocessor, 6 stages fit
+    assert seen == [4, 6]
+
+
 def test_balanced_splits_give_the_product():
     x, w = _inputs(3, 96, 512, "float32", seed=5)
     config = sm.StreamMatmulConfig(block_n=32, block_k=64, balance=1)
@@ -132,7 +159,7 @@ def test_balanced_splits_give_the_product():
 @pytest.mark.parametrize("field,value", [("block_n", 8), ("block_k", 48), ("splits", 0), ("num_warps", 3),
                                          ("num_stages", 0), ("row_tile", 8), ("row_tile", 24),
                                          ("fp8_bits", 2), ("promote_k", 16), ("promote_k", -1), ("balance", 3),
-                                         ("prefetch", 2)])
+                                         ("prefetch", 2), ("max_stages", -1)])
 def test_bad_config_names_the_value(field, value):
     with pytest.raises(ValueError, match=rf"StreamMatmulConfig\.{field}={value!r}"):
         sm.StreamMatmulConfig(**{field: value})
