@@ -160,7 +160,8 @@ class StreamMatmulConfig:
               memory (`fitting_stages`). A program keeps (stages - 1) steps' tiles in flight; at one row an FP8 step
               is half a bf16 one's bytes (8 KiB at 64 x 128), so at the default depth an FP8 grid has half the bytes
               in flight that a bf16 one has, and a stream bound by its loads' latency runs at what is in flight over
-              that latency, not at the bandwidth.
+              that latency, not at the bandwidth. On an H100 `max_stages=8` made the 8B's FP8 rounds 2-7% slower
+              (docs/performance.md, 2026-12-07); untimed on an H200.
     prefetch: 1: a step's small operands (an FP8 weight block's scale, FP8 rows' scales) are loaded one step
               ahead and carried into the next step. Triton's pipeliner copies the weight and row tiles ahead
               asynchronously (cp.async) but not these: each is a synchronous global load inside the loop (a scalar,
