@@ -46,7 +46,7 @@ from pallas_kernels import vocab_top_k as vtk  # noqa: E402
 from ddtree_jax.models import layers  # noqa: E402
 from ddtree_jax.models.contract import Kernels, Runtime  # noqa: E402
 
-SMEM_PER_SM = 233472  # bytes on sm_90 (228 KiB); one block may take up to 227 KiB; 1 KiB is reserved per block
+SMEM_PER_SM = smm.SHARED_MEMORY_PER_CORE  # bytes on sm_90 (228 KiB); one block may take up to 227 KiB
 SMEM_PER_BLOCK = 232448
 REGS_PER_SM = 65536
 MERGE = ta.TreeAttentionConfig(num_warps=4, num_stages=1)  # the merge kernel's launch settings (tree_attention._merge_partials)
@@ -130,7 +130,8 @@ def resources(ir_text: str, num_warps: int, num_stages: int, by_line: int = 0) -
     regs = int(re.search(r"REG:(\d+)", usage).group(1))
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
     threads = 32 * num_warps
-    per_sm = min(SMEM_PER_SM // (smem + 1024), REGS_PER_SM // (-(-regs // 8) * 8 * threads), 64 // num_warps, 32)
+    per_sm = min(SMEM_PER_SM // (smem + smm.SHARED_MEMORY_RESERVED), REGS_PER_SM // (-(-regs // 8) * 8 * threads),
+                 64 // num_warps, 32)
     found = dict(smem=smem, regs=regs, spill_stack=stack, programs_per_sm=per_sm, fits=smem <= SMEM_PER_BLOCK,
                  mma=_mma(ptx), conversions=len(re.findall(r"\bF2F\.", sass)),
                  ptx_cvt=len(re.findall(r"\bcvt\.", ptx)))
